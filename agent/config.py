@@ -1,0 +1,370 @@
+"""The agent's configuration: the contract between the operator and the agent.
+
+The operator renders an `AgentConfig` into the pool's ConfigMap (`agent.yaml`)
+and the `TierPolicy` of the pool's `KVTierPolicy` into `policy.yaml`; the agent
+reads both. Field names are camelCase on the wire (YAML, CRDs), snake_case in
+Python. Unknown fields are errors, and every error names its field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from .units import ByteSize, Duration
+
+TierName = Literal["dram", "nvme", "shared"]
+TIER_ORDER: tuple[TierName, ...] = ("dram", "nvme", "shared")
+"""Fastest first: G2 host DRAM, G3 local NVMe, G4 shared store."""
+TIER_LEVEL: dict[TierName, int] = {"dram": 2, "nvme": 3, "shared": 4}
+
+
+class Model(BaseModel):
+    """Base of every config model: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase, JSON-compatible form written to YAML and ConfigMaps."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class EvictionOrder(StrEnum):
+    """Which chunk a full tier gives up first."""
+
+    LRU = "lru"
+    """Least recently used."""
+    LFU = "lfu"
+    """Least frequently used, ties broken by recency."""
+    S3FIFO = "s3fifo"
+    """S3-FIFO: a small probationary FIFO in front of a main FIFO with second chances."""
+    PREFIX = "prefix"
+    """Prefix-aware LRU: chunks deep in a prefix go before the chunks they extend."""
+
+
+class OnEvict(StrEnum):
+    DEMOTE = "demote"
+    """Move the evicted chunk to the next slower tier (if it admits it)."""
+    DROP = "drop"
+    """Forget the chunk in this tier."""
+
+
+class AdmissionMode(StrEnum):
+    ALWAYS = "always"
+    """Admit every chunk offered to this tier."""
+    MIN_HITS = "minHits"
+    """Admit a chunk only after it was hit `minHits` times."""
+
+
+class TierRules(Model):
+    """How one tier fills, evicts and admits."""
+
+    high_watermark: float = Field(
+        0.95, gt=0, le=1, description="Fraction of capacity at which background eviction starts."
+    )
+    low_watermark: float = Field(
+        0.85, ge=0, lt=1, description="Fraction of capacity background eviction frees down to."
+    )
+    eviction: EvictionOrder = Field(
+        EvictionOrder.PREFIX, description="Order in which chunks are evicted."
+    )
+    on_evict: OnEvict = Field(
+        OnEvict.DEMOTE, description="What eviction does with a chunk: demote or drop."
+    )
+    ttl: Duration | None = Field(
+        None, description="Chunks not read for this long expire (e.g. 1h, 7d); unset: never."
+    )
+    admission: AdmissionMode = Field(
+        AdmissionMode.ALWAYS, description="Which chunks this tier accepts from the tier above."
+    )
+    min_hits: int = Field(
+        2, ge=1, description="Hits a chunk needs before `admission: minHits` admits it."
+    )
+    write_through: bool = Field(
+        False,
+        description="Copy every committed chunk into this tier in the background, "
+        "not only on demotion (the shared tier defaults to true).",
+    )
+
+    @model_validator(mode="after")
+    def _low_below_high(self) -> Self:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"lowWatermark ({self.low_watermark}) must be below "
+                f"highWatermark ({self.high_watermark})"
+            )
+        return self
+
+
+def _shared_rules() -> TierRules:
+    return TierRules(on_evict=OnEvict.DROP, write_through=True)
+
+
+def _nvme_rules() -> TierRules:
+    return TierRules()
+
+
+class TierRulesByTier(Model):
+    dram: TierRules = Field(default_factory=TierRules)
+    nvme: TierRules = Field(default_factory=_nvme_rules)
+    shared: TierRules = Field(default_factory=_shared_rules)
+
+    def for_tier(self, tier: TierName) -> TierRules:
+        rules: TierRules = getattr(self, tier)
+        return rules
+
+
+class Promotion(Model):
+    enabled: bool = Field(True, description="Copy a chunk read from a slower tier into DRAM.")
+    min_hits: int = Field(1, ge=1, description="Hits in the slower tier before it is promoted.")
+
+
+class Prefetch(Model):
+    enabled: bool = Field(
+        True, description="On a hit below DRAM, load the prefix's next chunks too."
+    )
+    lookahead_chunks: int = Field(
+        4, ge=0, le=1024, description="How many following chunks a prefetch loads."
+    )
+
+
+class TierQuota(Model):
+    dram: ByteSize | None = Field(None, description="Most DRAM bytes the tenant may hold.")
+    nvme: ByteSize | None = Field(None, description="Most NVMe bytes the tenant may hold.")
+    shared: ByteSize | None = Field(None, description="Most shared-tier bytes the tenant may hold.")
+
+    def for_tier(self, tier: TierName) -> int | None:
+        value: int | None = getattr(self, tier)
+        return value
+
+
+class TenantPolicy(Model):
+    name: str = Field(min_length=1, max_length=63, description="Tenant name, as in the fingerprint.")
+    priority: int = Field(
+        0, ge=-100, le=100, description="Higher keeps its chunks longer under pressure."
+    )
+    quota: TierQuota = Field(default_factory=TierQuota, description="Per-tier byte quotas.")
+
+
+KEY_HEX_LEN = 32
+
+
+class TierPolicy(Model):
+    """Everything the policy engine reads; the spec of a `KVTierPolicy`."""
+
+    tiers: TierRulesByTier = Field(default_factory=TierRulesByTier)
+    promotion: Promotion = Field(default_factory=Promotion)
+    prefetch: Prefetch = Field(default_factory=Prefetch)
+    pins: list[str] = Field(
+        default_factory=list,
+        description="Chunk keys (32 hex digits) that are never evicted.",
+    )
+    tenants: list[TenantPolicy] = Field(default_factory=list)
+
+    @field_validator("pins")
+    @classmethod
+    def _pins_are_keys(cls, pins: list[str]) -> list[str]:
+        for i, pin in enumerate(pins):
+            try:
+                ok = len(pin) == KEY_HEX_LEN and bytes.fromhex(pin) is not None
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"pins[{i}] {pin!r} is not a chunk key of 32 hex digits")
+        return [p.lower() for p in pins]
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names_unique(cls, tenants: list[TenantPolicy]) -> list[TenantPolicy]:
+        seen: set[str] = set()
+        for t in tenants:
+            if t.name in seen:
+                raise ValueError(f"tenant {t.name!r} is listed twice")
+            seen.add(t.name)
+        return tenants
+
+    def tenant(self, name: str) -> TenantPolicy | None:
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        return None
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+class DramTier(Model):
+    size: ByteSize = Field(1 << 30, description="Arena size (G2 capacity).")
+    path: Path | None = Field(
+        None,
+        description="Arena file on a tmpfs or hugetlbfs; default under /dev/shm, "
+        "stable for a given pool and socket so a restart finds it.",
+    )
+    huge_pages: bool = Field(False, description="The arena path is on hugetlbfs.")
+    lock: bool = Field(True, description="mlock the arena (needs IPC_LOCK); failure is reported.")
+
+
+class NvmeTier(Model):
+    path: Path = Field(description="Directory for chunk files (G3).")
+    size: ByteSize = Field(description="Most bytes of chunk files kept in the directory.")
+
+
+class SharedTier(Model):
+    url: str = Field(description="s3://bucket/prefix or file:///mount/path (G4).")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint; default from AWS_ENDPOINT_URL or AWS."
+    )
+    region: str | None = Field(None, description="S3 region; default from the AWS environment.")
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    credentials_file: Path | None = Field(
+        None,
+        description="File holding AWS credentials (a mounted Secret); default: the AWS chain.",
+    )
+    write_queue_depth: int = Field(1024, ge=1, description="Pending write-behind uploads kept.")
+    write_concurrency: int = Field(4, ge=1, le=64, description="Uploads in flight at once.")
+    lookup_budget: Duration = Field(
+        0.05, description="Longest a LOOKUP waits on the store before it counts as a miss."
+    )
+    negative_cache_ttl: Duration = Field(
+        2.0, description="How long a key known absent is not asked for again."
+    )
+    request_timeout: Duration = Field(5.0, description="Per-request timeout for the store.")
+    multipart_threshold: ByteSize = Field(
+        8 << 20, description="Chunks at least this large upload in parts."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        if not (url.startswith("s3://") or url.startswith("file://")):
+            raise ValueError(f"{url!r}: the shared tier URL must start with s3:// or file://")
+        if url.startswith("s3://") and not url[5:].split("/", 1)[0]:
+            raise ValueError(f"{url!r}: an s3:// URL needs a bucket name")
+        if url.startswith("file://") and not url[7:].startswith("/"):
+            raise ValueError(f"{url!r}: a file:// URL needs an absolute path (file:///...)")
+        return url
+
+
+class Tiers(Model):
+    dram: DramTier = Field(default_factory=DramTier)
+    nvme: NvmeTier | None = None
+    shared: SharedTier | None = None
+
+    def enabled(self) -> list[TierName]:
+        return [t for t in TIER_ORDER if getattr(self, t) is not None]
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class AgentConfig(Model):
+    """One agent process: one pool on one node."""
+
+    pool: str = Field(
+        "default", min_length=1, max_length=253, description="Pool name (namespace.name)."
+    )
+    socket_path: Path = Field(
+        Path("/run/kvpool/agent.sock"), description="Unix socket clients connect to."
+    )
+    metrics_addr: str = Field(
+        "127.0.0.1:9400", description="host:port for /metrics, /healthz and /readyz."
+    )
+    max_chunk_bytes: ByteSize = Field(64 << 20, description="Largest chunk a client may store.")
+    max_meta_bytes: int = Field(
+        4096, ge=0, le=65536, description="Largest per-chunk metadata blob (shapes, dtypes)."
+    )
+    write_lease_timeout: Duration = Field(
+        30.0, description="An ALLOC not committed for this long is aborted."
+    )
+    tiers: Tiers = Field(default_factory=Tiers)
+    policy: TierPolicy = Field(default_factory=TierPolicy)
+    policy_file: Path | None = Field(
+        None, description="YAML TierPolicy watched and reloaded in place; overrides `policy`."
+    )
+    node_name: str | None = Field(None, description="Kubernetes node (for labels and logs).")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _host_port(cls, addr: str) -> str:
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"{addr!r} is not host:port")
+        return addr
+
+    def arena_path(self) -> Path:
+        """The arena file: explicit, or stable for this pool and socket under /dev/shm."""
+        if self.tiers.dram.path is not None:
+            return self.tiers.dram.path
+        digest = hashlib.sha256(str(self.socket_path.absolute()).encode()).hexdigest()[:12]
+        safe_pool = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.pool)
+        return Path("/dev/shm") / f"kvpool-{safe_pool}-{digest}.arena"
+
+    def journal_path(self) -> Path:
+        """The DRAM commit journal lives beside the arena (same tmpfs, same lifetime)."""
+        return self.arena_path().with_suffix(".journal")
+
+
+class ConfigError(ValueError):
+    """A config or policy file is invalid; the message names every bad field."""
+
+
+def explain(err: ValidationError, source: str) -> str:
+    """One line per problem, each naming the field by its wire (camelCase) path."""
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{source}: {where}: {msg}")
+    return "\n".join(lines)
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+
+
+def load_agent_config(path: Path) -> AgentConfig:
+    try:
+        cfg = AgentConfig.model_validate(_load_yaml(path))
+    except ValidationError as e:
+        raise ConfigError(explain(e, str(path))) from e
+    if cfg.policy_file is not None and not cfg.policy_file.is_absolute():
+        cfg.policy_file = (path.parent / cfg.policy_file).resolve()
+    return cfg
+
+
+def load_policy(path: Path) -> TierPolicy:
+    try:
+        return TierPolicy.model_validate(_load_yaml(path))
+    except ValidationError as e:
+        raise ConfigError(explain(e, str(path))) from e
+
+
+def dump_yaml(model: Model) -> str:
+    return yaml.safe_dump(model.to_wire(), sort_keys=False)
+
+
+def default_socket_dir() -> Path:
+    return Path(os.environ.get("KVPOOL_SOCKET_DIR", "/run/kvpool"))

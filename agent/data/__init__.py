@@ -1,0 +1,1 @@
+"""Data shipped with the package (the bundled workload trace)."""

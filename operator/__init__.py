@@ -1,0 +1,1 @@
+"""kvpool operator: CRD models, rendering of pools into manifests, kopf handlers."""
