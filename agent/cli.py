@@ -1,8 +1,162 @@
-"""The `kvpool` command."""
+"""The `kvpool` command: the agent, its tools, and (loaded lazily) the operator's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-app = typer.Typer(no_args_is_help=True)
+from .config import AgentConfig, ConfigError, load_agent_config
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="kvpool: a tiered KV-cache for LLM inference.",
+    pretty_exceptions_enable=False,
+)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s",'
+        '"msg":"%(message)s"}',
+        stream=sys.stderr,
+    )
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def agent(
+    config: Annotated[Path | None, typer.Option(help="Agent config YAML (AgentConfig).")] = None,
+    socket: Annotated[Path | None, typer.Option(help="Unix socket to serve on.")] = None,
+    pool: Annotated[str | None, typer.Option(help="Pool name.")] = None,
+    dram: Annotated[str | None, typer.Option(help="DRAM arena size, e.g. 1Gi.")] = None,
+    arena: Annotated[Path | None, typer.Option(help="Arena file (default under /dev/shm).")] = None,
+    metrics_addr: Annotated[str | None, typer.Option(help="host:port for /metrics.")] = None,
+    max_chunk: Annotated[str | None, typer.Option(help="Largest chunk, e.g. 64Mi.")] = None,
+    no_lock: Annotated[bool, typer.Option("--no-lock", help="Do not mlock the arena.")] = False,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
+) -> None:
+    """Run the node agent (from --config, flags, or both: flags win)."""
+    try:
+        cfg = load_agent_config(config) if config else AgentConfig()
+        overrides: dict[str, Any] = cfg.model_dump(by_alias=False)
+        if socket:
+            overrides["socket_path"] = socket
+        if pool:
+            overrides["pool"] = pool
+        if metrics_addr:
+            overrides["metrics_addr"] = metrics_addr
+        if max_chunk:
+            overrides["max_chunk_bytes"] = max_chunk
+        if log_level:
+            overrides["log_level"] = log_level
+        dram_cfg = overrides["tiers"]["dram"]
+        if dram:
+            dram_cfg["size"] = dram
+        if arena:
+            dram_cfg["path"] = arena
+        if no_lock:
+            dram_cfg["lock"] = False
+        cfg = AgentConfig.model_validate(overrides)
+    except ConfigError as e:
+        _fail(str(e))
+        return
+    except ValueError as e:
+        _fail(str(e))
+        return
+    _setup_logging(cfg.log_level)
+    from .server import run_agent
+
+    try:
+        run_agent(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@app.command()
+def stats(
+    socket: Annotated[Path, typer.Option(help="The agent's socket.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show an agent's tiers, hits, leases and health."""
+    from .client import KVPoolClient
+
+    try:
+        with KVPoolClient(socket, mode="inline", reconnect_timeout=0) as c:
+            data = c.stats()
+    except OSError as e:
+        _fail(f"cannot reach the agent at {socket}: {e}")
+        return
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pool {data.get('pool')}")
+    for col in ("tier", "capacity", "used", "chunks", "hits", "misses", "healthy"):
+        table.add_column(col)
+    for name, t in data.get("tiers", {}).items():
+        table.add_row(name, _size(t["capacity_bytes"]), _size(t["used_bytes"]), str(t["chunks"]),
+                      str(t["hits"]), str(t["misses"]),
+                      "yes" if t["healthy"] else f"no: {t.get('reason', '')}")
+    console = Console()
+    console.print(table)
+    console.print(f"clients {data.get('clients')}  leases {data.get('leases')}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@app.command()
+def demo(
+    trace: Annotated[Path | None, typer.Option(help="Mooncake-format JSONL trace.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+    block_bytes: Annotated[str, typer.Option(help="Bytes stored per trace block.")] = "16Ki",
+    dram: Annotated[str, typer.Option(help="DRAM capacity: a size or % of blocks.")] = "5%",
+    requests: Annotated[int | None, typer.Option(help="Replay only the first N.")] = None,
+) -> None:
+    """Start a local agent and replay a real request trace through it."""
+    from .demo import run_demo
+
+    try:
+        run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram,
+                 requests=requests)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+
+
+def _forward_to_operator(name: str, help_text: str) -> None:
+    """Register `kvpool <name>` as a lazy pass-through to kvpool.operator.cli."""
+
+    @app.command(
+        name=name, help=help_text, add_help_option=False,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )
+    def forward(ctx: typer.Context) -> None:
+        from kvpool.operator.cli import app as operator_app
+
+        operator_app([name, *ctx.args], prog_name="kvpool")
+
+
+_forward_to_operator("operator", "Run the kvpool operator (kopf).")
+_forward_to_operator("crds", "Print the CustomResourceDefinitions.")
+_forward_to_operator("render", "Print the manifests the operator applies for a pool.")
 
 
 def main() -> None:

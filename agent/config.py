@@ -154,7 +154,9 @@ class TierQuota(Model):
 
 
 class TenantPolicy(Model):
-    name: str = Field(min_length=1, max_length=63, description="Tenant name, as in the fingerprint.")
+    name: str = Field(
+        min_length=1, max_length=63, description="Tenant name, as in the fingerprint."
+    )
     priority: int = Field(
         0, ge=-100, le=100, description="Higher keeps its chunks longer under pressure."
     )

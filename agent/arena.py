@@ -1,0 +1,229 @@
+"""The G2 DRAM arena: one shared-memory file, mapped by the agent and its clients.
+
+`Arena` maps the file (pre-faulted, because a first-touch page fault costs
+about ten times a copy) and locks it in RAM when the process may.
+`ExtentAllocator` hands out the arena's pages. A chunk may span several
+extents, so a fragmented arena never refuses a write that its free bytes
+could hold: utilisation stays near 100% under any mix of chunk sizes, at the
+price of clients copying through a short list of (offset, length) runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import logging
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .protocol import Extents
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+MAX_EXTENTS = 1024
+"""A chunk is never cut into more runs than this (keeps ALLOC replies small)."""
+
+
+class ExtentAllocator:
+    """First-best-fit page allocator over free runs, coalescing on free.
+
+    Free runs are indexed by start, by end (to merge neighbours in O(1)) and in
+    a list sorted by (length, start) for best fit. All sizes are in pages.
+    """
+
+    def __init__(self, total_bytes: int, page_bytes: int = PAGE_BYTES) -> None:
+        self.page = page_bytes
+        self.total_pages = total_bytes // page_bytes
+        self.free_pages = self.total_pages
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_size: list[tuple[int, int]] = []
+        if self.total_pages:
+            self._add_run(0, self.total_pages)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.total_pages * self.page
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.total_pages - self.free_pages) * self.page
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page)
+
+    def alloc(self, nbytes: int) -> Extents | None:
+        """Extents (byte offsets and lengths summing to nbytes), or None if it cannot fit."""
+        need = self.pages_for(max(nbytes, 1))
+        if need > self.free_pages:
+            return None
+        i = bisect.bisect_left(self._by_size, (need, -1))
+        if i < len(self._by_size):
+            length, start = self._by_size[i]
+            self._take(start, length, need)
+            return [(start * self.page, nbytes)]
+        # No single run fits: gather the largest runs (fewest extents).
+        runs: list[tuple[int, int]] = []
+        got = 0
+        for length, start in reversed(self._by_size):
+            runs.append((start, min(length, need - got)))
+            got += runs[-1][1]
+            if got >= need or len(runs) >= MAX_EXTENTS:
+                break
+        if got < need:
+            return None
+        extents: Extents = []
+        remaining = nbytes
+        for start, take in runs:
+            self._take(start, self._by_start[start], take)
+            nb = min(take * self.page, remaining)
+            extents.append((start * self.page, nb))
+            remaining -= nb
+        return extents
+
+    def free(self, extents: Extents) -> None:
+        for offset, nbytes in extents:
+            start = offset // self.page
+            length = self.pages_for(max(nbytes, 1))
+            self.free_pages += length
+            prev_start = self._by_end.get(start)
+            if prev_start is not None:
+                prev_len = self._remove_run(prev_start)
+                start, length = prev_start, length + prev_len
+            next_len = self._by_start.get(start + length)
+            if next_len is not None:
+                self._remove_run(start + length)
+                length += next_len
+            self._add_run(start, length)
+
+    def reserve(self, extents: Extents) -> bool:
+        """Mark known extents used (rebuilding from a journal); False if any is not free."""
+        for offset, nbytes in extents:
+            start, length = offset // self.page, self.pages_for(max(nbytes, 1))
+            run = self._run_containing(start)
+            if run is None or run[0] + run[1] < start + length:
+                return False
+            run_start, run_len = run
+            self._remove_run(run_start)
+            self.free_pages -= length
+            if start > run_start:
+                self._add_run(run_start, start - run_start)
+            tail = run_start + run_len - (start + length)
+            if tail:
+                self._add_run(start + length, tail)
+        return True
+
+    def largest_free_run_bytes(self) -> int:
+        return self._by_size[-1][0] * self.page if self._by_size else 0
+
+    # -- internals
+
+    def _run_containing(self, page: int) -> tuple[int, int] | None:
+        for start, length in self._by_start.items():
+            if start <= page < start + length:
+                return start, length
+        return None
+
+    def _take(self, start: int, length: int, need: int) -> None:
+        self._remove_run(start)
+        self.free_pages -= need
+        if length > need:
+            self._add_run(start + need, length - need)
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+        bisect.insort(self._by_size, (length, start))
+
+    def _remove_run(self, start: int) -> int:
+        length = self._by_start.pop(start)
+        del self._by_end[start + length]
+        i = bisect.bisect_left(self._by_size, (length, start))
+        del self._by_size[i]
+        return length
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+class Arena:
+    """The arena file, mapped shared, pre-faulted and (when permitted) locked."""
+
+    def __init__(self, path: Path, size: int, *, lock: bool = True, huge_pages: bool = False):
+        self.path = path
+        self.size = size
+        self.locked_bytes = 0
+        self.lock_error: str | None = None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.reused = os.fstat(fd).st_size == size
+            if not self.reused:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+            if not huge_pages:
+                # Reserve tmpfs pages now: a full /dev/shm then fails here, at
+                # start, instead of as SIGBUS on some later write.
+                os.posix_fallocate(fd, 0, size)
+            self.mm = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.view = memoryview(self.mm)
+        self._anchor: Any = None
+        if lock:
+            self._lock()
+
+    def _lock(self) -> None:
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        addr = ctypes.addressof(self._anchor)
+        if _libc().mlock(ctypes.c_void_p(addr), ctypes.c_size_t(self.size)) == 0:
+            self.locked_bytes = self.size
+        else:
+            err = ctypes.get_errno()
+            self.lock_error = f"mlock of {self.size} bytes failed: {os.strerror(err)}"
+            if err in (errno.EPERM, errno.ENOMEM):
+                self.lock_error += " (grant IPC_LOCK or raise RLIMIT_MEMLOCK)"
+            log.warning("DRAM arena not locked: %s; continuing unlocked", self.lock_error)
+
+    def write(self, extents: Extents, data: Any) -> None:
+        src = memoryview(data).cast("B")
+        pos = 0
+        for offset, nbytes in extents:
+            self.view[offset : offset + nbytes] = src[pos : pos + nbytes]
+            pos += nbytes
+
+    def read(self, extents: Extents) -> bytes:
+        if len(extents) == 1:
+            offset, nbytes = extents[0]
+            return bytes(self.view[offset : offset + nbytes])
+        return b"".join(self.view[o : o + n] for o, n in extents)
+
+    def checksum(self, extents: Extents, meta: bytes = b"") -> int:
+        h = xxhash.xxh3_64()
+        h.update(meta)
+        for offset, nbytes in extents:
+            h.update(self.view[offset : offset + nbytes])
+        return int(h.intdigest())
+
+    def close(self) -> None:
+        if self._anchor is not None:
+            if self.locked_bytes:
+                _libc().munlock(ctypes.c_void_p(ctypes.addressof(self._anchor)),
+                                ctypes.c_size_t(self.size))
+            self._anchor = None
+            self.locked_bytes = 0
+        self.view.release()
+        self.mm.close()
+        os.close(self.fd)

@@ -1,0 +1,347 @@
+"""The client library inference processes import.
+
+`KVPoolClient` talks to the node's agent over its Unix socket. In the default
+zero-copy mode it maps the agent's DRAM arena (the fd arrives with the HELLO
+reply) and moves chunk bytes straight between the caller's buffers and the
+mapping; only ~100-byte control frames cross the socket. Inline mode sends
+the bytes in the frames instead (same semantics, for clients that cannot map
+shared memory).
+
+If the agent restarts, the client reconnects with backoff, maps the new
+arena, and retries the call that failed; leases never survive a reconnect,
+so a retried put or get starts over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+from . import protocol as p
+
+T = TypeVar("T")
+Buffer = Any
+"""Anything exporting the buffer protocol: bytes, bytearray, memoryview, numpy arrays."""
+
+_TIER_NAMES = {2: "dram", 3: "nvme", 4: "shared"}
+
+
+class AgentUnavailable(ConnectionError):
+    """The agent could not be reached within the reconnect budget."""
+
+
+def _as_bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("chunk buffers must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class KVPoolClient:
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        mode: Literal["zero_copy", "inline"] = "zero_copy",
+        tenant: str | None = None,
+        name: str = "",
+        reconnect_timeout: float = 10.0,
+        timeout: float = 30.0,
+    ) -> None:
+        path = socket_path if socket_path is not None else os.environ.get("KVPOOL_SOCKET")
+        if not path:
+            raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
+        self.socket_path = os.fspath(path)
+        self.mode = mode
+        self.tenant = tenant if tenant is not None else os.environ.get("KVPOOL_TENANT", "")
+        self.name = name
+        self.reconnect_timeout = reconnect_timeout
+        self.timeout = timeout
+        self._rid = itertools.count(1)
+        self._sock: socket.socket | None = None
+        self._mm: mmap.mmap | None = None
+        self._arena: memoryview | None = None
+        self._unanswered = 0
+        self._rbuf = bytearray(64 * 1024)
+        self.hello: p.HelloReply | None = None
+        self._connect()
+
+    # -- connection
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+            rid = next(self._rid)
+            sock.sendall(p.encode(p.Hello(rid, p.PROTOCOL_VERSION, self.name, self.tenant)))
+            msg, fds, _, _ = socket.recv_fds(sock, 64 * 1024, 1)
+            frame = bytearray(msg)
+            if len(frame) < p.HEADER.size:
+                raise ConnectionError("agent closed the connection during HELLO")
+            (length,) = p.HEADER.unpack_from(frame)
+            while len(frame) < p.HEADER.size + length:
+                more = sock.recv(p.HEADER.size + length - len(frame))
+                if not more:
+                    raise ConnectionError("agent closed the connection during HELLO")
+                frame += more
+            reply = p.reply_decoder.decode(frame[p.HEADER.size :])
+            if isinstance(reply, p.ErrorReply):
+                for fd in fds:
+                    os.close(fd)
+                raise p.ProtocolError(reply.code, reply.message)
+            assert isinstance(reply, p.HelloReply)
+        except BaseException:
+            sock.close()
+            raise
+        self._close_mapping()
+        if fds:
+            try:
+                if self.mode == "zero_copy":
+                    # MAP_POPULATE: fault the whole arena in now, not on first copy.
+                    self._mm = mmap.mmap(fds[0], reply.arena_bytes,
+                                         flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                    self._arena = memoryview(self._mm)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        elif self.mode == "zero_copy":
+            sock.close()
+            raise ConnectionError("agent sent no arena fd with its HELLO reply")
+        self._sock = sock
+        self._unanswered = 0
+        self.hello = reply
+
+    def _reconnect(self) -> None:
+        self._drop_socket()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.02
+        while True:
+            try:
+                self._connect()
+                return
+            except (OSError, p.ProtocolError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise AgentUnavailable(
+                        f"agent at {self.socket_path} unreachable for "
+                        f"{self.reconnect_timeout:.0f}s: {e}") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _close_mapping(self) -> None:
+        if self._arena is not None:
+            self._arena.release()
+            self._arena = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def close(self) -> None:
+        self._drop_socket()
+        self._close_mapping()
+
+    def __enter__(self) -> KVPoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- framing
+
+    def _recv_exact(self, n: int) -> memoryview:
+        assert self._sock is not None
+        if len(self._rbuf) < n:
+            self._rbuf = bytearray(n)
+        view = memoryview(self._rbuf)[:n]
+        got = 0
+        while got < n:
+            r = self._sock.recv_into(view[got:], n - got)
+            if r == 0:
+                raise ConnectionError("agent closed the connection")
+            got += r
+        return view
+
+    def _read_reply(self) -> p.Reply:
+        (length,) = p.HEADER.unpack(self._recv_exact(p.HEADER.size))
+        reply: p.Reply = p.reply_decoder.decode(self._recv_exact(length))
+        return reply
+
+    def _send(self, req: p.Request) -> None:
+        if self._sock is None:
+            self._reconnect()
+        assert self._sock is not None
+        self._sock.sendall(p.encode(req))
+
+    def _call(self, req: p.Request) -> p.Reply:
+        self._send(req)
+        while self._unanswered:
+            # Replies to fire-and-forget RELEASEs come first; a failed release
+            # only means the lease was already gone.
+            self._unanswered -= 1
+            self._read_reply()
+        reply = self._read_reply()
+        if isinstance(reply, p.ErrorReply):
+            raise p.ProtocolError(reply.code, reply.message)
+        return reply
+
+    def _cast(self, req: p.Request) -> None:
+        """Send without waiting; the reply is read before the next call's."""
+        self._send(req)
+        self._unanswered += 1
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (ConnectionError, TimeoutError, OSError) as e:
+            if isinstance(e, AgentUnavailable):
+                raise
+            self._reconnect()
+            return fn()
+
+    # -- API
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the pool holds (in any tier)."""
+        return len(self.lookup_tiers(keys))
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier of each key of the longest stored prefix: "dram", "nvme" or "shared"."""
+        def call() -> list[str]:
+            reply = self._call(p.Lookup(next(self._rid), list(keys)))
+            assert isinstance(reply, p.LookupReply)
+            return [_TIER_NAMES.get(t, str(t)) for t in reply.tiers]
+        return self._retrying(call)
+
+    def contains(self, key: bytes) -> bool:
+        return self.lookup([key]) == 1
+
+    def put(self, key: bytes, data: Buffer, meta: bytes = b"") -> bool:
+        """Store a chunk; False if the key was already stored (deduplicated)."""
+        src = _as_bytes_view(data)
+        return self._retrying(lambda: self._put_once(key, src, meta))
+
+    def _put_once(self, key: bytes, src: memoryview, meta: bytes) -> bool:
+        digest = p.checksum(src, meta)
+        if self._arena is None:
+            reply = self._call(p.Put(next(self._rid), key, bytes(src), digest, meta))
+            assert isinstance(reply, p.PutReply)
+            return reply.stored
+        alloc = self._call(p.Alloc(next(self._rid), key, src.nbytes, meta))
+        assert isinstance(alloc, p.AllocReply)
+        if alloc.exists:
+            return False
+        try:
+            pos = 0
+            for offset, nbytes in alloc.extents:
+                self._arena[offset : offset + nbytes] = src[pos : pos + nbytes]
+                pos += nbytes
+        except BaseException:
+            self._cast(p.Abort(next(self._rid), alloc.lease))
+            raise
+        self._call(p.Commit(next(self._rid), alloc.lease, digest))
+        return True
+
+    def get(self, key: bytes, *, verify: bool = False) -> bytes | None:
+        """The chunk's bytes, or None on a miss."""
+        got = self.get_with_meta(key, verify=verify)
+        return None if got is None else got[0]
+
+    def get_with_meta(self, key: bytes, *, verify: bool = False) -> tuple[bytes, bytes] | None:
+        def call() -> tuple[bytes, bytes] | None:
+            if self._arena is None:
+                try:
+                    reply = self._call(p.Get(next(self._rid), key))
+                except p.ProtocolError as e:
+                    if e.code == p.ErrorCode.NOT_FOUND:
+                        return None
+                    raise
+                assert isinstance(reply, p.GetReply)
+                if verify and p.checksum(reply.data, reply.meta) != reply.checksum:
+                    return None
+                return reply.data, reply.meta
+            lease = self._acquire(key)
+            if lease is None:
+                return None
+            try:
+                arena = self._arena
+                data = b"".join(arena[o : o + n] for o, n in lease.extents) \
+                    if len(lease.extents) > 1 else bytes(
+                        arena[lease.extents[0][0] : lease.extents[0][0] + lease.size])
+            finally:
+                self._cast(p.Release(next(self._rid), lease.lease))
+            if verify and p.checksum(data, lease.meta) != lease.checksum:
+                return None
+            return data, lease.meta
+        return self._retrying(call)
+
+    def get_into(self, key: bytes, out: Buffer, *, verify: bool = False) -> int:
+        """Copy the chunk into `out`; returns its size, or 0 on a miss."""
+        dst = _as_bytes_view(out)
+
+        def call() -> int:
+            if self._arena is None:
+                got = self.get_with_meta(key, verify=verify)
+                if got is None:
+                    return 0
+                data = got[0]
+                if len(data) > dst.nbytes:
+                    raise ValueError(f"chunk of {len(data)} bytes does not fit in {dst.nbytes}")
+                dst[: len(data)] = data
+                return len(data)
+            lease = self._acquire(key)
+            if lease is None:
+                return 0
+            try:
+                if lease.size > dst.nbytes:
+                    raise ValueError(f"chunk of {lease.size} bytes does not fit in {dst.nbytes}")
+                pos = 0
+                assert self._arena is not None
+                for offset, nbytes in lease.extents:
+                    dst[pos : pos + nbytes] = self._arena[offset : offset + nbytes]
+                    pos += nbytes
+            finally:
+                self._cast(p.Release(next(self._rid), lease.lease))
+            if verify and p.checksum(dst[: lease.size], lease.meta) != lease.checksum:
+                return 0
+            return lease.size
+        return self._retrying(call)
+
+    def _acquire(self, key: bytes) -> p.AcquireReply | None:
+        try:
+            reply = self._call(p.Acquire(next(self._rid), key))
+        except p.ProtocolError as e:
+            if e.code == p.ErrorCode.NOT_FOUND:
+                return None
+            raise
+        assert isinstance(reply, p.AcquireReply)
+        return reply
+
+    def delete(self, key: bytes) -> bool:
+        def call() -> bool:
+            reply = self._call(p.Delete(next(self._rid), key))
+            assert isinstance(reply, p.DeleteReply)
+            return reply.existed
+        return self._retrying(call)
+
+    def pin(self, key: bytes) -> None:
+        self._retrying(lambda: self._call(p.Pin(next(self._rid), key)))
+
+    def unpin(self, key: bytes) -> None:
+        self._retrying(lambda: self._call(p.Unpin(next(self._rid), key)))
+
+    def stats(self) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            reply = self._call(p.Stats(next(self._rid)))
+            assert isinstance(reply, p.StatsReply)
+            return reply.stats
+        return self._retrying(call)

@@ -1,0 +1,99 @@
+"""Start and stop a real agent process on this machine (demo, bench, tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LocalAgent:
+    """`kvpool agent` as a child process with its socket, arena and metrics in a temp dir."""
+
+    def __init__(self, *args: str, workdir: Path | None = None, dram: str = "64Mi",
+                 start_timeout: float = 30.0, log_path: Path | None = None) -> None:
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvpool-")
+        self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.socket_path = self.workdir / "agent.sock"
+        self.arena_path = Path("/dev/shm") / f"kvpool-{self.workdir.name}.arena"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
+        self.log_path = log_path or self.workdir / "agent.log"
+        self.args = [
+            "--socket", str(self.socket_path), "--arena", str(self.arena_path),
+            "--metrics-addr", f"127.0.0.1:{self.metrics_port}", "--dram", dram, *args,
+        ]
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> LocalAgent:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.agent", "agent", *self.args],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+            if self._answers():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"agent did not start in {self.start_timeout}s:\n{self.log()}")
+
+    def _answers(self) -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(str(self.socket_path))
+            except OSError:
+                return False
+        return True
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self, remove_arena: bool = True) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        if remove_arena:
+            for p in (self.arena_path, self.arena_path.with_suffix(".journal")):
+                if p.exists():
+                    os.unlink(p)
+        if self._tmp is not None and remove_arena:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalAgent:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

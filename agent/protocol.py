@@ -1,0 +1,283 @@
+"""The agent's socket protocol, shared by the server and the client.
+
+A frame is a 4-byte little-endian body length followed by a MessagePack body.
+The body is an array whose first element is the message tag: for requests the
+op code, for replies the op code of the request answered, or 0 for an error.
+The second element is the request id (`rid`) the client chose; replies carry
+it back, so requests may be pipelined. See `docs/protocol.md`.
+
+Only control frames cross the socket in zero-copy mode (ALLOC/COMMIT,
+ACQUIRE/RELEASE): chunk bytes go through the shared arena whose fd the client
+receives with the HELLO reply (SCM_RIGHTS). PUT/GET carry the bytes inline.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<I")
+CONTROL_FRAME_MAX = 256 * 1024
+"""Largest frame without chunk bytes in it (LOOKUP of many keys, STATS)."""
+MAX_LOOKUP_KEYS = 8192
+
+
+class Op(IntEnum):
+    HELLO = 1
+    LOOKUP = 2
+    ALLOC = 3
+    COMMIT = 4
+    ABORT = 5
+    ACQUIRE = 6
+    RELEASE = 7
+    PUT = 8
+    GET = 9
+    DELETE = 10
+    PIN = 11
+    UNPIN = 12
+    STATS = 13
+
+
+class ErrorCode(IntEnum):
+    """Every error the agent answers with; the connection stays open unless noted."""
+
+    BAD_FRAME = 1
+    """The body is not a valid message (closes the connection)."""
+    FRAME_TOO_LARGE = 2
+    """The length prefix exceeds the limit announced at HELLO (closes the connection)."""
+    UNKNOWN_OP = 3
+    """The tag names no op (closes the connection: the rest of the stream is suspect)."""
+    BAD_KEY = 4
+    """A key is not exactly 16 bytes."""
+    BAD_ARGUMENT = 5
+    """A size, checksum or metadata field is out of range."""
+    NOT_FOUND = 6
+    """The key is in no tier (or failed its checksum, which is the same to a client)."""
+    NO_SPACE = 7
+    """The arena cannot fit the chunk even after evicting everything evictable."""
+    UNKNOWN_LEASE = 8
+    """The lease id is not open on this connection (never granted, released, expired)."""
+    CHECKSUM_MISMATCH = 9
+    """Inline PUT bytes do not match the checksum sent with them."""
+    VERSION_MISMATCH = 10
+    """HELLO asked for a protocol version the agent does not speak."""
+    HELLO_REQUIRED = 11
+    """The first request on a connection must be HELLO."""
+    TOO_MANY_LEASES = 12
+    """The connection holds the most leases allowed; release some first."""
+    INTERNAL = 13
+    """An unexpected failure inside the agent; the message says what."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class Request(msgspec.Struct, array_like=True, tag_field="op"):
+    rid: int
+
+
+class Hello(Request, tag=int(Op.HELLO)):
+    version: int
+    client: str = ""
+    tenant: str = ""
+    fingerprint_id: int = 0
+
+
+class Lookup(Request, tag=int(Op.LOOKUP)):
+    keys: list[bytes]
+
+
+class Alloc(Request, tag=int(Op.ALLOC)):
+    key: bytes
+    size: int
+    meta: bytes = b""
+
+
+class Commit(Request, tag=int(Op.COMMIT)):
+    lease: int
+    checksum: int
+
+
+class Abort(Request, tag=int(Op.ABORT)):
+    lease: int
+
+
+class Acquire(Request, tag=int(Op.ACQUIRE)):
+    key: bytes
+
+
+class Release(Request, tag=int(Op.RELEASE)):
+    lease: int
+
+
+class Put(Request, tag=int(Op.PUT)):
+    key: bytes
+    data: bytes
+    checksum: int
+    meta: bytes = b""
+
+
+class Get(Request, tag=int(Op.GET)):
+    key: bytes
+
+
+class Delete(Request, tag=int(Op.DELETE)):
+    key: bytes
+
+
+class Pin(Request, tag=int(Op.PIN)):
+    key: bytes
+
+
+class Unpin(Request, tag=int(Op.UNPIN)):
+    key: bytes
+
+
+class Stats(Request, tag=int(Op.STATS)):
+    pass
+
+
+AnyRequest = (
+    Hello | Lookup | Alloc | Commit | Abort | Acquire | Release | Put | Get | Delete | Pin
+    | Unpin | Stats
+)
+
+# --------------------------------------------------------------------------- replies
+
+Extents = list[tuple[int, int]]
+"""(offset, length) runs in the arena that together hold a chunk, in order."""
+
+
+class Reply(msgspec.Struct, array_like=True, tag_field="op"):
+    rid: int
+
+
+class ErrorReply(Reply, tag=0):
+    code: int
+    message: str
+
+
+class HelloReply(Reply, tag=int(Op.HELLO)):
+    version: int
+    agent_version: str
+    pool: str
+    arena_bytes: int
+    max_chunk_bytes: int
+    max_meta_bytes: int
+    max_frame_bytes: int
+    max_leases: int
+
+
+class LookupReply(Reply, tag=int(Op.LOOKUP)):
+    count: int
+    tiers: bytes
+    """One byte per hit key: the G-level (2 DRAM, 3 NVMe, 4 shared) it was found in."""
+
+
+class AllocReply(Reply, tag=int(Op.ALLOC)):
+    lease: int
+    extents: Extents
+    exists: bool = False
+    """The key is already stored: nothing to write (deduplicated), lease is 0."""
+
+
+class CommitReply(Reply, tag=int(Op.COMMIT)):
+    pass
+
+
+class AbortReply(Reply, tag=int(Op.ABORT)):
+    pass
+
+
+class AcquireReply(Reply, tag=int(Op.ACQUIRE)):
+    lease: int
+    size: int
+    checksum: int
+    extents: Extents
+    meta: bytes
+    tier: int
+
+
+class ReleaseReply(Reply, tag=int(Op.RELEASE)):
+    pass
+
+
+class PutReply(Reply, tag=int(Op.PUT)):
+    stored: bool
+    """False when the key was already stored (deduplicated)."""
+
+
+class GetReply(Reply, tag=int(Op.GET)):
+    data: bytes
+    checksum: int
+    meta: bytes
+    tier: int
+
+
+class DeleteReply(Reply, tag=int(Op.DELETE)):
+    existed: bool
+
+
+class PinReply(Reply, tag=int(Op.PIN)):
+    pass
+
+
+class UnpinReply(Reply, tag=int(Op.UNPIN)):
+    pass
+
+
+class StatsReply(Reply, tag=int(Op.STATS)):
+    stats: dict[str, Any]
+
+
+AnyReply = (
+    ErrorReply | HelloReply | LookupReply | AllocReply | CommitReply | AbortReply | AcquireReply
+    | ReleaseReply | PutReply | GetReply | DeleteReply | PinReply | UnpinReply | StatsReply
+)
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """A whole frame: length prefix and body."""
+    body = _encoder.encode(msg)
+    return HEADER.pack(len(body)) + body
+
+
+def checksum(data: Any, meta: bytes = b"") -> int:
+    """XXH3-64 over the chunk's metadata then its bytes: what COMMIT and PUT carry."""
+    import xxhash
+
+    if not meta:
+        return int(xxhash.xxh3_64_intdigest(data))
+    h = xxhash.xxh3_64()
+    h.update(meta)
+    h.update(data)
+    return int(h.intdigest())
+
+
+class ProtocolError(Exception):
+    """An error reply from the agent, raised in the client."""
+
+    def __init__(self, code: int, message: str) -> None:
+        try:
+            self.code: ErrorCode | int = ErrorCode(code)
+            name = self.code.name
+        except ValueError:
+            self.code = code
+            name = str(code)
+        super().__init__(f"{name}: {message}")
+        self.message = message
+
+
+def peek_tag(body: bytes | memoryview) -> int | None:
+    """The tag of an undecodable body, if its first bytes show one (for error replies)."""
+    if len(body) >= 2 and 0x90 <= body[0] <= 0x9F and body[1] <= 0x7F:
+        return body[1]
+    return None

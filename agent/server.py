@@ -1,0 +1,393 @@
+"""The agent process: Unix-socket server, metrics endpoint, housekeeping.
+
+One asyncio loop serves every connection. Each connection reads whole frames,
+answers them in order, and is closed when it sends garbage, stalls inside a
+frame, or stops reading its replies; its leases end with it. Nothing a
+client sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from . import __version__
+from . import protocol as p
+from .arena import Arena
+from .config import AgentConfig, ConfigError, load_policy
+from .metrics import AgentMetrics
+from .store import ChunkStore, OpError
+from .tiers.dram import DramTier
+
+log = logging.getLogger("kvpool.agent")
+
+FRAME_TIMEOUT = 10.0
+"""Longest a client may take to send the rest of a frame it started."""
+SEND_TIMEOUT = 10.0
+"""Longest a reply may wait for a client to read; then the client is dropped."""
+HOUSEKEEPING_INTERVAL = 0.5
+
+
+class _Closed(Exception):
+    """The connection must close (EOF, timeout, or a frame we cannot recover from)."""
+
+
+class Connection:
+    def __init__(self, agent: Agent, sock: socket.socket, cid: int) -> None:
+        self.agent = agent
+        self.sock = sock
+        self.id = cid
+        self.tenant = ""
+        self.hello = False
+        self.buf = bytearray(64 * 1024)
+        self.start = 0
+        self.end = 0
+        self.task: asyncio.Task[None] | None = None
+
+    async def _fill(self, need: int, timeout: float | None) -> None:
+        """Read until `need` bytes are buffered from self.start."""
+        loop = asyncio.get_running_loop()
+        if self.start + need > len(self.buf):
+            pending = self.buf[self.start : self.end]
+            self.buf = bytearray(max(len(self.buf), need))
+            self.buf[: len(pending)] = pending
+            self.start, self.end = 0, len(pending)
+        while self.end - self.start < need:
+            view = memoryview(self.buf)[self.end :]
+            try:
+                if timeout is None:
+                    n = await loop.sock_recv_into(self.sock, view)
+                else:
+                    n = await asyncio.wait_for(loop.sock_recv_into(self.sock, view), timeout)
+            except TimeoutError as e:
+                raise _Closed("frame not completed in time") from e
+            except OSError as e:
+                raise _Closed(f"receive failed: {e}") from e
+            finally:
+                view.release()
+            if n == 0:
+                raise _Closed("peer closed" if self.end == self.start else "truncated frame")
+            self.end += n
+
+    async def read_frame(self) -> bytes:
+        if self.end == self.start:
+            self.start = self.end = 0
+        await self._fill(p.HEADER.size, None)
+        (length,) = p.HEADER.unpack_from(self.buf, self.start)
+        limit = self.agent.max_frame_bytes
+        if length > limit:
+            await self.send_error(0, p.ErrorCode.FRAME_TOO_LARGE,
+                                  f"frame of {length} bytes exceeds the limit of {limit}")
+            raise _Closed("frame too large")
+        self.start += p.HEADER.size
+        await self._fill(length, FRAME_TIMEOUT)
+        body = bytes(self.buf[self.start : self.start + length])
+        self.start += length
+        return body
+
+    async def send(self, frame: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.sock_sendall(self.sock, frame), SEND_TIMEOUT)
+        except TimeoutError as e:
+            raise _Closed("client does not read its replies") from e
+        except OSError as e:
+            raise _Closed(f"send failed: {e}") from e
+
+    async def send_error(self, rid: int, code: p.ErrorCode, message: str) -> None:
+        await self.send(p.encode(p.ErrorReply(rid=rid, code=int(code), message=message)))
+
+    async def serve(self) -> None:
+        agent = self.agent
+        while True:
+            body = await self.read_frame()
+            started = time.perf_counter()
+            try:
+                req = p.request_decoder.decode(body)
+            except msgspec.ValidationError as e:
+                tag = p.peek_tag(body)
+                if tag is not None and tag not in p.Op._value2member_map_:
+                    agent.metrics.op_error(0, p.ErrorCode.UNKNOWN_OP)
+                    await self.send_error(0, p.ErrorCode.UNKNOWN_OP, f"unknown op {tag}")
+                    raise _Closed("unknown op") from e
+                agent.metrics.op_error(tag or 0, p.ErrorCode.BAD_FRAME)
+                await self.send_error(0, p.ErrorCode.BAD_FRAME, f"malformed request: {e}")
+                raise _Closed("malformed frame") from e
+            except msgspec.DecodeError as e:
+                agent.metrics.op_error(0, p.ErrorCode.BAD_FRAME)
+                await self.send_error(0, p.ErrorCode.BAD_FRAME, f"undecodable frame: {e}")
+                raise _Closed("undecodable frame") from e
+            op = p.Op(type(req).__struct_config__.tag)
+            try:
+                if not self.hello and op is not p.Op.HELLO:
+                    raise OpError(p.ErrorCode.HELLO_REQUIRED, "send HELLO first")
+                if op is p.Op.HELLO:
+                    assert isinstance(req, p.Hello)
+                    await self._hello(req)
+                else:
+                    reply = agent.handlers[op](self, req)
+                    await self.send(p.encode(reply))
+                agent.metrics.ops_ok[op].inc()
+            except OpError as e:
+                agent.metrics.op_error(op, e.code)
+                await self.send_error(req.rid, e.code, e.message)
+            except _Closed:
+                raise
+            except Exception as e:  # a bug must cost one request, not the agent
+                log.exception("internal error serving %s", op.name)
+                agent.metrics.op_error(op, p.ErrorCode.INTERNAL)
+                await self.send_error(req.rid, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            agent.metrics.latency[op].observe(time.perf_counter() - started)
+
+    async def _hello(self, req: p.Hello) -> None:
+        agent = self.agent
+        if req.version != p.PROTOCOL_VERSION:
+            raise OpError(p.ErrorCode.VERSION_MISMATCH,
+                          f"agent speaks protocol {p.PROTOCOL_VERSION}, client asked {req.version}")
+        self.tenant = req.tenant
+        self.hello = True
+        cfg = agent.config
+        frame = p.encode(p.HelloReply(
+            rid=req.rid, version=p.PROTOCOL_VERSION, agent_version=__version__, pool=cfg.pool,
+            arena_bytes=agent.arena.size, max_chunk_bytes=cfg.max_chunk_bytes,
+            max_meta_bytes=cfg.max_meta_bytes, max_frame_bytes=agent.max_frame_bytes,
+            max_leases=4096,
+        ))
+        # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
+        # the connection fresh, so one sendmsg carries it whole.
+        fds = array.array("i", [agent.arena.fd])
+        try:
+            sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        except BlockingIOError as e:
+            raise _Closed("client does not read its replies") from e
+        if sent < len(frame):
+            await self.send(frame[sent:])
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.metrics = AgentMetrics(config.pool, config.node_name or "")
+        dram_cfg = config.tiers.dram
+        self.arena = Arena(config.arena_path(), dram_cfg.size, lock=dram_cfg.lock,
+                           huge_pages=dram_cfg.huge_pages)
+        self.policy = config.policy
+        self.policy_mtime: float | None = None
+        if config.policy_file is not None:
+            self.policy = load_policy(config.policy_file)
+            self.policy_mtime = config.policy_file.stat().st_mtime
+        self.store = ChunkStore(config, DramTier(self.arena), self.metrics, self.policy)
+        self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
+        self.connections: dict[int, Connection] = {}
+        self._next_cid = 1
+        self.ready = False
+        self.metrics.add_state(self._state_samples)
+        s = self.store
+        self.handlers: dict[p.Op, Callable[[Connection, Any], p.Reply]] = {
+            p.Op.LOOKUP: lambda c, r: p.LookupReply(r.rid, *s.lookup(r.keys)),
+            p.Op.ALLOC: self._alloc,
+            p.Op.COMMIT: self._commit,
+            p.Op.ABORT: self._abort,
+            p.Op.ACQUIRE: self._acquire,
+            p.Op.RELEASE: self._release,
+            p.Op.PUT: lambda c, r: p.PutReply(r.rid, s.put(r.key, r.data, r.checksum, r.meta,
+                                                            c.tenant)),
+            p.Op.GET: self._get,
+            p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, s.delete(r.key)),
+            p.Op.PIN: self._pin,
+            p.Op.UNPIN: self._unpin,
+            p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats()),
+        }
+
+    # -- op handlers that need more than one line
+
+    def _alloc(self, c: Connection, r: p.Alloc) -> p.AllocReply:
+        granted = self.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
+        if granted is None:
+            return p.AllocReply(r.rid, 0, [], exists=True)
+        return p.AllocReply(r.rid, granted.lease, granted.extents)
+
+    def _commit(self, c: Connection, r: p.Commit) -> p.CommitReply:
+        self.store.commit(r.lease, r.checksum, c.id)
+        return p.CommitReply(r.rid)
+
+    def _abort(self, c: Connection, r: p.Abort) -> p.AbortReply:
+        self.store.abort(r.lease, c.id)
+        return p.AbortReply(r.rid)
+
+    def _release(self, c: Connection, r: p.Release) -> p.ReleaseReply:
+        self.store.release(r.lease, c.id)
+        return p.ReleaseReply(r.rid)
+
+    def _pin(self, c: Connection, r: p.Pin) -> p.PinReply:
+        self.store.pin(r.key)
+        return p.PinReply(r.rid)
+
+    def _unpin(self, c: Connection, r: p.Unpin) -> p.UnpinReply:
+        self.store.unpin(r.key)
+        return p.UnpinReply(r.rid)
+
+    def _acquire(self, c: Connection, r: p.Acquire) -> p.AcquireReply:
+        g = self.store.acquire(r.key, c.id)
+        return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier)
+
+    def _get(self, c: Connection, r: p.Get) -> p.GetReply:
+        data, chunk = self.store.get(r.key)
+        return p.GetReply(r.rid, data, chunk.checksum, chunk.meta, 2)
+
+    def stats(self) -> dict[str, Any]:
+        out = self.store.stats()
+        out["clients"] = len(self.connections)
+        out["agent_version"] = __version__
+        return out
+
+    def _state_samples(self) -> Any:
+        yield from self.store.state_samples()
+        yield ("kvpool_clients", "Connected clients", {}, len(self.connections))
+
+    # -- serving
+
+    def _bind(self) -> socket.socket:
+        path = self.config.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise ConfigError(f"{path} exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # stale socket of an agent that is gone
+            else:
+                raise ConfigError(f"another agent is already serving {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        os.chmod(path, 0o660)
+        sock.listen(512)
+        sock.setblocking(False)
+        return sock
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(listener)
+            sock.setblocking(False)
+            cid, self._next_cid = self._next_cid, self._next_cid + 1
+            conn = Connection(self, sock, cid)
+            self.connections[cid] = conn
+            conn.task = loop.create_task(self._run_connection(conn))
+
+    async def _run_connection(self, conn: Connection) -> None:
+        try:
+            await conn.serve()
+        except _Closed as e:
+            log.debug("client %d closed: %s", conn.id, e)
+        except Exception:
+            log.exception("client %d failed", conn.id)
+        finally:
+            self.connections.pop(conn.id, None)
+            self.store.disconnect(conn.id)
+            conn.sock.close()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL)
+            expired = self.store.expire_writes()
+            if expired:
+                log.info("aborted %d write leases idle past %.0fs", expired,
+                         self.config.write_lease_timeout)
+            self._maybe_reload_policy()
+
+    def _maybe_reload_policy(self) -> None:
+        path = self.config.policy_file
+        if path is None:
+            return
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            return
+        if mtime == self.policy_mtime:
+            return
+        self.policy_mtime = mtime
+        try:
+            policy = load_policy(path)
+        except ConfigError as e:
+            self.metrics.policy_reloads["invalid"].inc()
+            log.error("policy not reloaded, keeping the last good one: %s", e)
+            return
+        self.store.set_policy(policy)
+        self.policy = policy
+        self.metrics.policy_reloads["ok"].inc()
+        log.info("policy reloaded from %s", path)
+
+    async def _metrics_app(self) -> web.AppRunner:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.metrics.registry),
+                                headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.Response(text="ok\n")
+
+        async def readyz(_: web.Request) -> web.Response:
+            if self.ready:
+                return web.Response(text="ready\n")
+            return web.Response(status=503, text="not ready\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, _, port = self.config.metrics_addr.rpartition(":")
+        await web.TCPSite(runner, host.strip("[]"), int(port)).start()
+        return runner
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        listener = self._bind()
+        runner = await self._metrics_app()
+        tasks = [loop.create_task(self._accept_loop(listener)),
+                 loop.create_task(self._housekeeping())]
+        self.ready = True
+        log.info("kvpool agent serving pool %s on %s (DRAM %d bytes at %s, metrics %s)",
+                 self.config.pool, self.config.socket_path, self.arena.size, self.arena.path,
+                 self.config.metrics_addr)
+        try:
+            await stop.wait()
+        finally:
+            self.ready = False
+            for t in tasks:
+                t.cancel()
+            listener.close()
+            with contextlib.suppress(OSError):
+                Path(self.config.socket_path).unlink()
+            for conn in list(self.connections.values()):
+                conn.sock.close()
+            await runner.cleanup()
+            self.arena.close()
+            log.info("kvpool agent stopped")
+
+
+def run_agent(config: AgentConfig) -> None:
+    asyncio.run(Agent(config).run())

@@ -1,0 +1,157 @@
+"""G2: chunks held in the shared-memory arena, with their leases.
+
+The DRAM tier owns the arena's index: which key lives in which extents, who
+is reading it (read leases) and what is being written (write leases, not yet
+visible). A chunk under a lease or a pin is never evicted or freed; a chunk
+deleted while read is hidden at once and freed on its last release.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..arena import Arena, ExtentAllocator
+from ..protocol import Extents
+
+
+@dataclass(slots=True)
+class DramChunk:
+    key: bytes
+    extents: Extents
+    size: int
+    checksum: int
+    meta: bytes
+    tenant: str
+    readers: int = 0
+    hits: int = 0
+    hidden: bool = False
+    """Deleted or evicted while read: invisible, freed when the last reader releases."""
+
+
+@dataclass(slots=True)
+class WriteLease:
+    id: int
+    key: bytes
+    extents: Extents
+    size: int
+    meta: bytes
+    tenant: str
+    owner: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class ReadLease:
+    id: int
+    chunk: DramChunk
+    owner: int
+
+
+@dataclass
+class DramTier:
+    arena: Arena
+    alloc: ExtentAllocator = field(init=False)
+    chunks: OrderedDict[bytes, DramChunk] = field(default_factory=OrderedDict)
+    """Index of visible chunks, least recently used first."""
+    writes: dict[int, WriteLease] = field(default_factory=dict)
+    reads: dict[int, ReadLease] = field(default_factory=dict)
+    pins: set[bytes] = field(default_factory=set)
+    _next_lease: int = 1
+
+    def __post_init__(self) -> None:
+        self.alloc = ExtentAllocator(self.arena.size)
+
+    # -- capacity
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.alloc.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the arena taken: visible chunks, hidden ones still read, pending writes."""
+        return self.alloc.used_bytes
+
+    def chunk_bytes(self) -> int:
+        return sum(c.size for c in self.chunks.values())
+
+    # -- index
+
+    def get(self, key: bytes) -> DramChunk | None:
+        return self.chunks.get(key)
+
+    def touch(self, chunk: DramChunk) -> None:
+        chunk.hits += 1
+        self.chunks.move_to_end(chunk.key)
+
+    def evictable(self) -> Iterator[DramChunk]:
+        """Visible chunks that may be evicted now, least recently used first."""
+        for chunk in self.chunks.values():
+            if chunk.readers == 0 and chunk.key not in self.pins:
+                yield chunk
+
+    def insert(self, key: bytes, extents: Extents, size: int, checksum: int, meta: bytes,
+               tenant: str) -> DramChunk:
+        chunk = DramChunk(key, extents, size, checksum, meta, tenant)
+        self.chunks[key] = chunk
+        return chunk
+
+    def remove(self, key: bytes) -> DramChunk | None:
+        """Take a chunk out of the index; its space is freed now or on its last release."""
+        chunk = self.chunks.pop(key, None)
+        if chunk is None:
+            return None
+        if chunk.readers:
+            chunk.hidden = True
+        else:
+            self.alloc.free(chunk.extents)
+        return chunk
+
+    # -- leases
+
+    def _lease_id(self) -> int:
+        lease, self._next_lease = self._next_lease, self._next_lease + 1
+        return lease
+
+    def open_write(self, key: bytes, extents: Extents, size: int, meta: bytes, tenant: str,
+                   owner: int, timeout: float) -> WriteLease:
+        lease = WriteLease(self._lease_id(), key, extents, size, meta, tenant, owner,
+                           time.monotonic() + timeout)
+        self.writes[lease.id] = lease
+        return lease
+
+    def close_write(self, lease_id: int, owner: int) -> WriteLease | None:
+        lease = self.writes.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return None
+        del self.writes[lease_id]
+        return lease
+
+    def open_read(self, chunk: DramChunk, owner: int) -> ReadLease:
+        chunk.readers += 1
+        lease = ReadLease(self._lease_id(), chunk, owner)
+        self.reads[lease.id] = lease
+        return lease
+
+    def close_read(self, lease_id: int, owner: int) -> bool:
+        lease = self.reads.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return False
+        del self.reads[lease_id]
+        chunk = lease.chunk
+        chunk.readers -= 1
+        if chunk.hidden and chunk.readers == 0:
+            self.alloc.free(chunk.extents)
+        return True
+
+    def leases_of(self, owner: int) -> tuple[list[int], list[int]]:
+        return (
+            [i for i, w in self.writes.items() if w.owner == owner],
+            [i for i, r in self.reads.items() if r.owner == owner],
+        )
+
+    def expired_writes(self, now: float) -> list[WriteLease]:
+        return [w for w in self.writes.values() if w.deadline < now]
