@@ -1,0 +1,385 @@
+"""The kvpool API: `KVCachePool` and `KVTierPolicy` (group `kvpool.io`, version `v1alpha1`).
+
+These pydantic models are the single source of truth: the CRDs (`kvpool crds`),
+the CRD reference (`docs/crd-reference.md`), the operator's parsing of custom
+resources and the rendering of agents all come from them. A `KVTierPolicy`'s
+spec *is* the agent's `TierPolicy`, so the policy engine reads exactly what the
+user wrote.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any, Literal, TypeVar
+
+from kvpool.agent.config import Model, TierPolicy, explain
+from kvpool.agent.units import ByteSize
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpool.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+POOL_KIND = "KVCachePool"
+POOL_PLURAL = "kvcachepools"
+POLICY_KIND = "KVTierPolicy"
+POLICY_PLURAL = "kvtierpolicies"
+
+POOL_ANNOTATION = "kvpool.io/pool"
+"""A pod annotated with a pool's name gets that pool's socket, env and node affinity."""
+TENANT_ANNOTATION = "kvpool.io/tenant"
+"""The tenant a pod's chunks belong to (part of the fingerprint); default: its namespace."""
+NODE_LABEL_PREFIX = "pool.kvpool.io/"
+"""The agent labels its node `pool.kvpool.io/<namespace>.<pool>=ready` when it serves."""
+NODE_LABEL_READY = "ready"
+
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def pool_id(namespace: str, name: str) -> str:
+    """The pool's cluster-wide id, `<namespace>.<name>`: the agent's `pool`."""
+    return f"{namespace}.{name}"
+
+
+def node_label(namespace: str, name: str) -> str:
+    """The node label key the pool's agent sets to `ready` on its node."""
+    return NODE_LABEL_PREFIX + pool_id(namespace, name)
+
+
+def check_pool_id(namespace: str, name: str) -> None:
+    """Raise `InvalidSpec` if `<namespace>.<name>` cannot be a node label name."""
+    ident = pool_id(namespace, name)
+    if len(ident) > 63 or not _LABEL_NAME.match(ident):
+        raise InvalidSpec(
+            f"metadata.name: '{ident}' (namespace.name) must be at most 63 characters "
+            "to serve as the node label pool.kvpool.io/<namespace>.<name>"
+        )
+
+
+_LENIENT = ConfigDict(
+    extra="ignore", alias_generator=to_camel, populate_by_name=True, validate_default=True
+)
+"""Like `Model`'s config, but ignoring fields the operator does not read (metadata, status)."""
+
+
+class InvalidSpec(ValueError):
+    """A custom resource's spec is invalid; the message names every bad field."""
+
+
+# --------------------------------------------------------------------------- pool spec
+
+
+class ReclaimPolicy(StrEnum):
+    RETAIN = "Retain"
+    """Deleting the pool keeps its chunks in the shared store."""
+    DELETE = "Delete"
+    """Deleting the pool runs `kvpool gc --all` on its shared prefix first."""
+
+
+HUGE_PAGE_SIZE = 2 << 20
+
+
+class DramSpec(Model):
+    """G2: a pinned shared-memory arena on every node of the pool."""
+
+    size: ByteSize = Field(description="Arena size per node, a quantity such as 8Gi.")
+    huge_pages: bool = Field(
+        False,
+        description="Back the arena with 2Mi huge pages (hugetlbfs at /dev/hugepages on the "
+        "node); the agent then requests hugepages-2Mi instead of memory.",
+    )
+    locked: bool = Field(
+        True,
+        description="mlock the arena so it is never swapped (the agent gets IPC_LOCK); "
+        "a failure to lock is reported, not fatal.",
+    )
+
+    @model_validator(mode="after")
+    def _whole_huge_pages(self) -> DramSpec:
+        if self.huge_pages and self.size % HUGE_PAGE_SIZE:
+            raise ValueError("size must be a multiple of 2Mi when hugePages is true")
+        return self
+
+
+class NvmeSpec(Model):
+    """G3: chunk files on a local disk of every node of the pool."""
+
+    host_path: str = Field(
+        description="Directory on the node (an NVMe mount); the pool uses "
+        "<hostPath>/<namespace>.<name> below it.",
+        pattern=r"^/.*",
+    )
+    size: ByteSize = Field(description="Most bytes of chunk files kept per node.")
+
+
+class SharedSpec(Model):
+    """G4: a store shared by all nodes (S3-compatible object store or shared POSIX mount)."""
+
+    url: str = Field(
+        description="s3://bucket/prefix, or file:///path for a shared mount present at the "
+        "same path on every node.",
+        pattern=r"^(s3://[^/]+.*|file:///.*)$",
+    )
+    credentials_secret: str | None = Field(
+        None,
+        description="Secret in the pool's namespace with keys AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY (s3:// only); unset: the node's AWS credential chain.",
+        min_length=1,
+        max_length=253,
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for S3-compatible stores (MinIO, Ceph RGW, ...)."
+    )
+    region: str | None = Field(None, description="S3 region.")
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="S3 bucket addressing: path-style for most self-hosted stores."
+    )
+    reclaim_policy: ReclaimPolicy = Field(
+        ReclaimPolicy.RETAIN,
+        description="What deleting the pool does to its chunks in the shared store.",
+    )
+
+
+class TiersSpec(Model):
+    """The tiers of the pool; at least one. DRAM is the tier clients exchange data through."""
+
+    dram: DramSpec | None = Field(
+        None, description="G2 host DRAM; unset: the agent's default arena (1Gi)."
+    )
+    nvme: NvmeSpec | None = Field(None, description="G3 local NVMe; unset: no NVMe tier.")
+    shared: SharedSpec | None = Field(None, description="G4 shared store; unset: no shared tier.")
+
+    def enabled(self) -> list[str]:
+        return [t for t in ("dram", "nvme", "shared") if getattr(self, t) is not None]
+
+
+class PolicyRef(Model):
+    name: str = Field(
+        description="Name of a KVTierPolicy in the pool's namespace.", min_length=1, max_length=253
+    )
+
+
+class Toleration(Model):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(None, description="Taint key; empty with Exists: all taints.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal.")
+    value: str | None = Field(None, description="Taint value for Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; unset: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None, description="How long a NoExecute taint is tolerated."
+    )
+
+
+class Resources(Model):
+    """Compute resources of the agent container (core/v1 ResourceRequirements)."""
+
+    requests: dict[str, str] | None = Field(
+        None, description="Requested resources (cpu, memory, hugepages-2Mi)."
+    )
+    limits: dict[str, str] | None = Field(None, description="Resource limits.")
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class AgentSpec(Model):
+    """How the agent DaemonSet runs."""
+
+    image: str | None = Field(
+        None, description="Agent image; unset: the operator's default (same kvpool version)."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy."
+    )
+    resources: Resources | None = Field(
+        None,
+        description="Agent container resources; unset: memory sized to the DRAM arena "
+        "plus 256Mi (or hugepages-2Mi with hugePages), cpu request 100m.",
+    )
+    metrics_port: int = Field(
+        9400, ge=1024, le=65535, description="Port of /metrics, /healthz and /readyz."
+    )
+    log_level: LogLevel = Field(LogLevel.INFO, description="Agent log level.")
+    run_as_user: int | None = Field(
+        None,
+        ge=0,
+        description="UID of the agent; unset: root with only the IPC_LOCK capability "
+        "(kubelet creates the hostPath directories root-owned). A non-zero UID must own "
+        "the pool's host directories.",
+    )
+    priority_class_name: str | None = Field(
+        None, description="PriorityClass of the agent pods (e.g. system-node-critical)."
+    )
+
+
+class KVCachePoolSpec(Model):
+    """A tiered KV-cache pool: one agent per selected node, sharing a G4 store."""
+
+    tiers: TiersSpec = Field(description="Tiers of the pool (at least one).")
+    policy_ref: PolicyRef | None = Field(
+        None, description="The KVTierPolicy the agents follow; unset: the built-in defaults."
+    )
+    chunk_tokens: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Tokens per chunk; part of the layout fingerprint, given to clients "
+        "as KVPOOL_CHUNK_TOKENS.",
+    )
+    node_selector: dict[str, str] | None = Field(
+        None, description="Nodes that run an agent (and so can serve pods of the pool)."
+    )
+    tolerations: list[Toleration] | None = Field(None, description="Tolerations of the agent pods.")
+    agent: AgentSpec = Field(default_factory=AgentSpec, description="The agent DaemonSet.")
+    socket_dir: str = Field(
+        "/run/kvpool",
+        description="Host directory for agent sockets; the pool's socket is "
+        "<socketDir>/<namespace>.<name>/agent.sock on the node and in pods.",
+        pattern=r"^/.*",
+    )
+
+    @field_validator("socket_dir")
+    @classmethod
+    def _no_trailing_slash(cls, v: str) -> str:
+        return v.rstrip("/") or "/"
+
+
+# --------------------------------------------------------------------------- status
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(Model):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason (see docs/operator.md).")
+    message: str = Field("", description="Human-readable detail.")
+    observed_generation: int | None = Field(
+        None, description="metadata.generation the condition was computed from."
+    )
+    last_transition_time: str | None = Field(
+        None, description="When status last changed (RFC 3339)."
+    )
+
+
+class NodeCounts(Model):
+    desired: int = Field(0, description="Nodes that should run an agent.")
+    ready: int = Field(0, description="Nodes whose agent is ready.")
+    updated: int = Field(0, description="Nodes running the current agent template.")
+    available: int = Field(0, description="Nodes whose agent is available.")
+
+
+class TierCapacity(Model):
+    per_node: str = Field(description="Capacity on each node (quantity).")
+    total: str | None = Field(None, description="perNode times desired nodes (local tiers).")
+
+
+class ResolvedPolicy(Model):
+    name: str = Field(description="The KVTierPolicy in use; empty: built-in defaults.")
+    generation: int | None = Field(None, description="Its metadata.generation when rendered.")
+    checksum: str = Field(description="sha256 (first 16 hex) of the policy as rendered.")
+
+
+class KVCachePoolStatus(Model):
+    observed_generation: int | None = Field(
+        None, description="metadata.generation of the last reconciled spec."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded."
+    )
+    nodes: NodeCounts | None = Field(None, description="Agent rollout over the nodes.")
+    tiers: str | None = Field(None, description="Enabled tiers, e.g. dram+nvme+shared.")
+    capacity: dict[str, TierCapacity] | None = Field(None, description="Capacity per tier.")
+    policy: ResolvedPolicy | None = Field(None, description="The policy the agents follow.")
+    socket: str | None = Field(None, description="The agent socket path on nodes and in pods.")
+
+
+class KVTierPolicyStatus(Model):
+    observed_generation: int | None = Field(
+        None, description="metadata.generation last propagated to pools."
+    )
+    pools: list[str] = Field(default_factory=list, description="Pools that reference this policy.")
+    checksum: str | None = Field(None, description="sha256 (first 16 hex) of the spec.")
+
+
+# --------------------------------------------------------------------------- resources
+
+
+class ObjectMeta(Model):
+    """The part of metadata the operator reads."""
+
+    model_config = _LENIENT
+
+    name: str
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class KVCachePool(Model):
+    model_config = _LENIENT
+
+    api_version: Literal["kvpool.io/v1alpha1"] = "kvpool.io/v1alpha1"
+    kind: Literal["KVCachePool"] = "KVCachePool"
+    metadata: ObjectMeta
+    spec: KVCachePoolSpec
+
+
+class KVTierPolicy(Model):
+    model_config = _LENIENT
+
+    api_version: Literal["kvpool.io/v1alpha1"] = "kvpool.io/v1alpha1"
+    kind: Literal["KVTierPolicy"] = "KVTierPolicy"
+    metadata: ObjectMeta
+    spec: TierPolicy = Field(default_factory=TierPolicy)
+
+
+_M = TypeVar("_M", bound=Model)
+
+
+def parse_pool(body: Any) -> KVCachePool:
+    """A `KVCachePool` from its manifest; `InvalidSpec` names every bad field."""
+    return _parse(KVCachePool, body)
+
+
+def parse_policy(body: Any) -> KVTierPolicy:
+    """A `KVTierPolicy` from its manifest; `InvalidSpec` names every bad field."""
+    return _parse(KVTierPolicy, body)
+
+
+def _parse(cls: type[_M], body: Any) -> _M:
+    data = dict(body) if body is not None else {}
+    data.pop("status", None)
+    name = (data.get("metadata") or {}).get("name", "?")
+    try:
+        obj = cls.model_validate(data)
+    except ValidationError as e:
+        raise InvalidSpec(explain(e, f"{cls.__name__} {name}")) from e
+    if isinstance(obj, KVCachePool):
+        check_pool_id(obj.metadata.namespace, obj.metadata.name)
+        if obj.spec.tiers.enabled() == []:
+            raise InvalidSpec(f"KVCachePool {name}: spec.tiers: at least one tier is required")
+        shared = obj.spec.tiers.shared
+        if shared is not None and shared.credentials_secret and not shared.url.startswith("s3://"):
+            raise InvalidSpec(
+                f"KVCachePool {name}: spec.tiers.shared.credentialsSecret: "
+                "only s3:// URLs take credentials"
+            )
+    return obj

@@ -1,0 +1,199 @@
+"""The operator's commands: `kvpool operator`, `kvpool crds`, `kvpool render`.
+
+The `kvpool` command forwards to `app` lazily, so importing this module is the
+only cost the agent pays for the operator's commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from . import api
+from .crds import crds_yaml, to_yaml, write_crds
+from .render import Settings, render
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="The kvpool operator and its tools.",
+)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+@app.command("crds")
+def crds_command(
+    output_dir: Annotated[
+        Path | None,
+        typer.Option("--output-dir", "-o", help="Write one file per CRD here instead of printing."),
+    ] = None,
+) -> None:
+    """Print the kvpool CRDs (multi-document YAML), built from the API models."""
+    if output_dir is None:
+        typer.echo(crds_yaml(), nl=False)
+        return
+    for path in write_crds(output_dir):
+        typer.echo(str(path))
+
+
+def _load_documents(files: list[Path]) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in files:
+        try:
+            text = path.read_text() if str(path) != "-" else typer.get_text_stream("stdin").read()
+            loaded = [d for d in yaml.safe_load_all(text) if d]
+        except OSError as e:
+            raise _fail(f"{path}: cannot read: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise _fail(f"{path}: not valid YAML: {e}") from e
+        for doc in loaded:
+            if not isinstance(doc, dict):
+                raise _fail(f"{path}: every document must be a mapping")
+            docs.append(doc)
+    return docs
+
+
+@app.command("render")
+def render_command(
+    files: Annotated[
+        list[Path],
+        typer.Option(
+            "--filename", "-f", help="YAML with a KVCachePool (and its KVTierPolicy); repeatable."
+        ),
+    ],
+    agent_image: Annotated[
+        str,
+        typer.Option(envvar="KVPOOL_AGENT_IMAGE", help="Agent image for pools that name none."),
+    ] = "",
+    pod_monitor: Annotated[
+        bool, typer.Option(help="Also render a PodMonitor (Prometheus Operator).")
+    ] = False,
+) -> None:
+    """Print the manifests the operator applies for a pool, as multi-document YAML."""
+    docs = _load_documents(files)
+    pools = [d for d in docs if d.get("kind") == api.POOL_KIND]
+    policies = [d for d in docs if d.get("kind") == api.POLICY_KIND]
+    for d in docs:
+        if d.get("kind") not in (api.POOL_KIND, api.POLICY_KIND):
+            name = (d.get("metadata") or {}).get("name", "?")
+            typer.echo(f"note: ignoring {d.get('kind')} {name}", err=True)
+    if not pools:
+        raise _fail("no KVCachePool in the given files")
+    settings = Settings(agent_image=agent_image, pod_monitor=pod_monitor)
+    out: list[dict[str, Any]] = []
+    try:
+        by_name = {}
+        for body in policies:
+            p = api.parse_policy(body)
+            by_name[(p.metadata.namespace, p.metadata.name)] = p
+        for body in pools:
+            pool = api.parse_pool(body)
+            policy = None
+            ref = pool.spec.policy_ref
+            if ref is not None:
+                policy = by_name.get((pool.metadata.namespace, ref.name))
+                if policy is None:
+                    raise _fail(
+                        f"KVCachePool {pool.metadata.name} references KVTierPolicy "
+                        f"{ref.name!r} in namespace {pool.metadata.namespace!r}: "
+                        "pass it with another -f"
+                    )
+            out.extend(render(pool, policy, settings))
+    except api.InvalidSpec as e:
+        raise _fail(str(e)) from e
+    typer.echo("---\n".join(to_yaml(o) for o in out), nl=False)
+
+
+@app.command("operator")
+def operator_command(
+    namespace: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--namespace",
+            "-n",
+            envvar="KVPOOL_NAMESPACES",
+            help="Namespace to watch (repeatable; glob patterns allowed). "
+            "From env: space-separated.",
+        ),
+    ] = None,
+    all_namespaces: Annotated[
+        bool,
+        typer.Option(
+            "--all-namespaces",
+            "-A",
+            envvar="KVPOOL_ALL_NAMESPACES",
+            help="Watch the whole cluster.",
+        ),
+    ] = False,
+    metrics_port: Annotated[
+        int, typer.Option(envvar="KVPOOL_METRICS_PORT", help="Port of /metrics (0: off).")
+    ] = 8080,
+    liveness_port: Annotated[
+        int, typer.Option(envvar="KVPOOL_LIVENESS_PORT", help="Port of /healthz (0: off).")
+    ] = 8081,
+    webhook_port: Annotated[
+        int,
+        typer.Option(envvar="KVPOOL_WEBHOOK_PORT", help="HTTPS port of the webhook (0: off)."),
+    ] = 9443,
+    webhook_cert_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVPOOL_WEBHOOK_CERT_DIR",
+            help="Directory with tls.crt and tls.key for the webhook.",
+        ),
+    ] = None,
+    agent_image: Annotated[
+        str,
+        typer.Option(envvar="KVPOOL_AGENT_IMAGE", help="Agent image for pools that name none."),
+    ] = "",
+    pod_monitor: Annotated[
+        bool,
+        typer.Option(
+            envvar="KVPOOL_POD_MONITOR",
+            help="Render a PodMonitor per pool (Prometheus Operator CRDs needed).",
+        ),
+    ] = False,
+    resync_seconds: Annotated[
+        float,
+        typer.Option(
+            envvar="KVPOOL_RESYNC_SECONDS",
+            help="Re-reconcile every pool this often (drift repair, retries).",
+        ),
+    ] = 300.0,
+) -> None:
+    """Run the operator (kopf, embedded): reconcile pools, serve the pod webhook."""
+    namespaces = [n for item in namespace or [] for n in item.split()]
+    if not namespaces and not all_namespaces:
+        raise _fail("give --namespace NS (repeatable) or --all-namespaces")
+    if namespaces and all_namespaces:
+        raise _fail("--namespace and --all-namespaces exclude each other")
+    if webhook_port and webhook_cert_dir is None:
+        raise _fail("the webhook needs --webhook-cert-dir (or --webhook-port 0 to disable it)")
+    from .run import OperatorOptions, run_operator
+
+    options = OperatorOptions(
+        namespaces=namespaces,
+        clusterwide=all_namespaces,
+        metrics_port=metrics_port,
+        liveness_port=liveness_port,
+        webhook_port=webhook_port,
+        webhook_cert_dir=webhook_cert_dir,
+        settings=Settings(agent_image=agent_image, pod_monitor=pod_monitor),
+        resync_seconds=resync_seconds,
+    )
+    run_operator(options)
+
+
+def main() -> None:  # pragma: no cover - `python -m kvpool.operator.cli`
+    app(prog_name="kvpool")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,589 @@
+"""The pure rendering of a pool (and its policy) into Kubernetes manifests.
+
+`render(pool, policy, settings)` is all the operator decides; the kopf handlers
+only apply its output. It is deterministic (golden-tested) and every object it
+returns is a valid Kubernetes object (tested with `kubernetes-validate`).
+
+Layout on a node, for pool `<ns>/<name>`:
+
+| what | on the node | in the agent container |
+|---|---|---|
+| socket | `<socketDir>/<ns>.<name>/agent.sock` | same path |
+| DRAM arena | `/dev/shm/kvpool/<ns>.<name>/` (or `/dev/hugepages/...`) | `/var/lib/kvpool/dram/` |
+| NVMe chunks | `<nvme.hostPath>/<ns>.<name>/` | `/var/lib/kvpool/nvme/` |
+| config | ConfigMap `kvpool-<name>` | `/etc/kvpool/` |
+
+The arena lives on the host's tmpfs, so an agent restart or rolling upgrade
+keeps the DRAM tier warm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kvpool.agent import __version__ as _agent_version
+from kvpool.agent.config import (
+    AgentConfig,
+    DramTier,
+    NvmeTier,
+    SharedTier,
+    TierPolicy,
+    Tiers,
+)
+from kvpool.agent.units import format_size
+
+from . import api
+
+Manifest = dict[str, Any]
+
+CONFIG_DIR = "/etc/kvpool"
+AGENT_CONFIG_KEY = "agent.yaml"
+POLICY_KEY = "policy.yaml"
+DRAM_MOUNT = "/var/lib/kvpool/dram"
+NVME_MOUNT = "/var/lib/kvpool/nvme"
+CONFIG_CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
+POOL_LABEL = "kvpool.io/pool"
+POOL_NAMESPACE_LABEL = "kvpool.io/pool-namespace"
+MANAGED_BY = "kvpool-operator"
+AGENT_OVERHEAD = 256 << 20
+"""Memory the agent needs beside its arena (Python, buffers, index)."""
+ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
+SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+SECRET_KEYS = (ACCESS_KEY_ENV, SECRET_KEY_ENV)
+"""Keys the pool's credentialsSecret must hold."""
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("kvpool")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a tree
+        return _agent_version
+
+
+def default_agent_image() -> str:
+    return f"ghcr.io/kvpool/kvpool:{package_version()}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator adds to every render (from its flags)."""
+
+    agent_image: str = ""
+    """Agent image when a pool does not name one; empty: `default_agent_image()`."""
+    version: str = ""
+    """Value of the `app.kubernetes.io/version` label; empty: the package version."""
+    pod_monitor: bool = False
+    """Render a PodMonitor per pool (needs the Prometheus Operator CRDs)."""
+
+    def image(self) -> str:
+        return self.agent_image or default_agent_image()
+
+    def app_version(self) -> str:
+        return self.version or package_version()
+
+
+# --------------------------------------------------------------------------- names
+
+
+def dns_name(*parts: str, limit: int = 63) -> str:
+    """`-`-joined parts, shortened with a hash suffix when longer than `limit`."""
+    name = "-".join(p for p in parts if p)
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: limit - 9].rstrip('-.')}-{digest}"
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names of everything rendered for one pool."""
+
+    namespace: str
+    pool: str
+
+    @property
+    def pool_id(self) -> str:
+        return api.pool_id(self.namespace, self.pool)
+
+    @property
+    def agent(self) -> str:
+        """ConfigMap, DaemonSet, ServiceAccount and PodMonitor."""
+        return dns_name("kvpool", self.pool)
+
+    @property
+    def service(self) -> str:
+        return dns_name("kvpool", self.pool, "metrics")
+
+    @property
+    def cluster_role(self) -> str:
+        """ClusterRole and ClusterRoleBinding (cluster-scoped: namespace in the name)."""
+        return dns_name("kvpool-agent", self.namespace, self.pool, limit=253)
+
+    @property
+    def gc_job(self) -> str:
+        return dns_name("kvpool", self.pool, "gc")
+
+
+def socket_dir(pool: api.KVCachePool) -> str:
+    """The pool's socket directory, on the node and in every container that mounts it."""
+    m = pool.metadata
+    return f"{pool.spec.socket_dir.rstrip('/')}/{api.pool_id(m.namespace, m.name)}"
+
+
+def socket_path(pool: api.KVCachePool) -> str:
+    return f"{socket_dir(pool)}/agent.sock"
+
+
+def checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def selector_labels(pool: api.KVCachePool) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvpool",
+        "app.kubernetes.io/instance": pool.metadata.name,
+        "app.kubernetes.io/component": "agent",
+    }
+
+
+def labels(pool: api.KVCachePool, settings: Settings) -> dict[str, str]:
+    return {
+        **selector_labels(pool),
+        "app.kubernetes.io/part-of": "kvpool",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/version": settings.app_version(),
+        POOL_LABEL: pool.metadata.name,
+    }
+
+
+def cluster_labels(pool: api.KVCachePool, settings: Settings) -> dict[str, str]:
+    """Labels of cluster-scoped objects, which cannot have an owner in a namespace."""
+    return {**labels(pool, settings), POOL_NAMESPACE_LABEL: pool.metadata.namespace}
+
+
+def owner_references(pool: api.KVCachePool) -> list[Manifest]:
+    if not pool.metadata.uid:
+        return []
+    return [
+        {
+            "apiVersion": api.API_VERSION,
+            "kind": api.POOL_KIND,
+            "name": pool.metadata.name,
+            "uid": pool.metadata.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def _meta(pool: api.KVCachePool, settings: Settings, name: str) -> Manifest:
+    meta: Manifest = {
+        "name": name,
+        "namespace": pool.metadata.namespace,
+        "labels": labels(pool, settings),
+    }
+    owners = owner_references(pool)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _dram(pool: api.KVCachePool) -> api.DramSpec:
+    dram = pool.spec.tiers.dram
+    if dram is None:
+        return api.DramSpec(size=DramTier().size)
+    return dram
+
+
+def _dram_host_dir(pool: api.KVCachePool) -> str:
+    base = "/dev/hugepages/kvpool" if _dram(pool).huge_pages else "/dev/shm/kvpool"
+    return f"{base}/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
+
+
+def _shared_file_path(shared: api.SharedSpec | None) -> str | None:
+    if shared is not None and shared.url.startswith("file://"):
+        return shared.url[len("file://") :].rstrip("/") or "/"
+    return None
+
+
+def agent_config(pool: api.KVCachePool) -> AgentConfig:
+    """The `AgentConfig` every agent of the pool runs with (`agent.yaml`)."""
+    spec = pool.spec
+    dram = _dram(pool)
+    nvme = spec.tiers.nvme
+    shared = spec.tiers.shared
+    tiers: dict[str, Any] = {
+        "dram": DramTier(
+            size=dram.size,
+            path=Path(DRAM_MOUNT) / "arena",
+            huge_pages=dram.huge_pages,
+            lock=dram.locked,
+        )
+    }
+    if nvme is not None:
+        tiers["nvme"] = NvmeTier(path=Path(NVME_MOUNT), size=nvme.size)
+    if shared is not None:
+        options: dict[str, Any] = {"addressing_style": shared.addressing_style}
+        if shared.endpoint_url:
+            options["endpoint_url"] = shared.endpoint_url
+        if shared.region:
+            options["region"] = shared.region
+        tiers["shared"] = SharedTier(url=shared.url, **options)
+    return AgentConfig(
+        pool=api.pool_id(pool.metadata.namespace, pool.metadata.name),
+        socket_path=Path(socket_path(pool)),
+        metrics_addr=f"0.0.0.0:{spec.agent.metrics_port}",
+        tiers=Tiers(**tiers),
+        policy_file=Path(CONFIG_DIR) / POLICY_KEY,
+        log_level=spec.agent.log_level.value,
+    )
+
+
+def _yaml(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, width=100)
+
+
+def agent_yaml(pool: api.KVCachePool) -> str:
+    cfg = agent_config(pool)
+    return _yaml(cfg.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_unset=True))
+
+
+def policy_yaml(policy: TierPolicy) -> str:
+    return _yaml(policy.to_wire())
+
+
+# --------------------------------------------------------------------------- objects
+
+
+def _config_map(pool: api.KVCachePool, policy: TierPolicy, settings: Settings) -> Manifest:
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(pool, settings, names.agent),
+        "data": {AGENT_CONFIG_KEY: agent_yaml(pool), POLICY_KEY: policy_yaml(policy)},
+    }
+
+
+def credential_env(pool: api.KVCachePool) -> list[Manifest]:
+    """S3 credentials from the pool's Secret, as env (never in the ConfigMap)."""
+    shared = pool.spec.tiers.shared
+    if shared is None or not shared.credentials_secret:
+        return []
+    return [
+        {
+            "name": key,
+            "valueFrom": {"secretKeyRef": {"name": shared.credentials_secret, "key": key}},
+        }
+        for key in SECRET_KEYS
+    ]
+
+
+def _resources(pool: api.KVCachePool) -> Manifest:
+    res = pool.spec.agent.resources
+    if res is not None:
+        out: Manifest = {}
+        if res.requests:
+            out["requests"] = dict(res.requests)
+        if res.limits:
+            out["limits"] = dict(res.limits)
+        return out
+    dram = _dram(pool)
+    if dram.huge_pages:
+        overhead = format_size(AGENT_OVERHEAD)
+        huge = format_size(dram.size)
+        return {
+            "requests": {"cpu": "100m", "memory": overhead, "hugepages-2Mi": huge},
+            "limits": {"memory": overhead, "hugepages-2Mi": huge},
+        }
+    memory = format_size(dram.size + AGENT_OVERHEAD)
+    return {"requests": {"cpu": "100m", "memory": memory}, "limits": {"memory": memory}}
+
+
+def _security(pool: api.KVCachePool) -> tuple[Manifest, Manifest]:
+    """(pod securityContext, container securityContext)."""
+    pod: Manifest = {"seccompProfile": {"type": "RuntimeDefault"}}
+    uid = pool.spec.agent.run_as_user
+    if uid is not None:
+        pod["runAsUser"] = uid
+        pod["runAsGroup"] = uid
+        pod["runAsNonRoot"] = uid != 0
+    caps: Manifest = {"drop": ["ALL"]}
+    if _dram(pool).locked:
+        caps["add"] = ["IPC_LOCK"]
+    container: Manifest = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": caps,
+    }
+    return pod, container
+
+
+def _host_dir(name: str, path: str, kind: str = "DirectoryOrCreate") -> Manifest:
+    return {"name": name, "hostPath": {"path": path, "type": kind}}
+
+
+def _scheduling(pool: api.KVCachePool) -> Manifest:
+    out: Manifest = {}
+    if pool.spec.node_selector:
+        out["nodeSelector"] = dict(pool.spec.node_selector)
+    if pool.spec.tolerations:
+        out["tolerations"] = [t.to_wire() for t in pool.spec.tolerations]
+    return out
+
+
+def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> Manifest:
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    spec = pool.spec
+    agent = spec.agent
+    volumes: list[Manifest] = [
+        {"name": "config", "configMap": {"name": names.agent}},
+        _host_dir("socket", socket_dir(pool)),
+        _host_dir("dram", _dram_host_dir(pool)),
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    mounts: list[Manifest] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "socket", "mountPath": socket_dir(pool)},
+        {"name": "dram", "mountPath": DRAM_MOUNT},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if spec.tiers.nvme is not None:
+        host = f"{spec.tiers.nvme.host_path.rstrip('/')}/{names.pool_id}"
+        volumes.append(_host_dir("nvme", host))
+        mounts.append({"name": "nvme", "mountPath": NVME_MOUNT})
+    shared_path = _shared_file_path(spec.tiers.shared)
+    if shared_path is not None:
+        volumes.append(_host_dir("shared", shared_path, "Directory"))
+        mounts.append({"name": "shared", "mountPath": shared_path})
+    env: list[Manifest] = [
+        {"name": "KVPOOL_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {
+            "name": "KVPOOL_POD_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+        *credential_env(pool),
+    ]
+    pod_security, container_security = _security(pool)
+
+    def probe(path: str, period: int, failures: int) -> Manifest:
+        return {
+            "httpGet": {"path": path, "port": "metrics"},
+            "periodSeconds": period,
+            "timeoutSeconds": 2,
+            "failureThreshold": failures,
+        }
+
+    container: Manifest = {
+        "name": "agent",
+        "image": agent.image or settings.image(),
+        "imagePullPolicy": agent.image_pull_policy,
+        "command": ["kvpool", "agent", "--config", f"{CONFIG_DIR}/{AGENT_CONFIG_KEY}"],
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": agent.metrics_port, "protocol": "TCP"}],
+        "startupProbe": probe("/healthz", 5, 60),
+        "livenessProbe": probe("/healthz", 10, 3),
+        "readinessProbe": probe("/readyz", 5, 2),
+        "resources": _resources(pool),
+        "securityContext": container_security,
+        "volumeMounts": mounts,
+    }
+    pod_spec: Manifest = {
+        "serviceAccountName": names.agent,
+        **_scheduling(pool),
+        "securityContext": pod_security,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if agent.priority_class_name:
+        pod_spec["priorityClassName"] = agent.priority_class_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(pool, settings, names.agent),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(pool)},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {
+                    "labels": labels(pool, settings),
+                    "annotations": {
+                        CONFIG_CHECKSUM_ANNOTATION: config_sum,
+                        "kubectl.kubernetes.io/default-container": "agent",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _rbac(pool: api.KVCachePool, settings: Settings) -> list[Manifest]:
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    cluster_meta = {"name": names.cluster_role, "labels": cluster_labels(pool, settings)}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(pool, settings, names.agent),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": dict(cluster_meta),
+            "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": dict(cluster_meta),
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": names.cluster_role,
+            },
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": names.agent,
+                    "namespace": pool.metadata.namespace,
+                }
+            ],
+        },
+    ]
+
+
+def _service(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, settings, names.service),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(pool),
+            "ports": [
+                {
+                    "name": "metrics",
+                    "port": pool.spec.agent.metrics_port,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def _pod_monitor(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(pool, settings, names.agent),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(pool)},
+            "podMetricsEndpoints": [
+                {
+                    "port": "metrics",
+                    "path": "/metrics",
+                    "relabelings": [
+                        {
+                            "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                            "targetLabel": "node",
+                        }
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def render(
+    pool: api.KVCachePool,
+    policy: api.KVTierPolicy | None,
+    settings: Settings | None = None,
+) -> list[Manifest]:
+    """Every object of a pool, in apply order; pure and deterministic.
+
+    `policy` is the pool's resolved `KVTierPolicy` (None: the built-in defaults).
+    Raises `api.InvalidSpec` if the pool cannot be rendered.
+    """
+    settings = settings or Settings()
+    api.check_pool_id(pool.metadata.namespace, pool.metadata.name)
+    tier_policy = policy.spec if policy is not None else TierPolicy()
+    config_map = _config_map(pool, tier_policy, settings)
+    data = config_map["data"]
+    objects = [
+        *_rbac(pool, settings),
+        config_map,
+        _daemon_set(pool, settings, checksum(data[AGENT_CONFIG_KEY])),
+        _service(pool, settings),
+    ]
+    if settings.pod_monitor:
+        objects.append(_pod_monitor(pool, settings))
+    return objects
+
+
+def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Manifest:
+    """The Job that deletes every chunk of the pool's shared prefix (`reclaimPolicy: Delete`)."""
+    settings = settings or Settings()
+    shared = pool.spec.tiers.shared
+    if shared is None:
+        raise api.InvalidSpec(f"KVCachePool {pool.metadata.name} has no shared tier to collect")
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    env = credential_env(pool)
+    if shared.endpoint_url:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": shared.endpoint_url})
+    if shared.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": shared.region})
+    pod_security, container_security = _security(pool)
+    container_security["capabilities"] = {"drop": ["ALL"]}
+    container: Manifest = {
+        "name": "gc",
+        "image": pool.spec.agent.image or settings.image(),
+        "imagePullPolicy": pool.spec.agent.image_pull_policy,
+        "command": ["kvpool", "gc", "--shared", shared.url, "--all"],
+        "env": env,
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": container_security,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    volumes: list[Manifest] = [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    shared_path = _shared_file_path(shared)
+    if shared_path is not None:
+        volumes.append(_host_dir("shared", shared_path, "Directory"))
+        container["volumeMounts"].append({"name": "shared", "mountPath": shared_path})
+    meta = _meta(pool, settings, names.gc_job)
+    meta["labels"] = {**meta["labels"], "app.kubernetes.io/component": "gc"}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 3,
+            "ttlSecondsAfterFinished": 3600,
+            "template": {
+                "metadata": {"labels": meta["labels"]},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    **_scheduling(pool),
+                    "securityContext": pod_security,
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }

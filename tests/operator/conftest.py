@@ -1,0 +1,23 @@
+"""Fixtures of the operator tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from op_support import example
+
+
+@pytest.fixture
+def pool_full() -> dict[str, Any]:
+    return example("pool.yaml", "KVCachePool")
+
+
+@pytest.fixture
+def pool_minimal() -> dict[str, Any]:
+    return example("pool-minimal.yaml", "KVCachePool")
+
+
+@pytest.fixture
+def policy_full() -> dict[str, Any]:
+    return example("policy.yaml", "KVTierPolicy")
