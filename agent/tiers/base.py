@@ -1,0 +1,154 @@
+"""What every tier below DRAM implements, and the chunk format they store.
+
+G3 (NVMe files) and G4 (shared file system or S3 objects) hold chunks as
+self-describing blobs: a fixed header (magic, format version, key, size,
+fingerprint id, checksum, metadata and tenant lengths), then the metadata,
+the tenant name and the chunk bytes. Readers verify the checksum before
+returning anything: a mismatch is a miss (and a counted integrity failure),
+never data.
+
+The store calls these methods from worker threads (they block on I/O), so a
+slow disk or store never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import xxhash
+
+from ..config import TierName
+
+MAGIC = b"KVPC"
+FORMAT_VERSION = 1
+# magic, version, flags, key, size, fingerprint id, checksum, meta len, tenant len, reserved
+_HEADER = struct.Struct("<4sHH16sQQQIHH")
+HEADER_BYTES = _HEADER.size
+
+
+class IntegrityError(Exception):
+    """Stored bytes do not match their checksum (or the header is damaged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """A chunk as it moves between tiers."""
+
+    key: bytes
+    data: bytes | memoryview
+    checksum: int
+    meta: bytes = b""
+    tenant: str = ""
+    fingerprint_id: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def verify(self) -> bool:
+        h = xxhash.xxh3_64()
+        h.update(self.meta)
+        h.update(self.data)
+        return int(h.intdigest()) == self.checksum
+
+
+def encode_header(rec: ChunkRecord) -> bytes:
+    tenant = rec.tenant.encode()
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, rec.key, rec.size, rec.fingerprint_id,
+                        rec.checksum, len(rec.meta), len(tenant), 0) + rec.meta + tenant
+
+
+def encode(rec: ChunkRecord) -> list[bytes | memoryview]:
+    """The blob as buffers to write in order (no copy of the chunk bytes)."""
+    return [encode_header(rec), rec.data]
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    key: bytes
+    size: int
+    fingerprint_id: int
+    checksum: int
+    meta: bytes
+    tenant: str
+    data_offset: int
+
+
+def decode_header(blob: bytes | memoryview) -> Header:
+    """Parse the header at the start of `blob` (which must hold at least the header)."""
+    if len(blob) < HEADER_BYTES:
+        raise IntegrityError(f"truncated header ({len(blob)} bytes)")
+    magic, version, _flags, key, size, fp, checksum, meta_len, tenant_len, _ = \
+        _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise IntegrityError("not a kvpool chunk (bad magic)")
+    if version != FORMAT_VERSION:
+        raise IntegrityError(f"chunk format version {version} is not {FORMAT_VERSION}")
+    end = HEADER_BYTES + meta_len + tenant_len
+    if len(blob) < end:
+        raise IntegrityError("truncated header")
+    meta = bytes(blob[HEADER_BYTES : HEADER_BYTES + meta_len])
+    tenant = bytes(blob[HEADER_BYTES + meta_len : end]).decode(errors="replace")
+    return Header(bytes(key), size, fp, checksum, meta, tenant, end)
+
+
+def decode(blob: bytes | memoryview, expect_key: bytes | None = None) -> ChunkRecord:
+    """A verified record from a whole blob; raises IntegrityError on any mismatch."""
+    h = decode_header(blob)
+    if expect_key is not None and h.key != expect_key:
+        raise IntegrityError(f"blob holds key {h.key.hex()}, expected {expect_key.hex()}")
+    data = memoryview(blob)[h.data_offset :]
+    if len(data) != h.size:
+        raise IntegrityError(f"chunk is {len(data)} bytes, header says {h.size}")
+    rec = ChunkRecord(h.key, data, h.checksum, h.meta, h.tenant, h.fingerprint_id)
+    if not rec.verify():
+        raise IntegrityError(f"checksum mismatch for {h.key.hex()}")
+    return rec
+
+
+class ChunkTier(ABC):
+    """A tier below DRAM. Methods block; call them from a worker thread."""
+
+    name: TierName
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """Configured capacity (0: unbounded, e.g. an object store)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def chunks(self) -> int: ...
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether the tier holds the key (may do I/O for remote tiers)."""
+
+    @abstractmethod
+    def read(self, key: bytes) -> ChunkRecord | None:
+        """The verified chunk, or None if absent. Raises IntegrityError on a bad chunk
+        (after quarantining or deleting it) and OSError when the tier fails."""
+
+    @abstractmethod
+    def write(self, rec: ChunkRecord) -> None:
+        """Store atomically: readers see the whole chunk or nothing. Raises OSError."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> Iterable[bytes]: ...
+
+    def healthy(self) -> tuple[bool, str]:
+        """(serving?, reason when not)."""
+        return True, ""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,106 @@
+"""Fixtures that start real agent processes and talk to them over real sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.local import LocalAgent
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[LocalAgent]:
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="32Mi") as a:
+        yield a
+
+
+@pytest.fixture
+def client(agent: LocalAgent) -> Iterator[KVPoolClient]:
+    with KVPoolClient(agent.socket_path) as c:
+        yield c
+
+
+def scrape(agent: LocalAgent) -> dict[str, float]:
+    """The agent's /metrics as {series: value}."""
+    with urllib.request.urlopen(f"{agent.metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+def used_bytes(client: KVPoolClient) -> int:
+    used: int = client.stats()["tiers"]["dram"]["used_bytes"]
+    return used
+
+
+def wait_until(cond: object, timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll `cond()` until true, failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class RawConn:
+    """A bare socket speaking frames by hand, for sending what a real client never would."""
+
+    def __init__(self, path: Path, hello: bool = True) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(20)
+        self.sock.connect(str(path))
+        if hello:
+            self.send(p.encode(p.Hello(0, p.PROTOCOL_VERSION)))
+            msg, fds, _, _ = socket.recv_fds(self.sock, 65536, 1)
+            for fd in fds:
+                import os
+
+                os.close(fd)
+            assert msg, "no HELLO reply"
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def call(self, req: p.Request) -> p.Reply:
+        self.send(p.encode(req))
+        return self.reply()
+
+    def reply(self) -> p.Reply:
+        head = self._exact(4)
+        (n,) = p.HEADER.unpack(head)
+        reply: p.Reply = p.reply_decoder.decode(self._exact(n))
+        return reply
+
+    def _exact(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("closed by agent")
+            buf += chunk
+        return buf
+
+    def closed_by_peer(self) -> bool:
+        """True once the agent has closed this connection (reads EOF)."""
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

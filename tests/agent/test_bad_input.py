@@ -1,0 +1,206 @@
+"""Bad input gets a documented error or a closed connection; the agent stays up,
+other clients are unaffected, no arena bytes leak, no half-written chunk shows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.local import LocalAgent
+
+from .conftest import RawConn, scrape, used_bytes, wait_until
+
+
+@pytest.fixture
+def bystander(agent: LocalAgent, client: KVPoolClient) -> bytes:
+    """A chunk stored by a well-behaved client before the bad input arrives."""
+    k = os.urandom(16)
+    client.put(k, b"bystander" * 1000)
+    return k
+
+
+def assert_unharmed(agent: LocalAgent, client: KVPoolClient, k: bytes, baseline: int) -> None:
+    assert agent.proc is not None and agent.proc.poll() is None, "agent died"
+    assert client.get(k) == b"bystander" * 1000
+    wait_until(lambda: used_bytes(client) == baseline, what="arena bytes back to baseline")
+
+
+def error_of(reply: p.Reply) -> p.ErrorCode:
+    assert isinstance(reply, p.ErrorReply), reply
+    return p.ErrorCode(reply.code)
+
+
+def test_malformed_body_gets_bad_frame_and_close(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    raw.send(struct.pack("<I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+    assert error_of(raw.reply()) == p.ErrorCode.BAD_FRAME
+    assert raw.closed_by_peer()
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_wrongly_typed_fields_get_bad_frame(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    body = b"\x93\x03\x01\xa3abc"  # ALLOC with a string where the key and size go
+    raw.send(struct.pack("<I", len(body)) + body)
+    assert error_of(raw.reply()) == p.ErrorCode.BAD_FRAME
+    assert raw.closed_by_peer()
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_truncated_frame_closes_only_that_connection(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    frame = p.encode(p.Alloc(1, os.urandom(16), 4096))
+    raw.send(frame[: len(frame) - 3])
+    raw.sock.shutdown(1)  # the client goes away mid-frame
+    assert raw.closed_by_peer()
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_frame_over_the_limit_is_refused(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    raw.send(struct.pack("<I", 2**31))
+    assert error_of(raw.reply()) == p.ErrorCode.FRAME_TOO_LARGE
+    assert raw.closed_by_peer()
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_unknown_op_is_refused(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    body = b"\x92\x63\x01"  # op 99
+    raw.send(struct.pack("<I", len(body)) + body)
+    assert error_of(raw.reply()) == p.ErrorCode.UNKNOWN_OP
+    assert_unharmed(agent, client, bystander, base)
+    assert scrape(agent)['kvpool_ops_total{op="unknown",pool="default",result="unknown_op"}'] == 1
+
+
+def test_requests_before_hello_are_refused(agent) -> None:
+    raw = RawConn(agent.socket_path, hello=False)
+    assert error_of(raw.call(p.Lookup(1, []))) == p.ErrorCode.HELLO_REQUIRED
+
+
+def test_wrong_protocol_version(agent) -> None:
+    raw = RawConn(agent.socket_path, hello=False)
+    assert error_of(raw.call(p.Hello(1, 999))) == p.ErrorCode.VERSION_MISMATCH
+
+
+@pytest.mark.parametrize("req", [
+    p.Lookup(1, [b"short"]), p.Alloc(1, b"x" * 17, 10), p.Acquire(1, b""), p.Get(1, b"k"),
+    p.Delete(1, b"k" * 15), p.Pin(1, b"k"),
+])
+def test_wrong_key_length_is_bad_key(agent, client, bystander, req) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    assert error_of(raw.call(req)) == p.ErrorCode.BAD_KEY
+    assert isinstance(raw.call(p.Stats(2)), p.StatsReply)  # connection still usable
+    assert_unharmed(agent, client, bystander, base)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1 << 40])
+def test_bad_sizes_are_bad_argument(agent, size) -> None:
+    raw = RawConn(agent.socket_path)
+    assert error_of(raw.call(p.Alloc(1, os.urandom(16), size))) == p.ErrorCode.BAD_ARGUMENT
+
+
+def test_commit_without_alloc_and_double_release(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    assert error_of(raw.call(p.Commit(1, 12345, 0))) == p.ErrorCode.UNKNOWN_LEASE
+    lease = raw.call(p.Acquire(2, bystander))
+    assert isinstance(lease, p.AcquireReply)
+    assert isinstance(raw.call(p.Release(3, lease.lease)), p.ReleaseReply)
+    assert error_of(raw.call(p.Release(4, lease.lease))) == p.ErrorCode.UNKNOWN_LEASE
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_inline_put_with_wrong_checksum_stores_nothing(agent, client) -> None:
+    raw = RawConn(agent.socket_path)
+    k = os.urandom(16)
+    assert error_of(raw.call(p.Put(1, k, b"data", 42))) == p.ErrorCode.CHECKSUM_MISMATCH
+    assert client.get(k) is None
+
+
+def test_uncommitted_write_is_invisible_and_freed_when_the_client_dies(
+        agent, client, bystander) -> None:
+    base = used_bytes(client)
+    k = os.urandom(16)
+    # A real client process: ALLOC, half a copy into the arena, then SIGKILL.
+    script = textwrap.dedent(f"""
+        import os, sys
+        from kvpool.agent import protocol as p
+        from kvpool.agent.client import KVPoolClient
+        c = KVPoolClient({str(agent.socket_path)!r})
+        a = c._call(p.Alloc(99, bytes.fromhex({k.hex()!r}), 1 << 20))
+        off = a.extents[0][0]
+        c._arena[off:off + 4096] = b"h" * 4096
+        print("allocated", flush=True)
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"allocated"
+    assert used_bytes(client) >= base + (1 << 20)
+    assert client.lookup([k]) == 0 and client.get(k) is None  # never visible half-written
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert_unharmed(agent, client, bystander, base)
+    assert client.get(k) is None
+
+
+def test_client_killed_holding_read_leases_releases_them(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    for rid in range(5):
+        assert isinstance(raw.call(p.Acquire(rid, bystander)), p.AcquireReply)
+    assert client.stats()["leases"]["read"] == 5
+    raw.close()
+    wait_until(lambda: client.stats()["leases"]["read"] == 0, what="read leases released")
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_client_that_never_reads_replies_is_dropped(agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    raw.sock.setblocking(False)
+    stats = p.encode(p.Stats(1))
+    sent = 0
+    # Flood requests without reading until the socket buffers are full both ways.
+    for _ in range(200_000):
+        try:
+            raw.sock.send(stats)
+            sent += 1
+        except BlockingIOError:
+            break
+    assert sent < 200_000, "socket never filled"
+    # Meanwhile other clients are served.
+    assert client.get(bystander) == b"bystander" * 1000
+    raw.sock.setblocking(True)
+    raw.sock.settimeout(60)
+    wait_until(lambda: client.stats()["clients"] == 1, timeout=60,
+               what="the non-reading client to be dropped")
+    assert_unharmed(agent, client, bystander, base)
+
+
+def test_idle_write_lease_expires(tmp_path) -> None:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("writeLeaseTimeout: 1s\n")
+    with LocalAgent("--no-lock", "--config", str(cfg), workdir=tmp_path) as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        base = used_bytes(c)
+        raw = RawConn(agent.socket_path)
+        a = raw.call(p.Alloc(1, os.urandom(16), 100_000))
+        assert isinstance(a, p.AllocReply)
+        wait_until(lambda: used_bytes(c) == base, what="the idle write lease to expire")
+        assert error_of(raw.call(p.Commit(2, a.lease, 0))) == p.ErrorCode.UNKNOWN_LEASE

@@ -1,0 +1,48 @@
+"""The `kvpool` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.local import LocalAgent
+
+
+def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.agent", *args], capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_demo_json_reports_tiers_and_hit_ratio() -> None:
+    run = kvpool("demo", "--json", "--requests", "400")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["requests"] == 400
+    assert report["wrong_bytes"] == 0
+    assert 0 < report["block_hit_ratio"] <= report["unbounded_hit_ratio"] <= 1
+    assert report["bytes_read"] > 0 and report["bytes_written"] > 0
+    assert report["block_bytes"] == 16 * 1024
+    dram = report["tiers"]["dram"]
+    assert dram["capacity_bytes"] > 0 and dram["hits"] > 0 and dram["misses"] > 0
+
+
+def test_stats_command_prints_json(agent: LocalAgent, client: KVPoolClient) -> None:
+    client.put(b"k" * 16, b"v" * 100)
+    run = kvpool("stats", "--socket", str(agent.socket_path), "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["tiers"]["dram"]["chunks"] == 1
+
+
+def test_agent_rejects_a_bad_config_with_the_field_named(tmp_path) -> None:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("tiers:\n  dram:\n    size: huge\n")
+    run = kvpool("agent", "--config", str(cfg), timeout=60)
+    assert run.returncode == 2
+    assert "tiers.dram.size" in run.stderr and "'huge' is not a size" in run.stderr
+
+
+def test_stats_on_a_missing_socket_fails_clearly(tmp_path) -> None:
+    run = kvpool("stats", "--socket", str(tmp_path / "nope.sock"), timeout=60)
+    assert run.returncode == 2 and "cannot reach the agent" in run.stderr

@@ -1,0 +1,76 @@
+"""A full arena evicts least recently used chunks, never leased or pinned ones."""
+
+from __future__ import annotations
+
+import os
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.local import LocalAgent
+
+from .conftest import RawConn, scrape
+
+MiB = 1 << 20
+
+
+def fill(c: KVPoolClient, n: int) -> list[bytes]:
+    keys = [os.urandom(16) for _ in range(n)]
+    for k in keys:
+        assert c.put(k, k * (MiB // 16))
+    return keys
+
+
+def test_least_recently_used_chunk_goes_first(tmp_path) -> None:
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="8Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 8)
+        assert c.get(keys[0]) is not None  # keys[1] is now the least recently used
+        extra = fill(c, 1)
+        assert c.get(keys[1]) is None
+        assert c.lookup([keys[0]]) == 1 and c.lookup(extra) == 1
+        assert scrape(agent)['kvpool_tier_evictions_total{pool="default",reason="capacity",'
+                             'tier="dram"}'] == 1
+
+
+def test_leased_and_pinned_chunks_are_never_evicted(tmp_path) -> None:
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="8Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 8)
+        c.pin(keys[0])
+        raw = RawConn(agent.socket_path)
+        lease = raw.call(p.Acquire(1, keys[1]))
+        assert isinstance(lease, p.AcquireReply)
+        fill(c, 6)
+        assert c.get(keys[0]) == keys[0] * (MiB // 16)
+        assert c.get(keys[1]) == keys[1] * (MiB // 16)
+        assert all(c.get(k) is None for k in keys[2:])
+
+
+def test_write_is_refused_when_nothing_can_be_evicted(tmp_path) -> None:
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="4Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 4)
+        for k in keys:
+            c.pin(k)
+        try:
+            c.put(os.urandom(16), b"x" * MiB)
+        except p.ProtocolError as e:
+            assert e.code == p.ErrorCode.NO_SPACE
+            assert "leased or pinned" in e.message
+        else:
+            raise AssertionError("a write into a fully pinned arena succeeded")
+        assert all(c.contains(k) for k in keys)
+
+
+def test_deleted_chunk_under_a_read_lease_stays_readable_until_release(tmp_path) -> None:
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="8Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        k = fill(c, 1)[0]
+        raw = RawConn(agent.socket_path)
+        lease = raw.call(p.Acquire(1, k))
+        assert isinstance(lease, p.AcquireReply)
+        used = c.stats()["tiers"]["dram"]["used_bytes"]
+        assert c.delete(k) and not c.contains(k)
+        assert c.stats()["tiers"]["dram"]["used_bytes"] == used  # bytes still being read
+        raw.call(p.Release(2, lease.lease))
+        assert c.stats()["tiers"]["dram"]["used_bytes"] == used - MiB
