@@ -1,0 +1,263 @@
+"""kvpool's Prometheus recording rules and alerts, generated as a rule file.
+
+The chart ships the output of this module as `charts/kvpool/files/kvpool-rules.yaml` (a
+Prometheus rule file: `groups:`), wrapped into a PrometheusRule by the chart; a test fails
+when the committed file differs. Regenerate it with
+
+    python -m kvpool.operator.alerts > charts/kvpool/files/kvpool-rules.yaml
+
+Every alert has a `for:` duration, a `severity` label, and `summary`, `description` and
+`runbook_url` annotations; the runbook URL points at the alert's section of `docs/runbook.md`
+(its anchor is the alert name in lower case). Agent series carry `pool`, `namespace`, `node`
+and `job="kvpool-agent"` (the chart's PodMonitor adds the last three).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .dashboard import AGENT_JOB
+
+RUNBOOK_BASE_URL = "https://github.com/kvpool/kvpool/blob/main/docs/runbook.md"
+"""Where `docs/runbook.md` is published; the chart's `prometheusRule.runbookBaseURL`
+replaces it for a fork or an internal copy of the runbook."""
+
+HIT_RATIO = "kvpool:block_hit_ratio:rate5m"
+"""Recording rule: keys found in any tier over keys looked up, per namespace and pool."""
+LOOKUP_KEYS = "kvpool:lookup_keys:rate5m"
+"""Recording rule: keys looked up per second, per namespace and pool."""
+
+EVICTION_THRASH_FILL = 0.9
+"""DRAM fill (used over capacity) from which demotions count as thrash."""
+HIT_RATIO_COLLAPSE_FACTOR = 0.5
+"""The hit ratio collapsed when it is below this fraction of its own 1 h average."""
+HIT_RATIO_MIN_KEYS_PER_SECOND = 1
+"""Below this lookup traffic a pool's hit ratio is too noisy to alert on."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str
+    description: str
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{RUNBOOK_BASE_URL}#{self.name.lower()}"
+
+    def rule(self) -> dict[str, Any]:
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.for_,
+            "labels": {"severity": self.severity},
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": self.runbook_url,
+            },
+        }
+
+
+RECORDING_RULES: tuple[tuple[str, str], ...] = (
+    (
+        LOOKUP_KEYS,
+        "sum by (namespace, pool) (rate(kvpool_lookup_keys_total[5m]))",
+    ),
+    (
+        HIT_RATIO,
+        "sum by (namespace, pool) (rate(kvpool_tier_hits_total[5m]))\n"
+        "/\n"
+        "sum by (namespace, pool) (rate(kvpool_lookup_keys_total[5m]))",
+    ),
+)
+
+AGENT_ALERTS: tuple[Alert, ...] = (
+    Alert(
+        name="KVPoolAgentDown",
+        expr=f'up{{job="{AGENT_JOB}"}} == 0',
+        for_="5m",
+        severity="critical",
+        summary="A kvpool agent is down on a node.",
+        description=(
+            "Prometheus has failed to scrape the kvpool agent {{ $labels.pod }} on node "
+            "{{ $labels.node }} (namespace {{ $labels.namespace }}) for 5 minutes. Inference "
+            "pods on that node cannot reach their KV-cache and recompute every prefix."
+        ),
+    ),
+    Alert(
+        name="KVPoolTierUnhealthy",
+        expr='kvpool_tier_healthy{tier!="shared"} == 0',
+        for_="5m",
+        severity="warning",
+        summary="A local kvpool tier is failing.",
+        description=(
+            "The {{ $labels.tier }} tier of pool {{ $labels.pool }} on node {{ $labels.node }} "
+            "has been unhealthy for 5 minutes; the agent serves from its other tiers."
+        ),
+    ),
+    Alert(
+        name="KVPoolSharedTierUnreachable",
+        expr='kvpool_tier_healthy{tier="shared"} == 0',
+        for_="5m",
+        severity="warning",
+        summary="The shared kvpool tier is unreachable.",
+        description=(
+            "The agent of pool {{ $labels.pool }} on node {{ $labels.node }} has not reached "
+            "the shared store for 5 minutes. Local tiers keep serving; chunks from other nodes "
+            "are misses and write-behind uploads are dropped."
+        ),
+    ),
+    Alert(
+        name="KVPoolDRAMNotLocked",
+        expr=(
+            'kvpool_dram_locked_bytes\n< ignoring (tier) kvpool_tier_capacity_bytes{tier="dram"}'
+        ),
+        for_="15m",
+        severity="warning",
+        summary="The kvpool DRAM arena is not locked in memory.",
+        description=(
+            "Only {{ $value | humanize1024 }}B of the DRAM arena of pool {{ $labels.pool }} on "
+            "node {{ $labels.node }} are locked with mlock; the rest may be swapped out, making "
+            "hits slow. The agent needs the IPC_LOCK capability and a large enough memlock "
+            "limit."
+        ),
+    ),
+    Alert(
+        name="KVPoolIntegrityFailures",
+        expr="increase(kvpool_integrity_failures_total[15m]) > 0",
+        for_="1m",
+        severity="critical",
+        summary="kvpool found corrupted chunks.",
+        description=(
+            "{{ $value | humanize }} chunks of the {{ $labels.tier }} tier of pool "
+            "{{ $labels.pool }} on node {{ $labels.node }} failed their checksum in the last "
+            "15 minutes. They were quarantined and served as misses; the storage under the "
+            "tier is suspect."
+        ),
+    ),
+    Alert(
+        name="KVPoolEvictionThrash",
+        expr=(
+            f'kvpool_tier_used_bytes{{tier="dram"}}\n'
+            f'  > {EVICTION_THRASH_FILL} * kvpool_tier_capacity_bytes{{tier="dram"}}\n'
+            "and\n"
+            'increase(kvpool_tier_demotions_total{tier="dram"}[10m])\n'
+            '  > kvpool_tier_chunks{tier="dram"}'
+        ),
+        for_="15m",
+        severity="warning",
+        summary="The kvpool DRAM tier is thrashing.",
+        description=(
+            "The DRAM tier of pool {{ $labels.pool }} on node {{ $labels.node }} has been above "
+            f"{EVICTION_THRASH_FILL:.0%} of its capacity for 15 minutes while demoting more "
+            "chunks every 10 minutes than it holds: chunks leave DRAM before they are reused. "
+            "Grow the DRAM tier or lower the policy's admission into it."
+        ),
+    ),
+    Alert(
+        name="KVPoolWriteBehindDrops",
+        expr="increase(kvpool_shared_dropped_writes_total[5m]) > 0",
+        for_="10m",
+        severity="warning",
+        summary="kvpool is dropping uploads to the shared tier.",
+        description=(
+            "The agent of pool {{ $labels.pool }} on node {{ $labels.node }} dropped "
+            "{{ $value | humanize }} write-behind uploads in the last 5 minutes and has kept "
+            "dropping them for 10 minutes (queue full or store unreachable); other nodes will "
+            "miss those chunks."
+        ),
+    ),
+    Alert(
+        name="KVPoolHitRatioCollapse",
+        expr=(
+            f"{HIT_RATIO}\n"
+            f"  < {HIT_RATIO_COLLAPSE_FACTOR} * avg_over_time({HIT_RATIO}[1h])\n"
+            "and\n"
+            f"{LOOKUP_KEYS} > {HIT_RATIO_MIN_KEYS_PER_SECOND}"
+        ),
+        for_="15m",
+        severity="warning",
+        summary="The kvpool hit ratio collapsed.",
+        description=(
+            "The block hit ratio of pool {{ $labels.pool }} in namespace "
+            "{{ $labels.namespace }} is {{ $value | humanizePercentage }}, less than half of "
+            "its own average over the past hour, for 15 minutes."
+        ),
+    ),
+)
+
+OPERATOR_ALERTS: tuple[Alert, ...] = (
+    Alert(
+        name="KVPoolOperatorReconcileErrors",
+        expr=(
+            "sum by (namespace, kind, reason) "
+            "(rate(kvpool_operator_reconcile_errors_total[5m])) > 0"
+        ),
+        for_="15m",
+        severity="warning",
+        summary="The kvpool operator keeps failing to reconcile.",
+        description=(
+            "The kvpool operator in namespace {{ $labels.namespace }} has been failing to "
+            "reconcile {{ $labels.kind }} resources ({{ $labels.reason }}) for 15 minutes."
+        ),
+    ),
+)
+
+ALERTS: tuple[Alert, ...] = AGENT_ALERTS + OPERATOR_ALERTS
+
+
+def rule_groups() -> dict[str, Any]:
+    """The rule file: `{"groups": [...]}` as Prometheus and the PrometheusRule spec take it."""
+    return {
+        "groups": [
+            {
+                "name": "kvpool.rules",
+                "rules": [{"record": name, "expr": expr} for name, expr in RECORDING_RULES],
+            },
+            {"name": "kvpool-agent", "rules": [a.rule() for a in AGENT_ALERTS]},
+            {"name": "kvpool-operator", "rules": [a.rule() for a in OPERATOR_ALERTS]},
+        ]
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings as literal blocks, so expressions read as written."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def render() -> str:
+    """The rule file text exactly as committed in the chart."""
+    header = "# Generated by `python -m kvpool.operator.alerts`; do not edit.\n"
+    body = yaml.dump(rule_groups(), Dumper=_Dumper, sort_keys=False, width=4096)
+    return header + body
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvpool.operator.alerts [FILE]`: print the rule file, or write FILE."""
+    args = sys.argv[1:] if argv is None else argv
+    text = render()
+    if args:
+        with open(args[0], "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
