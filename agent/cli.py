@@ -43,6 +43,9 @@ def agent(
     arena: Annotated[Path | None, typer.Option(help="Arena file (default under /dev/shm).")] = None,
     metrics_addr: Annotated[str | None, typer.Option(help="host:port for /metrics.")] = None,
     max_chunk: Annotated[str | None, typer.Option(help="Largest chunk, e.g. 64Mi.")] = None,
+    nvme_dir: Annotated[Path | None, typer.Option(help="G3 chunk file directory.")] = None,
+    nvme: Annotated[str | None, typer.Option(help="G3 capacity, e.g. 100Gi.")] = None,
+    policy: Annotated[Path | None, typer.Option(help="TierPolicy YAML (hot-reloaded).")] = None,
     no_lock: Annotated[bool, typer.Option("--no-lock", help="Do not mlock the arena.")] = False,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
 ) -> None:
@@ -67,6 +70,14 @@ def agent(
             dram_cfg["path"] = arena
         if no_lock:
             dram_cfg["lock"] = False
+        if nvme_dir or nvme:
+            current = overrides["tiers"].get("nvme") or {}
+            overrides["tiers"]["nvme"] = {
+                "path": nvme_dir or current.get("path"),
+                "size": nvme or current.get("size") or "10Gi",
+            }
+        if policy:
+            overrides["policy_file"] = policy.resolve()
         cfg = AgentConfig.model_validate(overrides)
     except ConfigError as e:
         _fail(str(e))

@@ -51,8 +51,6 @@ class EvictionOrder(StrEnum):
     """Least recently used."""
     LFU = "lfu"
     """Least frequently used, ties broken by recency."""
-    S3FIFO = "s3fifo"
-    """S3-FIFO: a small probationary FIFO in front of a main FIFO with second chances."""
     PREFIX = "prefix"
     """Prefix-aware LRU: chunks deep in a prefix go before the chunks they extend."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -30,8 +31,9 @@ from . import protocol as p
 from .arena import Arena
 from .config import AgentConfig, ConfigError, load_policy
 from .metrics import AgentMetrics
-from .store import ChunkStore, OpError
+from .store import ChunkStore, OpError, open_journal
 from .tiers.dram import DramTier
+from .tiers.nvme import NvmeTier
 
 log = logging.getLogger("kvpool.agent")
 
@@ -140,6 +142,8 @@ class Connection:
                     await self._hello(req)
                 else:
                     reply = agent.handlers[op](self, req)
+                    if inspect.isawaitable(reply):
+                        reply = await reply
                     await self.send(p.encode(reply))
                 agent.metrics.ops_ok[op].inc()
             except OpError as e:
@@ -190,14 +194,24 @@ class Agent:
         if config.policy_file is not None:
             self.policy = load_policy(config.policy_file)
             self.policy_mtime = config.policy_file.stat().st_mtime
-        self.store = ChunkStore(config, DramTier(self.arena), self.metrics, self.policy)
+        nvme = None
+        if config.tiers.nvme is not None:
+            nvme = NvmeTier(config.tiers.nvme.path, config.tiers.nvme.size)
+        journal, entries = open_journal(config)
+        if not self.arena.reused:
+            entries = []  # a new arena holds nothing the journal describes
+        self.store = ChunkStore(config, DramTier(self.arena), nvme, self.metrics, self.policy,
+                                journal)
+        kept, dropped = self.store.recover(entries)
+        if kept or dropped:
+            log.info("warm restart: %d chunks kept from the arena, %d dropped", kept, dropped)
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
         self.connections: dict[int, Connection] = {}
         self._next_cid = 1
         self.ready = False
         self.metrics.add_state(self._state_samples)
         s = self.store
-        self.handlers: dict[p.Op, Callable[[Connection, Any], p.Reply]] = {
+        self.handlers: dict[p.Op, Callable[[Connection, Any], Any]] = {
             p.Op.LOOKUP: lambda c, r: p.LookupReply(r.rid, *s.lookup(r.keys)),
             p.Op.ALLOC: self._alloc,
             p.Op.COMMIT: self._commit,
@@ -241,13 +255,13 @@ class Agent:
         self.store.unpin(r.key)
         return p.UnpinReply(r.rid)
 
-    def _acquire(self, c: Connection, r: p.Acquire) -> p.AcquireReply:
-        g = self.store.acquire(r.key, c.id)
+    async def _acquire(self, c: Connection, r: p.Acquire) -> p.AcquireReply:
+        g = await self.store.acquire(r.key, c.id)
         return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier)
 
-    def _get(self, c: Connection, r: p.Get) -> p.GetReply:
-        data, chunk = self.store.get(r.key)
-        return p.GetReply(r.rid, data, chunk.checksum, chunk.meta, 2)
+    async def _get(self, c: Connection, r: p.Get) -> p.GetReply:
+        data, digest, meta, tier = await self.store.get(r.key)
+        return p.GetReply(r.rid, data, digest, meta, tier)
 
     def stats(self) -> dict[str, Any]:
         out = self.store.stats()
@@ -308,10 +322,7 @@ class Agent:
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
-            expired = self.store.expire_writes()
-            if expired:
-                log.info("aborted %d write leases idle past %.0fs", expired,
-                         self.config.write_lease_timeout)
+            self.store.expire()
             self._maybe_reload_policy()
 
     def _maybe_reload_policy(self) -> None:
@@ -385,6 +396,9 @@ class Agent:
             for conn in list(self.connections.values()):
                 conn.sock.close()
             await runner.cleanup()
+            self.store.io.shutdown(wait=True)
+            if self.store.journal is not None:
+                self.store.journal.close()
             self.arena.close()
             log.info("kvpool agent stopped")
 

@@ -9,8 +9,6 @@ deleted while read is hidden at once and freed on its last release.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..arena import Arena, ExtentAllocator
@@ -27,6 +25,9 @@ class DramChunk:
     tenant: str
     readers: int = 0
     hits: int = 0
+    last_seq: int = 0
+    depth: int = 0
+    last_access: float = 0.0
     hidden: bool = False
     """Deleted or evicted while read: invisible, freed when the last reader releases."""
 
@@ -54,8 +55,8 @@ class ReadLease:
 class DramTier:
     arena: Arena
     alloc: ExtentAllocator = field(init=False)
-    chunks: OrderedDict[bytes, DramChunk] = field(default_factory=OrderedDict)
-    """Index of visible chunks, least recently used first."""
+    chunks: dict[bytes, DramChunk] = field(default_factory=dict)
+    """Index of visible chunks."""
     writes: dict[int, WriteLease] = field(default_factory=dict)
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: set[bytes] = field(default_factory=set)
@@ -83,15 +84,10 @@ class DramTier:
     def get(self, key: bytes) -> DramChunk | None:
         return self.chunks.get(key)
 
-    def touch(self, chunk: DramChunk) -> None:
-        chunk.hits += 1
-        self.chunks.move_to_end(chunk.key)
-
-    def evictable(self) -> Iterator[DramChunk]:
-        """Visible chunks that may be evicted now, least recently used first."""
-        for chunk in self.chunks.values():
-            if chunk.readers == 0 and chunk.key not in self.pins:
-                yield chunk
+    def protected(self, key: bytes) -> bool:
+        """Pinned or read right now: never evicted."""
+        chunk = self.chunks.get(key)
+        return key in self.pins or (chunk is not None and chunk.readers > 0)
 
     def insert(self, key: bytes, extents: Extents, size: int, checksum: int, meta: bytes,
                tenant: str) -> DramChunk:

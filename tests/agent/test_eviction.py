@@ -13,6 +13,14 @@ from .conftest import RawConn, scrape
 MiB = 1 << 20
 
 
+def capacity_only(tmp_path) -> tuple[str, ...]:
+    """Agent flags for plain LRU with watermarks at the top: only a write that does not
+    fit evicts, so the tests can count exactly what goes."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("tiers:\n  dram: {eviction: lru, highWatermark: 1.0, lowWatermark: 0.99}\n")
+    return ("--no-lock", "--policy", str(policy))
+
+
 def fill(c: KVPoolClient, n: int) -> list[bytes]:
     keys = [os.urandom(16) for _ in range(n)]
     for k in keys:
@@ -21,7 +29,7 @@ def fill(c: KVPoolClient, n: int) -> list[bytes]:
 
 
 def test_least_recently_used_chunk_goes_first(tmp_path) -> None:
-    with LocalAgent("--no-lock", workdir=tmp_path, dram="8Mi") as agent, \
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="8Mi") as agent, \
             KVPoolClient(agent.socket_path) as c:
         keys = fill(c, 8)
         assert c.get(keys[0]) is not None  # keys[1] is now the least recently used
@@ -33,7 +41,7 @@ def test_least_recently_used_chunk_goes_first(tmp_path) -> None:
 
 
 def test_leased_and_pinned_chunks_are_never_evicted(tmp_path) -> None:
-    with LocalAgent("--no-lock", workdir=tmp_path, dram="8Mi") as agent, \
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="8Mi") as agent, \
             KVPoolClient(agent.socket_path) as c:
         keys = fill(c, 8)
         c.pin(keys[0])
@@ -47,7 +55,7 @@ def test_leased_and_pinned_chunks_are_never_evicted(tmp_path) -> None:
 
 
 def test_write_is_refused_when_nothing_can_be_evicted(tmp_path) -> None:
-    with LocalAgent("--no-lock", workdir=tmp_path, dram="4Mi") as agent, \
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="4Mi") as agent, \
             KVPoolClient(agent.socket_path) as c:
         keys = fill(c, 4)
         for k in keys:
@@ -63,7 +71,7 @@ def test_write_is_refused_when_nothing_can_be_evicted(tmp_path) -> None:
 
 
 def test_deleted_chunk_under_a_read_lease_stays_readable_until_release(tmp_path) -> None:
-    with LocalAgent("--no-lock", workdir=tmp_path, dram="8Mi") as agent, \
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="8Mi") as agent, \
             KVPoolClient(agent.socket_path) as c:
         k = fill(c, 1)[0]
         raw = RawConn(agent.socket_path)

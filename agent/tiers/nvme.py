@@ -1,0 +1,189 @@
+"""G3: one file per chunk under the pool's NVMe directory.
+
+A chunk is written to a temporary name and renamed into place, so a crash
+never leaves a half chunk under a real name; leftovers of interrupted writes
+are removed at start. The in-memory index (key -> size and tenant) is rebuilt
+at start from the files' headers alone. Every read verifies the checksum: a
+bad file is moved to `quarantine/` and reported as a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import base
+from .base import ChunkRecord, ChunkTier, IntegrityError
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvc"
+TMP_MARK = ".tmp-"
+
+
+@dataclass(slots=True)
+class NvmeEntry:
+    key: bytes
+    size: int
+    """Bytes the file takes (header + chunk)."""
+    tenant: str
+    hits: int = 0
+    last_seq: int = 0
+    depth: int = 0
+    last_access: float = 0.0
+
+
+class NvmeTier(ChunkTier):
+    name = "nvme"
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        self.root = root
+        self._capacity = capacity
+        self.quarantine = root / "quarantine"
+        self.index: dict[bytes, NvmeEntry] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+        self._unhealthy: str = ""
+        root.mkdir(parents=True, exist_ok=True)
+        self.quarantine.mkdir(exist_ok=True)
+        self.rebuild()
+
+    # -- layout
+
+    def path_of(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.root / h[:2] / f"{h}{SUFFIX}"
+
+    def rebuild(self) -> None:
+        """Index every chunk file by its header; drop leftovers of interrupted writes."""
+        index: dict[bytes, NvmeEntry] = {}
+        used = 0
+        for sub in os.scandir(self.root):
+            if not sub.is_dir() or sub.name == "quarantine":
+                continue
+            for entry in os.scandir(sub.path):
+                if TMP_MARK in entry.name:
+                    os.unlink(entry.path)
+                    continue
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                try:
+                    with open(entry.path, "rb") as f:
+                        head = f.read(base.HEADER_BYTES + 4096 + 256)
+                    h = base.decode_header(head)
+                    size = entry.stat().st_size
+                    if size != h.data_offset + h.size or entry.name != h.key.hex() + SUFFIX:
+                        raise IntegrityError("size or name does not match the header")
+                except (OSError, IntegrityError) as e:
+                    log.warning("quarantining %s at start: %s", entry.path, e)
+                    self._quarantine(Path(entry.path))
+                    continue
+                index[h.key] = NvmeEntry(h.key, size, h.tenant, last_access=entry.stat().st_mtime)
+                used += size
+        with self._lock:
+            self.index, self._used = index, used
+
+    # -- ChunkTier
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def chunks(self) -> int:
+        return len(self.index)
+
+    def set_capacity(self, capacity: int) -> None:
+        self._capacity = capacity
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.index
+
+    def read(self, key: bytes) -> ChunkRecord | None:
+        if key not in self.index:
+            return None
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        try:
+            return base.decode(blob, expect_key=key)
+        except IntegrityError:
+            self._forget(key)
+            self._quarantine(path)
+            raise
+
+    def write(self, rec: ChunkRecord) -> None:
+        path = self.path_of(rec.key)
+        header = base.encode_header(rec)
+        total = len(header) + rec.size
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(rec.data)
+                for buf in (header, view):
+                    written = 0
+                    while written < len(buf):
+                        written += os.write(fd, buf[written:])
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._unhealthy = f"filesystem full: {e.strerror}"
+            raise
+        self._unhealthy = ""
+        with self._lock:
+            old = self.index.get(rec.key)
+            if old is not None:
+                self._used -= old.size
+            self.index[rec.key] = NvmeEntry(rec.key, total, rec.tenant)
+            self._used += total
+
+    def delete(self, key: bytes) -> bool:
+        if not self._forget(key):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_of(key))
+        return True
+
+    def keys(self) -> Iterable[bytes]:
+        return list(self.index)
+
+    def healthy(self) -> tuple[bool, str]:
+        return (not self._unhealthy, self._unhealthy)
+
+    # -- internals
+
+    def _forget(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self.index.pop(key, None)
+            if entry is None:
+                return False
+            self._used -= entry.size
+            return True
+
+    def _quarantine(self, path: Path) -> None:
+        try:
+            os.replace(path, self.quarantine / path.name)
+        except OSError as e:
+            log.error("cannot quarantine %s: %s; deleting it", path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
