@@ -252,17 +252,21 @@ def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
         ("", "services", "create"),
         ("", "secrets", "get"),
         ("", "events", "create"),
-        ("", "nodes", "list"),
+        ("", "nodes", "get"),
+        ("", "nodes", "patch"),
         ("batch", "jobs", "create"),
         ("rbac.authorization.k8s.io", "clusterroles", "create"),
+        ("rbac.authorization.k8s.io", "clusterroles", "delete"),
         ("rbac.authorization.k8s.io", "clusterrolebindings", "create"),
         ("monitoring.coreos.com", "podmonitors", "create"),
         ("", "namespaces", "watch"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }
     assert expected <= granted
-    # Secrets: only get, never list or watch; no escalate/bind anywhere.
+    # Secrets: only get, never list or watch; nodes: no more than the agents are granted;
+    # no escalate/bind anywhere.
     assert {v for g, r, v in granted if r == "secrets"} == {"get"}
+    assert {v for g, r, v in granted if r == "nodes"} == {"get", "patch"}
     assert not {v for _, _, v in granted} & {"escalate", "bind", "impersonate"}
 
 
@@ -503,3 +507,39 @@ def test_notes_tell_the_next_commands(defaults: Rendered, everything: Rendered) 
     assert '"kvpool / Tiered KV-cache"' in everything.notes
     assert '"kvpool" once the Grafana sidecar' in everything.notes
     assert "get kvcachepools example" in everything.notes
+
+
+def _granted(rendered: Rendered) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in rendered.one("ClusterRole")["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_cluster_role_lets_the_operator_apply_everything_it_renders(defaults: Rendered) -> None:
+    """Cross-check with the operator's own render: every object it applies for a pool with
+    all tiers (and a PodMonitor, and the gc Job) can be read, created and patched, and every
+    permission it grants the agents is one it holds (RBAC escalation prevention)."""
+    from kvpool.operator.render import Settings, render, render_gc_job
+
+    docs = list(yaml.safe_load_all((CHART.parents[1] / "docs/examples/pool.yaml").read_text()))
+    pool = parse_pool(next(d for d in docs if d["kind"] == "KVCachePool"))
+    objects = [*render(pool, None, Settings(pod_monitor=True)), render_gc_job(pool)]
+    granted = _granted(defaults)
+    kinds = set()
+    for obj in objects:
+        group = obj["apiVersion"].rpartition("/")[0]
+        resource = obj["kind"].lower() + "s"
+        kinds.add(obj["kind"])
+        verbs = {"get", "create"} if obj["kind"] == "Job" else {"get", "create", "patch"}
+        for verb in verbs:
+            assert (group, resource, verb) in granted, (obj["kind"], verb)
+        for rule in obj.get("rules", []):
+            for g in rule["apiGroups"]:
+                for r in rule["resources"]:
+                    for v in rule["verbs"]:
+                        assert (g, r, v) in granted, f"{obj['kind']} grants {v} {r}"
+    assert {"DaemonSet", "ConfigMap", "ClusterRole", "PodMonitor", "Job"} <= kinds
