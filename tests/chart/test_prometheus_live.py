@@ -266,16 +266,20 @@ class Load:
         data = os.urandom(CHUNK)
         try:
             with KVPoolClient(self.socket_path) as c:
-                prefix: list[bytes] = []
+                keys: list[bytes] = []
                 while not self.stop.is_set() and time.monotonic() < deadline:
                     # Extend a prefix by a chunk, look the prefix up (hits) plus a fresh key
                     # (a miss), read a chunk back. 16 MiB of DRAM fill after ~64 chunks, so
-                    # capacity evictions follow.
+                    # evictions follow (demotions into NVMe when the agent has it); looking
+                    # up and reading chunks from ~100 puts ago then hits the slower tiers.
                     key = os.urandom(16)
                     c.put(key, data)
-                    prefix = [*prefix[-31:], key]
-                    c.lookup([*prefix, os.urandom(16)])
-                    c.get(prefix[0])
+                    keys.append(key)
+                    c.lookup([*keys[-32:], os.urandom(16)])
+                    c.get(keys[-32:][0])
+                    old = keys[max(0, len(keys) - 100) : max(1, len(keys) - 96)]
+                    c.lookup(old)
+                    c.get(old[0])
                     self.lookups += 1
                     time.sleep(0.01)
         except BaseException as e:
@@ -357,6 +361,12 @@ def test_load_shows_as_hits_traffic_and_latency(loaded: Prometheus) -> None:
     assert 0 < value(p99) < 10
     up = value(by_title["Agent up per node"])
     assert up == 1
+    if HAS_NVME:
+        # DRAM overflows into NVMe after ~64 puts; wait (bounded) until the load got there.
+        nvme = f'{dashboard.SEL}, tier="nvme"'
+        for counter in ("kvpool_tier_written_bytes_total", "kvpool_tier_hits_total"):
+            expr = substitute(f"sum(rate({counter}{{{nvme}}}[{RATE_INTERVAL}]))")
+            _wait(lambda e=expr: value(e) > 0, 45, f"{counter} of the nvme tier to rise")
 
 
 # ----------------------------------------------------------------------------- alerts
