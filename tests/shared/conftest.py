@@ -60,6 +60,34 @@ def counter(metrics: AgentMetrics, name: str, **labels: str) -> float:
     return value or 0.0
 
 
+class RestartableMoto:
+    """A moto server on a fixed port that a test can stop (a real outage: the
+    socket closes, connections are refused) and start again; moto keeps its
+    state in-process, so the buckets survive the restart like a real store's."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server: ThreadedMotoServer | None = None
+        self.start()
+
+    def start(self) -> None:
+        assert self._server is None
+        self._server = start_moto(self.port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+@pytest.fixture
+def own_moto() -> Iterator[RestartableMoto]:
+    server = RestartableMoto()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def aws_env() -> Iterator[None]:
     """Dummy credentials, and nothing read from the machine's own AWS files."""
