@@ -13,10 +13,11 @@ import re
 from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
-from kvpool.agent.config import Model, TierPolicy, explain
-from kvpool.agent.units import ByteSize
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from kvpool.agent.config import Model, TierPolicy, explain
+from kvpool.agent.units import ByteSize
 
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"

@@ -18,10 +18,11 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import yaml
-from kvpool.agent.config import TenantPolicy, TierPolicy, TierRules
-from kvpool.agent.units import parse_duration, parse_size
 from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
+
+from kvpool.agent.config import TenantPolicy, TierPolicy, TierRules
+from kvpool.agent.units import parse_duration, parse_size
 
 from . import api
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kvpool.agent import __version__ as _agent_version
 from kvpool.agent.config import (
     AgentConfig,

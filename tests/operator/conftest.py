@@ -21,3 +21,25 @@ def pool_minimal() -> dict[str, Any]:
 @pytest.fixture
 def policy_full() -> dict[str, Any]:
     return example("policy.yaml", "KVTierPolicy")
+
+
+@pytest.fixture
+async def cluster(kmock: Any) -> Any:
+    """The operator, running against the emulator; stopped (bounded) at teardown."""
+    from op_cluster import Cluster, declare_resources, free_port, options_for_tests
+
+    from kvpool.operator.kube import Kube
+
+    declare_resources(kmock)
+    port = free_port()
+    c = Cluster(
+        emulator=kmock,
+        kube=Kube.for_url(str(kmock.url).rstrip("/")),
+        webhook_url=f"http://127.0.0.1:{port}",
+    )
+    c.start(options_for_tests(port))
+    try:
+        await c.wait_ready()
+        yield c
+    finally:
+        await c.shutdown()

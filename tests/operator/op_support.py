@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kvpool.operator.render import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,10 +7,11 @@ import sys
 
 import kubernetes_validate
 import yaml
-from kvpool.operator import crds
-from kvpool.operator.cli import app
 from op_support import EXAMPLES
 from typer.testing import CliRunner
+
+from kvpool.operator import crds
+from kvpool.operator.cli import app
 
 runner = CliRunner()
 

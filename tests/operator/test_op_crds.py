@@ -7,8 +7,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from kvpool.operator import crds
 from op_support import ROOT
+
+from kvpool.operator import crds
 
 
 @pytest.mark.parametrize("crd", crds.crds(), ids=lambda c: c["metadata"]["name"])

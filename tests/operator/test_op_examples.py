@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 from crd_admission import admit
-from kvpool.operator import api, crds
 from op_support import EXAMPLES, load_docs
+
+from kvpool.operator import api, crds
 
 EXAMPLE_FILES = ["pool.yaml", "pool-minimal.yaml", "policy.yaml"]
 

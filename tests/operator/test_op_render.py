@@ -8,10 +8,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from op_support import GOLDEN_SETTINGS, check_golden
+
 from kvpool.agent.config import AgentConfig, TierPolicy
 from kvpool.operator import api, render
 from kvpool.operator.crds import to_yaml
-from op_support import GOLDEN_SETTINGS, check_golden
 
 K8S_VERSION = "1.33.0"
 UID = "6f1e3c1a-2b7d-4c55-9a0e-1d2c3b4a5f60"

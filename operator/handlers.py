@@ -1,0 +1,517 @@
+"""The kopf handlers: thin shells around `render()`, `status` and `webhook.inject()`.
+
+- A pool's create/update/resume (and a periodic resync) applies its render and
+  writes its status; a missing policy or Secret gives `Degraded` with a reason
+  and a retry, an invalid spec gives `Degraded/InvalidSpec` and waits for an edit.
+- A policy's create/update/resume/delete re-reconciles every pool that references it.
+- A change of an agent DaemonSet's status updates its pool's conditions.
+- A pool's deletion runs its finalizer: with `reclaimPolicy: Delete` a Job runs
+  `kvpool gc --shared <url> --all` first; the cluster-scoped RBAC goes last.
+- The mutating webhook `kvpool-inject` injects socket, env and affinity into pods.
+
+Handlers are synchronous (they run in kopf's thread pool) and idempotent:
+every event, including a replayed one, converges to the same objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from kvpool.agent.config import TierPolicy
+
+from . import api, metrics
+from .kube import Kube, KubeError
+from .render import (
+    MANAGED_BY,
+    POOL_LABEL,
+    SECRET_KEYS,
+    Names,
+    Settings,
+    checksum,
+    policy_yaml,
+    render,
+    render_gc_job,
+    socket_path,
+)
+from .status import (
+    DEGRADED,
+    Problem,
+    Reason,
+    changed,
+    keep_transition_times,
+    pool_status,
+    problem_of,
+)
+from .webhook import Rejected, check_pool, inject, requested_pool
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+POOL = (api.GROUP, api.VERSION, api.POOL_PLURAL)
+POLICY = (api.GROUP, api.VERSION, api.POLICY_PLURAL)
+FINALIZER = "kvpool.io/finalizer"
+WEBHOOK_ID = "kvpool-inject"
+
+
+@dataclass
+class Context:
+    """What every handler needs; carried in kopf's memo as `memo.kvpool`."""
+
+    kube: Kube
+    settings: Settings
+    retry_delay: float = 30.0
+    """Seconds before a pool with a problem (missing policy/Secret, API error) is retried."""
+    gc_poll: float = 10.0
+    """Seconds between checks of a running garbage-collection Job."""
+    connection: kopf.ConnectionInfo | None = None
+    """Where kopf connects; None: the in-cluster or kubeconfig login."""
+
+
+def context(memo: Any) -> Context:
+    ctx = memo["kvpool"]
+    assert isinstance(ctx, Context)
+    return ctx
+
+
+# --------------------------------------------------------------------------- reconcile
+
+
+def _resolve_policy(
+    kube: Kube, pool: api.KVCachePool
+) -> tuple[api.KVTierPolicy | None, api.ResolvedPolicy]:
+    ref = pool.spec.policy_ref
+    if ref is None:
+        return None, api.ResolvedPolicy(name="", checksum=checksum(policy_yaml(TierPolicy())))
+    ns = pool.metadata.namespace
+    body = kube.get(api.API_VERSION, api.POLICY_KIND, ns, ref.name)
+    if body is None:
+        raise Problem(
+            Reason.POLICY_NOT_FOUND,
+            f"KVTierPolicy {ref.name!r} (spec.policyRef) not found in namespace {ns!r}",
+        )
+    try:
+        policy = api.parse_policy(body)
+    except api.InvalidSpec as e:
+        raise Problem(Reason.INVALID_POLICY, str(e)) from e
+    return policy, api.ResolvedPolicy(
+        name=ref.name,
+        generation=policy.metadata.generation,
+        checksum=checksum(policy_yaml(policy.spec)),
+    )
+
+
+def _check_secret(kube: Kube, pool: api.KVCachePool) -> None:
+    shared = pool.spec.tiers.shared
+    if shared is None or not shared.credentials_secret:
+        return
+    ns, name = pool.metadata.namespace, shared.credentials_secret
+    secret = kube.get("v1", "Secret", ns, name)
+    if secret is None:
+        raise Problem(
+            Reason.SECRET_NOT_FOUND,
+            f"Secret {name!r} (spec.tiers.shared.credentialsSecret) not found in namespace {ns!r}",
+        )
+    keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
+    missing = [k for k in SECRET_KEYS if k not in keys]
+    if missing:
+        raise Problem(
+            Reason.SECRET_KEY_MISSING,
+            f"Secret {name!r} has no key {', '.join(missing)} (needed by the shared tier)",
+        )
+
+
+def _write_status(kube: Kube, body: Mapping[str, Any], status: dict[str, Any]) -> None:
+    """Merge `status` into the live pool's, if it changes anything.
+
+    Reconciles of one pool can overlap (its own handler, its policy's handler, its
+    DaemonSet's events), each computed from the body it was given; transition times
+    are taken from the live object, so a condition that did not change keeps its time.
+    """
+    meta = body["metadata"]
+    live = kube.get(api.API_VERSION, api.POOL_KIND, meta["namespace"], meta["name"])
+    if live is None:
+        return
+    current = live.get("status") or {}
+    if "conditions" in status:
+        status["conditions"] = keep_transition_times(
+            status["conditions"], current.get("conditions") or []
+        )
+    if changed(current, status):
+        kube.patch(
+            api.API_VERSION,
+            api.POOL_KIND,
+            meta["namespace"],
+            meta["name"],
+            {"status": status},
+            subresource="status",
+        )
+
+
+def _daemon_set(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return kube.get("apps/v1", "DaemonSet", namespace, Names(namespace, name).agent)
+    except KubeError:
+        return None
+
+
+def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> None:
+    """Apply the pool's render and write its status; raise kopf errors on problems."""
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    generation = meta.get("generation")
+    previous = (body.get("status") or {}).get("conditions") or []
+    pool: api.KVCachePool | None = None
+    with metrics.timed(api.POOL_KIND):
+        try:
+            try:
+                pool = api.parse_pool(body)
+            except api.InvalidSpec as e:
+                raise Problem(Reason.INVALID_SPEC, str(e)) from e
+            policy, resolved = _resolve_policy(ctx.kube, pool)
+            _check_secret(ctx.kube, pool)
+            objects = render(pool, policy, ctx.settings)
+            for obj in objects:
+                try:
+                    result = ctx.kube.apply(obj)
+                except KubeError as e:
+                    raise Problem(
+                        Reason.APPLY_FAILED, f"{obj['kind']} {obj['metadata']['name']}: {e}"
+                    ) from e
+                if result != "unchanged":
+                    logger.info("%s %s %s", obj["kind"], obj["metadata"]["name"], result)
+        except Problem as problem:
+            metrics.failed(api.POOL_KIND, problem.reason)
+            status = pool_status(
+                pool=pool,
+                generation=generation,
+                daemon_set=_daemon_set(ctx.kube, ns, name),
+                problem=problem,
+                previous=previous,
+            )
+            try:
+                _write_status(ctx.kube, body, status)
+            except KubeError as e:
+                logger.warning("cannot write the status: %s", e)
+            if problem.reason == Reason.INVALID_SPEC:
+                # Nothing to retry until the spec is edited (which triggers an update).
+                raise kopf.PermanentError(str(problem)) from problem
+            raise kopf.TemporaryError(str(problem), delay=ctx.retry_delay) from problem
+        status = pool_status(
+            pool=pool,
+            generation=generation,
+            daemon_set=_daemon_set(ctx.kube, ns, name),
+            problem=None,
+            previous=previous,
+            policy=resolved,
+            socket=socket_path(pool),
+        )
+        try:
+            _write_status(ctx.kube, body, status)
+        except KubeError as e:
+            metrics.failed(api.POOL_KIND, Reason.APPLY_FAILED)
+            raise kopf.TemporaryError(f"cannot write the status: {e}", delay=5) from e
+    metrics.succeeded(api.POOL_KIND)
+
+
+def refresh_pool_status(
+    ctx: Context, body: Mapping[str, Any], daemon_set: Mapping[str, Any]
+) -> None:
+    """Update a pool's rollout fields and conditions from its DaemonSet; keep any problem."""
+    current = body.get("status") or {}
+    previous = current.get("conditions") or []
+    try:
+        pool: api.KVCachePool | None = api.parse_pool(body)
+    except api.InvalidSpec:
+        pool = None
+    status = pool_status(
+        pool=pool,
+        generation=current.get("observedGeneration"),
+        daemon_set=daemon_set,
+        problem=problem_of(previous),
+        previous=previous,
+    )
+    _write_status(ctx.kube, body, status)
+
+
+def _pools_using(ctx: Context, namespace: str, policy: str) -> list[dict[str, Any]]:
+    pools = ctx.kube.list(api.API_VERSION, api.POOL_KIND, namespace)
+    return [
+        p
+        for p in pools
+        if ((p.get("spec") or {}).get("policyRef") or {}).get("name") == policy
+        and not (p.get("metadata") or {}).get("deletionTimestamp")
+    ]
+
+
+def propagate_policy(
+    ctx: Context, namespace: str, name: str, body: Mapping[str, Any] | None, logger: Logger
+) -> None:
+    """Re-reconcile every pool of `namespace` that references policy `name`."""
+    with metrics.timed(api.POLICY_KIND):
+        try:
+            pools = _pools_using(ctx, namespace, name)
+        except KubeError as e:
+            metrics.failed(api.POLICY_KIND, Reason.APPLY_FAILED)
+            raise kopf.TemporaryError(f"cannot list pools: {e}", delay=ctx.retry_delay) from e
+        for pool in pools:
+            try:
+                reconcile_pool(ctx, pool, logger)
+            except (kopf.TemporaryError, kopf.PermanentError) as e:
+                # The pool's own status and retries carry it from here.
+                logger.warning("pool %s: %s", pool["metadata"]["name"], e)
+        if body is None:
+            metrics.succeeded(api.POLICY_KIND)
+            return
+        status: dict[str, Any] = {"pools": sorted(p["metadata"]["name"] for p in pools)}
+        try:
+            policy = api.parse_policy(body)
+        except api.InvalidSpec as e:
+            metrics.failed(api.POLICY_KIND, Reason.INVALID_POLICY)
+            raise kopf.PermanentError(str(e)) from e
+        status["checksum"] = checksum(policy_yaml(policy.spec))
+        if policy.metadata.generation is not None:
+            status["observedGeneration"] = policy.metadata.generation
+        if changed(body.get("status"), status):
+            try:
+                ctx.kube.patch(
+                    api.API_VERSION, api.POLICY_KIND, namespace, name, {"status": status}, "status"
+                )
+            except KubeError as e:
+                metrics.failed(api.POLICY_KIND, Reason.APPLY_FAILED)
+                raise kopf.TemporaryError(str(e), delay=5) from e
+    metrics.succeeded(api.POLICY_KIND)
+
+
+# --------------------------------------------------------------------------- deletion
+
+
+def _job_failed(job: Mapping[str, Any]) -> str | None:
+    st = job.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            return str(c.get("message") or c.get("reason") or "failed")
+    backoff = (job.get("spec") or {}).get("backoffLimit", 6)
+    if int(st.get("failed") or 0) > int(backoff):
+        return f"{st.get('failed')} failed attempts"
+    return None
+
+
+def _job_succeeded(job: Mapping[str, Any]) -> bool:
+    st = job.get("status") or {}
+    if int(st.get("succeeded") or 0) >= 1:
+        return True
+    return any(
+        c.get("type") == "Complete" and c.get("status") == "True"
+        for c in st.get("conditions") or []
+    )
+
+
+def collect_garbage(ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any]) -> None:
+    """Run the gc Job to completion; raise kopf.TemporaryError until it succeeded."""
+    shared = pool.spec.tiers.shared
+    assert shared is not None
+    ns = pool.metadata.namespace
+    job_name = Names(ns, pool.metadata.name).gc_job
+    previous = (body.get("status") or {}).get("conditions") or []
+    job = ctx.kube.get("batch/v1", "Job", ns, job_name)
+    if job is None:
+        ctx.kube.create(render_gc_job(pool, ctx.settings))
+        _write_status(
+            ctx.kube,
+            body,
+            pool_status(
+                pool=pool,
+                generation=(body.get("status") or {}).get("observedGeneration"),
+                daemon_set=_daemon_set(ctx.kube, ns, pool.metadata.name),
+                problem=None,
+                previous=previous,
+                deleting=True,
+            ),
+        )
+        raise kopf.TemporaryError(f"deleting {shared.url} (Job {job_name})", delay=ctx.gc_poll)
+    if _job_succeeded(job):
+        return
+    failure = _job_failed(job)
+    if failure is None:
+        raise kopf.TemporaryError(f"waiting for Job {job_name}", delay=ctx.gc_poll)
+    problem = Problem(
+        Reason.GC_FAILED,
+        f"Job {job_name} could not delete {shared.url}: {failure}. Fix the cause "
+        f"(credentials, endpoint) and delete the Job to retry, or set "
+        f"spec.tiers.shared.reclaimPolicy to Retain to keep the chunks.",
+    )
+    metrics.failed(api.POOL_KIND, problem.reason)
+    _write_status(
+        ctx.kube,
+        body,
+        pool_status(
+            pool=pool,
+            generation=(body.get("status") or {}).get("observedGeneration"),
+            daemon_set=None,
+            problem=problem,
+            previous=previous,
+            deleting=True,
+        ),
+    )
+    raise kopf.TemporaryError(str(problem), delay=ctx.retry_delay)
+
+
+def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> None:
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    try:
+        pool: api.KVCachePool | None = api.parse_pool(body)
+    except api.InvalidSpec:
+        pool = None  # nothing was rendered for it beyond what the names say
+    try:
+        shared = pool.spec.tiers.shared if pool is not None else None
+        if pool is not None and shared is not None and shared.reclaim_policy == "Delete":
+            collect_garbage(ctx, pool, body)
+            logger.info("deleted the pool's chunks in %s", shared.url)
+        # Cluster-scoped objects cannot be owned by the pool: delete them here.
+        names = Names(ns, name)
+        for kind in ("ClusterRoleBinding", "ClusterRole"):
+            ctx.kube.delete("rbac.authorization.k8s.io/v1", kind, None, names.cluster_role)
+    except KubeError as e:
+        raise kopf.TemporaryError(str(e), delay=ctx.retry_delay) from e
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def build_registry(
+    *, resync_seconds: float | None = 300.0, webhook: bool = True
+) -> kopf.OperatorRegistry:
+    """A registry with every kvpool handler (one per operator run, or shared by tests)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(*, memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        ctx = context(memo)
+        if ctx.connection is not None:
+            return ctx.connection
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.resume(*POOL, registry=registry)
+    @kopf.on.create(*POOL, registry=registry)
+    @kopf.on.update(*POOL, registry=registry)
+    def pool_changed(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+        reconcile_pool(context(memo), body, logger)
+
+    if resync_seconds:
+
+        @kopf.timer(*POOL, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+        def pool_resync(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+            if not body.metadata.get("deletionTimestamp"):
+                reconcile_pool(context(memo), body, logger)
+
+    @kopf.on.delete(*POOL, registry=registry)
+    def pool_deleted(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+        finalize_pool(context(memo), body, logger)
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "daemonsets",
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/component": "agent"},
+        registry=registry,
+    )
+    def daemon_set_changed(
+        *, event: kopf.RawEvent, body: kopf.Body, memo: Any, logger: Logger, **_: Any
+    ) -> None:
+        ctx = context(memo)
+        ns = body.metadata.namespace
+        name = body.metadata.labels.get(POOL_LABEL)
+        if not ns or not name:
+            return
+        try:
+            pool = ctx.kube.get(api.API_VERSION, api.POOL_KIND, ns, name)
+            if pool is None or pool["metadata"].get("deletionTimestamp"):
+                return
+            if event.get("type") == "DELETED":
+                reconcile_pool(ctx, pool, logger)  # someone deleted it: put it back
+            else:
+                refresh_pool_status(ctx, pool, body)
+        except (KubeError, kopf.TemporaryError, kopf.PermanentError) as e:
+            logger.warning("pool %s: %s", name, e)
+
+    @kopf.on.resume(*POLICY, registry=registry)
+    @kopf.on.create(*POLICY, registry=registry)
+    @kopf.on.update(*POLICY, registry=registry)
+    def policy_changed(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+        propagate_policy(
+            context(memo), body.metadata.namespace or "", body.metadata.name or "", body, logger
+        )
+
+    @kopf.on.event(*POLICY, registry=registry)
+    def policy_event(
+        *, event: kopf.RawEvent, body: kopf.Body, memo: Any, logger: Logger, **_: Any
+    ) -> None:
+        if event.get("type") != "DELETED":
+            return
+        try:
+            propagate_policy(
+                context(memo), body.metadata.namespace or "", body.metadata.name or "", None, logger
+            )
+        except (kopf.TemporaryError, kopf.PermanentError) as e:
+            logger.warning("%s", e)
+
+    if webhook:
+
+        @kopf.index(*POOL, id="pools_by_name", registry=registry)
+        def pools_by_name(*, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+            return {(body.metadata.namespace or "", body.metadata.name or ""): dict(body)}
+
+        @kopf.on.mutate(
+            "v1",
+            "pods",
+            id=WEBHOOK_ID,
+            operations=["CREATE"],
+            annotations={api.POOL_ANNOTATION: kopf.PRESENT},
+            registry=registry,
+        )
+        def inject_pod(*, body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
+            # kopf passes the index under its id.
+            mutate_pod(body, patch, kwargs["pools_by_name"])
+
+    return registry
+
+
+def mutate_pod(
+    body: Mapping[str, Any],
+    patch: kopf.Patch,
+    pools: Mapping[tuple[str, str], Any],
+) -> None:
+    """The webhook's work: find the pool the pod names, and inject it (or reject the pod)."""
+    pool_name = requested_pool(body)
+    if pool_name is None:
+        return
+    namespace = str((body.get("metadata") or {}).get("namespace") or "")
+    found = pools.get((namespace, pool_name))
+    pool_body = next(iter(found), None) if found is not None else None
+    try:
+        pool = check_pool(pool_name, namespace, pool_body)
+        inject(copy.deepcopy(dict(body)), pool)  # validates the tenant before the patch is built
+    except Rejected as e:
+        raise kopf.AdmissionError(str(e), code=400) from e
+    patch.fns.append(lambda raw: inject(raw, pool))  # type: ignore[arg-type]
+
+
+__all__ = [
+    "DEGRADED",
+    "FINALIZER",
+    "WEBHOOK_ID",
+    "Context",
+    "build_registry",
+    "context",
+    "finalize_pool",
+    "mutate_pod",
+    "propagate_policy",
+    "reconcile_pool",
+    "refresh_pool_status",
+]

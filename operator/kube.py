@@ -1,0 +1,268 @@
+"""A small, typed Kubernetes client for the kinds the operator manages.
+
+It speaks JSON to the API server through the `kubernetes` package's
+`ApiClient` (which handles kubeconfig, in-cluster tokens and TLS), with
+generic paths instead of one generated class per kind. `apply()` is
+create-or-merge-patch and changes nothing when the live object already holds
+every field the operator renders — so a second reconcile is a no-op.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, cast
+
+import kubernetes
+
+from . import api
+
+Manifest = dict[str, Any]
+
+_PLURALS: dict[str, tuple[str, bool]] = {
+    "ConfigMap": ("configmaps", True),
+    "Secret": ("secrets", True),
+    "Service": ("services", True),
+    "ServiceAccount": ("serviceaccounts", True),
+    "Pod": ("pods", True),
+    "Node": ("nodes", False),
+    "Event": ("events", True),
+    "DaemonSet": ("daemonsets", True),
+    "Job": ("jobs", True),
+    "ClusterRole": ("clusterroles", False),
+    "ClusterRoleBinding": ("clusterrolebindings", False),
+    "PodMonitor": ("podmonitors", True),
+    api.POOL_KIND: (api.POOL_PLURAL, True),
+    api.POLICY_KIND: (api.POLICY_PLURAL, True),
+}
+
+
+_OWNED_MAPS: tuple[tuple[str, ...], ...] = (
+    ("data",),
+    ("spec", "template", "spec", "nodeSelector"),
+)
+"""Maps the operator owns entirely: keys it no longer renders are removed from live objects."""
+
+
+def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def removals(live: Manifest, desired: Manifest) -> Manifest:
+    """A merge patch (of `None`s) removing keys of owned maps that `desired` no longer has."""
+    patch: Manifest = {}
+    for path in _OWNED_MAPS:
+        live_map = _dig(live, path)
+        if not isinstance(live_map, Mapping):
+            continue
+        desired_map = _dig(desired, path)
+        if not isinstance(_dig(desired, path[:-1]), Mapping):
+            continue  # the parent is not rendered at all: not ours to trim
+        gone = [k for k in live_map if not isinstance(desired_map, Mapping) or k not in desired_map]
+        if not gone:
+            continue
+        node = patch
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        if isinstance(desired_map, Mapping):
+            node[path[-1]] = {k: None for k in gone}
+        else:
+            node[path[-1]] = None
+    return patch
+
+
+def _merge(base: Manifest, extra: Manifest) -> Manifest:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+class KubeError(Exception):
+    """An API call failed; `status` is the HTTP status (0 when there was no response)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Applied(StrEnum):
+    CREATED = "created"
+    PATCHED = "patched"
+    UNCHANGED = "unchanged"
+
+
+def path_of(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    """The REST path of a kind (collection) or one object."""
+    try:
+        plural, namespaced = _PLURALS[kind]
+    except KeyError:
+        raise KubeError(f"unknown kind {kind}") from None
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespaced:
+        if not namespace:
+            raise KubeError(f"{kind} {name} needs a namespace")
+        base += f"/namespaces/{namespace}"
+    path = f"{base}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """Whether `live` already holds every field of `desired` (lists: same length, itemwise).
+
+    The API server adds defaults (e.g. `imagePullPolicy`, `terminationMessagePath`), so
+    equality would always fail; a merge patch with `desired` would change nothing exactly
+    when this is true.
+    """
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
+            k in live and contains(live[k], v) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(contains(a, b) for a, b in zip(live, desired, strict=True))
+        )
+    if isinstance(desired, bool) or isinstance(live, bool):
+        return live is desired
+    return bool(live == desired)
+
+
+@dataclass
+class Kube:
+    """Typed calls on one API server."""
+
+    client: kubernetes.client.ApiClient
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster service account, else the local kubeconfig."""
+        config = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=config)
+        return cls(kubernetes.client.ApiClient(config))
+
+    @classmethod
+    def for_url(cls, url: str, *, verify_ssl: bool = True) -> Kube:
+        config = kubernetes.client.Configuration()
+        config.host = url
+        config.verify_ssl = verify_ssl
+        return cls(kubernetes.client.ApiClient(config))
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> Manifest:
+        try:
+            data = self.client.call_api(
+                path,
+                method,
+                query_params=query or [],
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                body=body,
+                response_types_map={200: "object", 201: "object", 202: "object"},
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _preload_content=True,
+                _request_timeout=30,
+            )
+        except kubernetes.client.exceptions.ApiException as e:
+            raise KubeError(f"{method} {path}: {e.status} {e.reason}", e.status or 0) from e
+        except OSError as e:  # urllib3 wraps most transport errors into OSError subclasses
+            raise KubeError(f"{method} {path}: {e}") from e
+        return cast(Manifest, data or {})
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
+        try:
+            return self._call("GET", path_of(api_version, kind, namespace, name))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, labels: Mapping[str, str] = {}
+    ) -> list[Manifest]:
+        """Objects of a kind, filtered by labels here too (some servers ignore selectors)."""
+        query = []
+        if labels:
+            query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items())))
+        data = self._call("GET", path_of(api_version, kind, namespace), query=query)
+        items = cast(list[Manifest], data.get("items") or [])
+        return [
+            i
+            for i in items
+            if all(
+                ((i.get("metadata") or {}).get("labels") or {}).get(k) == v
+                for k, v in labels.items()
+            )
+        ]
+
+    def create(self, obj: Manifest) -> Manifest:
+        meta = obj["metadata"]
+        path = path_of(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        return self._call("POST", path, body=obj)
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        patch: Manifest,
+        subresource: str | None = None,
+    ) -> Manifest:
+        """A JSON merge patch (lists are replaced; `None` removes a key)."""
+        path = path_of(api_version, kind, namespace, name)
+        if subresource:
+            path += f"/{subresource}"
+        return self._call("PATCH", path, body=patch, content_type="application/merge-patch+json")
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        """Delete in the background; False if it was already gone."""
+        try:
+            self._call(
+                "DELETE",
+                path_of(api_version, kind, namespace, name),
+                body={"propagationPolicy": "Background"},
+            )
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def apply(self, obj: Manifest) -> Applied:
+        """Create, or merge-patch the fields that differ; nothing if none differ."""
+        meta = obj["metadata"]
+        ident = (obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        live = self.get(*ident)
+        if live is None:
+            try:
+                self.create(obj)
+                return Applied.CREATED
+            except KubeError as e:
+                if e.status != 409:
+                    raise
+                live = self.get(*ident) or {}
+        desired = copy.deepcopy(obj)
+        trim = removals(live, desired)
+        if contains(live, desired) and not trim:
+            return Applied.UNCHANGED
+        self.patch(*ident, _merge(desired, trim))
+        return Applied.PATCHED

@@ -1,0 +1,281 @@
+"""A pool's status, computed from what the operator observed: pure functions.
+
+Conditions (Kubernetes API conventions: `type`, `status`, CamelCase `reason`,
+`message`, `observedGeneration`, `lastTransitionTime`):
+
+- `Ready`: every desired node runs a ready agent of the current template.
+- `Progressing`: the agent DaemonSet is rolling out (or being created).
+- `Degraded`: something the user must fix — the reason says what.
+
+A problem found while reconciling (missing policy or Secret, invalid spec, an
+API error, a failed garbage-collection Job) is kept in `Degraded` until a
+reconcile succeeds; the DaemonSet's rollout drives `Ready` and `Progressing`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.agent.units import format_size
+
+from . import api
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+
+
+class Reason:
+    """Every reason a pool's conditions can carry (documented in docs/operator.md)."""
+
+    AGENTS_READY = "AgentsReady"
+    AGENTS_NOT_READY = "AgentsNotReady"
+    NO_NODES = "NoMatchingNodes"
+    CREATING = "Creating"
+    ROLLING_OUT = "RollingOut"
+    ROLLOUT_COMPLETE = "RolloutComplete"
+    AS_EXPECTED = "AsExpected"
+    DELETING = "Deleting"
+    # Problems (Degraded=True):
+    POLICY_NOT_FOUND = "PolicyNotFound"
+    INVALID_POLICY = "InvalidPolicy"
+    SECRET_NOT_FOUND = "SecretNotFound"
+    SECRET_KEY_MISSING = "SecretKeyMissing"
+    INVALID_SPEC = "InvalidSpec"
+    APPLY_FAILED = "ApplyFailed"
+    GC_FAILED = "GarbageCollectionFailed"
+
+
+PROBLEM_REASONS = (
+    Reason.POLICY_NOT_FOUND,
+    Reason.INVALID_POLICY,
+    Reason.SECRET_NOT_FOUND,
+    Reason.SECRET_KEY_MISSING,
+    Reason.INVALID_SPEC,
+    Reason.APPLY_FAILED,
+    Reason.GC_FAILED,
+)
+
+
+@dataclass
+class Problem(Exception):
+    """Why a pool cannot be reconciled; ends up as `Degraded=True` with this reason."""
+
+    reason: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"
+
+
+def now_rfc3339() -> str:
+    return (
+        datetime.datetime.now(datetime.UTC)
+        .replace(microsecond=0)
+        .isoformat()
+        .replace("+00:00", "Z")
+    )
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The agent DaemonSet's rollout, from its status."""
+
+    exists: bool
+    desired: int = 0
+    ready: int = 0
+    updated: int = 0
+    available: int = 0
+    current_generation: bool = True
+    reported: bool = False
+    """The DaemonSet controller has written a status."""
+
+    @classmethod
+    def of(cls, daemon_set: Mapping[str, Any] | None) -> Rollout:
+        if daemon_set is None:
+            return cls(exists=False)
+        st = daemon_set.get("status") or {}
+        generation = (daemon_set.get("metadata") or {}).get("generation")
+        observed = st.get("observedGeneration")
+        return cls(
+            exists=True,
+            desired=int(st.get("desiredNumberScheduled") or 0),
+            ready=int(st.get("numberReady") or 0),
+            updated=int(st.get("updatedNumberScheduled") or 0),
+            available=int(st.get("numberAvailable") or 0),
+            # Without generations (some test servers) the status counts are all we have.
+            current_generation=generation is None or (observed or 0) >= generation,
+            reported="desiredNumberScheduled" in st,
+        )
+
+    @property
+    def observed(self) -> bool:
+        """The DaemonSet controller has reported on the current template."""
+        return self.exists and self.current_generation and self.reported
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.observed
+            and self.updated == self.desired
+            and self.ready == self.desired
+            and self.available == self.desired
+        )
+
+
+def problem_of(conditions: Sequence[Mapping[str, Any]]) -> Problem | None:
+    """The reconcile problem recorded in existing conditions, if any."""
+    for c in conditions:
+        if c.get("type") == DEGRADED and c.get("status") == "True":
+            reason = str(c.get("reason", ""))
+            if reason in PROBLEM_REASONS:
+                return Problem(reason, str(c.get("message", "")))
+    return None
+
+
+def _condition(
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+    previous: Mapping[str, Mapping[str, Any]],
+    now: str,
+) -> dict[str, Any]:
+    text = "True" if status else "False"
+    before = previous.get(type_)
+    since = now
+    if before is not None and before.get("status") == text and before.get("lastTransitionTime"):
+        since = str(before["lastTransitionTime"])
+    cond: dict[str, Any] = {"type": type_, "status": text, "reason": reason, "message": message}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    cond["lastTransitionTime"] = since
+    return cond
+
+
+def conditions(
+    rollout: Rollout,
+    problem: Problem | None,
+    generation: int | None,
+    previous: Sequence[Mapping[str, Any]] = (),
+    now: str | None = None,
+    deleting: bool = False,
+) -> list[dict[str, Any]]:
+    """Ready, Progressing and Degraded for this observation."""
+    now = now or now_rfc3339()
+    prev = {str(c.get("type")): c for c in previous}
+
+    def cond(type_: str, status: bool, reason: str, message: str) -> dict[str, Any]:
+        return _condition(type_, status, reason, message, generation, prev, now)
+
+    nodes = f"{rollout.ready}/{rollout.desired} agents ready, {rollout.updated} updated"
+    if problem is not None:
+        ready = cond(READY, False, problem.reason, problem.message)
+    elif not rollout.exists:
+        ready = cond(READY, False, Reason.CREATING, "the agent DaemonSet is being created")
+    elif rollout.observed and rollout.desired == 0:
+        ready = cond(
+            READY,
+            False,
+            Reason.NO_NODES,
+            "no node matches the pool's nodeSelector and tolerations",
+        )
+    elif rollout.complete and rollout.desired > 0:
+        ready = cond(READY, True, Reason.AGENTS_READY, nodes)
+    else:
+        ready = cond(READY, False, Reason.AGENTS_NOT_READY, nodes)
+
+    if deleting:
+        progressing = cond(PROGRESSING, True, Reason.DELETING, "the pool is being deleted")
+    elif problem is not None:
+        progressing = cond(PROGRESSING, False, problem.reason, "blocked: " + problem.message)
+    elif not rollout.exists:
+        progressing = cond(PROGRESSING, True, Reason.CREATING, "creating the agent DaemonSet")
+    elif rollout.complete:
+        progressing = cond(PROGRESSING, False, Reason.ROLLOUT_COMPLETE, nodes)
+    else:
+        progressing = cond(PROGRESSING, True, Reason.ROLLING_OUT, nodes)
+
+    if problem is not None:
+        degraded = cond(DEGRADED, True, problem.reason, problem.message)
+    else:
+        degraded = cond(DEGRADED, False, Reason.AS_EXPECTED, "")
+    return [ready, progressing, degraded]
+
+
+def capacity(pool: api.KVCachePool, desired: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tiers = pool.spec.tiers
+    sizes = {
+        "dram": tiers.dram.size if tiers.dram else None,
+        "nvme": tiers.nvme.size if tiers.nvme else None,
+    }
+    for tier, size in sizes.items():
+        if size is not None:
+            out[tier] = {"perNode": format_size(size), "total": format_size(size * desired)}
+    return out
+
+
+def pool_status(
+    *,
+    pool: api.KVCachePool | None,
+    generation: int | None,
+    daemon_set: Mapping[str, Any] | None,
+    problem: Problem | None,
+    previous: Sequence[Mapping[str, Any]] = (),
+    policy: api.ResolvedPolicy | None = None,
+    socket: str | None = None,
+    now: str | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
+    """The status to merge into the pool (keys left out are left as they are)."""
+    rollout = Rollout.of(daemon_set)
+    status: dict[str, Any] = {
+        "conditions": conditions(rollout, problem, generation, previous, now, deleting),
+        "nodes": {
+            "desired": rollout.desired,
+            "ready": rollout.ready,
+            "updated": rollout.updated,
+            "available": rollout.available,
+        },
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    if pool is not None:
+        status["tiers"] = "+".join(pool.spec.tiers.enabled())
+        status["capacity"] = capacity(pool, rollout.desired)
+    if policy is not None:
+        status["policy"] = policy.to_wire()
+    if socket is not None:
+        status["socket"] = socket
+    return status
+
+
+def keep_transition_times(
+    new: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """`new` conditions, with the live `lastTransitionTime` where the status did not change."""
+    before = {str(c.get("type")): c for c in live}
+    out = []
+    for c in new:
+        c = dict(c)
+        old = before.get(str(c.get("type")))
+        if (
+            old is not None
+            and old.get("status") == c.get("status")
+            and old.get("lastTransitionTime")
+        ):
+            c["lastTransitionTime"] = old["lastTransitionTime"]
+        out.append(c)
+    return out
+
+
+def changed(current: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether merging `new` into `current` status would change anything."""
+    current = current or {}
+    return any(current.get(k) != v for k, v in new.items())

@@ -1,0 +1,123 @@
+"""Pod injection: what the mutating webhook adds to a pod annotated `kvpool.io/pool`.
+
+`inject(pod, pool)` is pure: it edits a pod manifest in place (and is
+idempotent), so the kopf handler in `handlers.py` only looks up the pool and
+turns the edit into the admission response's JSON patch.
+
+A pod of pool `<ns>/<name>` gets:
+
+- the pool's socket directory (a hostPath) mounted at the same path in every
+  container;
+- env `KVPOOL_SOCKET` (the agent socket), `KVPOOL_POOL` (`<ns>.<name>`),
+  `KVPOOL_TENANT` (annotation `kvpool.io/tenant`, default the namespace) and
+  `KVPOOL_CHUNK_TOKENS` (the pool's chunk size, part of the fingerprint);
+- a required node affinity on `pool.kvpool.io/<ns>.<name>=ready`, the label
+  the pool's agent puts on its node once it serves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from . import api
+from .render import socket_dir, socket_path
+
+SOCKET_VOLUME = "kvpool-socket"
+INJECTED_ANNOTATION = "kvpool.io/injected"
+_TENANT = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+class Rejected(ValueError):
+    """The pod cannot join the pool it names; the message says why."""
+
+
+def requested_pool(pod: Mapping[str, Any]) -> str | None:
+    """The pool a pod asks for (annotation `kvpool.io/pool`), if any."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(api.POOL_ANNOTATION)
+    return str(value) if value is not None else None
+
+
+def tenant_of(pod: Mapping[str, Any], namespace: str) -> str:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    tenant = str(annotations.get(api.TENANT_ANNOTATION) or namespace)
+    if len(tenant) > 63 or not _TENANT.match(tenant):
+        raise Rejected(
+            f"annotation {api.TENANT_ANNOTATION}: {tenant!r} is not a tenant name "
+            "(at most 63 letters, digits, '-', '_' or '.')"
+        )
+    return tenant
+
+
+def _upsert(items: list[dict[str, Any]], item: dict[str, Any], key: str = "name") -> None:
+    for i, existing in enumerate(items):
+        if existing.get(key) == item[key]:
+            items[i] = item
+            return
+    items.append(item)
+
+
+def env_for(pod: Mapping[str, Any], pool: api.KVCachePool) -> list[dict[str, Any]]:
+    ns, name = pool.metadata.namespace, pool.metadata.name
+    return [
+        {"name": "KVPOOL_SOCKET", "value": socket_path(pool)},
+        {"name": "KVPOOL_POOL", "value": api.pool_id(ns, name)},
+        {"name": "KVPOOL_TENANT", "value": tenant_of(pod, ns)},
+        {"name": "KVPOOL_CHUNK_TOKENS", "value": str(pool.spec.chunk_tokens)},
+    ]
+
+
+def inject(pod: dict[str, Any], pool: api.KVCachePool) -> None:
+    """Add the pool's socket, env and node affinity to `pod` (in place, idempotent)."""
+    ns, name = pool.metadata.namespace, pool.metadata.name
+    env = env_for(pod, pool)
+    directory = socket_dir(pool)
+    spec = pod.setdefault("spec", {})
+
+    volumes = spec.setdefault("volumes", [])
+    _upsert(
+        volumes,
+        {"name": SOCKET_VOLUME, "hostPath": {"path": directory, "type": "DirectoryOrCreate"}},
+    )
+    for container in spec.get("containers") or []:
+        mounts = container.setdefault("volumeMounts", [])
+        mounts[:] = [m for m in mounts if m.get("name") != SOCKET_VOLUME]
+        mounts.append({"name": SOCKET_VOLUME, "mountPath": directory})
+        container_env = container.setdefault("env", [])
+        for var in env:
+            _upsert(container_env, dict(var))
+
+    requirement = {"key": api.node_label(ns, name), "operator": "In", "values": ["ready"]}
+    affinity = spec.setdefault("affinity", {})
+    node_affinity = affinity.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []}
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    # Terms are ORed, expressions within a term ANDed: the pool's node label goes in each.
+    for term in terms:
+        expressions = term.setdefault("matchExpressions", [])
+        expressions[:] = [e for e in expressions if e.get("key") != requirement["key"]]
+        expressions.append(dict(requirement))
+
+    annotations = pod.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[INJECTED_ANNOTATION] = api.pool_id(ns, name)
+
+
+def check_pool(pool_name: str, namespace: str, body: Mapping[str, Any] | None) -> api.KVCachePool:
+    """The pool a pod may join, or `Rejected` saying why not."""
+    if body is None:
+        raise Rejected(
+            f"annotation {api.POOL_ANNOTATION}: KVCachePool {pool_name!r} not found "
+            f"in namespace {namespace!r}"
+        )
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        raise Rejected(f"KVCachePool {pool_name!r} in namespace {namespace!r} is being deleted")
+    try:
+        return api.parse_pool(body)
+    except api.InvalidSpec as e:
+        raise Rejected(f"KVCachePool {pool_name!r} is invalid: {e}") from e

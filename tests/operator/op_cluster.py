@@ -1,0 +1,198 @@
+"""The operator run by kopf against kmock's stateful Kubernetes emulator, on loopback.
+
+`Emulator` adds what our tests rely on and kmock leaves out: `uid`,
+`creationTimestamp`, and `metadata.generation` bumped on spec changes. The
+operator runs in its own thread with its own event loop (kopf cancels foreign
+tasks of the loop it runs in); the test's loop keeps serving the emulator.
+Tests talk to the emulator over HTTP (via threads, never blocking the loop)
+and wait with bounded polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import kmock
+import kopf
+from kmock._internal import dicts as kmock_dicts
+from kmock._internal import enums as kmock_enums
+
+from kvpool.operator import api
+from kvpool.operator.kube import Kube
+from kvpool.operator.render import Settings
+from kvpool.operator.run import OperatorOptions, operate
+
+T = TypeVar("T")
+NAMESPACE = "inference"
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator with uids, creation timestamps and spec generations."""
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock_enums.action.CREATE:
+                meta = request.data.setdefault("metadata", {})
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("generation", 1)
+                # kopf guards some JSON patches with a `test` of resourceVersion; kmock keeps
+                # none. A constant one lets those tests pass (no conflicts are emulated).
+                meta.setdefault("resourceVersion", "1")
+                meta.setdefault(
+                    "creationTimestamp",
+                    datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                )
+            elif (
+                request.action == kmock_enums.action.UPDATE
+                and request.name is not None
+                and not request.subresource
+                and "spec" in request.data
+            ):
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and not self.objects[key].deleted:
+                    old = copy.deepcopy(self.objects[key].raw)
+                    new = kmock_dicts.patch_dict(copy.deepcopy(old), {"spec": request.data["spec"]})
+                    if new.get("spec") != old.get("spec"):
+                        generation = int(old.get("metadata", {}).get("generation") or 1) + 1
+                        request.data.setdefault("metadata", {})["generation"] = generation
+        return await super()._handle(request)
+
+
+def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
+    emulator.resources.load_bundled()
+    verbs = {"create", "delete", "get", "list", "patch", "update", "watch"}
+    for plural, kind in ((api.POOL_PLURAL, api.POOL_KIND), (api.POLICY_PLURAL, api.POLICY_KIND)):
+        emulator.resources[f"{api.GROUP}/{api.VERSION}/{plural}"] = kmock.ResourceInfo(
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=True,
+            verbs=verbs,
+            subresources={"status"},
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    """The emulator, a client for it, and the running operator."""
+
+    emulator: kmock.KubernetesEmulator
+    kube: Kube
+    webhook_url: str
+    thread: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    errors: list[BaseException] = field(default_factory=list)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """A blocking client call, off the loop that serves the emulator."""
+        return await asyncio.to_thread(fn, *args)
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return await self.call(self.kube.create, obj)
+
+    async def get(
+        self, api_version: str, kind: str, name: str, namespace: str | None = NAMESPACE
+    ) -> dict[str, Any] | None:
+        return await self.call(self.kube.get, api_version, kind, namespace, name)
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        name: str,
+        patch: dict[str, Any],
+        subresource: str | None = None,
+        namespace: str = NAMESPACE,
+    ) -> None:
+        await self.call(self.kube.patch, api_version, kind, namespace, name, patch, subresource)
+
+    async def delete(
+        self, api_version: str, kind: str, name: str, namespace: str = NAMESPACE
+    ) -> None:
+        await self.call(self.kube.delete, api_version, kind, namespace, name)
+
+    async def pool(self, name: str) -> dict[str, Any] | None:
+        return await self.get(api.API_VERSION, api.POOL_KIND, name)
+
+    async def eventually(
+        self,
+        probe: Callable[[], Awaitable[T | None]],
+        what: str,
+        timeout: float = 15.0,
+    ) -> T:
+        """Poll `probe` until it returns something truthy; fail after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.thread is not None and not self.thread.is_alive():
+                raise AssertionError(f"the operator stopped: {self.errors!r}")
+            try:
+                last = await probe()
+            except AssertionError as e:
+                last = e
+            else:
+                if last:
+                    return last
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+    def start(self, options: OperatorOptions) -> None:
+        ready = threading.Event()
+        connection = kopf.ConnectionInfo(server=str(self.emulator.url).rstrip("/"), insecure=True)
+
+        def main() -> None:
+            try:
+                asyncio.run(
+                    operate(
+                        options,
+                        self.kube,
+                        connection=connection,
+                        ready_flag=ready,
+                        stop_flag=self.stop,
+                    )  # type: ignore[arg-type]
+                )
+            except BaseException as e:  # surfaced by eventually() and stop()
+                self.errors.append(e)
+
+        self.thread = threading.Thread(target=main, name="kvpool-operator", daemon=True)
+        self.thread.start()
+        self._ready = ready
+
+    async def wait_ready(self, timeout: float = 20.0) -> None:
+        ok = await asyncio.to_thread(self._ready.wait, timeout)
+        assert ok, f"the operator did not start: {self.errors!r}"
+
+    async def shutdown(self, timeout: float = 20.0) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, timeout)
+            assert not self.thread.is_alive(), "the operator did not stop"
+
+
+def options_for_tests(webhook_port: int) -> OperatorOptions:
+    return OperatorOptions(
+        namespaces=[NAMESPACE],
+        metrics_port=0,
+        liveness_port=0,
+        webhook_port=webhook_port,
+        webhook_insecure=True,
+        webhook_addr="127.0.0.1",
+        settings=Settings(agent_image="ghcr.io/kvpool/kvpool:test", version="test"),
+        resync_seconds=0,
+        retry_delay=0.5,
+        gc_poll=0.2,
+    )

@@ -1,0 +1,495 @@
+"""The operator, run by kopf against a stateful API server on loopback (kmock)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from op_cluster import NAMESPACE, Cluster, Emulator
+from op_support import example
+
+from kvpool.operator import api, metrics
+from kvpool.operator.handlers import Context, reconcile_pool
+from kvpool.operator.render import Settings
+
+pytestmark = pytest.mark.kmock(cls=Emulator)
+
+POLICY_NAME = "llama-70b"
+POOL_NAME = "llama-70b"
+
+
+def _pool(**spec_changes: Any) -> dict[str, Any]:
+    body = copy.deepcopy(example("pool.yaml", api.POOL_KIND))
+    body["spec"].update(spec_changes)
+    return body
+
+
+def _policy() -> dict[str, Any]:
+    return copy.deepcopy(example("policy.yaml", api.POLICY_KIND))
+
+
+def _secret() -> dict[str, Any]:
+    return copy.deepcopy(example("pool.yaml", "Secret"))
+
+
+def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return None
+
+
+async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> None:
+    await cluster.create(_secret())
+    await cluster.create(_policy())
+    await cluster.create(_pool())
+
+    ds = await cluster.eventually(
+        lambda: cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b"), "the DaemonSet"
+    )
+    pool = await cluster.pool(POOL_NAME)
+    assert pool is not None
+    owner = ds["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "KVCachePool",
+        POOL_NAME,
+        pool["metadata"]["uid"],
+    )
+    for api_version, kind, name in [
+        ("v1", "ConfigMap", "kvpool-llama-70b"),
+        ("v1", "ServiceAccount", "kvpool-llama-70b"),
+        ("v1", "Service", "kvpool-llama-70b-metrics"),
+    ]:
+        obj = await cluster.eventually(
+            lambda a=api_version, k=kind, n=name: cluster.get(a, k, n), kind
+        )
+        assert obj["metadata"]["ownerReferences"] == ds["metadata"]["ownerReferences"]
+    role = await cluster.eventually(
+        lambda: cluster.get(
+            "rbac.authorization.k8s.io/v1", "ClusterRole", "kvpool-agent-inference-llama-70b", None
+        ),
+        "the ClusterRole",
+    )
+    assert role["rules"][0]["resources"] == ["nodes"]
+    assert await cluster.get(
+        "rbac.authorization.k8s.io/v1",
+        "ClusterRoleBinding",
+        "kvpool-agent-inference-llama-70b",
+        None,
+    )
+
+    async def progressing() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Progressing")
+        return c if c and c["status"] == "True" else None
+
+    cond = await cluster.eventually(progressing, "Progressing=True")
+    pool = await cluster.pool(POOL_NAME)
+    assert pool is not None
+    status = pool["status"]
+    assert status["policy"]["name"] == POLICY_NAME and status["policy"]["generation"] == 1
+    assert status["tiers"] == "dram+nvme+shared"
+    assert status["socket"] == "/run/kvpool/inference.llama-70b/agent.sock"
+    assert status["observedGeneration"] == 1
+    assert _condition(pool, "Degraded")["status"] == "False"
+    assert _condition(pool, "Ready")["status"] == "False"
+    assert cond["observedGeneration"] == 1
+
+
+async def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
+    """A replayed event (kmock replays every object on each new watch) is a no-op."""
+    await cluster.create(_secret())
+    await cluster.create(_policy())
+    await cluster.create(_pool())
+    await cluster.eventually(
+        lambda: cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b"), "the DaemonSet"
+    )
+
+    async def settled() -> dict[str, Any] | None:
+        p = await cluster.pool(POOL_NAME)
+        return p if p and (p.get("status") or {}).get("policy") else None
+
+    pool = await cluster.eventually(settled, "the pool's status")
+    children = [
+        ("apps/v1/daemonsets", NAMESPACE, "kvpool-llama-70b"),
+        ("v1/configmaps", NAMESPACE, "kvpool-llama-70b"),
+        ("v1/serviceaccounts", NAMESPACE, "kvpool-llama-70b"),
+        ("v1/services", NAMESPACE, "kvpool-llama-70b-metrics"),
+        ("rbac.authorization.k8s.io/v1/clusterroles", None, "kvpool-agent-inference-llama-70b"),
+    ]
+    versions = [len(cluster.emulator.objects[key].history) for key in children]
+    settings = Settings(agent_image="ghcr.io/kvpool/kvpool:test", version="test")
+    await cluster.call(
+        reconcile_pool,
+        Context(kube=cluster.kube, settings=settings),
+        pool,
+        logging.getLogger("test"),
+    )
+    assert [len(cluster.emulator.objects[key].history) for key in children] == versions
+    after = await cluster.pool(POOL_NAME)
+    assert after is not None and after["status"] == pool["status"]
+
+
+async def _start_pool(cluster: Cluster, **spec_changes: Any) -> dict[str, Any]:
+    await cluster.create(_secret())
+    await cluster.create(_policy())
+    await cluster.create(_pool(**spec_changes))
+
+    async def reconciled() -> dict[str, Any] | None:
+        p = await cluster.pool(POOL_NAME)
+        return p if p and (p.get("status") or {}).get("policy") else None
+
+    return await cluster.eventually(reconciled, "the first reconcile")
+
+
+async def test_policy_update_changes_config_map_and_pool_status(cluster: Cluster) -> None:
+    await _start_pool(cluster)
+    cm = await cluster.get("v1", "ConfigMap", "kvpool-llama-70b")
+    ds = await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b")
+    assert cm is not None and ds is not None
+    assert yaml.safe_load(cm["data"]["policy.yaml"])["prefetch"]["lookaheadChunks"] == 8
+
+    await cluster.patch(
+        api.API_VERSION,
+        api.POLICY_KIND,
+        POLICY_NAME,
+        {"spec": {"prefetch": {"lookaheadChunks": 32}}},
+    )
+
+    async def new_policy_in_config_map() -> dict[str, Any] | None:
+        c = await cluster.get("v1", "ConfigMap", "kvpool-llama-70b")
+        policy = yaml.safe_load((c or {}).get("data", {}).get("policy.yaml", "{}"))
+        return c if policy.get("prefetch", {}).get("lookaheadChunks") == 32 else None
+
+    await cluster.eventually(new_policy_in_config_map, "policy.yaml with lookaheadChunks 32")
+
+    async def status_shows_generation_2() -> dict[str, Any] | None:
+        p = await cluster.pool(POOL_NAME)
+        return p if (p or {}).get("status", {}).get("policy", {}).get("generation") == 2 else None
+
+    pool = await cluster.eventually(status_shows_generation_2, "policy generation 2 in status")
+    before = pool["status"]["policy"]["checksum"]
+    assert before != "" and len(before) == 16
+    # The agents reload policy.yaml in place: the pod template did not change.
+    ds_after = await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b")
+    assert ds_after is not None
+    assert ds_after["spec"]["template"] == ds["spec"]["template"]
+    policy = await cluster.get(api.API_VERSION, api.POLICY_KIND, POLICY_NAME)
+    assert policy is not None and policy["status"]["pools"] == [POOL_NAME]
+
+
+async def test_daemon_set_rollout_drives_the_conditions(cluster: Cluster) -> None:
+    await _start_pool(cluster)
+    ds = await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b")
+    assert ds is not None
+    generation = ds["metadata"]["generation"]
+
+    async def ds_status(**st: int) -> None:
+        await cluster.patch(
+            "apps/v1",
+            "DaemonSet",
+            "kvpool-llama-70b",
+            {"status": {"observedGeneration": generation, **st}},
+            "status",
+        )
+
+    async def condition_is(
+        type_: str, status: str, reason: str, message: str = ""
+    ) -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), type_)
+        if c and (c["status"], c["reason"]) == (status, reason) and message in c["message"]:
+            return c
+        return None
+
+    await ds_status(
+        desiredNumberScheduled=3, numberReady=1, updatedNumberScheduled=3, numberAvailable=1
+    )
+    await cluster.eventually(
+        lambda: condition_is("Progressing", "True", "RollingOut", "1/3 agents ready"),
+        "Progressing/RollingOut with 1/3 agents ready",
+    )
+    ready = _condition(await cluster.pool(POOL_NAME), "Ready")
+    assert ready is not None and ready["reason"] == "AgentsNotReady"
+
+    await ds_status(
+        desiredNumberScheduled=3, numberReady=3, updatedNumberScheduled=3, numberAvailable=3
+    )
+    await cluster.eventually(lambda: condition_is("Ready", "True", "AgentsReady"), "Ready")
+    pool = await cluster.pool(POOL_NAME)
+    assert pool is not None
+    assert _condition(pool, "Progressing")["reason"] == "RolloutComplete"
+    assert pool["status"]["nodes"] == {"desired": 3, "ready": 3, "updated": 3, "available": 3}
+    assert pool["status"]["capacity"]["dram"] == {"perNode": "64Gi", "total": "192Gi"}
+
+    await ds_status(
+        desiredNumberScheduled=0, numberReady=0, updatedNumberScheduled=0, numberAvailable=0
+    )
+    await cluster.eventually(
+        lambda: condition_is("Ready", "False", "NoMatchingNodes"), "Ready/NoMatchingNodes"
+    )
+
+
+async def test_missing_policy_is_degraded_until_it_exists(cluster: Cluster) -> None:
+    await cluster.create(_secret())
+    await cluster.create(_pool())
+
+    async def degraded(reason: str) -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["status"] == "True" and c["reason"] == reason else None
+
+    cond = await cluster.eventually(lambda: degraded("PolicyNotFound"), "Degraded/PolicyNotFound")
+    assert "'llama-70b'" in cond["message"] and "spec.policyRef" in cond["message"]
+    assert await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b") is None
+    ready = _condition(await cluster.pool(POOL_NAME), "Ready")
+    assert ready is not None and ready["reason"] == "PolicyNotFound"
+
+    await cluster.create(_policy())  # the policy's handler re-reconciles the pool
+
+    async def healthy() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["status"] == "False" else None
+
+    await cluster.eventually(healthy, "Degraded=False once the policy exists")
+    assert await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b") is not None
+
+
+async def test_missing_secret_is_degraded_and_retried(cluster: Cluster) -> None:
+    await cluster.create(_policy())
+    await cluster.create(_pool())
+
+    async def degraded(reason: str) -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["status"] == "True" and c["reason"] == reason else None
+
+    cond = await cluster.eventually(lambda: degraded("SecretNotFound"), "Degraded/SecretNotFound")
+    assert "kvpool-s3" in cond["message"]
+    secret = _secret()
+    del secret["stringData"]["AWS_SECRET_ACCESS_KEY"]
+    await cluster.create(secret)
+    cond = await cluster.eventually(
+        lambda: degraded("SecretKeyMissing"), "Degraded/SecretKeyMissing (retried)"
+    )
+    assert "AWS_SECRET_ACCESS_KEY" in cond["message"]
+    await cluster.patch("v1", "Secret", "kvpool-s3", {"stringData": {"AWS_SECRET_ACCESS_KEY": "x"}})
+
+    async def healthy() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["status"] == "False" else None
+
+    await cluster.eventually(healthy, "Degraded=False after the retry")
+    errors = metrics.RECONCILE_ERRORS.labels(kind="KVCachePool", reason="SecretNotFound")
+    assert errors._value.get() >= 1
+
+
+async def test_invalid_pool_is_degraded_and_renders_nothing(cluster: Cluster) -> None:
+    body = _pool(tiers={"dram": {"size": "3Mi", "hugePages": True}}, policyRef=None)
+    del body["spec"]["policyRef"]
+    await cluster.create(body)
+
+    async def degraded() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["reason"] == "InvalidSpec" else None
+
+    cond = await cluster.eventually(degraded, "Degraded/InvalidSpec")
+    assert "spec.tiers.dram" in cond["message"]
+    assert await cluster.get("v1", "ConfigMap", "kvpool-llama-70b") is None
+
+
+async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Cluster) -> None:
+    shared = dict(_pool()["spec"]["tiers"]["shared"], reclaimPolicy="Delete")
+    tiers = dict(_pool()["spec"]["tiers"], shared=shared)
+    pool = await _start_pool(cluster, tiers=tiers)
+    assert "kvpool.io/finalizer" in pool["metadata"]["finalizers"]
+
+    await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
+    job = await cluster.eventually(
+        lambda: cluster.get("batch/v1", "Job", "kvpool-llama-70b-gc"), "the gc Job"
+    )
+    gc = job["spec"]["template"]["spec"]["containers"][0]
+    assert gc["command"] == ["kvpool", "gc", "--shared", "s3://kv-cache/llama-70b", "--all"]
+
+    async def deleting() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Progressing")
+        return c if c and c["reason"] == "Deleting" else None
+
+    await cluster.eventually(deleting, "Progressing/Deleting")
+    # The finalizer holds the pool while the Job runs.
+    assert await cluster.pool(POOL_NAME) is not None
+
+    # The Job fails: a clear condition, the finalizer stays.
+    await cluster.patch(
+        "batch/v1",
+        "Job",
+        "kvpool-llama-70b-gc",
+        {
+            "status": {
+                "failed": 4,
+                "conditions": [
+                    {
+                        "type": "Failed",
+                        "status": "True",
+                        "reason": "BackoffLimitExceeded",
+                        "message": "Job has reached the specified backoff limit",
+                    }
+                ],
+            }
+        },
+        "status",
+    )
+
+    async def gc_failed() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["reason"] == "GarbageCollectionFailed" else None
+
+    cond = await cluster.eventually(gc_failed, "Degraded/GarbageCollectionFailed")
+    assert "backoff limit" in cond["message"] and "reclaimPolicy" in cond["message"]
+    assert await cluster.pool(POOL_NAME) is not None
+
+    # Retrying (delete the failed Job) and succeeding releases the pool.
+    await cluster.delete("batch/v1", "Job", "kvpool-llama-70b-gc")
+
+    async def new_job() -> dict[str, Any] | None:
+        j = await cluster.get("batch/v1", "Job", "kvpool-llama-70b-gc")
+        return j if j and not (j.get("status") or {}).get("failed") else None
+
+    await cluster.eventually(new_job, "a new gc Job")
+    await cluster.patch(
+        "batch/v1",
+        "Job",
+        "kvpool-llama-70b-gc",
+        {
+            "status": {
+                "succeeded": 1,
+                "conditions": [{"type": "Complete", "status": "True"}],
+            }
+        },
+        "status",
+    )
+
+    async def gone() -> bool:
+        return await cluster.pool(POOL_NAME) is None
+
+    await cluster.eventually(gone, "the pool to be deleted")
+    key = ("rbac.authorization.k8s.io/v1/clusterroles", None, "kvpool-agent-inference-llama-70b")
+    assert cluster.emulator.objects[key].deleted
+
+
+async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
+    await _start_pool(cluster)
+    await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
+
+    async def gone() -> bool:
+        return await cluster.pool(POOL_NAME) is None
+
+    await cluster.eventually(gone, "the pool to be deleted")
+    assert await cluster.get("batch/v1", "Job", "kvpool-llama-70b-gc") is None
+    assert (
+        await cluster.get(
+            "rbac.authorization.k8s.io/v1",
+            "ClusterRoleBinding",
+            "kvpool-agent-inference-llama-70b",
+            None,
+        )
+        is None
+    )
+
+
+def _review(pod: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": pod["metadata"]["namespace"],
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:inference:default"},
+            "object": pod,
+            "dryRun": False,
+        },
+    }
+
+
+async def _admit(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
+    """POST an AdmissionReview to the operator's webhook server, as the API server does."""
+
+    async def post() -> dict[str, Any] | None:
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{cluster.webhook_url}/kvpool-inject",
+                    json=_review(pod),
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+                response: dict[str, Any] = (await resp.json())["response"]
+                return response
+        except aiohttp.ClientConnectorError:
+            return None  # the webhook server is still starting
+
+    return await cluster.eventually(post, "the webhook's answer")
+
+
+def _apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    import jsonpatch
+
+    result: dict[str, Any] = jsonpatch.apply_patch(doc, ops)
+    return result
+
+
+async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None:
+    await _start_pool(cluster)
+    pod = example("pod.yaml", "Pod")
+    response = await _admit(cluster, pod)
+    assert response["allowed"] is True, response
+    ops = json.loads(base64.b64decode(response["patch"]))
+    mutated = _apply_json_patch(copy.deepcopy(pod), ops)
+    spec = mutated["spec"]
+    assert {
+        "name": "kvpool-socket",
+        "hostPath": {"path": "/run/kvpool/inference.llama-70b", "type": "DirectoryOrCreate"},
+    } in spec["volumes"]
+    container = spec["containers"][0]
+    assert {"name": "kvpool-socket", "mountPath": "/run/kvpool/inference.llama-70b"} in (
+        container["volumeMounts"]
+    )
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {
+        "KVPOOL_SOCKET": "/run/kvpool/inference.llama-70b/agent.sock",
+        "KVPOOL_POOL": "inference.llama-70b",
+        "KVPOOL_TENANT": "chat",
+        "KVPOOL_CHUNK_TOKENS": "256",
+    }
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {
+            "matchExpressions": [
+                {"key": "pool.kvpool.io/inference.llama-70b", "operator": "In", "values": ["ready"]}
+            ]
+        }
+    ]
+
+
+async def test_webhook_rejects_a_pod_naming_an_unknown_pool(cluster: Cluster) -> None:
+    pod = example("pod.yaml", "Pod")
+    pod["metadata"]["annotations"]["kvpool.io/pool"] = "no-such-pool"
+    response = await _admit(cluster, pod)
+    assert response["allowed"] is False
+    assert "no-such-pool" in response["status"]["message"]
+    assert "not found" in response["status"]["message"]
+
+
+async def test_webhook_leaves_other_pods_alone(cluster: Cluster) -> None:
+    pod = example("pod.yaml", "Pod")
+    del pod["metadata"]["annotations"]
+    response = await _admit(cluster, pod)
+    assert response["allowed"] is True and "patch" not in response
