@@ -165,9 +165,33 @@ class S3SharedTier(SharedChunkTier):
                 if key is None:
                     continue  # not ours: never listed, so gc never deletes it
                 yield ObjectInfo(name, key, int(obj["Size"]), obj["LastModified"].timestamp())
+        yield from self._unfinished_uploads()
+
+    def _unfinished_uploads(self) -> Iterator[ObjectInfo]:
+        """Multipart uploads an agent started and never finished (it crashed mid-way).
+
+        Their parts are billed storage that no listing of objects shows.
+        """
+        pages = self._s3.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=self.prefix)
+        for page in pages:
+            for up in page.get("Uploads", []):
+                rest = up["Key"][len(self.prefix):]
+                if "/" in rest or key_of(rest) is None:
+                    continue
+                yield ObjectInfo(up["Key"], None, 0, up["Initiated"].timestamp(),
+                                 upload_id=up["UploadId"])
 
     def _store_remove(self, objs: Sequence[ObjectInfo]) -> int:
         failed = 0
+        for up in (o for o in objs if o.upload_id):
+            try:
+                self._s3.abort_multipart_upload(Bucket=self.bucket, Key=up.name,
+                                                UploadId=up.upload_id)
+            except ClientError as e:
+                if _code(e) != "NoSuchUpload":  # finished or aborted meanwhile: fine
+                    failed += 1
+        objs = [o for o in objs if not o.upload_id]
         for i in range(0, len(objs), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": o.name} for o in objs[i : i + 1000]]
             resp = self._s3.delete_objects(Bucket=self.bucket,

@@ -61,10 +61,12 @@ class ObjectInfo:
     name: str
     """Object key (S3) or path (file)."""
     key: bytes | None
-    """Chunk key; None for a leftover of an interrupted write (temp file)."""
+    """Chunk key; None for a leftover of an interrupted write (temp file, S3 upload)."""
     size: int
     last_modified: float
-    """Seconds since the epoch (S3 LastModified, file mtime)."""
+    """Seconds since the epoch (S3 LastModified or upload start, file mtime)."""
+    upload_id: str = ""
+    """For an unfinished S3 multipart upload: its id (removing it aborts the upload)."""
 
 
 def object_name(key: bytes) -> str:

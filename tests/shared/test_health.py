@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.agent.gc import run_gc
+from kvpool.agent.gc import LEFTOVER_GRACE, collect, run_gc
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.tiers.shared import SharedTierUnavailable
 from kvpool.agent.writebehind import WriteBehindQueue
@@ -60,6 +60,20 @@ def test_interrupted_write_leaves_no_chunk_and_gc_removes_the_leftover(tmp_path:
     assert list(tier.keys()) == []
     assert run_gc(files.url, all_objects=True).deleted == 1
     assert not leftover.exists()
+    files.close()
+
+
+def test_ttl_run_keeps_a_young_temporary_file_that_may_be_a_write_in_progress(
+        tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    files = Backend("file", f"file://{root}", None, AgentMetrics("test"))
+    tier = files.open()
+    tmp = root / "ab" / f"{'ab' * 16}.kvc.tmp-0123"
+    tmp.parent.mkdir(parents=True)
+    tmp.write_bytes(b"being written")
+    born = tmp.stat().st_mtime
+    assert collect(tier, ttl_seconds=1, now=born + 60).kept == 1
+    assert collect(tier, ttl_seconds=1, now=born + LEFTOVER_GRACE + 1).deleted == 1
     files.close()
 
 
