@@ -548,6 +548,7 @@ def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Ma
     if shared.endpoint_url:
         env.append({"name": "AWS_ENDPOINT_URL", "value": shared.endpoint_url})
     if shared.region:
+        env.append({"name": "AWS_REGION", "value": shared.region})
         env.append({"name": "AWS_DEFAULT_REGION", "value": shared.region})
     pod_security, container_security = _security(pool)
     container_security["capabilities"] = {"drop": ["ALL"]}

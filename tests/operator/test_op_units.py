@@ -1,0 +1,335 @@
+"""Pure parts of the operator: conditions, pod injection, apply's diffing, metrics, CLI flags."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import urllib.request
+from typing import Any
+
+import pytest
+from op_support import example
+from typer.testing import CliRunner
+
+from kvpool.operator import api, cli, metrics, status, webhook
+from kvpool.operator.kube import contains, path_of, removals
+from kvpool.operator.status import Problem, Reason, Rollout
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def _ds(generation: int | None = 2, **st: int) -> dict[str, Any]:
+    meta = {"generation": generation} if generation is not None else {}
+    return {"metadata": meta, "status": st}
+
+
+def _by_type(conds: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in conds}
+
+
+@pytest.mark.parametrize(
+    ("daemon_set", "problem", "expected"),
+    [
+        (
+            None,
+            None,
+            {
+                "Ready": ("False", "Creating"),
+                "Progressing": ("True", "Creating"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            _ds(),
+            None,
+            {"Ready": ("False", "AgentsNotReady"), "Progressing": ("True", "RollingOut")},
+        ),
+        (
+            _ds(
+                observedGeneration=1,
+                desiredNumberScheduled=2,
+                numberReady=2,
+                updatedNumberScheduled=2,
+                numberAvailable=2,
+            ),
+            None,
+            {"Ready": ("False", "AgentsNotReady"), "Progressing": ("True", "RollingOut")},
+        ),
+        (
+            _ds(
+                observedGeneration=2,
+                desiredNumberScheduled=2,
+                numberReady=2,
+                updatedNumberScheduled=2,
+                numberAvailable=2,
+            ),
+            None,
+            {"Ready": ("True", "AgentsReady"), "Progressing": ("False", "RolloutComplete")},
+        ),
+        (
+            _ds(
+                None,
+                desiredNumberScheduled=2,
+                numberReady=2,
+                updatedNumberScheduled=2,
+                numberAvailable=2,
+            ),
+            None,
+            {"Ready": ("True", "AgentsReady")},
+        ),
+        (
+            _ds(observedGeneration=2, desiredNumberScheduled=0),
+            None,
+            {"Ready": ("False", "NoMatchingNodes")},
+        ),
+        (
+            _ds(
+                observedGeneration=2,
+                desiredNumberScheduled=2,
+                numberReady=2,
+                updatedNumberScheduled=2,
+                numberAvailable=2,
+            ),
+            Problem(Reason.SECRET_NOT_FOUND, "Secret 's' not found"),
+            {
+                "Ready": ("False", "SecretNotFound"),
+                "Progressing": ("False", "SecretNotFound"),
+                "Degraded": ("True", "SecretNotFound"),
+            },
+        ),
+    ],
+)
+def test_conditions_follow_rollout_and_problems(
+    daemon_set: dict[str, Any] | None, problem: Problem | None, expected: dict[str, Any]
+) -> None:
+    conds = status.conditions(Rollout.of(daemon_set), problem, generation=3, now=NOW)
+    got = _by_type(conds)
+    for type_, value in expected.items():
+        assert got[type_] == value
+    for c in conds:
+        assert c["observedGeneration"] == 3 and c["lastTransitionTime"] == NOW
+
+
+def test_unchanged_condition_keeps_its_transition_time() -> None:
+    first = status.conditions(Rollout.of(None), None, 1, now="2026-01-01T00:00:00Z")
+    second = status.conditions(
+        Rollout.of(None), None, 1, previous=first, now="2026-02-02T00:00:00Z"
+    )
+    assert [c["lastTransitionTime"] for c in second] == ["2026-01-01T00:00:00Z"] * 3
+    ready = _ds(
+        observedGeneration=2,
+        desiredNumberScheduled=1,
+        numberReady=1,
+        updatedNumberScheduled=1,
+        numberAvailable=1,
+    )
+    third = status.conditions(
+        Rollout.of(ready), None, 1, previous=second, now="2026-03-03T00:00:00Z"
+    )
+    times = {c["type"]: c["lastTransitionTime"] for c in third}
+    assert times == {
+        "Ready": "2026-03-03T00:00:00Z",
+        "Progressing": "2026-03-03T00:00:00Z",
+        "Degraded": "2026-01-01T00:00:00Z",
+    }
+
+
+def test_problem_survives_daemon_set_updates() -> None:
+    conds = status.conditions(Rollout.of(None), Problem(Reason.POLICY_NOT_FOUND, "gone"), 1)
+    assert status.problem_of(conds) == Problem(Reason.POLICY_NOT_FOUND, "gone")
+    assert status.problem_of(status.conditions(Rollout.of(None), None, 1)) is None
+
+
+def test_observed_generation_absent_when_the_server_has_none() -> None:
+    pool = api.parse_pool(example("pool-minimal.yaml", api.POOL_KIND))
+    st = status.pool_status(pool=pool, generation=None, daemon_set=None, problem=None, now=NOW)
+    assert "observedGeneration" not in st
+    assert all("observedGeneration" not in c for c in st["conditions"])
+    assert st["capacity"] == {"dram": {"perNode": "8Gi", "total": "0"}}
+
+
+# --------------------------------------------------------------------------- webhook
+
+
+def _pool() -> api.KVCachePool:
+    body = example("pool.yaml", api.POOL_KIND)
+    return api.parse_pool(body)
+
+
+def test_inject_adds_socket_env_affinity_and_is_idempotent() -> None:
+    pod = example("pod.yaml", "Pod")
+    pod["spec"]["containers"].append(
+        {
+            "name": "sidecar",
+            "image": "busybox",
+            "env": [{"name": "KVPOOL_TENANT", "value": "stale"}],
+        }
+    )
+    pod["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]},
+                    {"matchExpressions": [{"key": "tpu", "operator": "Exists"}]},
+                ]
+            }
+        }
+    }
+    webhook.inject(pod, _pool())
+    once = copy.deepcopy(pod)
+    webhook.inject(pod, _pool())
+    assert pod == once
+    for container in pod["spec"]["containers"]:
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["KVPOOL_TENANT"] == "chat"
+        assert env["KVPOOL_SOCKET"] == "/run/kvpool/inference.llama-70b/agent.sock"
+    terms = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    for term in terms:  # ORed terms: the pool's label is required in each
+        assert {
+            "key": "pool.kvpool.io/inference.llama-70b",
+            "operator": "In",
+            "values": ["ready"],
+        } in term["matchExpressions"]
+        assert len(term["matchExpressions"]) == 2
+    assert pod["metadata"]["annotations"][webhook.INJECTED_ANNOTATION] == "inference.llama-70b"
+
+
+def test_tenant_defaults_to_the_namespace() -> None:
+    pod = example("pod.yaml", "Pod")
+    del pod["metadata"]["annotations"][api.TENANT_ANNOTATION]
+    webhook.inject(pod, _pool())
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["KVPOOL_TENANT"] == "inference"
+
+
+def test_invalid_tenant_is_rejected() -> None:
+    pod = example("pod.yaml", "Pod")
+    pod["metadata"]["annotations"][api.TENANT_ANNOTATION] = "not a tenant!"
+    with pytest.raises(webhook.Rejected, match=r"kvpool\.io/tenant"):
+        webhook.inject(pod, _pool())
+
+
+def test_unknown_or_deleting_pool_is_rejected_by_name() -> None:
+    with pytest.raises(webhook.Rejected, match="'ghost' not found in namespace 'inference'"):
+        webhook.check_pool("ghost", "inference", None)
+    body = example("pool.yaml", api.POOL_KIND)
+    body["metadata"]["deletionTimestamp"] = NOW
+    with pytest.raises(webhook.Rejected, match="being deleted"):
+        webhook.check_pool("llama-70b", "inference", body)
+
+
+def test_mutate_pod_through_the_handler_code() -> None:
+    import kopf
+
+    from kvpool.operator.handlers import mutate_pod
+
+    pod = example("pod.yaml", "Pod")
+    body = kopf.Body(copy.deepcopy(pod))
+    patch = kopf.Patch(body=body)
+    index = {("inference", "llama-70b"): [example("pool.yaml", api.POOL_KIND)]}
+    mutate_pod(body, patch, index)
+    ops = patch.as_json_patch()
+    assert any(op["path"] == "/spec/volumes" for op in ops)
+    with pytest.raises(kopf.AdmissionError, match="not found"):
+        mutate_pod(body, kopf.Patch(body=body), {})
+
+
+# --------------------------------------------------------------------------- apply
+
+
+def test_contains_ignores_server_defaults_but_not_changes() -> None:
+    desired = {"spec": {"containers": [{"name": "a", "image": "x"}], "paused": False}}
+    live = {
+        "spec": {
+            "containers": [{"name": "a", "image": "x", "imagePullPolicy": "Always"}],
+            "paused": False,
+        },
+        "status": {},
+    }
+    assert contains(live, desired)
+    assert not contains(live, {"spec": {"containers": [{"name": "a", "image": "y"}]}})
+    assert not contains(live, {"spec": {"containers": []}})
+    assert not contains({"x": 0}, {"x": False})
+
+
+def test_removals_trim_keys_the_operator_no_longer_renders() -> None:
+    live = {
+        "data": {"agent.yaml": "a", "old.yaml": "b"},
+        "spec": {"template": {"spec": {"nodeSelector": {"gpu": "yes"}}}},
+    }
+    desired = {"data": {"agent.yaml": "a"}, "spec": {"template": {"spec": {}}}}
+    assert removals(live, desired) == {
+        "data": {"old.yaml": None},
+        "spec": {"template": {"spec": {"nodeSelector": None}}},
+    }
+    assert removals(live, live) == {}
+
+
+def test_paths_of_core_custom_and_cluster_scoped_kinds() -> None:
+    assert path_of("v1", "ConfigMap", "ns", "c") == "/api/v1/namespaces/ns/configmaps/c"
+    assert path_of("kvpool.io/v1alpha1", "KVCachePool", "ns") == (
+        "/apis/kvpool.io/v1alpha1/namespaces/ns/kvcachepools"
+    )
+    assert path_of("rbac.authorization.k8s.io/v1", "ClusterRole", None, "r") == (
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles/r"
+    )
+
+
+# --------------------------------------------------------------------------- metrics, CLI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_metrics_series_exist_from_the_start() -> None:
+    port = _free_port()
+    metrics.serve(port, addr="127.0.0.1")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'kvpool_operator_reconciles_total{kind="KVCachePool",result="error"}' in text
+    for reason in status.PROBLEM_REASONS:
+        assert (
+            f'kvpool_operator_reconcile_errors_total{{kind="KVCachePool",reason="{reason}"}}'
+            in text
+        )
+    assert 'kvpool_operator_reconcile_duration_seconds_bucket{kind="KVTierPolicy",le="0.1"}' in text
+
+
+def test_operator_command_maps_flags_and_env_to_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    import kvpool.operator.run as run
+
+    monkeypatch.setattr(run, "run_operator", seen.append)
+    monkeypatch.setenv("KVPOOL_AGENT_IMAGE", "registry.local/kvpool:dev")
+    result = CliRunner().invoke(
+        cli.app,
+        [
+            "operator",
+            "-n",
+            "a",
+            "--namespace",
+            "b",
+            "--metrics-port",
+            "9090",
+            "--webhook-cert-dir",
+            "/tls",
+            "--pod-monitor",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    (options,) = seen
+    assert options.namespaces == ["a", "b"] and not options.clusterwide
+    assert options.metrics_port == 9090 and options.liveness_port == 8081
+    assert options.webhook_port == 9443 and str(options.webhook_cert_dir) == "/tls"
+    assert options.settings.agent_image == "registry.local/kvpool:dev"
+    assert options.settings.pod_monitor is True
+
+
+def test_operator_command_needs_certificates_for_the_webhook() -> None:
+    result = CliRunner().invoke(cli.app, ["operator", "-A"])
+    assert result.exit_code == 2 and "--webhook-cert-dir" in result.stderr
