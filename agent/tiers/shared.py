@@ -186,7 +186,10 @@ class SharedChunkTier(ChunkTier):
         Runs the probe in the tier's pool and waits at most the request timeout,
         so a hung mount or a black-holed endpoint cannot stall the caller.
         """
-        fut = self._pool.submit(self._store_probe)
+        try:
+            fut = self._pool.submit(self._store_probe)
+        except RuntimeError:  # closed: a late tick of the caller's probe thread
+            return self.healthy()
         try:
             fut.result(timeout=self.request_timeout)
         except TimeoutError:
@@ -322,9 +325,12 @@ class SharedChunkTier(ChunkTier):
         found: dict[bytes, bool] = {}
         futs: list[Future[None]] = []
         step = max(1, self.presence_batch)
-        for i in range(0, len(todo), step):
-            batch = todo[i : i + step]
-            futs.append(self._pool.submit(self._check_batch, batch, found))
+        try:
+            for i in range(0, len(todo), step):
+                batch = todo[i : i + step]
+                futs.append(self._pool.submit(self._check_batch, batch, found))
+        except RuntimeError:  # closed while a LOOKUP was in progress: unknown
+            pass
         if futs:
             _, pending = wait(futs, timeout=max(0.0, deadline - time.monotonic()))
             for f in pending:

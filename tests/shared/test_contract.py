@@ -160,3 +160,11 @@ def test_usage_is_refreshed_from_a_listing(backend: Backend) -> None:
         tier.write(make_chunk(i, size=1000))
     assert tier.refresh_usage() == (3, tier.used_bytes)
     assert tier.chunks == 3 and tier.used_bytes > 3000
+
+
+def test_closed_tier_answers_unknown_instead_of_raising(backend: Backend) -> None:
+    tier = backend.open()
+    tier.close()
+    key = make_chunk(80).key
+    assert tier.contains_many([key], budget_s=1.0) == {key: None}
+    assert tier.probe() == tier.healthy()
