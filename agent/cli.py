@@ -140,16 +140,46 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
     block_bytes: Annotated[str, typer.Option(help="Bytes stored per trace block.")] = "16Ki",
     dram: Annotated[str, typer.Option(help="DRAM capacity: a size or % of blocks.")] = "5%",
+    nvme: Annotated[str, typer.Option(help="NVMe capacity: a size or % of blocks.")] = "30%",
     requests: Annotated[int | None, typer.Option(help="Replay only the first N.")] = None,
 ) -> None:
     """Start a local agent and replay a real request trace through it."""
     from .demo import run_demo
 
     try:
-        run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram,
+        run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram, nvme=nvme,
                  requests=requests)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
+
+
+@app.command()
+def gc(
+    shared: Annotated[str, typer.Option(help="The pool's shared tier: s3://... or file:///...")],
+    ttl: Annotated[str | None, typer.Option(help="Delete objects older than this, e.g. 7d.")]
+    = None,
+    all_objects: Annotated[bool, typer.Option("--all", help="Delete every chunk object.")]
+    = False,
+    endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint URL.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Delete a pool's expired (or all) chunk objects from its shared tier."""
+    if (ttl is None) == (not all_objects):
+        _fail("give exactly one of --ttl DURATION or --all")
+    from dataclasses import asdict
+
+    from .gc import run_gc
+
+    try:
+        result = run_gc(shared, ttl, all_objects, endpoint_url)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+        return
+    data = asdict(result)
+    typer.echo(json.dumps(data) if as_json else
+               " ".join(f"{k}={v}" for k, v in data.items()))
+    if result.errors:
+        raise typer.Exit(1)
 
 
 def _forward_to_operator(name: str, help_text: str) -> None:

@@ -293,6 +293,10 @@ class ChunkStore:
         self.dram.arena.write(extents, rec.data)
         chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant)
         (self.m.prefetches if why == "prefetch" else self.m.promotions)["nvme"].inc()
+        # Tiers are exclusive: the NVMe copy goes, so DRAM + NVMe hold as many
+        # distinct chunks as their capacities add up to. Eviction demotes it back.
+        if self.nvme is not None and rec.key in self.nvme.index:
+            self._spawn(self._drop_nvme([pol.Victim(rec.key, "promoted")]))
         return chunk
 
     async def _prefetch(self, key: bytes) -> None:
@@ -421,7 +425,8 @@ class ChunkStore:
         assert self.nvme is not None
         loop = asyncio.get_running_loop()
         for v in victims:
-            if await loop.run_in_executor(self.io, self.nvme.delete, v.key):
+            if await loop.run_in_executor(self.io, self.nvme.delete, v.key) \
+                    and v.reason != "promoted":
                 self.m.evictions[("nvme", v.reason)].inc()
 
     def _check_watermark(self) -> None:

@@ -8,7 +8,6 @@ tokens each in the released traces); equal ids are the same reusable block.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,16 +55,3 @@ def distinct_blocks(trace: list[TraceRequest]) -> int:
 
 def block_references(trace: list[TraceRequest]) -> int:
     return sum(len(r.blocks) for r in trace)
-
-
-def unbounded_hits(trace: list[TraceRequest]) -> Iterator[int]:
-    """Per request, the prefix hit length of a cache that never evicts."""
-    seen: set[int] = set()
-    for r in trace:
-        n = 0
-        for b in r.blocks:
-            if b not in seen:
-                break
-            n += 1
-        seen.update(r.blocks)
-        yield n

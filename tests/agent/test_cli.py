@@ -46,3 +46,22 @@ def test_agent_rejects_a_bad_config_with_the_field_named(tmp_path) -> None:
 def test_stats_on_a_missing_socket_fails_clearly(tmp_path) -> None:
     run = kvpool("stats", "--socket", str(tmp_path / "nope.sock"), timeout=60)
     assert run.returncode == 2 and "cannot reach the agent" in run.stderr
+
+
+def test_gc_all_deletes_every_chunk_of_a_file_shared_tier(tmp_path) -> None:
+    from kvpool.agent.config import SharedTier
+    from kvpool.agent.protocol import checksum
+    from kvpool.agent.tiers.base import ChunkRecord
+    from kvpool.agent.tiers.shared import open_shared_tier
+
+    url = f"file://{tmp_path / 'shared'}"
+    tier = open_shared_tier(SharedTier(url=url))
+    for i in range(3):
+        data = bytes([i]) * 1000
+        tier.write(ChunkRecord(bytes([i]) * 16, data, checksum(data)))
+    assert len(list(tier.keys())) == 3
+    run = kvpool("gc", "--shared", url, "--all", "--json", timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["deleted"] == 3
+    assert list(tier.keys()) == []
+    tier.close()
