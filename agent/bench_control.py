@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from pathlib import Path
 from typing import Any
 
 from .bench_stats import percentile
