@@ -228,6 +228,25 @@ def test_watch_namespaces_replace_all_namespaces(render: Any) -> None:
     assert "--namespace=research" in args
 
 
+def _namespace_verbs(rendered: Rendered) -> set[str]:
+    return {
+        verb
+        for rule in rendered.one("ClusterRole")["rules"]
+        if "namespaces" in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_namespaces_are_listed_only_to_serve_namespace_patterns(
+    render: Any, defaults: Rendered
+) -> None:
+    assert _namespace_verbs(defaults) == set()
+    assert _namespace_verbs(render({"operator": {"watchNamespaces": ["ml"]}})) == set()
+    patterns = render({"operator": {"watchNamespaces": ["ml", "team-*"]}})
+    assert _namespace_verbs(patterns) == {"list", "watch"}
+    _validate_builtin(patterns.objects)
+
+
 def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
     defaults: Rendered,
 ) -> None:
@@ -259,8 +278,6 @@ def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
         ("rbac.authorization.k8s.io", "clusterroles", "delete"),
         ("rbac.authorization.k8s.io", "clusterrolebindings", "create"),
         ("monitoring.coreos.com", "podmonitors", "create"),
-        ("", "namespaces", "watch"),
-        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }
     assert expected <= granted
     # Secrets: only get, never list or watch; nodes: no more than the agents are granted;
@@ -268,6 +285,7 @@ def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
     assert {v for g, r, v in granted if r == "secrets"} == {"get"}
     assert {v for g, r, v in granted if r == "nodes"} == {"get", "patch"}
     assert not {v for _, _, v in granted} & {"escalate", "bind", "impersonate"}
+    assert not [g for g in granted if g[1] == "customresourcedefinitions"]
 
 
 def test_cluster_role_binding_binds_the_operator_service_account(defaults: Rendered) -> None:
@@ -543,3 +561,69 @@ def test_cluster_role_lets_the_operator_apply_everything_it_renders(defaults: Re
                     for v in rule["verbs"]:
                         assert (g, r, v) in granted, f"{obj['kind']} grants {v} {r}"
     assert {"DaemonSet", "ConfigMap", "ClusterRole", "PodMonitor", "Job"} <= kinds
+
+
+def test_api_server_would_trust_the_webhook_certificate_over_tls(
+    defaults: Rendered, tmp_path: Any
+) -> None:
+    """A real TLS handshake on 127.0.0.1: a server holding the chart's tls.crt/tls.key (as the
+    operator does from its cert dir) is accepted by a client that trusts only the caBundle
+    and checks the webhook Service's DNS name, as the API server does."""
+    import socket
+    import ssl
+    import threading
+
+    secret = defaults.one("Secret")["data"]
+    (hook,) = defaults.one("MutatingWebhookConfiguration")["webhooks"]
+    for name in ("tls.crt", "tls.key"):
+        (tmp_path / name).write_bytes(base64.b64decode(secret[name]))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    client_ctx = ssl.create_default_context(
+        cadata=base64.b64decode(hook["clientConfig"]["caBundle"]).decode()
+    )
+    service = hook["clientConfig"]["service"]
+    dns = f"{service['name']}.{service['namespace']}.svc"
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+        port = listener.getsockname()[1]
+        served: list[bytes] = []
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                served.append(tls.recv(16))
+                tls.sendall(b"ok")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            client_ctx.wrap_socket(raw, server_hostname=dns) as tls,
+        ):
+            tls.sendall(b"hello")
+            assert tls.recv(16) == b"ok"
+        thread.join(timeout=10)
+    assert served == [b"hello"]
+
+    # The same client refuses a name the certificate was not made for.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+        port = listener.getsockname()[1]
+
+        def serve_once() -> None:
+            conn, _ = listener.accept()
+            try:
+                server_ctx.wrap_socket(conn, server_side=True).close()
+            except (ssl.SSLError, OSError):
+                conn.close()
+
+        thread = threading.Thread(target=serve_once, daemon=True)
+        thread.start()
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            pytest.raises(ssl.SSLCertVerificationError),
+        ):
+            client_ctx.wrap_socket(raw, server_hostname="other.example.svc")
+        thread.join(timeout=10)
