@@ -485,7 +485,13 @@ def test_example_pool_and_policy_are_valid_for_the_operator(everything: Rendered
     pool = parse_pool(everything.one("KVCachePool"))
     assert pool.spec.policy_ref is not None
     assert pool.spec.policy_ref.name == policy.metadata.name
-    assert pool.metadata.namespace == NAMESPACE
+    # Not the release namespace, whose pods the webhook never sees.
+    assert pool.metadata.namespace == policy.metadata.namespace == "default"
+
+
+def test_examples_refuse_the_release_namespace(render: Any) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=r"examples\.namespace"):
+        render({"examples": {"enabled": True, "namespace": NAMESPACE}})
 
 
 def _crd_docs(folder: str) -> dict[str, dict[str, Any]]:
@@ -524,7 +530,7 @@ def test_notes_tell_the_next_commands(defaults: Rendered, everything: Rendered) 
     assert "grafanaDashboard.enabled=true" in defaults.notes
     assert '"kvpool / Tiered KV-cache"' in everything.notes
     assert '"kvpool" once the Grafana sidecar' in everything.notes
-    assert "get kvcachepools example" in everything.notes
+    assert "kubectl -n default get kvcachepools example -w" in everything.notes
 
 
 def _granted(rendered: Rendered) -> set[tuple[str, str, str]]:
