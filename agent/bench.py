@@ -1,0 +1,143 @@
+"""`kvpool bench`: every figure against its baseline, measured in one run on this machine.
+
+Parts (each in its own module): data path G2 against memcpy and Redis
+(`bench_data`), control latency (`bench_control`), G3 and G4 against raw
+file I/O and boto3 (`bench_tiers`), trace hit ratio against LRU and Belady's
+MIN (`bench_replay`, `bench_trace`), scale (`bench_scale`), plots
+(`bench_plots`). `run_bench` runs them in order and returns one dict; the
+CLI prints it as the last line of stdout with `--json`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from .bench_control import run_control
+from .bench_data import run_data_path
+from .bench_replay import run_trace
+from .bench_scale import run_scale
+from .bench_stats import MiB
+from .bench_tiers import run_g3, run_g4
+from .trace import load_trace
+
+FULL_SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+QUICK_SIZES = [1 * MiB, 16 * MiB]
+FULL_FRACTIONS = [0.05, 0.10, 0.20, 0.35]
+QUICK_FRACTIONS = [0.20]
+QUICK_TRACE_REQUESTS = 1500
+"""--quick replays (and simulates) only the trace's first requests."""
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpus": os.cpu_count() or 0,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def run_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any]:
+    """Run every part; print the table (to stderr when as_json) and the JSON line."""
+    console = Console(stderr=as_json)
+    reps = 5 if quick else 15
+    started = time.perf_counter()
+    result: dict[str, Any] = {"meta": {**_machine(), "quick": quick, "reps": reps}}
+
+    def part(name: str) -> None:
+        console.print(f"[dim]{time.perf_counter() - started:6.1f}s[/] {name}")
+
+    part("G2 data path vs memcpy and Redis")
+    result.update(run_data_path(QUICK_SIZES if quick else FULL_SIZES, reps))
+    part("control path latency (1 and 8 client processes)")
+    result["control"] = run_control(2000 if quick else 10000, 300 if quick else 2000)
+    part("G3 tier vs raw file I/O")
+    g3 = run_g3(16 * MiB, reps, rebuild_files=10**4 if quick else 10**5)
+    result["g3"] = {k: v for k, v in g3.items() if not k.startswith("rebuild")}
+    part("G4 tier vs boto3 on a local moto S3 server")
+    result["g4"] = run_g4(16 * MiB, 3 if quick else 7)
+    part("trace replay vs LRU and Belady MIN")
+    trace = load_trace(limit=QUICK_TRACE_REQUESTS if quick else None)
+    result["trace"] = run_trace(trace, QUICK_FRACTIONS if quick else FULL_FRACTIONS)
+    for key in ("policy_engine", "default_policy"):  # words, not figures
+        result["meta"][key] = result["trace"].pop(key)
+    part("scale: index memory and LOOKUP vs chunks indexed")
+    counts = [10**4, 10**5] if quick else [10**4, 10**5, 10**6]
+    scale = run_scale(counts)
+    if "lookup_p50_us_1e6" not in scale:  # --quick stops at 10^5: say so, do not extrapolate
+        scale["lookup_p50_us_1e6"] = scale[f"lookup_p50_us_{counts[-1]:.0e}".replace("e+0", "e")]
+    scale["lookup_1e6_measured_at"] = counts[-1]
+    scale["g3_rebuild_s_1e5"] = g3["rebuild_s"]
+    scale["g3_rebuild_measured_at"] = g3["rebuild_files"]
+    result["scale"] = scale
+    result["meta"]["seconds"] = round(time.perf_counter() - started, 1)
+    if out is not None:
+        from .bench_plots import write_plots
+
+        result["meta"]["plots"] = [str(p) for p in write_plots(result, out)]
+        (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    _print_tables(console, result)
+    if as_json:
+        print(json.dumps(result))
+    return result
+
+
+def _print_tables(console: Console, r: dict[str, Any]) -> None:
+    t = Table(title="data path, GB/s (median of reps; ratio in brackets)")
+    for col in ("size", "memcpy", "G2 put", "G2 get", "inline put", "inline get",
+                "Redis put", "Redis get"):
+        t.add_column(col, justify="right")
+    for size, g2 in r["g2"].items():
+        il, rd = r["inline"][size], r["redis"][size]
+        t.add_row(size, f"{g2['memcpy_gbps']:.2f}",
+                  f"{g2['put_gbps']:.2f} ({g2['put_vs_memcpy']:.2f}x memcpy)",
+                  f"{g2['get_gbps']:.2f} ({g2['get_vs_memcpy']:.2f}x memcpy)",
+                  f"{il['put_gbps']:.2f}", f"{il['get_gbps']:.2f}",
+                  f"{rd['put_gbps']:.2f} ({rd['kvpool_put_vs_redis']:.0f}x)",
+                  f"{rd['get_gbps']:.2f} ({rd['kvpool_get_vs_redis']:.0f}x)")
+    console.print(t)
+    c = r["control"]
+    t = Table(title=f"control path, µs (LOOKUP of {c['lookup_prefix_chunks']} chunks)")
+    for col in ("op", "p50 1 client", "p99 1 client", "p50 8 clients", "p99 8 clients"):
+        t.add_column(col, justify="right")
+    for op in ("lookup", "acquire"):
+        t.add_row(op, *(f"{c[f'{op}_{q}_us_{n}']:.0f}" for n in ("1c", "8c")
+                        for q in ("p50", "p99")))
+    console.print(t)
+    g3, g4 = r["g3"], r["g4"]
+    t = Table(title="G3 / G4, GB/s (16 MiB chunks)")
+    for col in ("", "kvpool write/put", "baseline", "kvpool read/get", "baseline"):
+        t.add_column(col, justify="right")
+    t.add_row("G3 vs raw file", f"{g3['write_gbps']:.2f}", f"{g3['raw_write_gbps']:.2f}",
+              f"{g3['read_gbps']:.2f}", f"{g3['raw_read_gbps']:.2f}")
+    t.add_row("G4 vs boto3", f"{g4['put_gbps']:.3f}", f"{g4['boto3_put_gbps']:.3f}",
+              f"{g4['get_gbps']:.3f}", f"{g4['boto3_get_gbps']:.3f}")
+    console.print(t)
+    tr = r["trace"]
+    names = list(tr["capacities"][0]["policies"])
+    t = Table(title=f"trace block hit ratio ({tr['requests']} requests, "
+                    f"{tr['requests_per_second']} requests/s in replay)")
+    for col in ("capacity", *names, "LRU (sim)", "MIN (sim)", "unbounded"):
+        t.add_column(col, justify="right")
+    for cap in tr["capacities"]:
+        t.add_row(f"{cap['fraction']:.0%}", *(f"{cap['policies'][n]:.3f}" for n in names),
+                  f"{cap['lru']:.3f}", f"{cap['optimal']:.3f}", f"{cap['unbounded']:.3f}")
+    console.print(t)
+    s = r["scale"]
+    console.print(
+        f"scale: {s['bytes_per_chunk']:.0f} B of agent heap per chunk at "
+        f"{s['bytes_per_chunk_at']} chunks; LOOKUP p50 {s['lookup_p50_us_1e4']:.0f} µs at 1e4, "
+        f"{s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}; "
+        f"G3 rebuild {s['g3_rebuild_s_1e5']:.2f}s for {s['g3_rebuild_measured_at']} files; "
+        f"total {r['meta']['seconds']}s")
