@@ -122,6 +122,7 @@ class SharedSpec(Model):
         description="s3://bucket/prefix, or file:///path for a shared mount present at the "
         "same path on every node.",
         pattern=r"^(s3://[^/]+.*|file:///.*)$",
+        max_length=1024,
     )
     credentials_secret: str | None = Field(
         None,

@@ -112,6 +112,8 @@ def _special(metadata: list[Any]) -> Schema | None:
         if func is parse_size:
             return {
                 "x-kubernetes-int-or-string": True,
+                # Bounds the estimated cost of the CEL rule (lists of quotas have many).
+                "maxLength": 64,
                 "x-kubernetes-validations": [
                     {"rule": SIZE_RULE, "message": "must be a size greater than zero, like 8Gi"}
                 ],
@@ -119,6 +121,7 @@ def _special(metadata: list[Any]) -> Schema | None:
         if func is parse_duration:
             return {
                 "x-kubernetes-int-or-string": True,
+                "maxLength": 64,
                 "x-kubernetes-validations": [
                     {
                         "rule": DURATION_RULE,

@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 import aiohttp
+import kubernetes_validate
 import pytest
 import yaml
 from op_cluster import NAMESPACE, Cluster, Emulator
@@ -78,11 +79,14 @@ async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> N
         "the ClusterRole",
     )
     assert role["rules"][0]["resources"] == ["nodes"]
-    assert await cluster.get(
-        "rbac.authorization.k8s.io/v1",
-        "ClusterRoleBinding",
-        "kvpool-agent-inference-llama-70b",
-        None,
+    await cluster.eventually(
+        lambda: cluster.get(
+            "rbac.authorization.k8s.io/v1",
+            "ClusterRoleBinding",
+            "kvpool-agent-inference-llama-70b",
+            None,
+        ),
+        "the ClusterRoleBinding",
     )
 
     async def progressing() -> dict[str, Any] | None:
@@ -180,8 +184,14 @@ async def test_policy_update_changes_config_map_and_pool_status(cluster: Cluster
     ds_after = await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b")
     assert ds_after is not None
     assert ds_after["spec"]["template"] == ds["spec"]["template"]
-    policy = await cluster.get(api.API_VERSION, api.POLICY_KIND, POLICY_NAME)
-    assert policy is not None and policy["status"]["pools"] == [POOL_NAME]
+
+    async def policy_status() -> dict[str, Any] | None:
+        p = await cluster.get(api.API_VERSION, api.POLICY_KIND, POLICY_NAME)
+        st = (p or {}).get("status") or {}
+        return st if st.get("observedGeneration") == 2 else None
+
+    st = await cluster.eventually(policy_status, "the policy's status")
+    assert st["pools"] == [POOL_NAME] and st["checksum"] == pool["status"]["policy"]["checksum"]
 
 
 async def test_daemon_set_rollout_drives_the_conditions(cluster: Cluster) -> None:
@@ -233,6 +243,18 @@ async def test_daemon_set_rollout_drives_the_conditions(cluster: Cluster) -> Non
     await cluster.eventually(
         lambda: condition_is("Ready", "False", "NoMatchingNodes"), "Ready/NoMatchingNodes"
     )
+
+
+async def test_a_deleted_daemon_set_is_put_back(cluster: Cluster) -> None:
+    await _start_pool(cluster)
+    await cluster.delete("apps/v1", "DaemonSet", "kvpool-llama-70b")
+    key = ("apps/v1/daemonsets", NAMESPACE, "kvpool-llama-70b")
+
+    async def recreated() -> bool:
+        obj = cluster.emulator.objects[key]
+        return not obj.deleted and obj.history[-2] is None
+
+    await cluster.eventually(recreated, "the DaemonSet to be created again")
 
 
 async def test_missing_policy_is_degraded_until_it_exists(cluster: Cluster) -> None:
@@ -469,6 +491,8 @@ async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None
         "KVPOOL_TENANT": "chat",
         "KVPOOL_CHUNK_TOKENS": "256",
     }
+    kubernetes_validate.validate(pod, "1.33.0", strict=True)
+    kubernetes_validate.validate(mutated, "1.33.0", strict=True)
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"] == [
         {
