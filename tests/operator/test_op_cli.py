@@ -66,6 +66,28 @@ def test_render_examples_as_a_new_user_prints_valid_manifests() -> None:
     assert "ignoring Secret kvpool-s3" in proc.stderr
 
 
+def test_kvpool_command_forwards_to_the_operator_commands() -> None:
+    """`kvpool render` and `kvpool crds`, through the one `kvpool` command line."""
+    render = subprocess.run(
+        [sys.executable, "-m", "kvpool.agent", "render", "-f", str(EXAMPLES / "pool-minimal.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert render.returncode == 0, render.stderr
+    assert [d["kind"] for d in yaml.safe_load_all(render.stdout)][-2:] == ["DaemonSet", "Service"]
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvpool.agent", "crds"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert list(yaml.safe_load_all(listed.stdout)) == crds.crds()
+
+
 def test_render_minimal_pool_alone() -> None:
     result = runner.invoke(app, ["render", "-f", str(EXAMPLES / "pool-minimal.yaml")])
     assert result.exit_code == 0, result.output
