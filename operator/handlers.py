@@ -311,16 +311,26 @@ def _job_succeeded(job: Mapping[str, Any]) -> bool:
     )
 
 
-def collect_garbage(ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any]) -> None:
+def collect_garbage(
+    ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any], logger: Logger
+) -> None:
     """Run the gc Job to completion; raise kopf.TemporaryError until it succeeded."""
     shared = pool.spec.tiers.shared
     assert shared is not None
     ns = pool.metadata.namespace
-    job_name = Names(ns, pool.metadata.name).gc_job
+    job_name = Names(ns, pool.metadata.name).gc_job(pool.metadata.uid)
     previous = (body.get("status") or {}).get("conditions") or []
     job = ctx.kube.get("batch/v1", "Job", ns, job_name)
     if job is None:
-        ctx.kube.create(render_gc_job(pool, ctx.settings))
+        try:
+            ctx.kube.create(render_gc_job(pool, ctx.settings))
+        except KubeError as e:
+            if e.status == 403 and "being terminated" in str(e):
+                # The whole namespace goes: no pod can start in it any more, and blocking
+                # would keep the namespace terminating forever. The chunks stay.
+                logger.warning("namespace %s is terminating: %s is kept", ns, shared.url)
+                return
+            raise
         _write_status(
             ctx.kube,
             body,
@@ -371,7 +381,7 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> None
     try:
         shared = pool.spec.tiers.shared if pool is not None else None
         if pool is not None and shared is not None and shared.reclaim_policy == "Delete":
-            collect_garbage(ctx, pool, body)
+            collect_garbage(ctx, pool, body, logger)
             logger.info("deleted the pool's chunks in %s", shared.url)
         # Cluster-scoped objects cannot be owned by the pool: delete them here.
         names = Names(ns, name)

@@ -10,6 +10,7 @@ every field the operator renders — so a second reconcile is a no-op.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -84,6 +85,17 @@ def _merge(base: Manifest, extra: Manifest) -> Manifest:
         else:
             base[key] = value
     return base
+
+
+def _status_message(body: Any) -> str:
+    """The `message` of a Kubernetes Status response body, if there is one."""
+    try:
+        data = json.loads(body) if isinstance(body, str | bytes) else None
+    except ValueError:
+        return ""
+    if isinstance(data, dict):
+        return str(data.get("message") or "")
+    return ""
 
 
 class KubeError(Exception):
@@ -182,7 +194,9 @@ class Kube:
                 _request_timeout=30,
             )
         except kubernetes.client.exceptions.ApiException as e:
-            raise KubeError(f"{method} {path}: {e.status} {e.reason}", e.status or 0) from e
+            detail = _status_message(e.body)
+            message = f"{method} {path}: {e.status} {e.reason}" + (f": {detail}" if detail else "")
+            raise KubeError(message, e.status or 0) from e
         except OSError as e:  # urllib3 wraps most transport errors into OSError subclasses
             raise KubeError(f"{method} {path}: {e}") from e
         return cast(Manifest, data or {})

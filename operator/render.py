@@ -125,9 +125,10 @@ class Names:
         """ClusterRole and ClusterRoleBinding (cluster-scoped: namespace in the name)."""
         return dns_name("kvpool-agent", self.namespace, self.pool, limit=253)
 
-    @property
-    def gc_job(self) -> str:
-        return dns_name("kvpool", self.pool, "gc")
+    def gc_job(self, uid: str | None) -> str:
+        """The garbage-collection Job of one incarnation of the pool (uid: a re-created pool
+        of the same name never mistakes an old Job for its own)."""
+        return dns_name("kvpool", self.pool, "gc", (uid or "")[:8])
 
 
 def socket_dir(pool: api.KVCachePool) -> str:
@@ -180,7 +181,6 @@ def owner_references(pool: api.KVCachePool) -> list[Manifest]:
             "name": pool.metadata.name,
             "uid": pool.metadata.uid,
             "controller": True,
-            "blockOwnerDeletion": True,
         }
     ]
 
@@ -567,8 +567,13 @@ def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Ma
     if shared_path is not None:
         volumes.append(_host_dir("shared", shared_path, "Directory"))
         container["volumeMounts"].append({"name": "shared", "mountPath": shared_path})
-    meta = _meta(pool, settings, names.gc_job)
-    meta["labels"] = {**meta["labels"], "app.kubernetes.io/component": "gc"}
+    # No owner reference: a foreground deletion of the pool would delete its dependents,
+    # this Job included, before the pool; the Job cleans itself up after it finished.
+    meta: Manifest = {
+        "name": names.gc_job(pool.metadata.uid),
+        "namespace": pool.metadata.namespace,
+        "labels": {**labels(pool, settings), "app.kubernetes.io/component": "gc"},
+    }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp.web
 import kmock
 import kopf
 from kmock._internal import dicts as kmock_dicts
@@ -36,9 +37,36 @@ NAMESPACE = "inference"
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator with uids, creation timestamps and spec generations."""
+    """kmock's emulator with uids, creation timestamps and spec generations.
+
+    A namespace put in `terminating` refuses new objects the way a namespace being
+    deleted does (403, "... because it is being terminated").
+    """
+
+    terminating: set[str]
 
     async def _handle(self, request: Any) -> Any:
+        terminating = getattr(self, "terminating", set())
+        if (
+            request.resource is not None
+            and request.action == kmock_enums.action.CREATE
+            and request.namespace in terminating
+        ):
+            message = (
+                f"{request.resource.plural} is forbidden: unable to create new content in "
+                f"namespace {request.namespace} because it is being terminated"
+            )
+            return aiohttp.web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "message": message,
+                    "reason": "Forbidden",
+                    "code": 403,
+                },
+                status=403,
+            )
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock_enums.action.CREATE:
                 meta = request.data.setdefault("metadata", {})

@@ -18,7 +18,7 @@ from op_support import example
 
 from kvpool.operator import api, metrics
 from kvpool.operator.handlers import Context, reconcile_pool
-from kvpool.operator.render import Settings
+from kvpool.operator.render import Names, Settings
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
@@ -328,11 +328,10 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
     tiers = dict(_pool()["spec"]["tiers"], shared=shared)
     pool = await _start_pool(cluster, tiers=tiers)
     assert "kvpool.io/finalizer" in pool["metadata"]["finalizers"]
+    gc_job = Names(NAMESPACE, POOL_NAME).gc_job(pool["metadata"]["uid"])
 
     await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
-    job = await cluster.eventually(
-        lambda: cluster.get("batch/v1", "Job", "kvpool-llama-70b-gc"), "the gc Job"
-    )
+    job = await cluster.eventually(lambda: cluster.get("batch/v1", "Job", gc_job), "the gc Job")
     gc = job["spec"]["template"]["spec"]["containers"][0]
     assert gc["command"] == ["kvpool", "gc", "--shared", "s3://kv-cache/llama-70b", "--all"]
 
@@ -348,7 +347,7 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
     await cluster.patch(
         "batch/v1",
         "Job",
-        "kvpool-llama-70b-gc",
+        gc_job,
         {
             "status": {
                 "failed": 4,
@@ -374,17 +373,17 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
     assert await cluster.pool(POOL_NAME) is not None
 
     # Retrying (delete the failed Job) and succeeding releases the pool.
-    await cluster.delete("batch/v1", "Job", "kvpool-llama-70b-gc")
+    await cluster.delete("batch/v1", "Job", gc_job)
 
     async def new_job() -> dict[str, Any] | None:
-        j = await cluster.get("batch/v1", "Job", "kvpool-llama-70b-gc")
+        j = await cluster.get("batch/v1", "Job", gc_job)
         return j if j and not (j.get("status") or {}).get("failed") else None
 
     await cluster.eventually(new_job, "a new gc Job")
     await cluster.patch(
         "batch/v1",
         "Job",
-        "kvpool-llama-70b-gc",
+        gc_job,
         {
             "status": {
                 "succeeded": 1,
@@ -402,15 +401,30 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
     assert cluster.emulator.objects[key].deleted
 
 
-async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
-    await _start_pool(cluster)
+async def test_delete_in_a_terminating_namespace_does_not_block(cluster: Cluster) -> None:
+    """No pod can start in a namespace being deleted: waiting for a gc Job would keep the
+    namespace terminating forever, so the pool lets go and its chunks are kept."""
+    shared = dict(_pool()["spec"]["tiers"]["shared"], reclaimPolicy="Delete")
+    await _start_pool(cluster, tiers=dict(_pool()["spec"]["tiers"], shared=shared))
+    cluster.emulator.terminating = {NAMESPACE}
     await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
 
     async def gone() -> bool:
         return await cluster.pool(POOL_NAME) is None
 
     await cluster.eventually(gone, "the pool to be deleted")
-    assert await cluster.get("batch/v1", "Job", "kvpool-llama-70b-gc") is None
+
+
+async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
+    pool = await _start_pool(cluster)
+    gc_job = Names(NAMESPACE, POOL_NAME).gc_job(pool["metadata"]["uid"])
+    await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
+
+    async def gone() -> bool:
+        return await cluster.pool(POOL_NAME) is None
+
+    await cluster.eventually(gone, "the pool to be deleted")
+    assert await cluster.get("batch/v1", "Job", gc_job) is None
     assert (
         await cluster.get(
             "rbac.authorization.k8s.io/v1",

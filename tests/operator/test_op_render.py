@@ -77,7 +77,6 @@ def test_namespaced_objects_are_owned_by_the_pool_and_labelled(pool_full: dict) 
                 "name": "llama-70b",
                 "uid": UID,
                 "controller": True,
-                "blockOwnerDeletion": True,
             }
 
 
