@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpool.agent.config import Model, TierPolicy, explain
+from kvpool.agent.config import DramTier, Model, TierPolicy, explain
 from kvpool.agent.units import ByteSize
 
 GROUP = "kvpool.io"
@@ -154,7 +154,16 @@ class TiersSpec(Model):
     shared: SharedSpec | None = Field(None, description="G4 shared store; unset: no shared tier.")
 
     def enabled(self) -> list[str]:
+        """The tiers the spec names."""
         return [t for t in ("dram", "nvme", "shared") if getattr(self, t) is not None]
+
+    def effective_dram(self) -> DramSpec:
+        """The DRAM tier the agents run: the spec's, or the agent's default arena."""
+        return self.dram if self.dram is not None else DramSpec(size=DramTier().size)
+
+    def served(self) -> list[str]:
+        """The tiers the agents serve: DRAM always (clients exchange data through it)."""
+        return ["dram", *(t for t in ("nvme", "shared") if getattr(self, t) is not None)]
 
 
 class PolicyRef(Model):

@@ -201,10 +201,7 @@ def _meta(pool: api.KVCachePool, settings: Settings, name: str) -> Manifest:
 
 
 def _dram(pool: api.KVCachePool) -> api.DramSpec:
-    dram = pool.spec.tiers.dram
-    if dram is None:
-        return api.DramSpec(size=DramTier().size)
-    return dram
+    return pool.spec.tiers.effective_dram()
 
 
 def _dram_host_dir(pool: api.KVCachePool) -> str:

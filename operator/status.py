@@ -212,7 +212,7 @@ def capacity(pool: api.KVCachePool, desired: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tiers = pool.spec.tiers
     sizes = {
-        "dram": tiers.dram.size if tiers.dram else None,
+        "dram": tiers.effective_dram().size,
         "nvme": tiers.nvme.size if tiers.nvme else None,
     }
     for tier, size in sizes.items():
@@ -247,7 +247,7 @@ def pool_status(
     if generation is not None:
         status["observedGeneration"] = generation
     if pool is not None:
-        status["tiers"] = "+".join(pool.spec.tiers.enabled())
+        status["tiers"] = "+".join(pool.spec.tiers.served())
         status["capacity"] = capacity(pool, rollout.desired)
     if policy is not None:
         status["policy"] = policy.to_wire()
