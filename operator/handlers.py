@@ -172,8 +172,11 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> Non
                 pool = api.parse_pool(body)
             except api.InvalidSpec as e:
                 raise Problem(Reason.INVALID_SPEC, str(e)) from e
-            policy, resolved = _resolve_policy(ctx.kube, pool)
-            _check_secret(ctx.kube, pool)
+            try:
+                policy, resolved = _resolve_policy(ctx.kube, pool)
+                _check_secret(ctx.kube, pool)
+            except KubeError as e:
+                raise Problem(Reason.APPLY_FAILED, str(e)) from e
             objects = render(pool, policy, ctx.settings)
             for obj in objects:
                 try:
