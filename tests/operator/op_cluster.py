@@ -44,6 +44,8 @@ class Emulator(kmock.KubernetesEmulator):
     """
 
     terminating: set[str]
+    generations = True
+    """Emulate metadata.generation (kmock itself has none)."""
 
     async def _handle(self, request: Any) -> Any:
         terminating = getattr(self, "terminating", set())
@@ -71,7 +73,8 @@ class Emulator(kmock.KubernetesEmulator):
             if request.action == kmock_enums.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
                 meta.setdefault("uid", str(uuid.uuid4()))
-                meta.setdefault("generation", 1)
+                if self.generations:
+                    meta.setdefault("generation", 1)
                 # kopf guards some JSON patches with a `test` of resourceVersion; kmock keeps
                 # none. A constant one lets those tests pass (no conflicts are emulated).
                 meta.setdefault("resourceVersion", "1")
@@ -80,7 +83,8 @@ class Emulator(kmock.KubernetesEmulator):
                     datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 )
             elif (
-                request.action == kmock_enums.action.UPDATE
+                self.generations
+                and request.action == kmock_enums.action.UPDATE
                 and request.name is not None
                 and not request.subresource
                 and "spec" in request.data
@@ -93,6 +97,12 @@ class Emulator(kmock.KubernetesEmulator):
                         generation = int(old.get("metadata", {}).get("generation") or 1) + 1
                         request.data.setdefault("metadata", {})["generation"] = generation
         return await super()._handle(request)
+
+
+class EmulatorWithoutGenerations(Emulator):
+    """As kmock ships: no metadata.generation on any object."""
+
+    generations = False
 
 
 def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
