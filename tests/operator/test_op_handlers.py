@@ -531,3 +531,19 @@ async def test_webhook_leaves_other_pods_alone(cluster: Cluster) -> None:
     del pod["metadata"]["annotations"]
     response = await _admit(cluster, pod)
     assert response["allowed"] is True and "patch" not in response
+
+
+async def test_invalid_policy_degrades_its_pools_with_the_field(cluster: Cluster) -> None:
+    policy = _policy()
+    policy["spec"]["tiers"]["dram"]["lowWatermark"] = 0.99  # above highWatermark 0.92
+    await cluster.create(_secret())
+    await cluster.create(policy)
+    await cluster.create(_pool())
+
+    async def degraded() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
+        return c if c and c["reason"] == "InvalidPolicy" else None
+
+    cond = await cluster.eventually(degraded, "Degraded/InvalidPolicy")
+    assert "spec.tiers.dram" in cond["message"]
+    assert await cluster.get("v1", "ConfigMap", "kvpool-llama-70b") is None
