@@ -24,8 +24,6 @@ from typing import Any, TypeVar
 import aiohttp.web
 import kmock
 import kopf
-from kmock._internal import dicts as kmock_dicts
-from kmock._internal import enums as kmock_enums
 
 from kvpool.operator import api
 from kvpool.operator.kube import Kube
@@ -34,6 +32,19 @@ from kvpool.operator.run import OperatorOptions, operate
 
 T = TypeVar("T")
 NAMESPACE = "inference"
+
+
+def _merge_patch(base: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the emulator applies it."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(base) if isinstance(base, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(out.get(key), value)
+    return out
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -51,7 +62,7 @@ class Emulator(kmock.KubernetesEmulator):
         terminating = getattr(self, "terminating", set())
         if (
             request.resource is not None
-            and request.action == kmock_enums.action.CREATE
+            and request.action == kmock.action.CREATE
             and request.namespace in terminating
         ):
             message = (
@@ -70,7 +81,7 @@ class Emulator(kmock.KubernetesEmulator):
                 status=403,
             )
         if request.resource is not None and isinstance(request.data, dict):
-            if request.action == kmock_enums.action.CREATE:
+            if request.action == kmock.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
                 meta.setdefault("uid", str(uuid.uuid4()))
                 if self.generations:
@@ -84,7 +95,7 @@ class Emulator(kmock.KubernetesEmulator):
                 )
             elif (
                 self.generations
-                and request.action == kmock_enums.action.UPDATE
+                and request.action == kmock.action.UPDATE
                 and request.name is not None
                 and not request.subresource
                 and "spec" in request.data
@@ -92,7 +103,7 @@ class Emulator(kmock.KubernetesEmulator):
                 key = (request.resource, request.namespace, request.name)
                 if key in self.objects and not self.objects[key].deleted:
                     old = copy.deepcopy(self.objects[key].raw)
-                    new = kmock_dicts.patch_dict(copy.deepcopy(old), {"spec": request.data["spec"]})
+                    new = _merge_patch(copy.deepcopy(old), {"spec": request.data["spec"]})
                     if new.get("spec") != old.get("spec"):
                         generation = int(old.get("metadata", {}).get("generation") or 1) + 1
                         request.data.setdefault("metadata", {})["generation"] = generation
