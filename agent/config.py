@@ -9,7 +9,6 @@ Python. Unknown fields are errors, and every error names its field.
 from __future__ import annotations
 
 import hashlib
-import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -360,11 +359,3 @@ def load_policy(path: Path) -> TierPolicy:
         return TierPolicy.model_validate(_load_yaml(path))
     except ValidationError as e:
         raise ConfigError(explain(e, str(path))) from e
-
-
-def dump_yaml(model: Model) -> str:
-    return yaml.safe_dump(model.to_wire(), sort_keys=False)
-
-
-def default_socket_dir() -> Path:
-    return Path(os.environ.get("KVPOOL_SOCKET_DIR", "/run/kvpool"))

@@ -91,7 +91,3 @@ def block_keys(fingerprint: Fingerprint, block_ids: Iterable[int]) -> list[bytes
     return [
         xxhash.xxh3_128_digest(_BLOCK_DOMAIN + seed + struct.pack("<Q", b)) for b in block_ids
     ]
-
-
-def key_hex(key: bytes) -> str:
-    return key.hex()

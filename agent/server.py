@@ -31,7 +31,7 @@ from . import protocol as p
 from .arena import Arena
 from .config import AgentConfig, ConfigError, load_policy
 from .metrics import AgentMetrics
-from .store import ChunkStore, OpError, open_journal
+from .store import MAX_LEASES_PER_CLIENT, ChunkStore, OpError, open_journal
 from .tiers.dram import DramTier
 from .tiers.nvme import NvmeTier
 
@@ -169,7 +169,7 @@ class Connection:
             rid=req.rid, version=p.PROTOCOL_VERSION, agent_version=__version__, pool=cfg.pool,
             arena_bytes=agent.arena.size, max_chunk_bytes=cfg.max_chunk_bytes,
             max_meta_bytes=cfg.max_meta_bytes, max_frame_bytes=agent.max_frame_bytes,
-            max_leases=4096,
+            max_leases=MAX_LEASES_PER_CLIENT,
         ))
         # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
         # the connection fresh, so one sendmsg carries it whole.

@@ -76,9 +76,6 @@ class DramTier:
         """Bytes of the arena taken: visible chunks, hidden ones still read, pending writes."""
         return self.alloc.used_bytes
 
-    def chunk_bytes(self) -> int:
-        return sum(c.size for c in self.chunks.values())
-
     # -- index
 
     def get(self, key: bytes) -> DramChunk | None:
