@@ -227,6 +227,10 @@ def refresh_pool_status(
     """Update a pool's rollout fields and conditions from its DaemonSet; keep any problem."""
     current = body.get("status") or {}
     previous = current.get("conditions") or []
+    if not previous:
+        # The reconcile that created the DaemonSet has not written its status yet; it
+        # writes the first conditions, with the generation it observed.
+        return
     try:
         pool: api.KVCachePool | None = api.parse_pool(body)
     except api.InvalidSpec:
