@@ -39,6 +39,7 @@ from kvpool.agent.config import (
 from kvpool.agent.units import format_size
 
 from . import api
+from .dashboard import AGENT_JOB
 
 Manifest = dict[str, Any]
 
@@ -496,11 +497,15 @@ def _pod_monitor(pool: api.KVCachePool, settings: Settings) -> Manifest:
                 {
                     "port": "metrics",
                     "path": "/metrics",
+                    # As the chart's PodMonitor: the dashboard and the alerts select agent
+                    # series by job="kvpool-agent" and group them by node.
                     "relabelings": [
                         {
                             "sourceLabels": ["__meta_kubernetes_pod_node_name"],
                             "targetLabel": "node",
-                        }
+                            "action": "replace",
+                        },
+                        {"targetLabel": "job", "replacement": AGENT_JOB, "action": "replace"},
                     ],
                 }
             ],

@@ -409,6 +409,30 @@ def test_pod_monitor_scrapes_agents_everywhere_and_adds_node_and_job(
     ]
 
 
+def test_operator_pod_monitor_labels_agent_series_as_the_chart_does(everything: Rendered) -> None:
+    """`kvpool operator --pod-monitor` renders one PodMonitor per pool; its series must carry
+    the same job and node labels as the chart's, or the agent-up panel and KVPoolAgentDown
+    (`up{job="kvpool-agent"}`) never see them."""
+    from kvpool.operator.dashboard import AGENT_JOB
+    from kvpool.operator.render import Settings, render
+
+    docs = list(yaml.safe_load_all((CHART.parents[1] / "docs/examples/pool.yaml").read_text()))
+    pool = parse_pool(next(d for d in docs if d["kind"] == "KVCachePool"))
+    per_pool = next(
+        o for o in render(pool, None, Settings(pod_monitor=True)) if o["kind"] == "PodMonitor"
+    )
+    (chart_endpoint,) = everything.one("PodMonitor")["spec"]["podMetricsEndpoints"]
+    (pool_endpoint,) = per_pool["spec"]["podMetricsEndpoints"]
+    assert pool_endpoint["relabelings"] == chart_endpoint["relabelings"]
+    assert {"targetLabel": "job", "replacement": AGENT_JOB, "action": "replace"} in (
+        pool_endpoint["relabelings"]
+    )
+    assert (pool_endpoint["port"], pool_endpoint["path"]) == (
+        chart_endpoint["port"],
+        chart_endpoint["path"],
+    )
+
+
 def test_service_monitor_selects_the_operator_metrics_service(everything: Rendered) -> None:
     sm = everything.one("ServiceMonitor")
     spec = sm["spec"]

@@ -60,7 +60,6 @@ def _self_signed(directory: Path) -> Path:
 
 
 async def test_webhook_serves_https_with_the_given_certificate(kmock: Any, tmp_path: Path) -> None:
-    pytest.importorskip("cryptography")
     ca = _self_signed(tmp_path)
     declare_resources(kmock)
     port = free_port()
