@@ -35,6 +35,8 @@ TENANT_ANNOTATION = "kvpool.io/tenant"
 NODE_LABEL_PREFIX = "pool.kvpool.io/"
 """The agent labels its node `pool.kvpool.io/<namespace>.<pool>=ready` when it serves."""
 NODE_LABEL_READY = "ready"
+AGENT_UID = 65532
+"""The agent's default UID and GID: not root (the distroless "nonroot" user's number)."""
 
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
@@ -220,12 +222,12 @@ class AgentSpec(Model):
         9400, ge=1024, le=65535, description="Port of /metrics, /healthz and /readyz."
     )
     log_level: LogLevel = Field(LogLevel.INFO, description="Agent log level.")
-    run_as_user: int | None = Field(
-        None,
+    run_as_user: int = Field(
+        AGENT_UID,
         ge=0,
-        description="UID of the agent; unset: root with only the IPC_LOCK capability "
-        "(kubelet creates the hostPath directories root-owned). A non-zero UID must own "
-        "the pool's host directories.",
+        description="UID and GID the agent runs as (not root by default); an init container "
+        "gives the pool's host directories to it. 0 runs the agent as root, the only way "
+        "the IPC_LOCK capability takes effect without a raised memlock limit on the node.",
     )
     priority_class_name: str | None = Field(
         None, description="PriorityClass of the agent pods (e.g. system-node-critical)."

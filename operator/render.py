@@ -311,13 +311,21 @@ def _resources(pool: api.KVCachePool) -> Manifest:
 
 
 def _security(pool: api.KVCachePool) -> tuple[Manifest, Manifest]:
-    """(pod securityContext, container securityContext)."""
-    pod: Manifest = {"seccompProfile": {"type": "RuntimeDefault"}}
+    """(pod securityContext, container securityContext) of the agent.
+
+    Not root (unless `spec.agent.runAsUser` is 0), no privilege escalation, a read-only
+    root filesystem, every capability dropped but `IPC_LOCK` for a locked arena. For a
+    non-root UID the runtime keeps `IPC_LOCK` in the bounding set only (Kubernetes has no
+    ambient capabilities): mlock then works up to the node's memlock limit, and the agent
+    reports an arena it could not lock (docs/operator.md, "Security").
+    """
     uid = pool.spec.agent.run_as_user
-    if uid is not None:
-        pod["runAsUser"] = uid
-        pod["runAsGroup"] = uid
-        pod["runAsNonRoot"] = uid != 0
+    pod: Manifest = {
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "runAsNonRoot": uid != 0,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     caps: Manifest = {"drop": ["ALL"]}
     if _dram(pool).locked:
         caps["add"] = ["IPC_LOCK"]
@@ -327,6 +335,47 @@ def _security(pool: api.KVCachePool) -> tuple[Manifest, Manifest]:
         "capabilities": caps,
     }
     return pod, container
+
+
+HOST_DIRS_CAPABILITIES = ["CHOWN", "DAC_READ_SEARCH"]
+"""What the init container that hands the host directories to the agent needs: change
+owners, and walk directories another UID left behind. Nothing else."""
+
+
+def _host_dirs_container(
+    pool: api.KVCachePool, image: str, mounts: list[Manifest]
+) -> Manifest | None:
+    """The init container giving the agent's writable host directories to its UID.
+
+    kubelet creates hostPath directories owned by root and `fsGroup` does not apply to
+    them; a root agent needs no such step.
+    """
+    uid = pool.spec.agent.run_as_user
+    if uid == 0:
+        return None
+    return {
+        "name": "host-dirs",
+        "image": image,
+        "imagePullPolicy": pool.spec.agent.image_pull_policy,
+        "command": [
+            "python3",
+            "-m",
+            "kvpool.operator.hostdirs",
+            f"--owner={uid}:{uid}",
+            *(m["mountPath"] for m in mounts),
+        ],
+        "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": list(HOST_DIRS_CAPABILITIES)},
+        },
+        "volumeMounts": mounts,
+    }
 
 
 def _host_dir(name: str, path: str, kind: str = "DirectoryOrCreate") -> Manifest:
@@ -362,6 +411,9 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         host = f"{spec.tiers.nvme.host_path.rstrip('/')}/{names.pool_id}"
         volumes.append(_host_dir("nvme", host))
         mounts.append({"name": "nvme", "mountPath": NVME_MOUNT})
+    # The per-pool host directories the agent writes (the shared file:// mount is the
+    # user's to prepare: it spans nodes and often squashes root).
+    writable_host = [dict(m) for m in mounts if m["name"] in ("socket", "dram", "nvme")]
     shared_path = _shared_file_path(spec.tiers.shared)
     if shared_path is not None:
         volumes.append(_host_dir("shared", shared_path, "Directory"))
@@ -398,11 +450,13 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         "securityContext": container_security,
         "volumeMounts": mounts,
     }
+    init = _host_dirs_container(pool, container["image"], writable_host)
     pod_spec: Manifest = {
         "serviceAccountName": names.agent,
         **_scheduling(pool),
         "securityContext": pod_security,
         "terminationGracePeriodSeconds": 30,
+        **({"initContainers": [init]} if init is not None else {}),
         "containers": [container],
         "volumes": volumes,
     }

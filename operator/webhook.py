@@ -12,7 +12,10 @@ A pod of pool `<ns>/<name>` gets:
   `KVPOOL_TENANT` (annotation `kvpool.io/tenant`, default the namespace) and
   `KVPOOL_CHUNK_TOKENS` (the pool's chunk size, part of the fingerprint);
 - a required node affinity on `pool.kvpool.io/<ns>.<name>=ready`, the label
-  the pool's agent puts on its node once it serves.
+  the pool's agent puts on its node once it serves;
+- the agent's GID as a supplementary group (unless the agent runs as root): the
+  agent's socket is owner-and-group only, and a client that is not root reaches it
+  through that group.
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def inject(pod: dict[str, Any], pool: api.KVCachePool) -> None:
         container_env = container.setdefault("env", [])
         for var in env:
             _upsert(container_env, dict(var))
+
+    agent_gid = pool.spec.agent.run_as_user
+    if agent_gid != 0:  # never hand a pod the root group
+        groups = spec.setdefault("securityContext", {}).setdefault("supplementalGroups", [])
+        if agent_gid not in groups:
+            groups.append(agent_gid)
 
     requirement = {"key": api.node_label(ns, name), "operator": "In", "values": ["ready"]}
     affinity = spec.setdefault("affinity", {})

@@ -507,6 +507,8 @@ async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None
     }
     kubernetes_validate.validate(pod, "1.33.0", strict=True)
     kubernetes_validate.validate(mutated, "1.33.0", strict=True)
+    # The agent (UID/GID 65532) serves its socket to its group.
+    assert spec["securityContext"]["supplementalGroups"] == [65532]
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"] == [
         {

@@ -123,14 +123,11 @@ def test_agent_container_runs_the_agent_locked_and_read_only(pool_minimal: dict)
     assert container["resources"]["limits"]["memory"] == "8448Mi"
 
 
-def test_non_root_agent_when_asked(pool_minimal: dict) -> None:
+def test_unlocked_arena_adds_no_capability(pool_minimal: dict) -> None:
     body = copy.deepcopy(pool_minimal)
-    body["spec"]["agent"] = {"runAsUser": 65532}
     body["spec"]["tiers"]["dram"]["locked"] = False
     ds = _by_kind(render.render(api.parse_pool(body), None))["DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["runAsUser"] == 65532
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 

@@ -196,6 +196,24 @@ def test_inject_adds_socket_env_affinity_and_is_idempotent() -> None:
     assert pod["metadata"]["annotations"][webhook.INJECTED_ANNOTATION] == "inference.llama-70b"
 
 
+@pytest.mark.parametrize(
+    ("run_as_user", "groups"), [(None, [7, 65532]), (1000, [7, 1000]), (0, [7])]
+)
+def test_inject_adds_the_agents_group_never_root(
+    run_as_user: int | None, groups: list[int]
+) -> None:
+    """The agent's socket is mode 0660: a non-root client needs the agent's group; a root
+    agent's group (0) is never handed to a pod."""
+    body = example("pool.yaml", api.POOL_KIND)
+    if run_as_user is not None:
+        body["spec"].setdefault("agent", {})["runAsUser"] = run_as_user
+    pod = example("pod.yaml", "Pod")
+    pod["spec"]["securityContext"] = {"supplementalGroups": [7]}
+    webhook.inject(pod, api.parse_pool(body))
+    webhook.inject(pod, api.parse_pool(body))
+    assert pod["spec"]["securityContext"]["supplementalGroups"] == groups
+
+
 def test_tenant_defaults_to_the_namespace() -> None:
     pod = example("pod.yaml", "Pod")
     del pod["metadata"]["annotations"][api.TENANT_ANNOTATION]
