@@ -1,0 +1,272 @@
+"""kvpool as an LMCache remote storage plugin (what vLLM reaches through LMCache).
+
+LMCache loads it from its configuration::
+
+    remote_storage_plugins: ["kvpool"]
+    extra_config:
+      remote_storage_plugin.kvpool.module_path: kvpool.agent.integrations.lmcache
+      remote_storage_plugin.kvpool.class_name: KVPoolConnector
+
+and builds one `KVPoolConnector` per worker. The connector talks to the node's
+agent at `KVPOOL_SOCKET` (or `extra_config["kvpool.socket"]`) in zero-copy
+mode: a get allocates LMCache's own memory object and copies the chunk from
+the arena into it; a put copies the memory object's bytes into the arena.
+The memory object's shapes, dtypes and format travel with the chunk as its
+metadata (`ChunkMeta`), so partial chunks and any KV layout come back as they
+went in. A batch of N chunks costs one round trip to read and two to write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import struct
+import threading
+from typing import Any
+
+import msgspec
+import torch
+import xxhash
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from .. import protocol as p
+from .pipeline import PipelinedClient
+
+log = logging.getLogger(__name__)
+
+KEY_SCHEME = "kvpool-lmcache-xxh3-128-v1"
+_KEY_DOMAIN = b"kvpool/lmcache/v1\x00"
+_META_SCHEME = "lmcache/v1"
+
+
+def pool_key(key: CacheEngineKey, tenant: str = "") -> bytes:
+    """The kvpool key of an LMCache chunk key: deterministic across processes and nodes.
+
+    `CacheEngineKey.to_string()` names model, world size, worker, chunk hash
+    and dtype (and layer and tags when present); the tenant is mixed in so
+    tenants never read each other's chunks, as with `kvpool.agent.keys`.
+    """
+    out = bytearray(_KEY_DOMAIN)
+    for text in (tenant, str(key.to_string())):
+        raw = text.encode()
+        out += struct.pack("<I", len(raw)) + raw
+    return xxhash.xxh3_128_digest(bytes(out))
+
+
+class ChunkMeta(msgspec.Struct, array_like=True, frozen=True):
+    """What LMCache needs to rebuild a memory object, stored as the chunk's `meta`."""
+
+    scheme: str
+    fmt: str
+    """`MemoryFormat` member name, e.g. "KV_2LTD"."""
+    shapes: list[list[int]]
+    dtypes: list[str]
+    """torch dtype names without the "torch." prefix, e.g. "bfloat16"."""
+
+    def torch_dtypes(self) -> list[torch.dtype]:
+        out = []
+        for name in self.dtypes:
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {name!r}")
+            out.append(dtype)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize
+                   for shape, dtype in zip(self.shapes, self.torch_dtypes(), strict=True))
+
+
+_meta_decoder = msgspec.msgpack.Decoder(ChunkMeta)
+
+
+def encode_meta(obj: MemoryObj) -> bytes:
+    meta = ChunkMeta(
+        scheme=_META_SCHEME,
+        fmt=obj.get_memory_format().name,
+        shapes=[list(s) for s in obj.get_shapes()],
+        dtypes=[str(d).removeprefix("torch.") for d in obj.get_dtypes()],
+    )
+    return msgspec.msgpack.encode(meta)
+
+
+def decode_meta(raw: bytes, size: int) -> ChunkMeta | None:
+    """The chunk's metadata if it describes exactly `size` bytes, else None (a miss)."""
+    try:
+        meta = _meta_decoder.decode(raw)
+        if meta.scheme != _META_SCHEME or meta.nbytes() != size:
+            return None
+        MemoryFormat[meta.fmt]
+    except (msgspec.MsgspecError, ValueError, KeyError, TypeError):
+        return None
+    return meta
+
+
+class PutRefused(RuntimeError):
+    """The agent refused some chunks of a put (no space, too large); LMCache counts a failure."""
+
+
+class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
+    """LMCache `RemoteConnector` backed by the node's kvpool agent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
+                 config: Any = None, plugin_name: str | None = None) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        extra = (config.extra_config if config is not None else None) or {}
+        socket_path = extra.get("kvpool.socket") or os.environ.get("KVPOOL_SOCKET")
+        self.client = PipelinedClient(socket_path, name="lmcache")
+        self.tenant = self.client.tenant
+        # LMCache calls from its event-loop thread (get/put) and from the
+        # engine's thread (exists_sync, batched_contains); one connection, one lock.
+        self._lock = threading.Lock()
+        assert self.client.hello is not None
+        log.info("kvpool connector: pool %s at %s", self.client.hello.pool,
+                 self.client.socket_path)
+
+    def _keys(self, keys: list[CacheEngineKey]) -> list[bytes]:
+        return [pool_key(k, self.tenant) for k in keys]
+
+    # -- lookups
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self.batched_contains([key]) == 1
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return self.exists_sync(key)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        """How many leading keys the pool holds: one LOOKUP."""
+        found = 0
+        pool_keys = self._keys(keys)
+        with self._lock:
+            for start in range(0, len(pool_keys), p.MAX_LOOKUP_KEYS):
+                window = pool_keys[start : start + p.MAX_LOOKUP_KEYS]
+                hit = self.client.lookup(window)
+                found += hit
+                if hit < len(window):
+                    break
+        return found
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        # LMCache's lookup pin holds a chunk until retrieve; kvpool's PIN is
+        # an operator's durable pin, so it is not used for this.
+        return self.batched_contains(keys)
+
+    # -- reads
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        objs: list[MemoryObj | None] = [None] * len(keys)
+
+        def target(i: int, size: int, raw_meta: bytes) -> Any:
+            meta = decode_meta(raw_meta, size)
+            if meta is None:
+                log.warning("kvpool chunk for %s has unusable metadata; a miss", keys[i])
+                return None
+            # busy_loop=False: under memory pressure this is a miss, not a wait
+            # with the agent's read leases held.
+            obj = self.local_cpu_backend.allocate(
+                [torch.Size(s) for s in meta.shapes], meta.torch_dtypes(),
+                MemoryFormat[meta.fmt], busy_loop=False)
+            if obj is None:
+                return None
+            objs[i] = obj
+            if obj.get_size() != size:
+                return None
+            return obj.byte_array
+
+        try:
+            with self._lock:
+                sizes = self.client.get_many_into(self._keys(keys), target)
+        except BaseException:
+            for obj in objs:
+                if obj is not None:
+                    obj.ref_count_down()
+            raise
+        for i, size in enumerate(sizes):
+            obj = objs[i]
+            if size == 0 and obj is not None:
+                obj.ref_count_down()
+                objs[i] = None
+        return objs
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str,
+                                       keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The leading run of hits (LMCache loads prefixes only)."""
+        objs = await self.batched_get(keys)
+        prefix: list[MemoryObj] = []
+        for obj in objs:
+            if obj is None:
+                break
+            prefix.append(obj)
+        for obj in objs[len(prefix):]:
+            if obj is not None:
+                obj.ref_count_down()
+        return prefix
+
+    # -- writes
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        """Store the memory objects' bytes; LMCache drops its references afterwards."""
+        data = [obj.byte_array for obj in memory_objs]
+        metas = [encode_meta(obj) for obj in memory_objs]
+        with self._lock:
+            results = self.client.put_many(self._keys(keys), data, metas)
+        refused = [(k, r) for k, r in zip(keys, results, strict=True)
+                   if isinstance(r, p.ProtocolError)]
+        if refused:
+            raise PutRefused(f"kvpool refused {len(refused)} of {len(keys)} chunks, "
+                             f"first {refused[0][0]}: {refused[0][1]}")
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return self.client.delete(pool_key(key, self.tenant))
+
+    # -- the rest of the contract
+
+    async def list(self) -> list[str]:
+        raise NotImplementedError(
+            "kvpool stores one-way hashes of LMCache keys and cannot list them")
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when the agent answers (LMCache's health check)."""
+        with self._lock:
+            self.client.stats()
+        return 0
+
+    async def close(self) -> None:
+        with self._lock:
+            self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<KVPoolConnector {self.client.socket_path}>"

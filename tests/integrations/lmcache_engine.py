@@ -1,0 +1,116 @@
+"""One inference process using LMCache's real engine on the CPU, with kvpool as its remote store.
+
+Run as a script by the tests (a fresh interpreter per engine, as a second
+vLLM pod would be)::
+
+    python lmcache_engine.py store|retrieve CONFIG MODEL RESULT
+
+`store` writes the KV of `TOKENS` (made from a fixed seed) through
+`LMCacheEngine.store`; `retrieve` asks `LMCacheEngine.retrieve` for the same
+tokens into a zeroed KV buffer and saves what came back to RESULT, with the
+retrieved-token count.
+
+No GPU here: the serving engine's "GPU" KV buffer is a CPU tensor, and
+`CPUBufferConnector` moves chunks between it and LMCache's memory objects,
+which is what a GPU connector does with device memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.metadata import LMCacheMetadata
+
+LAYERS, HEADS, HEAD_DIM, CHUNK = 4, 2, 16, 16
+DTYPE = torch.bfloat16
+TOKENS = [(i * 7919 + 13) % 32000 for i in range(CHUNK * 4 + 5)]
+"""Four full chunks and a partial one."""
+
+
+def expected_kv() -> torch.Tensor:
+    """The KV a model would compute for TOKENS: [2, layers, tokens, heads * head_dim]."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randn(2, LAYERS, len(TOKENS), HEADS * HEAD_DIM, generator=gen).to(DTYPE)
+
+
+class CPUBufferConnector(MockGPUConnector):  # type: ignore[misc]
+    """LMCache's mock GPU connector, moving real bytes: the KV buffer is a CPU tensor."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        super().__init__(kv_shape=(LAYERS, 2, len(TOKENS), HEADS, HEAD_DIM))
+        self.kv = kv
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        memory_obj.tensor.copy_(self.kv[:, :, start:end, :])
+        memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        self.kv[:, :, start:end, :].copy_(memory_obj.tensor)
+
+    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end)
+
+    def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, start, end)
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, LAYERS, num_tokens, HEADS * HEAD_DIM])
+
+
+def build_engine(config_path: str, model: str, kv: torch.Tensor) -> Any:
+    config = LMCacheEngineConfig.from_file(config_path)
+    metadata = LMCacheMetadata(
+        model_name=model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        kv_dtype=DTYPE, kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM), chunk_size=CHUNK,
+    )
+    engine = LMCacheEngineBuilder.get_or_create(
+        "kvpool-test", config, metadata, CPUBufferConnector(kv),
+        mock_up_broadcast_fn, mock_up_broadcast_object_fn)
+    engine.post_init()
+    return engine
+
+
+def remote_backend(engine: Any) -> Any:
+    backends = engine.storage_manager.storage_backends
+    return next(b for name, b in backends.items() if name.startswith("RemoteBackend"))
+
+
+def store(config_path: str, model: str) -> None:
+    engine = build_engine(config_path, model, expected_kv())
+    remote = remote_backend(engine)
+    assert remote.connection is not None, "the kvpool plugin did not load"
+    engine.store(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
+    # Remote puts run on LMCache's event loop; leave only once they are done.
+    deadline = time.monotonic() + 60
+    while remote.put_tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not remote.put_tasks, "remote puts did not finish"
+    assert remote.put_failed_count == 0, "a remote put failed"
+    LMCacheEngineBuilder.destroy("kvpool-test")
+
+
+def retrieve(config_path: str, model: str, result_path: str) -> None:
+    kv = torch.zeros_like(expected_kv())
+    engine = build_engine(config_path, model, kv)
+    assert remote_backend(engine).connection is not None, "the kvpool plugin did not load"
+    mask = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
+    torch.save({"retrieved": int(mask.sum()), "kv": kv}, result_path)
+    LMCacheEngineBuilder.destroy("kvpool-test")
+
+
+if __name__ == "__main__":
+    op, config_path, model = sys.argv[1:4]
+    if op == "store":
+        store(config_path, model)
+    else:
+        retrieve(config_path, model, sys.argv[4])
