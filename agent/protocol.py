@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -239,9 +239,32 @@ AnyReply = (
     | ReleaseReply | PutReply | GetReply | DeleteReply | PinReply | UnpinReply | StatsReply
 )
 
+T = TypeVar("T")
+
+class Decoder(Generic[T]):
+    """A msgspec decoder that raises only msgspec.DecodeError (or ValidationError).
+
+    msgspec itself also raises UnicodeDecodeError for a str field holding invalid UTF-8
+    and RecursionError for arrays or maps nested deeper than the interpreter's stack
+    (even inside ignored trailing fields). The server answers DecodeError with
+    BAD_FRAME; anything else would end the connection with no reply at all, and log a
+    traceback for every such frame.
+    """
+
+    def __init__(self, type_: Any) -> None:
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
+
+    def decode(self, buf: bytes | bytearray | memoryview) -> T:
+        try:
+            return self._decoder.decode(buf)
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise msgspec.DecodeError(f"malformed MessagePack: {e}") from None
+
+
 _encoder = msgspec.msgpack.Encoder()
-request_decoder = msgspec.msgpack.Decoder(AnyRequest)
-reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+# Any, as msgspec's own Decoder of a union is typed: callers narrow with isinstance.
+request_decoder: Decoder[Any] = Decoder(AnyRequest)
+reply_decoder: Decoder[Any] = Decoder(AnyReply)
 
 
 def encode(msg: Request | Reply) -> bytes:
@@ -276,8 +299,23 @@ class ProtocolError(Exception):
         self.message = message
 
 
+class _Head(msgspec.Struct, array_like=True):
+    """Just the tag of a body: an array-like struct ignores the elements after it."""
+
+    tag: int
+
+
+_head_decoder: Decoder[_Head] = Decoder(_Head)
+
+
 def peek_tag(body: bytes | memoryview) -> int | None:
-    """The tag of an undecodable body, if its first bytes show one (for error replies)."""
-    if len(body) >= 2 and 0x90 <= body[0] <= 0x9F and body[1] <= 0x7F:
-        return body[1]
-    return None
+    """The tag of a body that is not a valid request, if it is an array led by an integer.
+
+    The server tells an unknown op (UNKNOWN_OP) from a malformed request of a
+    known op (BAD_FRAME) by it, so every integer encoding counts: negative,
+    uint8..uint64, and arrays of any length header, not only fixints.
+    """
+    try:
+        return _head_decoder.decode(body).tag
+    except msgspec.MsgspecError:
+        return None

@@ -9,10 +9,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.local import LocalAgent
+
+FUZZ_PROFILE = "kvpool-fuzz"
+"""`pytest tests/agent -m fuzz --hypothesis-profile=kvpool-fuzz`: the protocol fuzz tests with
+many more examples and longer op sequences (docs/testing.md). Without it they run the bounded
+number of examples CI runs. Registered here, not in the tests, because Hypothesis loads the
+profile when pytest starts, before it imports any test module."""
+
+settings.register_profile(
+    FUZZ_PROFILE,
+    max_examples=20_000,
+    stateful_step_count=200,
+    deadline=None,
+    # Every example talks to a real agent process: slow by Hypothesis' standards, on purpose.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture
