@@ -1079,4 +1079,4 @@ class AgentModel(RuleBasedStateMachine):
 
 
 def test_op_sequences_match_a_model(harness: Harness) -> None:
-    run_state_machine_as_test(lambda: AgentModel(harness), settings=budget(60, ci_steps=40))
+    run_state_machine_as_test(lambda: AgentModel(harness), settings=budget(60))
