@@ -45,6 +45,8 @@ def agent(
     max_chunk: Annotated[str | None, typer.Option(help="Largest chunk, e.g. 64Mi.")] = None,
     nvme_dir: Annotated[Path | None, typer.Option(help="G3 chunk file directory.")] = None,
     nvme: Annotated[str | None, typer.Option(help="G3 capacity, e.g. 100Gi.")] = None,
+    shared: Annotated[str | None, typer.Option(
+        help="G4 shared tier: s3://bucket/prefix or file:///path.")] = None,
     policy: Annotated[Path | None, typer.Option(help="TierPolicy YAML (hot-reloaded).")] = None,
     no_lock: Annotated[bool, typer.Option("--no-lock", help="Do not mlock the arena.")] = False,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
@@ -76,6 +78,9 @@ def agent(
                 "path": nvme_dir or current.get("path"),
                 "size": nvme or current.get("size") or "10Gi",
             }
+        if shared:
+            current = overrides["tiers"].get("shared") or {}
+            overrides["tiers"]["shared"] = {**current, "url": shared}
         if policy:
             overrides["policy_file"] = policy.resolve()
         cfg = AgentConfig.model_validate(overrides)
@@ -141,6 +146,9 @@ def demo(
     block_bytes: Annotated[str, typer.Option(help="Bytes stored per trace block.")] = "16Ki",
     dram: Annotated[str, typer.Option(help="DRAM capacity: a size or % of blocks.")] = "5%",
     nvme: Annotated[str, typer.Option(help="NVMe capacity: a size or % of blocks.")] = "30%",
+    shared: Annotated[str, typer.Option(
+        help="Shared tier URL (s3://... or file:///...); default: a temporary directory; "
+        "'none': no shared tier.")] = "",
     requests: Annotated[int | None, typer.Option(help="Replay only the first N.")] = None,
 ) -> None:
     """Start a local agent and replay a real request trace through it."""
@@ -148,7 +156,7 @@ def demo(
 
     try:
         run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram, nvme=nvme,
-                 requests=requests)
+                 shared=shared, requests=requests)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
 

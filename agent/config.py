@@ -52,6 +52,9 @@ class EvictionOrder(StrEnum):
     """Least frequently used, ties broken by recency."""
     PREFIX = "prefix"
     """Prefix-aware LRU: chunks deep in a prefix go before the chunks they extend."""
+    S3FIFO = "s3fifo"
+    """S3-FIFO: new chunks wait in a small probation queue; only those hit again stay long.
+    Keeps a prompt's unique tail from pushing out the shared prefixes that are reused."""
 
 
 class OnEvict(StrEnum):
@@ -72,13 +75,13 @@ class TierRules(Model):
     """How one tier fills, evicts and admits."""
 
     high_watermark: float = Field(
-        0.95, gt=0, le=1, description="Fraction of capacity at which background eviction starts."
+        0.98, gt=0, le=1, description="Fraction of capacity at which background eviction starts."
     )
     low_watermark: float = Field(
-        0.85, ge=0, lt=1, description="Fraction of capacity background eviction frees down to."
+        0.95, ge=0, lt=1, description="Fraction of capacity background eviction frees down to."
     )
     eviction: EvictionOrder = Field(
-        EvictionOrder.PREFIX, description="Order in which chunks are evicted."
+        EvictionOrder.S3FIFO, description="Order in which chunks are evicted."
     )
     on_evict: OnEvict = Field(
         OnEvict.DEMOTE, description="What eviction does with a chunk: demote or drop."

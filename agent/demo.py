@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -15,7 +16,7 @@ from .client import KVPoolClient
 from .local import LocalAgent
 from .replay import ReplayResult, replay
 from .tiers.base import HEADER_BYTES
-from .trace import bundled_trace_path, distinct_blocks, load_trace
+from .trace import TraceRequest, bundled_trace_path, distinct_blocks, load_trace
 from .units import format_size, parse_size
 
 PAGE = 4096
@@ -35,7 +36,7 @@ def capacity(spec: str, distinct: int, block_bytes: int) -> int:
 
 
 def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvme: str,
-             requests: int | None) -> None:
+             shared: str, requests: int | None) -> None:
     console = Console(stderr=as_json)
     trace_path = trace or bundled_trace_path()
     reqs = load_trace(trace_path, limit=requests)
@@ -54,26 +55,19 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         f"{distinct} distinct blocks of {format_size(bb)} from {trace_path.name}; "
         f"DRAM {format_size(dram_bytes)}, NVMe {format_size(nvme_bytes)}"
     )
-    with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp, \
-            LocalAgent("--no-lock", "--nvme-dir", str(Path(tmp) / "nvme"), "--nvme",
-                       str(nvme_bytes), dram=str(dram_bytes), start_timeout=60) as agent, \
-            KVPoolClient(agent.socket_path) as client:
-        progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("hit ratio {task.fields[ratio]:.3f}"),
-                            TimeElapsedColumn(), console=console, transient=as_json)
-        with progress:
-            task = progress.add_task("replay", total=len(reqs), ratio=0.0)
-
-            def tick(r: ReplayResult) -> None:
-                if r.requests % 25 == 0 or r.requests == len(reqs):
-                    progress.update(task, completed=r.requests, ratio=r.block_hit_ratio)
-
-            result = replay(client, reqs, bb, on_request=tick)
-        stats = client.stats()
+    with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
+        shared_url = shared or (Path(tmp) / "shared").as_uri()
+        tiers = ["--no-lock", "--nvme-dir", str(Path(tmp) / "nvme"), "--nvme", str(nvme_bytes)]
+        if shared_url != "none":
+            tiers += ["--shared", shared_url]
+            console.print(f"shared tier {shared_url}")
+        result, stats = _replay(tiers, dram_bytes, reqs, bb, console, as_json)
+    local_hits = sum(n for t, n in result.hits_by_tier.items() if t in ("dram", "nvme"))
     report = {
         "requests": result.requests,
         "blocks": result.blocks,
         "block_hit_ratio": round(result.block_hit_ratio, 6),
+        "local_hit_ratio": round(local_hits / result.blocks if result.blocks else 0.0, 6),
         "lru_hit_ratio": round(lru_baseline.hit_ratio, 6),
         "unbounded_hit_ratio": round(ideal.hit_ratio, 6),
         "bytes_read": result.bytes_read,
@@ -98,15 +92,35 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         table.add_column(col)
     for name, t in report["tiers"].items():  # type: ignore[attr-defined]
         seen = t["hits"] + t["misses"]
-        table.add_row(name, format_size(t["capacity_bytes"]), str(t["hits"]), str(t["misses"]),
+        cap = format_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        table.add_row(name, cap, str(t["hits"]), str(t["misses"]),
                       f"{t['hits'] / seen:.3f}" if seen else "-")
     console.print(table)
     console.print(
-        f"block hit ratio {report['block_hit_ratio']:.3f} "
-        f"(plain LRU at the same capacity: {report['lru_hit_ratio']:.3f}, "
-        f"unbounded cache: {report['unbounded_hit_ratio']:.3f}); "
+        f"block hit ratio {report['block_hit_ratio']:.3f}, of which DRAM + NVMe "
+        f"{report['local_hit_ratio']:.3f} (plain LRU over the same DRAM + NVMe capacity: "
+        f"{report['lru_hit_ratio']:.3f}; unbounded cache: {report['unbounded_hit_ratio']:.3f}); "
         f"{report['requests_per_second']} requests/s, read {report['read_gbps']} GB/s, "
         f"write {report['write_gbps']} GB/s; wrong bytes: {result.wrong_bytes}"
     )
     if as_json:
         print(json.dumps(report))
+
+
+def _replay(tier_args: list[str], dram_bytes: int, reqs: list[TraceRequest], block_bytes: int,
+            console: Console, as_json: bool) -> tuple[ReplayResult, dict[str, Any]]:
+    """Replay through a fresh agent with a progress bar; (result, the agent's stats)."""
+    with LocalAgent(*tier_args, dram=str(dram_bytes), start_timeout=60) as agent, \
+            KVPoolClient(agent.socket_path) as client:
+        progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("hit ratio {task.fields[ratio]:.3f}"),
+                            TimeElapsedColumn(), console=console, transient=as_json)
+        with progress:
+            task = progress.add_task("replay", total=len(reqs), ratio=0.0)
+
+            def tick(r: ReplayResult) -> None:
+                if r.requests % 25 == 0 or r.requests == len(reqs):
+                    progress.update(task, completed=r.requests, ratio=r.block_hit_ratio)
+
+            result = replay(client, reqs, block_bytes, on_request=tick)
+        return result, client.stats()

@@ -4,11 +4,12 @@ Nothing here does I/O or reads a clock; the store passes in what it knows
 (`Entry` facts about each chunk, the time, the policy) and carries out the
 answer. That keeps every decision table-testable.
 
-Eviction orders:
+Eviction orders (kept incrementally by `eviction.EvictionQueue`):
 
+- `s3fifo` (default): see `eviction.S3FifoQueue`.
 - `lru`: least recently used first.
 - `lfu`: fewest hits first, least recently used among equals.
-- `prefix` (default): least recently used *request* first and, within the
+- `prefix`: least recently used *request* first and, within the
   chunks one request touched, the deepest first. A chunk is only useful if
   every chunk before it in its prefix is also cached, so evicting a prefix
   from its tail keeps what remains usable, where plain LRU (which saw the
@@ -66,7 +67,7 @@ def expired(entries: Iterable[Entry], ttl: float | None, now: float,
 
 
 def choose_victims(
-    entries: Iterable[Entry],
+    candidates: Iterable[Entry],
     *,
     tier: TierName,
     policy: TierPolicy,
@@ -74,43 +75,55 @@ def choose_victims(
     target: int,
     reason: str,
     protected: Callable[[bytes], bool],
+    footprint: Callable[[Entry], int] = lambda e: e.size,
 ) -> list[Victim]:
-    """Chunks to evict so that `used` falls to `target` bytes, in eviction order.
+    """Chunks to evict so that `used` falls to `target` bytes.
 
-    Tenants over their quota in this tier lose their own chunks first (until
-    back under quota); then chunks go lowest tenant priority first, in the
-    tier's eviction order. Protected chunks (pinned, leased) are never chosen.
+    `candidates` come in the tier's eviction order (an `EvictionQueue` walk)
+    and are read only as far as needed. `footprint` is the bytes a chunk frees
+    (whole arena pages in DRAM). Where tenants are configured, tenants over
+    their quota in this tier lose their own chunks first (until back under
+    quota), then chunks go lowest tenant priority first, eviction order within
+    a priority. Protected chunks (pinned, leased) are never chosen.
     """
-    rules = policy.tiers.for_tier(tier)
-    key = order_key(rules.eviction)
-    candidates = [e for e in entries if not protected(e.key)]
     victims: list[Victim] = []
-    chosen: set[bytes] = set()
+    if not policy.tenants:
+        for e in candidates:
+            if used <= target:
+                break
+            if not protected(e.key):
+                victims.append(Victim(e.key, reason))
+                used -= footprint(e)
+        return victims
 
+    ordered = [e for e in candidates if not protected(e.key)]
+    chosen: set[bytes] = set()
     usage: dict[str, int] = defaultdict(int)
-    for e in candidates:
-        usage[e.tenant] += e.size
+    for e in ordered:
+        usage[e.tenant] += footprint(e)
     for t in policy.tenants:
         quota = t.quota.for_tier(tier)
         if quota is None or usage[t.name] <= quota:
             continue
         over = usage[t.name] - quota
-        for e in sorted((c for c in candidates if c.tenant == t.name), key=key):
+        for e in ordered:
             if over <= 0:
                 break
+            if e.tenant != t.name:
+                continue
             victims.append(Victim(e.key, "quota"))
             chosen.add(e.key)
-            over -= e.size
-            used -= e.size
+            over -= footprint(e)
+            used -= footprint(e)
 
     priority = {t.name: t.priority for t in policy.tenants}
-    for e in sorted(candidates, key=lambda c: (priority.get(c.tenant, 0), *key(c))):
+    for e in sorted(ordered, key=lambda c: priority.get(c.tenant, 0)):  # stable: keeps order
         if used <= target:
             break
         if e.key in chosen:
             continue
         victims.append(Victim(e.key, reason))
-        used -= e.size
+        used -= footprint(e)
     return victims
 
 

@@ -34,6 +34,7 @@ from .metrics import AgentMetrics
 from .store import MAX_LEASES_PER_CLIENT, ChunkStore, OpError, open_journal
 from .tiers.dram import DramTier
 from .tiers.nvme import NvmeTier
+from .tiers.shared import open_shared_tier
 
 log = logging.getLogger("kvpool.agent")
 
@@ -197,11 +198,14 @@ class Agent:
         nvme = None
         if config.tiers.nvme is not None:
             nvme = NvmeTier(config.tiers.nvme.path, config.tiers.nvme.size)
+        shared = None
+        if config.tiers.shared is not None:
+            shared = open_shared_tier(config.tiers.shared, self.metrics)
         journal, entries = open_journal(config)
         if not self.arena.reused:
             entries = []  # a new arena holds nothing the journal describes
         self.store = ChunkStore(config, DramTier(self.arena), nvme, self.metrics, self.policy,
-                                journal)
+                                journal, shared)
         kept, dropped = self.store.recover(entries)
         if kept or dropped:
             log.info("warm restart: %d chunks kept from the arena, %d dropped", kept, dropped)
@@ -212,7 +216,7 @@ class Agent:
         self.metrics.add_state(self._state_samples)
         s = self.store
         self.handlers: dict[p.Op, Callable[[Connection, Any], Any]] = {
-            p.Op.LOOKUP: lambda c, r: p.LookupReply(r.rid, *s.lookup(r.keys)),
+            p.Op.LOOKUP: self._lookup,
             p.Op.ALLOC: self._alloc,
             p.Op.COMMIT: self._commit,
             p.Op.ABORT: self._abort,
@@ -228,6 +232,9 @@ class Agent:
         }
 
     # -- op handlers that need more than one line
+
+    async def _lookup(self, c: Connection, r: p.Lookup) -> p.LookupReply:
+        return p.LookupReply(r.rid, *await self.store.lookup(r.keys))
 
     def _alloc(self, c: Connection, r: p.Alloc) -> p.AllocReply:
         granted = self.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
@@ -324,6 +331,7 @@ class Agent:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             self.store.expire()
             self._maybe_reload_policy()
+            await self.store.probe_shared()
 
     def _maybe_reload_policy(self) -> None:
         path = self.config.policy_file
@@ -396,7 +404,7 @@ class Agent:
             for conn in list(self.connections.values()):
                 conn.sock.close()
             await runner.cleanup()
-            self.store.io.shutdown(wait=True)
+            self.store.close()
             if self.store.journal is not None:
                 self.store.journal.close()
             self.arena.close()

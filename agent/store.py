@@ -5,12 +5,21 @@ a protocol error code for anything a client did wrong. Nothing here touches
 the socket. Decisions (what to evict, whether to demote, promote, prefetch)
 come from `policy`; this module carries them out:
 
-- LOOKUP walks DRAM then the NVMe index, in memory, never waiting on a disk.
-- ACQUIRE/GET of a chunk below DRAM reads it in a worker thread, verifies
-  it, and copies it into the arena (a promotion) so it can be leased.
+- LOOKUP walks DRAM then the NVMe index, in memory, never waiting on a disk;
+  where the local prefix ends it asks the shared tier (G4) about the next
+  keys, waiting at most the tier's lookup budget.
+- ACQUIRE/GET of a chunk below DRAM reads it in a worker thread (NVMe, else
+  G4), verifies it, and copies it into the arena (a promotion) so it can be
+  leased. DRAM and NVMe are exclusive (a promoted chunk leaves NVMe); G4 is
+  shared by every node and keeps its copy.
 - A DRAM chunk evicted with `onEvict: demote` is copied out and verified,
   its arena space freed at once, and written to NVMe in a worker thread;
   until that write lands the chunk is served from the in-flight copy.
+- Chunks a client commits are offered to G4's write-behind queue when its
+  rules say `writeThrough` (the default), else on eviction from the lowest
+  local tier. The queue never blocks a client.
+- Each tier keeps its chunks in eviction order (`eviction.EvictionQueue`);
+  `policy.choose_victims` decides, walking that order only as far as needed.
 - Every visible DRAM chunk is journaled, so a restarted agent finds it again.
 """
 
@@ -26,20 +35,28 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import policy as pol
-from .config import AgentConfig, TierPolicy
+from .config import AgentConfig, TierName, TierPolicy
+from .eviction import EvictionQueue, new_queue
 from .journal import Journal, JournalEntry, replay
 from .keys import KEY_BYTES
-from .metrics import AgentMetrics
+from .metrics import EVICTION_REASONS, AgentMetrics
 from .protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from .tiers.base import ChunkRecord, IntegrityError
 from .tiers.dram import DramChunk, DramTier
 from .tiers.nvme import NvmeTier
+from .tiers.shared import SharedChunkTier
+from .writebehind import WriteBehindQueue
 
 log = logging.getLogger(__name__)
 
 MAX_LEASES_PER_CLIENT = 4096
 RECENT_LOOKUPS = 1 << 16
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
+SHARED_PROBE_KEYS = 256
+"""Most keys past the local prefix one LOOKUP asks the shared tier about."""
+SHARED_PROBE_INTERVAL = 1.0
+"""Seconds between health probes of an unhealthy shared tier."""
+TIER_CODE: dict[TierName, int] = {"dram": 2, "nvme": 3, "shared": 4}
 
 
 class OpError(Exception):
@@ -59,6 +76,10 @@ class Granted:
     tier: int = 2
 
 
+Loaded = tuple[ChunkRecord, TierName, int]
+"""A chunk read from below DRAM, the tier it came from, and its hits there."""
+
+
 def check_key(key: bytes) -> None:
     if len(key) != KEY_BYTES:
         raise OpError(ErrorCode.BAD_KEY, f"a key is {KEY_BYTES} bytes, got {len(key)}")
@@ -66,31 +87,54 @@ def check_key(key: bytes) -> None:
 
 class ChunkStore:
     def __init__(self, config: AgentConfig, dram: DramTier, nvme: NvmeTier | None,
-                 metrics: AgentMetrics, policy: TierPolicy, journal: Journal | None = None
-                 ) -> None:
+                 metrics: AgentMetrics, policy: TierPolicy, journal: Journal | None = None,
+                 shared: SharedChunkTier | None = None) -> None:
         self.config = config
         self.dram = dram
         self.nvme = nvme
+        self.shared = shared
         self.m = metrics
         self.policy = policy
         self.journal = journal
         self.dram.pins.update(bytes.fromhex(k) for k in policy.pins)
         self.seq = 0
-        self.recent: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
+        """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
+        self.dram_queue = new_queue(policy.tiers.dram.eviction)
+        self.nvme_queue = new_queue(policy.tiers.nvme.eviction)
+        if nvme is not None:
+            # Files found at start: the oldest go first.
+            for entry in sorted(nvme.index.values(), key=lambda e: e.last_access):
+                self.nvme_queue.add(entry)
+        self.uploads: WriteBehindQueue | None = None
+        if shared is not None and config.tiers.shared is not None:
+            self.uploads = WriteBehindQueue(shared, config.tiers.shared.write_queue_depth,
+                                            config.tiers.shared.write_concurrency, metrics)
+        self._next_probe = 0.0
         self.inflight: dict[bytes, ChunkRecord] = {}
         """Chunks on their way from DRAM to NVMe: still served from here."""
-        self.loading: dict[bytes, asyncio.Future[ChunkRecord | None]] = {}
+        self.loading: dict[bytes, asyncio.Future[Loaded | None]] = {}
         self.io = ThreadPoolExecutor(4, thread_name_prefix="kvpool-io")
         self._background: set[asyncio.Task[None]] = set()
 
     # -- policy
 
     def set_policy(self, policy: TierPolicy) -> None:
-        """Apply a new policy in place: nothing is flushed, pins are re-derived."""
+        """Apply a new policy in place: nothing is flushed, pins are re-derived, and a
+        tier whose eviction order changed has its queue rebuilt from what it holds."""
         old = {bytes.fromhex(k) for k in self.policy.pins}
         new = {bytes.fromhex(k) for k in policy.pins}
         self.dram.pins -= old - new
         self.dram.pins |= new
+        if policy.tiers.dram.eviction is not self.policy.tiers.dram.eviction:
+            self.dram_queue = new_queue(policy.tiers.dram.eviction)
+            for chunk in sorted(self.dram.chunks.values(), key=lambda c: c.last_seq):
+                self.dram_queue.add(chunk)
+        if policy.tiers.nvme.eviction is not self.policy.tiers.nvme.eviction:
+            self.nvme_queue = new_queue(policy.tiers.nvme.eviction)
+            if self.nvme is not None:
+                for entry in sorted(self.nvme.index.values(), key=lambda e: e.last_seq):
+                    self.nvme_queue.add(entry)
         self.policy = policy
 
     def _next_seq(self) -> int:
@@ -98,22 +142,26 @@ class ChunkStore:
         return self.seq
 
     @staticmethod
-    def _touch(entry: DramChunk | pol.Entry, seq: int, depth: int) -> None:
+    def _touch(entry: pol.Entry, queue: EvictionQueue, seq: int, depth: int) -> None:
         entry.hits += 1
         entry.last_seq = seq
         entry.depth = depth
         entry.last_access = time.time()
+        queue.touched(entry)
 
     def _touch_read(self, chunk: DramChunk) -> None:
-        """A read keeps the request grouping its LOOKUP gave it (prefix order needs it)."""
-        seq, depth = self.recent.get(chunk.key) or (self._next_seq(), chunk.depth)
-        if seq >= chunk.last_seq:
-            chunk.last_seq, chunk.depth = seq, depth
+        """A read keeps the request grouping its LOOKUP gave it (prefix order needs it);
+        a read without a LOOKUP before it counts as a hit of its own."""
+        seq, depth, _ = self.recent.get(chunk.key) or (self._next_seq(), chunk.depth, False)
         chunk.last_access = time.time()
+        if seq > chunk.last_seq:
+            chunk.last_seq, chunk.depth = seq, depth
+            self.dram_queue.touched(chunk)
 
     # -- lookups
 
-    def lookup(self, keys: list[bytes]) -> tuple[int, bytes]:
+    async def lookup(self, keys: list[bytes]) -> tuple[int, bytes]:
+        """How many leading keys are stored, and the tier code of each (2, 3, 4)."""
         if len(keys) > MAX_LOOKUP_KEYS:
             raise OpError(ErrorCode.BAD_ARGUMENT,
                           f"LOOKUP takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
@@ -124,40 +172,65 @@ class ChunkStore:
         m.lookup_keys.inc(len(keys))
         seq = self._next_seq()
         tiers = bytearray()
+        nvme_index = self.nvme.index if self.nvme is not None else {}
         for depth, k in enumerate(keys):
             chunk = self.dram.get(k)
             if chunk is not None:
-                self._touch(chunk, seq, depth)
+                self._touch(chunk, self.dram_queue, seq, depth)
                 tiers.append(2)
                 continue
-            entry = self.nvme.index.get(k) if self.nvme is not None else None
+            entry = nvme_index.get(k)
             if entry is not None or k in self.inflight:
                 if entry is not None:
-                    self._touch(entry, seq, depth)
+                    self._touch(entry, self.nvme_queue, seq, depth)
                 tiers.append(3)
                 continue
             break
+        last = len(keys) - 1
         for depth, k in enumerate(keys):
-            self.recent[k] = (seq, depth)
+            self.recent[k] = (seq, depth, depth == last)
             self.recent.move_to_end(k)
         while len(self.recent) > RECENT_LOOKUPS:
             self.recent.popitem(last=False)
+        local = len(tiers)
+        if local < len(keys) and self.shared is not None:
+            tiers += b"\x04" * await self._shared_prefix(keys[local:])
         count = len(tiers)
         in_dram = tiers.count(2)
+        in_nvme = local - in_dram
         m.hits["dram"].inc(in_dram)
         m.misses["dram"].inc(len(keys) - in_dram)
         if self.nvme is not None:
-            in_nvme = count - in_dram
             m.hits["nvme"].inc(in_nvme)
-            m.misses["nvme"].inc(len(keys) - count)
+            m.misses["nvme"].inc(len(keys) - local)
+        if self.shared is not None:
+            m.hits["shared"].inc(count - local)
+            m.misses["shared"].inc(len(keys) - count)
         for k in pol.prefetch_keys(self.policy, keys, count, bytes(tiers)):
             self._spawn(self._prefetch(k))
         return count, bytes(tiers)
+
+    async def _shared_prefix(self, keys: list[bytes]) -> int:
+        """Leading keys the shared tier holds, answered within its lookup budget."""
+        shared = self.shared
+        assert shared is not None
+        if not shared.healthy()[0]:
+            return 0
+        keys = keys[:SHARED_PROBE_KEYS]
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(self.io, shared.contains_many, keys)
+        n = 0
+        for k in keys:
+            if not found.get(k):
+                break
+            n += 1
+        return n
 
     def contains(self, key: bytes) -> bool:
         return self.dram.get(key) is not None or self._below(key)
 
     def _below(self, key: bytes) -> bool:
+        """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
         return key in self.inflight or (self.nvme is not None and key in self.nvme.index)
 
     # -- zero-copy writes
@@ -183,8 +256,9 @@ class ChunkStore:
             # Another client stored the same key first: keep theirs.
             self.dram.alloc.free(lease.extents)
             return
-        self._insert(lease.key, lease.extents, lease.size, checksum_ & (2**64 - 1), lease.meta,
-                     lease.tenant)
+        chunk = self._insert(lease.key, lease.extents, lease.size, checksum_ & (2**64 - 1),
+                             lease.meta, lease.tenant)
+        self._write_through(chunk)
 
     def abort(self, lease_id: int, owner: int) -> None:
         lease = self.dram.close_write(lease_id, owner)
@@ -194,10 +268,12 @@ class ChunkStore:
         self.dram.alloc.free(lease.extents)
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
-                tenant: str) -> DramChunk:
+                tenant: str, hits: int = 0) -> DramChunk:
         chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant)
-        seq, depth = self.recent.get(key) or (self._next_seq(), 0)
+        seq, depth, last = self.recent.get(key) or (self._next_seq(), 0, False)
         chunk.last_seq, chunk.depth, chunk.last_access = seq, depth, time.time()
+        chunk.hits = hits
+        self.dram_queue.add(chunk, tail=last)
         if self.journal is not None:
             self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant))
         self.m.written_bytes["dram"].inc(size)
@@ -212,13 +288,14 @@ class ChunkStore:
         chunk = self.dram.get(key)
         tier, transient = 2, False
         if chunk is None:
-            rec = await self._load(key)
-            if rec is None:
+            loaded = await self._load(key)
+            if loaded is None:
                 raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
+            rec, source, hits = loaded
             # Leases are on arena bytes, so the chunk comes up into DRAM either way;
             # with promotion off it stays only for this lease.
-            chunk = self.dram.get(key) or self._promote(rec, "promotion")
-            tier, transient = 3, not pol.should_promote(self.policy, 1)
+            chunk = self.dram.get(key) or self._promote(rec, "promotion", source, hits)
+            tier, transient = TIER_CODE[source], not pol.should_promote(self.policy, hits or 1)
         self._touch_read(chunk)
         lease = self.dram.open_read(chunk, owner)
         if transient:
@@ -239,31 +316,44 @@ class ChunkStore:
             self._touch_read(chunk)
             self.m.read_bytes["dram"].inc(chunk.size)
             return self.dram.arena.read(chunk.extents), chunk.checksum, chunk.meta, 2
-        rec = await self._load(key)
-        if rec is None:
+        loaded = await self._load(key)
+        if loaded is None:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
-        if pol.should_promote(self.policy, 1) and self.dram.get(key) is None:
+        rec, source, hits = loaded
+        if pol.should_promote(self.policy, hits or 1) and self.dram.get(key) is None:
             with contextlib.suppress(OpError):  # DRAM all leased: serve without promoting
-                self._promote(rec, "promotion")
-        return bytes(rec.data), rec.checksum, rec.meta, 3
+                self._promote(rec, "promotion", source, hits)
+        return bytes(rec.data), rec.checksum, rec.meta, TIER_CODE[source]
 
-    async def _load(self, key: bytes) -> ChunkRecord | None:
-        """A verified chunk from below DRAM (one read per key however many ask)."""
+    async def _load(self, key: bytes) -> Loaded | None:
+        """A verified chunk from below DRAM, the tier it came from and its hits there
+        (one read per key however many ask)."""
         rec = self.inflight.get(key)
         if rec is not None:
-            return rec
-        if self.nvme is None or key not in self.nvme.index:
-            return None
+            return rec, "nvme", 1
         pending = self.loading.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
+        source: TierName
+        if self.nvme is not None and key in self.nvme.index:
+            read, source = self._read_nvme, "nvme"
+        elif self.shared is not None and self.shared.healthy()[0]:
+            read, source = self._read_shared, "shared"
+        else:
+            return None
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[ChunkRecord | None] = loop.create_future()
+        fut: asyncio.Future[Loaded | None] = loop.create_future()
         self.loading[key] = fut
         try:
-            rec = await loop.run_in_executor(self.io, self._read_nvme, key)
-            fut.set_result(rec)
-            return rec
+            got = await loop.run_in_executor(self.io, read, key)
+            result: Loaded | None = None
+            if got is not None:
+                entry = self.nvme.index.get(key) if self.nvme is not None else None
+                result = (got, source, entry.hits if entry is not None else 1)
+            elif source == "nvme":
+                self.nvme_queue.discard(key)  # quarantined or gone: out of the order too
+            fut.set_result(result)
+            return result
         except BaseException as e:
             fut.set_exception(e)
             fut.exception()  # retrieved: waiting readers get it, nobody else must
@@ -287,25 +377,41 @@ class ChunkStore:
             self.m.read_bytes["nvme"].inc(rec.size)
         return rec
 
-    def _promote(self, rec: ChunkRecord, why: str) -> DramChunk:
+    def _read_shared(self, key: bytes) -> ChunkRecord | None:
+        """A verified chunk from G4; a failure is a miss (the tier counts and logs it)."""
+        assert self.shared is not None
+        try:
+            rec = self.shared.read(key)
+        except IntegrityError:
+            return None  # counted, logged and deleted by the tier
+        except OSError as e:
+            log.warning("shared read of %s failed: %s", key.hex(), e)
+            return None
+        if rec is not None:
+            self.m.read_bytes["shared"].inc(rec.size)
+        return rec
+
+    def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int) -> DramChunk:
         """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`)."""
         extents = self._allocate(rec.size)
         self.dram.arena.write(extents, rec.data)
-        chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant)
-        (self.m.prefetches if why == "prefetch" else self.m.promotions)["nvme"].inc()
-        # Tiers are exclusive: the NVMe copy goes, so DRAM + NVMe hold as many
+        chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
+                             hits)
+        (self.m.prefetches if why == "prefetch" else self.m.promotions)[source].inc()
+        # DRAM and NVMe are exclusive: the NVMe copy goes, so they hold as many
         # distinct chunks as their capacities add up to. Eviction demotes it back.
         if self.nvme is not None and rec.key in self.nvme.index:
-            self._spawn(self._drop_nvme([pol.Victim(rec.key, "promoted")]))
+            self._drop_nvme([pol.Victim(rec.key, "promoted")])
         return chunk
 
     async def _prefetch(self, key: bytes) -> None:
         if self.dram.get(key) is not None:
             return
-        rec = await self._load(key)
-        if rec is not None and self.dram.get(key) is None:
+        loaded = await self._load(key)
+        if loaded is not None and self.dram.get(key) is None:
+            rec, source, hits = loaded
             with contextlib.suppress(OpError):  # no room can be made: prefetch is best effort
-                self._promote(rec, "prefetch")
+                self._promote(rec, "prefetch", source, hits)
 
     # -- inline writes
 
@@ -319,7 +425,8 @@ class ChunkStore:
             return False
         extents = self._allocate(len(data))
         self.dram.arena.write(extents, data)
-        self._insert(key, extents, len(data), checksum_, meta, tenant)
+        chunk = self._insert(key, extents, len(data), checksum_, meta, tenant)
+        self._write_through(chunk, data)
         return True
 
     # -- management
@@ -331,7 +438,7 @@ class ChunkStore:
         if self.inflight.pop(key, None) is not None:
             existed = True
         if self.nvme is not None and key in self.nvme.index:
-            self.nvme.delete(key)
+            self._drop_nvme([pol.Victim(key, "deleted")])
             existed = True
         return existed
 
@@ -358,21 +465,36 @@ class ChunkStore:
     def _drop_dram(self, key: bytes) -> bool:
         if self.dram.remove(key) is None:
             return False
+        self.dram_queue.discard(key)
         if self.journal is not None:
             self.journal.drop(key)
         return True
 
+    def _footprint(self, chunk: pol.Entry) -> int:
+        """Arena bytes a DRAM chunk frees: whole pages."""
+        return self.dram.alloc.pages_for(chunk.size) * self.dram.alloc.page
+
+    def _evict_dram_to(self, target: int, reason: str) -> None:
+        with contextlib.closing(self.dram_queue.candidates()) as walk:
+            self._evict_dram(pol.choose_victims(
+                walk, tier="dram", policy=self.policy, used=self.dram.used_bytes,
+                target=target, reason=reason, protected=self.dram.protected,
+                footprint=self._footprint))
+
     def _evict_dram(self, victims: Iterable[pol.Victim]) -> None:
         rules = self.policy.tiers.dram
-        nvme_rules = self.policy.tiers.nvme
         for v in victims:
             chunk = self.dram.get(v.key)
             if chunk is None or self.dram.protected(v.key):
                 continue
-            demote = (self.nvme is not None and pol.demotes(rules)
-                      and pol.admits(nvme_rules, chunk.hits))
+            below: TierName | None = None
+            if pol.demotes(rules):
+                if self.nvme is not None:
+                    below = "nvme" if pol.admits(self.policy.tiers.nvme, chunk.hits) else None
+                elif self._demotes_to_shared(chunk.hits):
+                    below = "shared"
             rec = None
-            if demote:
+            if below is not None:
                 rec = ChunkRecord(chunk.key, self.dram.arena.read(chunk.extents), chunk.checksum,
                                   chunk.meta, chunk.tenant)
                 if not rec.verify():
@@ -381,34 +503,69 @@ class ChunkStore:
                     rec = None
             self._drop_dram(v.key)
             self.m.evictions[("dram", v.reason)].inc()
-            if rec is not None:
+            if rec is None:
+                continue
+            if below == "nvme":
                 self.inflight[rec.key] = rec
-                self._spawn(self._demote(rec, chunk.hits))
+                self._spawn(self._demote(rec, chunk))
+            else:
+                self._upload(rec)
+                self.m.demotions["dram"].inc()
 
-    async def _demote(self, rec: ChunkRecord, hits: int) -> None:
+    def _demotes_to_shared(self, hits: int) -> bool:
+        """Whether a chunk leaving the lowest local tier goes to G4 (when it is not there
+        already by write-through)."""
+        rules = self.policy.tiers.shared
+        return (self.uploads is not None and not rules.write_through
+                and pol.admits(rules, hits))
+
+    def _write_through(self, chunk: DramChunk, data: bytes | None = None) -> None:
+        """Offer a freshly committed chunk to G4 when its rules say write-through."""
+        if self.uploads is None or not self.policy.tiers.shared.write_through:
+            return
+        payload = data if data is not None else self.dram.arena.read(chunk.extents)
+        self._upload(ChunkRecord(chunk.key, payload, chunk.checksum, chunk.meta, chunk.tenant))
+
+    def _upload(self, rec: ChunkRecord) -> None:
+        assert self.uploads is not None
+        self.uploads.offer(rec)
+        self.m.written_bytes["shared"].inc(rec.size)
+
+    async def _demote(self, rec: ChunkRecord, chunk: DramChunk) -> None:
         loop = asyncio.get_running_loop()
-        assert self.nvme is not None
+        nvme = self.nvme
+        assert nvme is not None
         try:
-            await loop.run_in_executor(self.io, self.nvme.write, rec)
+            await loop.run_in_executor(self.io, nvme.write, rec)
         except OSError as e:
-            kind = "full" if not self.nvme.healthy()[0] else "write"
+            kind = "full" if not nvme.healthy()[0] else "write"
             log.warning("demotion of %s to nvme failed (%s): dropped", rec.key.hex(), e)
             self.m.tier_errors[("nvme", kind)].inc()
-            return
-        finally:
             if self.inflight.get(rec.key) is rec:
                 del self.inflight[rec.key]
-        if rec.key not in self.nvme.index:
+                if self._demotes_to_shared(chunk.hits):
+                    self._upload(rec)
             return
-        entry = self.nvme.index[rec.key]
-        entry.hits = hits
-        seq, depth = self.recent.get(rec.key) or (self.seq, 0)
-        entry.last_seq, entry.depth, entry.last_access = seq, depth, time.time()
+        if self.inflight.get(rec.key) is not rec:
+            # Deleted while it was being written: the file must not bring it back.
+            self._drop_nvme([pol.Victim(rec.key, "deleted")])
+            return
+        del self.inflight[rec.key]
+        if self.dram.get(rec.key) is not None:
+            # Promoted again from the in-flight copy: DRAM holds it, NVMe need not.
+            self._drop_nvme([pol.Victim(rec.key, "promoted")])
+            return
+        entry = nvme.index.get(rec.key)
+        if entry is None:
+            return
+        entry.hits = chunk.hits
+        entry.last_seq, entry.depth, entry.last_access = chunk.last_seq, chunk.depth, time.time()
+        self.nvme_queue.add(entry)
         self.m.demotions["dram"].inc()
         self.m.written_bytes["nvme"].inc(rec.size)
-        await self._evict_nvme_to_watermark()
+        self._evict_nvme_to_watermark()
 
-    async def _evict_nvme_to_watermark(self) -> None:
+    def _evict_nvme_to_watermark(self) -> None:
         nvme = self.nvme
         if nvme is None:
             return
@@ -416,27 +573,62 @@ class ChunkStore:
         target = pol.watermark_target(rules, nvme.capacity_bytes, nvme.used_bytes)
         if target is None:
             return
-        victims = pol.choose_victims(
-            list(nvme.index.values()), tier="nvme", policy=self.policy, used=nvme.used_bytes,
-            target=target, reason="watermark", protected=lambda k: k in self.dram.pins)
-        await self._drop_nvme(victims)
+        with contextlib.closing(self.nvme_queue.candidates()) as walk:
+            victims = pol.choose_victims(
+                walk, tier="nvme", policy=self.policy, used=nvme.used_bytes, target=target,
+                reason="watermark", protected=lambda k: k in self.dram.pins)
+            self._drop_nvme(victims)
 
-    async def _drop_nvme(self, victims: list[pol.Victim]) -> None:
-        assert self.nvme is not None
-        loop = asyncio.get_running_loop()
+    def _drop_nvme(self, victims: list[pol.Victim]) -> None:
+        """Take chunks out of NVMe now; their files go (or move to G4) in a worker thread.
+
+        Forgetting them at once, on the loop, is what keeps one watermark crossing
+        from starting a second eviction round while the files are still there.
+        """
+        nvme = self.nvme
+        assert nvme is not None
+        gone: list[tuple[bytes, bool]] = []
         for v in victims:
-            if await loop.run_in_executor(self.io, self.nvme.delete, v.key) \
-                    and v.reason != "promoted":
+            entry = nvme.index.get(v.key)
+            if entry is None or not nvme.forget(v.key):
+                continue
+            self.nvme_queue.discard(v.key)
+            if v.reason in EVICTION_REASONS:
                 self.m.evictions[("nvme", v.reason)].inc()
+                gone.append((v.key, self._demotes_to_shared(entry.hits)))
+            else:
+                gone.append((v.key, False))
+        if gone:
+            self._spawn(asyncio.get_running_loop().run_in_executor(
+                self.io, self._remove_nvme_files, gone))
+
+    def _remove_nvme_files(self, gone: list[tuple[bytes, bool]]) -> None:
+        assert self.nvme is not None
+        for key, to_shared in gone:
+            if to_shared:
+                rec = self._read_nvme_file(key)
+                if rec is not None:
+                    self._upload(rec)
+                    self.m.demotions["nvme"].inc()
+            self.nvme.remove_file(key)
+
+    def _read_nvme_file(self, key: bytes) -> ChunkRecord | None:
+        assert self.nvme is not None
+        try:
+            return self.nvme.read_file(key)
+        except IntegrityError as e:
+            log.error("integrity failure in nvme: %s; not demoted", e)
+            self.m.integrity_failures["nvme"].inc()
+        except OSError as e:
+            log.error("nvme read of %s failed: %s", key.hex(), e)
+            self.m.tier_errors[("nvme", "read")].inc()
+        return None
 
     def _check_watermark(self) -> None:
         rules = self.policy.tiers.dram
         target = pol.watermark_target(rules, self.dram.capacity_bytes, self.dram.used_bytes)
         if target is not None:
-            self._evict_dram(pol.choose_victims(
-                list(self.dram.chunks.values()), tier="dram", policy=self.policy,
-                used=self.dram.used_bytes, target=target, reason="watermark",
-                protected=self.dram.protected))
+            self._evict_dram_to(target, "watermark")
 
     def _allocate(self, size: int) -> Extents:
         """Extents for a new chunk, evicting by policy as needed."""
@@ -445,11 +637,7 @@ class ChunkStore:
             return extents
         need = self.dram.used_bytes + self.dram.alloc.pages_for(size) * self.dram.alloc.page \
             - self.dram.capacity_bytes
-        victims = pol.choose_victims(
-            list(self.dram.chunks.values()), tier="dram", policy=self.policy,
-            used=self.dram.used_bytes, target=self.dram.used_bytes - max(need, 0),
-            reason="capacity", protected=self.dram.protected)
-        self._evict_dram(victims)
+        self._evict_dram_to(self.dram.used_bytes - max(need, 0), "capacity")
         extents = self.dram.alloc.alloc(size)
         if extents is not None:
             return extents
@@ -470,7 +658,23 @@ class ChunkStore:
             victims = pol.expired(self.nvme.index.values(), self.policy.tiers.nvme.ttl, wall,
                                   lambda k: k in self.dram.pins)
             if victims:
-                self._spawn(self._drop_nvme(victims))
+                self._drop_nvme(victims)
+
+    async def probe_shared(self) -> None:
+        """Ask an unhealthy shared tier, about once a second, whether it answers again."""
+        shared = self.shared
+        if shared is None or shared.healthy()[0] or time.monotonic() < self._next_probe:
+            return
+        self._next_probe = time.monotonic() + SHARED_PROBE_INTERVAL
+        await asyncio.get_running_loop().run_in_executor(self.io, shared.probe)
+
+    def close(self) -> None:
+        """Stop background work: upload what is queued for a moment, then stop the threads."""
+        if self.uploads is not None:
+            self.uploads.close()
+        if self.shared is not None:
+            self.shared.close()
+        self.io.shutdown(wait=True)
 
     def recover(self, entries: Iterable[JournalEntry]) -> tuple[int, int]:
         """Re-admit journaled chunks whose arena bytes still verify; (kept, dropped)."""
@@ -490,14 +694,15 @@ class ChunkStore:
             chunk = self.dram.insert(e.key, e.extents, e.size, e.checksum, e.meta, e.tenant)
             chunk.last_seq = self._next_seq()
             chunk.last_access = time.time()
+            self.dram_queue.add(chunk)
             live.append(e)
             kept += 1
         if self.journal is not None:
             self.journal.rewrite(live)
         return kept, dropped
 
-    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, work: Coroutine[object, object, None] | asyncio.Future[None]) -> None:
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -529,6 +734,21 @@ class ChunkStore:
                 "reason": reason,
                 "inflight": len(self.inflight),
             }
+        if self.shared is not None:
+            ok, reason = self.shared.healthy()
+            queue = self.uploads.stats() if self.uploads is not None else None
+            tiers["shared"] = {
+                "url": self.shared.url,
+                "capacity_bytes": self.shared.capacity_bytes,
+                "used_bytes": self.shared.used_bytes,
+                "chunks": self.shared.chunks,
+                "hits": int(self.m.hits["shared"]._value.get()),
+                "misses": int(self.m.misses["shared"]._value.get()),
+                "healthy": ok,
+                "reason": reason,
+                "queue": {"pending": queue.pending, "in_flight": queue.in_flight,
+                          "written": queue.written, "dropped": queue.dropped} if queue else {},
+            }
         return {
             "pool": self.config.pool,
             "tiers": tiers,
@@ -543,6 +763,11 @@ class ChunkStore:
         if self.nvme is not None:
             rows.append(("nvme", self.nvme.capacity_bytes, self.nvme.used_bytes,
                          self.nvme.chunks, self.nvme.healthy()[0]))
+        if self.shared is not None:
+            rows.append(("shared", self.shared.capacity_bytes, self.shared.used_bytes,
+                         self.shared.chunks, self.shared.healthy()[0]))
+            depth = self.uploads.queue_depth if self.uploads is not None else 0
+            yield ("kvpool_shared_queue_depth", "Write-behind uploads waiting", {}, depth)
         for tier, cap, used, chunks, healthy in rows:
             labels = {"tier": tier}
             yield ("kvpool_tier_capacity_bytes", "Tier capacity", labels, cap)
@@ -565,8 +790,7 @@ class ChunkStore:
                           f"metadata of {len(meta)} bytes exceeds {self.config.max_meta_bytes}")
 
     def _check_lease_budget(self, owner: int) -> None:
-        writes, reads = self.dram.leases_of(owner)
-        if len(writes) + len(reads) >= MAX_LEASES_PER_CLIENT:
+        if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT:
             raise OpError(ErrorCode.TOO_MANY_LEASES,
                           f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
 

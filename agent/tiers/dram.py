@@ -60,6 +60,8 @@ class DramTier:
     writes: dict[int, WriteLease] = field(default_factory=dict)
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: set[bytes] = field(default_factory=set)
+    held: dict[int, int] = field(default_factory=dict)
+    """Open leases (read and write) per owner, for the per-client budget."""
     _next_lease: int = 1
 
     def __post_init__(self) -> None:
@@ -114,6 +116,7 @@ class DramTier:
         lease = WriteLease(self._lease_id(), key, extents, size, meta, tenant, owner,
                            time.monotonic() + timeout)
         self.writes[lease.id] = lease
+        self._hold(owner, 1)
         return lease
 
     def close_write(self, lease_id: int, owner: int) -> WriteLease | None:
@@ -121,12 +124,14 @@ class DramTier:
         if lease is None or lease.owner != owner:
             return None
         del self.writes[lease_id]
+        self._hold(owner, -1)
         return lease
 
     def open_read(self, chunk: DramChunk, owner: int) -> ReadLease:
         chunk.readers += 1
         lease = ReadLease(self._lease_id(), chunk, owner)
         self.reads[lease.id] = lease
+        self._hold(owner, 1)
         return lease
 
     def close_read(self, lease_id: int, owner: int) -> bool:
@@ -134,13 +139,22 @@ class DramTier:
         if lease is None or lease.owner != owner:
             return False
         del self.reads[lease_id]
+        self._hold(owner, -1)
         chunk = lease.chunk
         chunk.readers -= 1
         if chunk.hidden and chunk.readers == 0:
             self.alloc.free(chunk.extents)
         return True
 
+    def _hold(self, owner: int, n: int) -> None:
+        left = self.held.get(owner, 0) + n
+        if left:
+            self.held[owner] = left
+        else:
+            del self.held[owner]
+
     def leases_of(self, owner: int) -> tuple[list[int], list[int]]:
+        """Every lease an owner holds (a scan: for disconnects, not the hot path)."""
         return (
             [i for i, w in self.writes.items() if w.owner == owner],
             [i for i, r in self.reads.items() if r.owner == owner],

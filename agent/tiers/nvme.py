@@ -112,17 +112,22 @@ class NvmeTier(ChunkTier):
     def read(self, key: bytes) -> ChunkRecord | None:
         if key not in self.index:
             return None
+        return self.read_file(key)
+
+    def read_file(self, key: bytes) -> ChunkRecord | None:
+        """The verified chunk in the key's file, indexed or not (eviction reads a chunk it
+        has already taken out of the index, to pass it on to the shared tier)."""
         path = self.path_of(key)
         try:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
-            self._forget(key)
+            self.forget(key)
             return None
         try:
             return base.decode(blob, expect_key=key)
         except IntegrityError:
-            self._forget(key)
+            self.forget(key)
             self._quarantine(path)
             raise
 
@@ -142,7 +147,13 @@ class NvmeTier(ChunkTier):
                         written += os.write(fd, buf[written:])
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            with self._lock:  # serialised with remove_file: an old unlink never hits this file
+                os.replace(tmp, path)
+                old = self.index.get(rec.key)
+                if old is not None:
+                    self._used -= old.size
+                self.index[rec.key] = NvmeEntry(rec.key, total, rec.tenant)
+                self._used += total
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -150,19 +161,29 @@ class NvmeTier(ChunkTier):
                 self._unhealthy = f"filesystem full: {e.strerror}"
             raise
         self._unhealthy = ""
-        with self._lock:
-            old = self.index.get(rec.key)
-            if old is not None:
-                self._used -= old.size
-            self.index[rec.key] = NvmeEntry(rec.key, total, rec.tenant)
-            self._used += total
 
     def delete(self, key: bytes) -> bool:
-        if not self._forget(key):
+        if not self.forget(key):
             return False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path_of(key))
+        self.remove_file(key)
         return True
+
+    def forget(self, key: bytes) -> bool:
+        """Take a chunk out of the index (cheap: the event loop calls it); the file stays
+        until `remove_file`."""
+        with self._lock:
+            entry = self.index.pop(key, None)
+            if entry is None:
+                return False
+            self._used -= entry.size
+            return True
+
+    def remove_file(self, key: bytes) -> None:
+        """Unlink a forgotten chunk's file, unless the key was written again meanwhile."""
+        with self._lock:
+            if key not in self.index:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path_of(key))
 
     def keys(self) -> Iterable[bytes]:
         return list(self.index)
@@ -171,14 +192,6 @@ class NvmeTier(ChunkTier):
         return (not self._unhealthy, self._unhealthy)
 
     # -- internals
-
-    def _forget(self, key: bytes) -> bool:
-        with self._lock:
-            entry = self.index.pop(key, None)
-            if entry is None:
-                return False
-            self._used -= entry.size
-            return True
 
     def _quarantine(self, path: Path) -> None:
         try:
