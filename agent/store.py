@@ -115,6 +115,9 @@ class ChunkStore:
         """Chunks on their way from DRAM to NVMe: still served from here."""
         self.loading: dict[bytes, asyncio.Future[Loaded | None]] = {}
         self.io = ThreadPoolExecutor(4, thread_name_prefix="kvpool-io")
+        self.lookup_io = ThreadPoolExecutor(8, thread_name_prefix="kvpool-lookup")
+        """Threads that wait out shared-tier presence checks, so a slow store cannot hold
+        up the NVMe reads and writes queued on `io`."""
         self._background: set[asyncio.Task[None]] = set()
 
     # -- policy
@@ -218,7 +221,7 @@ class ChunkStore:
             return 0
         keys = keys[:SHARED_PROBE_KEYS]
         loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(self.io, shared.contains_many, keys)
+        found = await loop.run_in_executor(self.lookup_io, shared.contains_many, keys)
         n = 0
         for k in keys:
             if not found.get(k):
@@ -440,7 +443,21 @@ class ChunkStore:
         if self.nvme is not None and key in self.nvme.index:
             self._drop_nvme([pol.Victim(key, "deleted")])
             existed = True
+        if self.shared is not None:
+            # Other nodes share the object: it goes too, in the background (best effort;
+            # an upload already in flight may still land, with the same, correct bytes).
+            if self.uploads is not None:
+                self.uploads.discard(key)
+            self._spawn(asyncio.get_running_loop().run_in_executor(
+                self.io, self._delete_shared, key))
         return existed
+
+    def _delete_shared(self, key: bytes) -> None:
+        assert self.shared is not None
+        try:
+            self.shared.delete(key)
+        except OSError as e:
+            log.warning("shared delete of %s failed: %s", key.hex(), e)
 
     def pin(self, key: bytes) -> None:
         check_key(key)
@@ -674,6 +691,7 @@ class ChunkStore:
             self.uploads.close()
         if self.shared is not None:
             self.shared.close()
+        self.lookup_io.shutdown(wait=False, cancel_futures=True)
         self.io.shutdown(wait=True)
 
     def recover(self, entries: Iterable[JournalEntry]) -> tuple[int, int]:

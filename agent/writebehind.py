@@ -112,6 +112,11 @@ class WriteBehindQueue:
                 self._pending[rec.key] = rec
                 self._cond.notify()
 
+    def discard(self, key: bytes) -> bool:
+        """Forget a pending upload (its chunk was deleted); False if none was pending."""
+        with self._cond:
+            return self._pending.pop(key, None) is not None
+
     def drain(self, timeout: float) -> bool:
         """Wait until nothing is pending or in flight; False if `timeout` passed first."""
         deadline = time.monotonic() + timeout

@@ -170,3 +170,18 @@ def test_store_outage_keeps_local_tiers_serving_and_recovers_by_itself(
         assert s3_client(own_moto.endpoint).head_object(
             Bucket=bucket, Key=f"p/{object_name(again)}")["ContentLength"] > CHUNK
         assert metric(agent, 'kvpool_tier_healthy{pool="shared-test",tier="shared"}') == 1
+
+
+def test_deleted_chunk_leaves_the_shared_tier_too(
+        two_nodes: tuple[LocalAgent, LocalAgent]) -> None:
+    a, b = two_nodes
+    key = os.urandom(16)
+    with KVPoolClient(a.socket_path) as ca, KVPoolClient(b.socket_path) as cb:
+        assert ca.put(key, payload(key))
+        wait_until(lambda: uploaded(ca, 1), "the upload")
+        assert cb.lookup([key]) == 1
+        assert cb.get(key) == payload(key)  # B now holds it in DRAM too
+        assert ca.delete(key) and cb.delete(key)
+        wait_until(lambda: ca.lookup([key]) == 0 and cb.lookup([key]) == 0,
+                   "the object to be gone for both nodes")
+        assert ca.get(key) is None and cb.get(key) is None
