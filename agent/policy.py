@@ -84,7 +84,8 @@ def choose_victims(
     (whole arena pages in DRAM). Where tenants are configured, tenants over
     their quota in this tier lose their own chunks first (until back under
     quota), then chunks go lowest tenant priority first, eviction order within
-    a priority. Protected chunks (pinned, leased) are never chosen.
+    a priority. Protected chunks (pinned, leased) are never chosen, but count
+    against their tenant's quota.
     """
     victims: list[Victim] = []
     if not policy.tenants:
@@ -96,11 +97,15 @@ def choose_victims(
                 used -= footprint(e)
         return victims
 
-    ordered = [e for e in candidates if not protected(e.key)]
-    chosen: set[bytes] = set()
+    ordered: list[Entry] = []
     usage: dict[str, int] = defaultdict(int)
-    for e in ordered:
+    for e in candidates:
+        # A pinned or leased chunk is never a victim, but its tenant holds it: it
+        # counts against the quota, so the tenant's other chunks go instead.
         usage[e.tenant] += footprint(e)
+        if not protected(e.key):
+            ordered.append(e)
+    chosen: set[bytes] = set()
     for t in policy.tenants:
         quota = t.quota.for_tier(tier)
         if quota is None or usage[t.name] <= quota:
