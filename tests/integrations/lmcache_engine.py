@@ -17,8 +17,10 @@ which is what a GPU connector does with device memory.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
-import time
+import traceback
 from typing import Any
 
 import torch
@@ -90,12 +92,10 @@ def store(config_path: str, model: str) -> None:
     remote = remote_backend(engine)
     assert remote.connection is not None, "the kvpool plugin did not load"
     engine.store(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
-    # Remote puts run on LMCache's event loop; leave only once they are done.
-    deadline = time.monotonic() + 60
-    while remote.put_tasks and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not remote.put_tasks, "remote puts did not finish"
-    assert remote.put_failed_count == 0, "a remote put failed"
+    # Remote puts run as tasks on LMCache's event loop, and batched ones are
+    # not tracked in `put_tasks`: a no-op queued behind them on the same loop
+    # returns once they have run (the connector's batched_put never yields).
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), remote.loop).result(timeout=60)
     LMCacheEngineBuilder.destroy("kvpool-test")
 
 
@@ -108,9 +108,22 @@ def retrieve(config_path: str, model: str, result_path: str) -> None:
     LMCacheEngineBuilder.destroy("kvpool-test")
 
 
-if __name__ == "__main__":
-    op, config_path, model = sys.argv[1:4]
+def main(argv: list[str]) -> int:
+    op, config_path, model = argv[:3]
     if op == "store":
         store(config_path, model)
     else:
-        retrieve(config_path, model, sys.argv[4])
+        retrieve(config_path, model, argv[3])
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # LMCache leaves non-daemon threads behind after a failure; never hang the test on them.
+    os._exit(code)
