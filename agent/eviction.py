@@ -142,7 +142,9 @@ class S3FifoQueue(EvictionQueue):
         key = entry.key
         self.discard(key)
         self.freq[key] = 0
-        if self.ghost.pop(key, None) is not None or entry.hits > 0:
+        returning = key in self.ghost  # the ghost list's values are None: test membership
+        self.ghost.pop(key, None)
+        if returning or entry.hits > 0:
             # Seen before (left probation unhit, or was hit in another tier): main.
             self._push(entry, small=False)
             return
