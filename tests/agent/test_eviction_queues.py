@@ -1,0 +1,295 @@
+"""The eviction queues (`agent/eviction.py`): each tier's chunks in the order they leave.
+
+Chunks are tiny `Chunk` records (test data with the fields of `policy.Entry`). A "walk" is the
+`candidates()` protocol the store follows: read entries, discard the ones it evicts, close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.agent.config import EvictionOrder
+from kvpool.agent.eviction import MAX_FREQ, EvictionQueue, KeyedQueue, S3FifoQueue, new_queue
+
+
+@dataclass
+class Chunk:
+    key: bytes
+    size: int = 10
+    tenant: str = ""
+    hits: int = 0
+    last_seq: int = 0
+    depth: int = 0
+    last_access: float = 0.0
+
+
+def c(name: str, **kw: int) -> Chunk:
+    return Chunk(name.encode(), **kw)  # type: ignore[arg-type]
+
+
+def names(entries: Iterable[Chunk | bytes]) -> str:
+    return " ".join((e if isinstance(e, bytes) else e.key).decode() for e in entries)
+
+
+def walk_all(q: EvictionQueue, evict: str = "") -> list[Chunk]:
+    """One whole walk, discarding the named chunks as they come (what the store evicts)."""
+    out: list[Chunk] = []
+    with contextlib.closing(q.candidates()) as walk:
+        for entry in walk:
+            out.append(entry)  # type: ignore[arg-type]
+            if entry.key.decode() in evict.split():
+                q.discard(entry.key)
+    return out
+
+
+def walk_bound(q: EvictionQueue) -> int:
+    """Most entries a walk can yield plus the steps it may spend: generous, finite."""
+    return (MAX_FREQ + 2) * len(q) + 2
+
+
+# --------------------------------------------------------------------------- lru / lfu / prefix
+
+
+@pytest.mark.parametrize(
+    ("order", "facts", "want"),
+    [
+        # name: (hits, last_seq, depth)
+        pytest.param("lru", {"a": (0, 3, 0), "b": (5, 1, 0), "c": (0, 2, 0)}, "b c a",
+                     id="lru-least-recent-first"),
+        pytest.param("lfu", {"a": (3, 1, 0), "b": (1, 5, 0), "c": (1, 4, 0), "d": (0, 9, 0)},
+                     "d c b a", id="lfu-fewest-hits-then-least-recent"),
+        pytest.param("prefix",
+                     {"a": (0, 7, 0), "b": (0, 7, 1), "c": (0, 7, 2), "d": (0, 3, 0),
+                      "e": (0, 3, 1)},
+                     "e d c b a", id="prefix-oldest-request-deepest-first"),
+    ],
+)
+def test_keyed_queue_walks_in_its_order(order: str, facts: dict[str, tuple[int, int, int]],
+                                        want: str) -> None:
+    q = KeyedQueue(EvictionOrder(order))
+    for n, (hits, seq, depth) in facts.items():
+        q.add(c(n, hits=hits, last_seq=seq, depth=depth))
+    assert names(walk_all(q)) == want
+
+
+def test_keyed_queue_a_touched_chunk_moves_back() -> None:
+    q = KeyedQueue(EvictionOrder.LRU)
+    a, b, d = c("a", last_seq=1), c("b", last_seq=2), c("d", last_seq=3)
+    for e in (a, b, d):
+        q.add(e)
+    a.last_seq = 4
+    q.touched(a)
+    assert names(walk_all(q)) == "b d a"
+
+
+def test_keyed_queue_discarded_chunk_is_gone_and_the_rest_keep_their_order() -> None:
+    q = KeyedQueue(EvictionOrder.LRU)
+    for i, n in enumerate("abcd"):
+        q.add(c(n, last_seq=i))
+    q.discard(b"b")
+    assert b"b" not in q and len(q) == 3
+    assert names(walk_all(q)) == "a c d"
+
+
+def test_keyed_queue_chunks_yielded_but_not_discarded_stay_in_order() -> None:
+    q = KeyedQueue(EvictionOrder.LRU)
+    for i, n in enumerate("abcd"):
+        q.add(c(n, last_seq=i))
+    assert names(walk_all(q, evict="b")) == "a b c d"
+    assert len(q) == 3 and b"a" in q and b"b" not in q
+    assert names(walk_all(q)) == "a c d"
+
+
+def test_keyed_queue_a_walk_closed_early_keeps_everything() -> None:
+    q = KeyedQueue(EvictionOrder.LRU)
+    for i, n in enumerate("abcd"):
+        q.add(c(n, last_seq=i))
+    with contextlib.closing(q.candidates()) as walk:
+        assert names(itertools.islice(walk, 2)) == "a b"
+    assert len(q) == 4
+    assert names(walk_all(q)) == "a b c d"
+
+
+# --------------------------------------------------------------------------- s3fifo
+
+
+def s3fifo_with_main(*main: str) -> S3FifoQueue:
+    """A queue whose main FIFO holds these chunks (a chunk already hit enters main)."""
+    q = S3FifoQueue()
+    for n in main:
+        q.add(c(n, hits=1))
+    return q
+
+
+def test_s3fifo_a_new_chunk_leaves_probation_first() -> None:
+    q = s3fifo_with_main("m1", "m2", "m3")
+    q.add(c("new"))
+    assert names(walk_all(q))[:3] == "new"
+
+
+def test_s3fifo_a_chunk_hit_in_probation_survives_into_main() -> None:
+    q = S3FifoQueue()
+    a, b = c("a"), c("b")
+    q.add(a)
+    q.add(b)
+    q.touched(a)  # hit while in probation
+    # FIFO would give up a first; a's hit moves it to main and b, never hit, goes instead.
+    assert names(walk_all(q, evict="b")) == "b a"
+    assert b"a" in q and b"b" not in q
+
+
+def test_s3fifo_a_chunk_that_left_probation_and_comes_back_goes_to_main() -> None:
+    q = S3FifoQueue()
+    q.add(c("a"))
+    assert names(walk_all(q, evict="a")) == "a"  # left probation unhit: remembered (ghost)
+    q.add(c("a"))  # comes back
+    q.add(c("b"))  # never seen
+    # Had a gone back to probation it would leave first (it came in first); from main, the
+    # newcomer in probation goes first.
+    assert names(walk_all(q)) == "b a"
+
+
+def test_s3fifo_without_the_ghost_first_in_first_out_of_probation() -> None:
+    """The control for the test above: two chunks never seen leave probation in FIFO order."""
+    q = S3FifoQueue()
+    q.add(c("a"))
+    q.add(c("b"))
+    assert names(walk_all(q)) == "a b"
+
+
+def test_s3fifo_a_prompts_last_chunk_goes_first() -> None:
+    q = S3FifoQueue()
+    for n in ("p0", "p1"):
+        q.add(c(n))
+    q.add(c("tail"), tail=True)
+    assert names(walk_all(q)) == "tail p0 p1"
+
+
+def test_s3fifo_protected_chunks_yielded_but_not_discarded_stay() -> None:
+    q = S3FifoQueue()
+    for n in "abc":
+        q.add(c(n))
+    # a is leased (the store does not discard it), b is evicted, c is never reached.
+    with contextlib.closing(q.candidates()) as walk:
+        assert next(walk).key == b"a"
+        second = next(walk)
+        assert second.key == b"b"
+        q.discard(second.key)
+    assert b"a" in q and b"c" in q and b"b" not in q and len(q) == 2
+    assert names(walk_all(q)) in ("c a", "a c")
+    assert len(q) == 2
+
+
+def test_s3fifo_walk_ends_even_when_every_chunk_is_hit_during_it() -> None:
+    q = S3FifoQueue()
+    entries = [c(f"k{i}", hits=i % 2) for i in range(50)]
+    for e in entries:
+        q.add(e)
+    bound = walk_bound(q)
+    seen: list[bytes] = []
+    with contextlib.closing(q.candidates()) as walk:
+        for n, entry in enumerate(walk):
+            assert n < bound, "the walk did not end"
+            seen.append(entry.key)
+            for e in entries:  # every chunk hit again at every step
+                q.touched(e)
+    assert len(seen) == len(set(seen))
+    assert len(q) == 50
+
+
+@pytest.mark.parametrize("order", list(EvictionOrder))
+def test_candidates_protocol_walk_discard_close(order: EvictionOrder) -> None:
+    """As documented on `EvictionQueue.candidates`: what the caller discards during the walk
+    is gone, what it was offered but kept stays, and a later walk offers it again."""
+    q = new_queue(order)
+    for i, n in enumerate("abcdef"):
+        q.add(c(n, last_seq=i))
+    taken: list[bytes] = []
+    kept: list[bytes] = []
+    with contextlib.closing(q.candidates()) as walk:
+        for i, entry in enumerate(walk):
+            if i == 4:
+                break
+            (taken if i % 2 == 0 else kept).append(entry.key)
+            if i % 2 == 0:
+                q.discard(entry.key)
+    assert len(q) == 4
+    assert all(k not in q for k in taken) and all(k in q for k in kept)
+    again = [e.key for e in walk_all(q)]
+    assert sorted(again) == sorted(k for k in (n.encode() for n in "abcdef") if k not in taken)
+
+
+# --------------------------------------------------------------------------- properties
+
+KEYS = [f"k{i}".encode() for i in range(12)]
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(KEYS), st.integers(1, 50), st.integers(0, 3),
+              st.booleans()),
+    st.tuples(st.just("touch"), st.sampled_from(KEYS)),
+    st.tuples(st.just("discard"), st.sampled_from(KEYS)),
+    # walk: how many entries to read before closing, and which of them to evict
+    st.tuples(st.just("walk"), st.integers(0, 40), st.lists(st.booleans(), max_size=40)),
+)
+
+
+@pytest.mark.parametrize("order", list(EvictionOrder))
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(op, max_size=60))
+def test_members_are_added_minus_discarded_and_walks_end(order: EvictionOrder,
+                                                         ops: list[tuple[object, ...]]) -> None:
+    q = new_queue(order)
+    model: dict[bytes, Chunk] = {}
+    seq = itertools.count(1)
+    for o in ops:
+        if o[0] == "add":
+            _, key, size, hits, tail = o
+            entry = Chunk(key, size=size, hits=hits, last_seq=next(seq))  # type: ignore[arg-type]
+            q.add(entry, tail=bool(tail))
+            model[entry.key] = entry
+        elif o[0] == "touch":
+            entry_or_none = model.get(o[1])  # type: ignore[call-overload]
+            if entry_or_none is not None:
+                entry_or_none.hits += 1
+                entry_or_none.last_seq = next(seq)
+                q.touched(entry_or_none)
+        elif o[0] == "discard":
+            q.discard(o[1])  # type: ignore[arg-type]
+            model.pop(o[1], None)  # type: ignore[call-overload]
+        else:
+            _, read, evict = o
+            bound = walk_bound(q)
+            yielded: list[bytes] = []
+            with contextlib.closing(q.candidates()) as walk:
+                for i, entry in enumerate(walk):
+                    assert i < bound, "the walk did not end"
+                    assert entry.key in model, "walk offered a chunk that is not in the queue"
+                    yielded.append(entry.key)
+                    if i < len(evict) and evict[i]:  # type: ignore[arg-type]
+                        q.discard(entry.key)
+                        del model[entry.key]
+                    if len(yielded) >= read:  # type: ignore[operator]
+                        break
+            assert len(yielded) == len(set(yielded)), "walk offered a chunk twice"
+        assert {k for k in KEYS if k in q} == set(model)
+        assert len(q) == len(model)
+        if isinstance(q, S3FifoQueue):
+            # Probation's share of the bytes decides where eviction starts: keep it true.
+            assert q.small_bytes + q.main_bytes == sum(e.size for e in model.values())
+
+    # A whole walk that evicts nothing offers every chunk exactly once, and ends.
+    bound = walk_bound(q)
+    offered: list[bytes] = []
+    with contextlib.closing(q.candidates()) as walk:
+        for i, entry in enumerate(walk):
+            assert i < bound, "the walk did not end"
+            offered.append(entry.key)
+    assert sorted(offered) == sorted(model)
+    assert len(q) == len(model)
