@@ -64,12 +64,17 @@ class Connection:
     async def _fill(self, need: int, timeout: float | None) -> None:
         """Read until `need` bytes are buffered from self.start."""
         loop = asyncio.get_running_loop()
-        if self.start + need > len(self.buf):
-            pending = self.buf[self.start : self.end]
-            self.buf = bytearray(max(len(self.buf), need))
-            self.buf[: len(pending)] = pending
-            self.start, self.end = 0, len(pending)
+        if self.start + need > len(self.buf) and self.start:
+            pending = self.end - self.start
+            self.buf[:pending] = self.buf[self.start : self.end]
+            self.start, self.end = 0, pending
         while self.end - self.start < need:
+            if self.end == len(self.buf):
+                # Grow by doubling as bytes arrive: a length prefix alone must not make
+                # the agent allocate a whole frame for a client that never sends it.
+                grown = bytearray(min(self.start + need, 2 * len(self.buf)))
+                grown[: self.end] = self.buf[: self.end]
+                self.buf = grown
             view = memoryview(self.buf)[self.end :]
             try:
                 if timeout is None:
@@ -89,7 +94,8 @@ class Connection:
     async def read_frame(self) -> bytes:
         if self.end == self.start:
             self.start = self.end = 0
-        await self._fill(p.HEADER.size, None)
+        await self._fill(1, None)  # idle between frames: no limit
+        await self._fill(p.HEADER.size, FRAME_TIMEOUT)  # inside a frame: the frame timeout
         (length,) = p.HEADER.unpack_from(self.buf, self.start)
         limit = self.agent.max_frame_bytes
         if length > limit:

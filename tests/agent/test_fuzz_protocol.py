@@ -677,12 +677,6 @@ def test_a_client_stalled_inside_a_frame_body_is_dropped(harness: Harness) -> No
     harness.assert_unharmed()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent/server.py Connection.read_frame waits for the 4-byte length prefix with no "
-    "timeout (_fill(HEADER.size, None)), so a client that stops after 1-3 bytes of it is "
-    "never dropped and keeps its leases, although docs/protocol.md says a client that stops "
-    "in the middle of a frame is closed after 10 s. Fix: `await self._fill(1, None)` then "
-    "`await self._fill(p.HEADER.size, FRAME_TIMEOUT)`."))
 def test_a_client_stalled_inside_a_length_prefix_is_dropped(harness: Harness) -> None:
     conn = FuzzConn(harness.agent.socket_path)
     lease = conn.call(p.Acquire(1, harness.bystander))
