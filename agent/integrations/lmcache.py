@@ -145,16 +145,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         """How many leading keys the pool holds: one LOOKUP."""
-        found = 0
-        pool_keys = self._keys(keys)
         with self._lock:
-            for start in range(0, len(pool_keys), p.MAX_LOOKUP_KEYS):
-                window = pool_keys[start : start + p.MAX_LOOKUP_KEYS]
-                hit = self.client.lookup(window)
-                found += hit
-                if hit < len(window):
-                    break
-        return found
+            return self.client.lookup_prefix(self._keys(keys))
 
     def support_batched_async_contains(self) -> bool:
         return True

@@ -76,6 +76,17 @@ class PipelinedClient(KVPoolClient):
             return
         self._unanswered += len(reqs)
 
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the pool holds, in one LOOKUP per 8192 keys."""
+        found = 0
+        for start in range(0, len(keys), p.MAX_LOOKUP_KEYS):
+            window = keys[start : start + p.MAX_LOOKUP_KEYS]
+            hit = self.lookup(window)
+            found += hit
+            if hit < len(window):
+                break
+        return found
+
     # -- reads
 
     def get_many_into(self, keys: Sequence[bytes], target: ReadTarget, *,
