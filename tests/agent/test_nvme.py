@@ -1,0 +1,276 @@
+"""G3 through a real agent: chunk files on a real directory (and a real, small tmpfs).
+
+The DRAM arena is a few MiB so that writes push chunks down to NVMe. Prefetch is off unless a
+test is about it: with it on, a LOOKUP that finds a chunk in NVMe also moves it up, and the
+tests use LOOKUP to see where chunks are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.local import LocalAgent
+
+from .conftest import scrape, wait_until
+
+KiB, MiB = 1 << 10, 1 << 20
+NO_PREFETCH = "prefetch: {enabled: false}\n"
+
+
+def series(name: str, **labels: str) -> str:
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in
+                                 sorted({"pool": "default", **labels}.items())) + "}"
+
+
+DEMOTED = series("kvpool_tier_demotions_total", tier="dram")
+PROMOTED = series("kvpool_tier_promotions_total", tier="nvme")
+PREFETCHED = series("kvpool_tier_prefetches_total", tier="nvme")
+BAD_NVME = series("kvpool_integrity_failures_total", tier="nvme")
+NVME_FULL = series("kvpool_tier_errors_total", kind="full", tier="nvme")
+NVME_HEALTHY = series("kvpool_tier_healthy", tier="nvme")
+
+
+def data_for(key: bytes, size: int) -> bytes:
+    """Each chunk's bytes derive from its key, so a wrong chunk never passes for a right one."""
+    return (key * (size // len(key) + 1))[:size]
+
+
+def nvme_agent(tmp_path: Path, policy: str = NO_PREFETCH, dram: str = "4Mi",
+               nvme_dir: Path | None = None) -> LocalAgent:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(policy)
+    return LocalAgent("--no-lock", "--policy", str(policy_file),
+                      "--nvme-dir", str(nvme_dir or tmp_path / "nvme"), "--nvme", "64Mi",
+                      workdir=tmp_path, dram=dram)
+
+
+def chunk_file(nvme_dir: Path, key: bytes) -> Path:
+    """Where G3 keeps a chunk: one file per key, under the first two hex digits."""
+    h = key.hex()
+    return nvme_dir / h[:2] / f"{h}.kvc"
+
+
+def fill(c: KVPoolClient, n: int, size: int = 256 * KiB) -> list[bytes]:
+    keys = [os.urandom(16) for _ in range(n)]
+    for k in keys:
+        assert c.put(k, data_for(k, size))
+    return keys
+
+
+def settle(c: KVPoolClient) -> None:
+    """Wait for demotions in flight to land (they are written in worker threads)."""
+    wait_until(lambda: c.stats()["tiers"]["nvme"]["inflight"] == 0, what="demotions to land")
+
+
+def tier_of(c: KVPoolClient, key: bytes) -> str | None:
+    tiers = c.lookup_tiers([key])
+    return tiers[0] if tiers else None
+
+
+def in_nvme(c: KVPoolClient, nvme_dir: Path, keys: list[bytes]) -> list[bytes]:
+    return [k for k in keys if chunk_file(nvme_dir, k).exists()]
+
+
+def test_writes_beyond_dram_are_demoted_to_nvme_and_looked_up_there(tmp_path: Path) -> None:
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 24)  # 6 MiB into a 4 MiB arena
+        settle(c)
+        tiers = {k: tier_of(c, k) for k in keys}
+        demoted = [k for k, t in tiers.items() if t == "nvme"]
+        assert demoted, "nothing was demoted"
+        assert set(tiers.values()) == {"dram", "nvme"}  # every chunk is in one of them
+        stats = c.stats()["tiers"]
+        assert stats["nvme"]["chunks"] == len(demoted)
+        assert stats["dram"]["chunks"] + stats["nvme"]["chunks"] == len(keys)  # exclusive
+        assert scrape(agent)[DEMOTED] == len(demoted)
+        assert sorted(in_nvme(c, tmp_path / "nvme", keys)) == sorted(demoted)
+        # One prompt across both tiers: LOOKUP names each chunk's tier, up to the first miss.
+        in_dram = [k for k, t in tiers.items() if t == "dram"]
+        prompt = [demoted[0], in_dram[0], demoted[1], os.urandom(16), in_dram[1]]
+        assert c.lookup_tiers(prompt) == ["nvme", "dram", "nvme"]
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "inline"])
+def test_reading_an_nvme_chunk_returns_its_bytes_and_moves_it_up(tmp_path: Path,
+                                                                 mode: str) -> None:
+    nvme_dir = tmp_path / "nvme"
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
+            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
+        keys = fill(writer, 24)
+        settle(writer)
+        k = in_nvme(writer, nvme_dir, keys)[0]
+        assert c.get(k, verify=True) == data_for(k, 256 * KiB)
+        assert scrape(agent)[PROMOTED] == 1
+        # Tiers are exclusive: the promoted chunk is in DRAM and its file goes.
+        assert tier_of(c, k) == "dram"
+        wait_until(lambda: not chunk_file(nvme_dir, k).exists(), what="the promoted file to go")
+        assert c.get(k) == data_for(k, 256 * KiB)
+
+
+def test_a_lookup_that_reaches_nvme_prefetches_the_next_chunks(tmp_path: Path) -> None:
+    nvme_dir = tmp_path / "nvme"
+    policy = "prefetch: {enabled: true, lookaheadChunks: 2}\n"
+    with nvme_agent(tmp_path, policy) as agent, KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 24)
+        settle(c)
+        prefix = in_nvme(c, nvme_dir, keys)[:4]  # a prompt whose chunks all went to NVMe
+        assert len(prefix) == 4
+        assert c.lookup_tiers(prefix) == ["nvme"] * 4
+        wait_until(lambda: scrape(agent)[PREFETCHED] == 2, what="two prefetches")
+        wait_until(lambda: not any(chunk_file(nvme_dir, k).exists() for k in prefix[:2]),
+                   what="the prefetched files to go")
+        assert all(chunk_file(nvme_dir, k).exists() for k in prefix[2:])
+        assert c.lookup_tiers(prefix)[:2] == ["dram", "dram"]
+        assert c.lookup_tiers(prefix)[2:] in (["nvme", "nvme"], ["dram", "dram"])
+        assert all(c.get(k) == data_for(k, 256 * KiB) for k in prefix)
+
+
+def flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def truncate_to_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage", [flip_last_byte, truncate_to_half],
+                         ids=["flipped-byte", "truncated"])
+@pytest.mark.parametrize("mode", ["zero_copy", "inline"])
+def test_a_damaged_nvme_chunk_is_a_counted_quarantined_miss(tmp_path: Path, mode: str,
+                                                            damage: object) -> None:
+    nvme_dir = tmp_path / "nvme"
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
+            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
+        keys = fill(writer, 24)
+        settle(writer)
+        bad, good = in_nvme(writer, nvme_dir, keys)[:2]
+        path = chunk_file(nvme_dir, bad)
+        damage(path)  # type: ignore[operator]
+        assert c.get(bad) is None  # never the damaged bytes
+        assert scrape(agent)[BAD_NVME] == 1
+        assert not path.exists() and (nvme_dir / "quarantine" / path.name).exists()
+        assert c.lookup([bad]) == 0  # gone from the index, not only from this read
+        assert c.get(bad) is None and scrape(agent)[BAD_NVME] == 1
+        assert c.get(good) == data_for(good, 256 * KiB)  # its neighbours are unaffected
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A real, small file system. Tests run as root (here and in CI); if mounting is not
+    permitted this fails loudly rather than skip a test of a real full disk."""
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                   check=True, capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True, capture_output=True)
+
+
+def fill_filesystem(path: Path) -> None:
+    """Write `path` until the file system says it is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    block = b"\0" * (4 * KiB)
+    try:
+        while True:
+            os.write(fd, block)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+
+
+def cli_stats(agent: LocalAgent) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-m", "kvpool.agent", "stats", "--socket",
+                          str(agent.socket_path), "--json"],
+                         check=True, capture_output=True, text=True, timeout=60)
+    stats: dict[str, object] = json.loads(out.stdout)
+    return stats
+
+
+def test_a_full_nvme_filesystem_drops_demotions_and_recovers_when_space_returns(
+        tmp_path: Path) -> None:
+    size = 64 * KiB
+    with small_tmpfs(tmp_path / "nvme", "2m") as nvme_dir, \
+            nvme_agent(tmp_path, dram="2Mi", nvme_dir=nvme_dir) as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        fill(c, 40, size)
+        settle(c)
+        landed = scrape(agent)[DEMOTED]
+        assert landed > 0 and scrape(agent)[NVME_HEALTHY] == 1
+
+        filler = nvme_dir / "filler"  # something else took the disk
+        fill_filesystem(filler)
+        keys = fill(c, 40, size)
+        settle(c)
+        m = scrape(agent)
+        assert m[NVME_FULL] > 0, "failed demotions were not counted as kind=full"
+        assert m[NVME_HEALTHY] == 0
+        assert m[DEMOTED] == landed  # nothing landed, and nothing pretended to
+        nvme_stats = cli_stats(agent)["tiers"]["nvme"]  # type: ignore[index]
+        assert nvme_stats["healthy"] is False
+        assert "full" in nvme_stats["reason"]
+        # DRAM keeps serving, reads and writes, and the agent stays up.
+        in_dram = [k for k in keys if tier_of(c, k) == "dram"]
+        assert in_dram and all(c.get(k) == data_for(k, size) for k in in_dram)
+        more = fill(c, 4, size)
+        assert all(c.get(k) == data_for(k, size) for k in more)
+        assert agent.proc is not None and agent.proc.poll() is None
+        with urllib.request.urlopen(f"{agent.metrics_url}/healthz", timeout=10) as r:
+            assert r.status == 200
+
+        filler.unlink()  # space returns (for a few chunks more than this writes)
+        fill(c, 6, size)
+        settle(c)
+        m = scrape(agent)
+        assert m[DEMOTED] > landed, "demotions did not land again"
+        assert m[NVME_HEALTHY] == 1
+        assert cli_stats(agent)["tiers"]["nvme"]["healthy"] is True  # type: ignore[index]
+        assert agent.proc.poll() is None
+
+
+def test_nvme_index_is_rebuilt_at_restart_and_serves_the_chunks_written_before(
+        tmp_path: Path) -> None:
+    nvme_dir = tmp_path / "nvme"
+    agent = nvme_agent(tmp_path).start()
+    try:
+        with KVPoolClient(agent.socket_path) as c:
+            keys = fill(c, 24)
+            settle(c)
+            on_disk = in_nvme(c, nvme_dir, keys)
+            assert on_disk
+        agent.stop()  # and the arena goes with it: only G3 remains
+        # What a crash mid-write leaves behind, and a file damaged while the agent was down.
+        leftover = chunk_file(nvme_dir, on_disk[0]).with_name("leftover.kvc.tmp-1-2")
+        leftover.write_bytes(b"half a chunk")
+        damaged = chunk_file(nvme_dir, on_disk[1])
+        truncate_to_half(damaged)
+        agent.start()
+        with KVPoolClient(agent.socket_path) as c:
+            intact = [k for k in on_disk if k != on_disk[1]]
+            stats = c.stats()["tiers"]
+            assert stats["nvme"]["chunks"] == len(intact)
+            assert stats["dram"]["chunks"] == 0
+            assert all(tier_of(c, k) == "nvme" for k in intact)
+            assert all(c.get(k, verify=True) == data_for(k, 256 * KiB) for k in intact)
+            assert c.get(on_disk[1]) is None
+            assert (nvme_dir / "quarantine" / damaged.name).exists()
+            assert not leftover.exists()
+            assert all(c.get(k) is None for k in keys if k not in on_disk)  # DRAM-only: gone
+    finally:
+        agent.stop()
