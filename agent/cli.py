@@ -169,6 +169,8 @@ def gc(
     all_objects: Annotated[bool, typer.Option("--all", help="Delete every chunk object.")]
     = False,
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint URL.")] = None,
+    addressing_style: Annotated[str, typer.Option(
+        help="S3 bucket addressing: auto, path (most self-hosted stores) or virtual.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Delete a pool's expired (or all) chunk objects from its shared tier."""
@@ -179,7 +181,8 @@ def gc(
     from .gc import run_gc
 
     try:
-        result = run_gc(shared, ttl, all_objects, endpoint_url)
+        result = run_gc(shared, ttl, all_objects, endpoint_url,
+                        addressing_style=addressing_style)
     except (ValueError, OSError) as e:
         _fail(str(e))
         return

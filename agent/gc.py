@@ -95,7 +95,7 @@ def _remove(tier: SharedChunkTier, batch: list[ObjectInfo], result: GcResult,
 
 def run_gc(url: str, ttl: float | str | None = None, all_objects: bool = False,
            endpoint_url: str | None = None, *, region: str | None = None,
-           credentials_file: Path | None = None) -> GcResult:
+           credentials_file: Path | None = None, addressing_style: str = "auto") -> GcResult:
     """`kvpool gc --shared URL [--ttl 7d | --all] [--endpoint-url ...]` without the CLI.
 
     `ttl` is seconds or a duration string (`7d`, `12h`). Credentials and region
@@ -103,8 +103,9 @@ def run_gc(url: str, ttl: float | str | None = None, all_objects: bool = False,
     arguments and OSError when the store cannot be reached.
     """
     ttl_s = parse_duration(ttl) if ttl is not None else None
-    cfg = SharedTier(url=url, endpoint_url=endpoint_url, region=region,
-                     credentials_file=credentials_file)
+    cfg = SharedTier.model_validate({
+        "url": url, "endpoint_url": endpoint_url, "region": region,
+        "credentials_file": credentials_file, "addressing_style": addressing_style})
     tier = open_shared_tier(cfg)
     try:
         return collect(tier, ttl_s, all_objects)
