@@ -55,40 +55,6 @@ VARIABLES = {
 }
 
 
-def _agent_flags() -> str:
-    """The agent's --help text: which tier flags this agent version has."""
-    env = {**os.environ, "COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
-    result = subprocess.run(
-        [sys.executable, "-m", "kvpool.agent", "agent", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
-    return result.stdout + result.stderr
-
-
-_HELP = _agent_flags()
-HAS_NVME = "--nvme-dir" in _HELP
-HAS_SHARED = "--shared" in _HELP
-
-PENDING_TIER_QUERIES: dict[tuple[str, str], str] = (
-    {}
-    if HAS_SHARED
-    else {
-        # (panel title, metric in the query): these gauges exist only for an enabled
-        # shared tier, and `kvpool agent` has no --shared flag yet.
-        ("Shared tier health per node", "kvpool_tier_healthy"): "agent has no --shared yet",
-        ("Write-behind queue depth and dropped writes", "kvpool_shared_queue_depth"): (
-            "agent has no --shared yet"
-        ),
-    }
-)
-"""Panel queries that cannot return data until the agent runs a tier it does not support
-yet. They are expected to fail (strict xfail); the list empties itself once the agent has
-the tier's flag, and the fixture then starts the agent with that tier."""
-
 CHUNK = 256 * 1024
 LOAD_SECONDS = 120.0
 """Upper bound of the load thread's life; it stops earlier when the module's tests end."""
@@ -147,13 +113,10 @@ while True:
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
     workdir = tmp_path_factory.mktemp("agent")
-    args = ["--no-lock", "--pool", POOL]
-    if HAS_NVME:
-        (workdir / "nvme").mkdir()
-        args += ["--nvme-dir", str(workdir / "nvme"), "--nvme", "64Mi"]
-    if HAS_SHARED:
-        (workdir / "shared").mkdir()
-        args += ["--shared", f"file://{workdir / 'shared'}"]
+    (workdir / "nvme").mkdir()
+    (workdir / "shared").mkdir()
+    args = ["--no-lock", "--pool", POOL, "--nvme-dir", str(workdir / "nvme"), "--nvme", "64Mi",
+            "--shared", (workdir / "shared").as_uri()]
     with LocalAgent(*args, workdir=workdir, dram="16Mi") as a:
         yield a
 
@@ -316,15 +279,8 @@ def loaded(prometheus: Prometheus, agent: LocalAgent) -> Iterator[Prometheus]:
 
 
 def _panel_cases() -> list[Any]:
-    cases = []
-    for title, expr in dashboard.panel_queries():
-        marks = [
-            pytest.mark.xfail(strict=True, reason=reason)
-            for (pending_title, metric), reason in PENDING_TIER_QUERIES.items()
-            if title == pending_title and f"{metric}{{" in expr
-        ]
-        cases.append(pytest.param(expr, id=f"{title}: {expr[:60]}", marks=marks))
-    return cases
+    return [pytest.param(expr, id=f"{title}: {expr[:60]}")
+            for title, expr in dashboard.panel_queries()]
 
 
 @pytest.mark.parametrize("expr", _panel_cases())
@@ -334,11 +290,7 @@ def test_dashboard_query_returns_series(loaded: Prometheus, expr: str) -> None:
 
 
 def test_every_panel_query_is_checked() -> None:
-    queries = dashboard.panel_queries()
-    assert len(queries) >= 25
-    for title, metric in PENDING_TIER_QUERIES:
-        matching = [e for t, e in queries if t == title and f"{metric}{{" in e]
-        assert len(matching) == 1, (title, metric)
+    assert len(dashboard.panel_queries()) >= 25
 
 
 def test_load_shows_as_hits_traffic_and_latency(loaded: Prometheus) -> None:
@@ -361,12 +313,16 @@ def test_load_shows_as_hits_traffic_and_latency(loaded: Prometheus) -> None:
     assert 0 < value(p99) < 10
     up = value(by_title["Agent up per node"])
     assert up == 1
-    if HAS_NVME:
-        # DRAM overflows into NVMe after ~64 puts; wait (bounded) until the load got there.
-        nvme = f'{dashboard.SEL}, tier="nvme"'
-        for counter in ("kvpool_tier_written_bytes_total", "kvpool_tier_hits_total"):
-            expr = substitute(f"sum(rate({counter}{{{nvme}}}[{RATE_INTERVAL}]))")
-            _wait(lambda e=expr: value(e) > 0, 45, f"{counter} of the nvme tier to rise")
+    # DRAM overflows into NVMe after ~64 puts; every put is written through to the shared
+    # tier. Wait (bounded) until the load got there.
+    for tier, counter in (("nvme", "kvpool_tier_written_bytes_total"),
+                          ("nvme", "kvpool_tier_hits_total"),
+                          ("shared", "kvpool_tier_written_bytes_total")):
+        expr = substitute(
+            f'sum(rate({counter}{{{dashboard.SEL}, tier="{tier}"}}[{RATE_INTERVAL}]))')
+        _wait(lambda e=expr: value(e) > 0, 45, f"{counter} of the {tier} tier to rise")
+    shared_up = substitute(f'kvpool_tier_healthy{{{dashboard.SEL}, tier="shared"}}')
+    assert value(shared_up) == 1
 
 
 # ----------------------------------------------------------------------------- alerts
