@@ -15,17 +15,33 @@ def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def test_demo_json_reports_tiers_and_hit_ratio() -> None:
+def test_demo_json_reports_all_three_tiers_and_hit_ratios() -> None:
     run = kvpool("demo", "--json", "--requests", "400")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["requests"] == 400
     assert report["wrong_bytes"] == 0
-    assert 0 < report["block_hit_ratio"] <= report["unbounded_hit_ratio"] <= 1
+    assert 0 < report["local_hit_ratio"] <= report["block_hit_ratio"]
+    assert report["block_hit_ratio"] <= report["unbounded_hit_ratio"] <= 1
     assert report["bytes_read"] > 0 and report["bytes_written"] > 0
     assert report["block_bytes"] == 16 * 1024
-    dram = report["tiers"]["dram"]
-    assert dram["capacity_bytes"] > 0 and dram["hits"] > 0 and dram["misses"] > 0
+    tiers = report["tiers"]
+    assert set(tiers) == {"dram", "nvme", "shared"}
+    assert tiers["dram"]["capacity_bytes"] > 0 and tiers["dram"]["hits"] > 0
+    assert tiers["nvme"]["capacity_bytes"] > 0
+    assert tiers["shared"]["capacity_bytes"] == 0  # the store's, unbounded for the agent
+    hits = sum(t["hits"] for t in tiers.values())
+    assert hits == round(report["block_hit_ratio"] * report["blocks"])
+    local = tiers["dram"]["hits"] + tiers["nvme"]["hits"]
+    assert local == round(report["local_hit_ratio"] * report["blocks"])
+
+
+def test_demo_without_a_shared_tier() -> None:
+    run = kvpool("demo", "--json", "--requests", "100", "--shared", "none")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(report["tiers"]) == {"dram", "nvme"}
+    assert report["local_hit_ratio"] == report["block_hit_ratio"]
 
 
 def test_stats_command_prints_json(agent: LocalAgent, client: KVPoolClient) -> None:
