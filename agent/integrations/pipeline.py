@@ -15,6 +15,7 @@ buffer into the arena.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from .. import protocol as p
@@ -102,7 +103,7 @@ class PipelinedClient(KVPoolClient):
         step = self._step()
         for start in range(0, len(keys), step):
             window = keys[start : start + step]
-            self._retrying(lambda w=window, s=start: self._get_window(w, s, target, sizes, verify))
+            self._retrying(partial(self._get_window, window, start, target, sizes, verify))
         return sizes
 
     def _get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
@@ -148,8 +149,8 @@ class PipelinedClient(KVPoolClient):
         step = self._step()
         for start in range(0, len(keys), step):
             end = start + step
-            self._retrying(lambda s=start, e=end: self._put_window(
-                keys[s:e], views[s:e], metas[s:e], s, results))
+            self._retrying(partial(self._put_window, keys[start:end], views[start:end],
+                                   metas[start:end], start, results))
         return results
 
     def _put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],

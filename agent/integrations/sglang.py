@@ -84,7 +84,8 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """The tensor's own memory as bytes (no copy): CPU and contiguous only."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("HiCache pages must be contiguous CPU tensors")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    flat: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(flat)
 
 
 class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
