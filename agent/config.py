@@ -9,6 +9,7 @@ Python. Unknown fields are errors, and every error names its field.
 from __future__ import annotations
 
 import hashlib
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -353,7 +354,10 @@ def load_agent_config(path: Path) -> AgentConfig:
     except ValidationError as e:
         raise ConfigError(explain(e, str(path))) from e
     if cfg.policy_file is not None and not cfg.policy_file.is_absolute():
-        cfg.policy_file = (path.parent / cfg.policy_file).resolve()
+        # Absolute without following symlinks: in a mounted ConfigMap the file is a symlink
+        # through `..data`, which an update re-points; resolving would pin the agent to the
+        # old timestamped directory, and it would never see a change.
+        cfg.policy_file = Path(os.path.abspath(path.parent / cfg.policy_file))
     return cfg
 
 
