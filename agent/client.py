@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
+import xxhash
+
 from . import protocol as p
 
 T = TypeVar("T")
@@ -29,6 +31,10 @@ Buffer = Any
 """Anything exporting the buffer protocol: bytes, bytearray, memoryview, numpy arrays."""
 
 _TIER_NAMES = {2: "dram", 3: "nvme", 4: "shared"}
+COPY_BLOCK = 1 << 20
+"""Bytes a put copies into the arena before hashing them: small enough that the block
+is still in L2 when the checksum reads it back, large enough that the per-block
+Python overhead (~1 µs) is noise. 0.5-2 MiB measured alike here; 4 MiB was slower."""
 
 
 class AgentUnavailable(ConnectionError):
@@ -40,6 +46,30 @@ def _as_bytes_view(data: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("chunk buffers must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _copy_and_checksum(arena: memoryview, extents: Sequence[tuple[int, int]], src: memoryview,
+                       meta: bytes) -> int:
+    """Copy `src` into the arena extents and return `protocol.checksum(src, meta)`.
+
+    One pass instead of two: each block is hashed right after it is copied,
+    while it is still in the CPU cache, so the checksum reads cache rather than
+    memory and a put costs about one copy (XXH3's streaming digest equals the
+    one-shot digest of meta then data).
+    """
+    h = xxhash.xxh3_64()
+    h.update(meta)
+    pos = 0
+    for offset, nbytes in extents:
+        end = pos + nbytes
+        while pos < end:
+            step = min(COPY_BLOCK, end - pos)
+            block = src[pos : pos + step]
+            arena[offset : offset + step] = block
+            h.update(block)
+            offset += step
+            pos += step
+    return int(h.intdigest())
 
 
 class KVPoolClient:
@@ -231,8 +261,8 @@ class KVPoolClient:
         return self._retrying(lambda: self._put_once(key, src, meta))
 
     def _put_once(self, key: bytes, src: memoryview, meta: bytes) -> bool:
-        digest = p.checksum(src, meta)
         if self._arena is None:
+            digest = p.checksum(src, meta)
             reply = self._call(p.Put(next(self._rid), key, bytes(src), digest, meta))
             assert isinstance(reply, p.PutReply)
             return reply.stored
@@ -241,10 +271,7 @@ class KVPoolClient:
         if alloc.exists:
             return False
         try:
-            pos = 0
-            for offset, nbytes in alloc.extents:
-                self._arena[offset : offset + nbytes] = src[pos : pos + nbytes]
-                pos += nbytes
+            digest = _copy_and_checksum(self._arena, alloc.extents, src, meta)
         except BaseException:
             self._cast(p.Abort(next(self._rid), alloc.lease))
             raise

@@ -1,0 +1,48 @@
+"""The zero-copy put hashes while it copies: its checksum must be `protocol.checksum` exactly.
+
+The agent and every reader verify chunks against `checksum(data, meta)` (meta
+first, then data); the client now streams that hash block by block across the
+arena extents, so these tests pin the two to each other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import COPY_BLOCK, KVPoolClient, _copy_and_checksum
+from kvpool.agent.local import LocalAgent
+
+
+@pytest.mark.parametrize("size", [0, 1, COPY_BLOCK - 1, COPY_BLOCK, 3 * COPY_BLOCK + 4097])
+@pytest.mark.parametrize("meta", [b"", b'{"shape":[2,8,128]}'])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_streamed_checksum_equals_protocol_checksum(size: int, meta: bytes,
+                                                    pieces: int) -> None:
+    data = os.urandom(size)
+    # Extents out of order and apart in the arena, like a fragmented allocator's.
+    cut = [size * i // pieces for i in range(pieces + 1)]
+    lengths = [b - a for a, b in zip(cut, cut[1:], strict=False)]
+    arena = bytearray(2 * size + 3 * 4096 * pieces + 4096)
+    extents, offset = [], len(arena)
+    for n in lengths:
+        offset -= n + 4096
+        extents.append((offset, n))
+    digest = _copy_and_checksum(memoryview(arena), extents, memoryview(data), meta)
+    assert digest == p.checksum(data, meta)
+    copied = b"".join(bytes(arena[o : o + n]) for o, n in extents)
+    assert copied == data
+
+
+def test_chunk_put_through_the_agent_verifies_on_read(tmp_path: Path) -> None:
+    data = os.urandom(5 * COPY_BLOCK + 123)
+    meta = b'{"layer":7}'
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="32Mi") as agent, \
+            KVPoolClient(agent.socket_path) as client:
+        assert client.put(b"k" * 16, data, meta=meta)
+        # verify=True recomputes protocol.checksum over what it read and compares it
+        # with the digest the put committed.
+        assert client.get_with_meta(b"k" * 16, verify=True) == (data, meta)
