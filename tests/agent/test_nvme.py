@@ -209,7 +209,7 @@ def test_a_full_nvme_filesystem_drops_demotions_and_recovers_when_space_returns(
     with small_tmpfs(tmp_path / "nvme", "2m") as nvme_dir, \
             nvme_agent(tmp_path, dram="2Mi", nvme_dir=nvme_dir) as agent, \
             KVPoolClient(agent.socket_path) as c:
-        fill(c, 40, size)
+        before = fill(c, 40, size)
         settle(c)
         landed = scrape(agent)[DEMOTED]
         assert landed > 0 and scrape(agent)[NVME_HEALTHY] == 1
@@ -233,6 +233,9 @@ def test_a_full_nvme_filesystem_drops_demotions_and_recovers_when_space_returns(
         assert agent.proc is not None and agent.proc.poll() is None
         with urllib.request.urlopen(f"{agent.metrics_url}/healthz", timeout=10) as r:
             assert r.status == 200
+        # Chunks already on the full disk are still read (last: the read frees their file).
+        on_disk = in_nvme(c, nvme_dir, before)
+        assert on_disk and c.get(on_disk[0]) == data_for(on_disk[0], size)
 
         filler.unlink()  # space returns (for a few chunks more than this writes)
         fill(c, 6, size)
