@@ -344,6 +344,8 @@ def _load_yaml(path: Path) -> Any:
         return yaml.safe_load(path.read_text()) or {}
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    except UnicodeDecodeError as e:  # binary garbage: callers (the policy reload) catch ConfigError
+        raise ConfigError(f"{path}: not valid UTF-8 text: {e.reason} at byte {e.start}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
 
