@@ -271,7 +271,8 @@ class ChunkStore:
         self.dram.alloc.free(lease.extents)
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
-                tenant: str, hits: int = 0) -> DramChunk:
+                tenant: str, hits: int = 0, evict: bool = True) -> DramChunk:
+        """Make a chunk visible; `evict=False` leaves the watermark check to the caller."""
         chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant)
         seq, depth, last = self.recent.get(key) or (self._next_seq(), 0, False)
         chunk.last_seq, chunk.depth, chunk.last_access = seq, depth, time.time()
@@ -280,7 +281,8 @@ class ChunkStore:
         if self.journal is not None:
             self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant))
         self.m.written_bytes["dram"].inc(size)
-        self._check_watermark()
+        if evict:
+            self._check_watermark()
         return chunk
 
     # -- reads
@@ -297,10 +299,15 @@ class ChunkStore:
             rec, source, hits = loaded
             # Leases are on arena bytes, so the chunk comes up into DRAM either way;
             # with promotion off it stays only for this lease.
-            chunk = self.dram.get(key) or self._promote(rec, "promotion", source, hits)
+            chunk = self.dram.get(key) or self._promote(rec, "promotion", source, hits,
+                                                        evict=False)
             tier, transient = TIER_CODE[source], not pol.should_promote(self.policy, hits or 1)
         self._touch_read(chunk)
         lease = self.dram.open_read(chunk, owner)
+        # Only now that the lease protects it: a promoted chunk may well be the watermark's
+        # first victim (LRU by an old LOOKUP's seq, a prompt's tail), and evicted before
+        # its lease it would be read from freed arena pages that another chunk reuses.
+        self._check_watermark()
         if transient:
             self._drop_dram(key)  # hidden now, freed at RELEASE
         self.m.read_bytes["dram"].inc(chunk.size)
@@ -394,12 +401,13 @@ class ChunkStore:
             self.m.read_bytes["shared"].inc(rec.size)
         return rec
 
-    def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int) -> DramChunk:
+    def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int,
+                 evict: bool = True) -> DramChunk:
         """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`)."""
         extents = self._allocate(rec.size)
         self.dram.arena.write(extents, rec.data)
         chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
-                             hits)
+                             hits, evict)
         (self.m.prefetches if why == "prefetch" else self.m.promotions)[source].inc()
         # DRAM and NVMe are exclusive: the NVMe copy goes, so they hold as many
         # distinct chunks as their capacities add up to. Eviction demotes it back.
