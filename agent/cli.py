@@ -82,7 +82,9 @@ def agent(
             current = overrides["tiers"].get("shared") or {}
             overrides["tiers"]["shared"] = {**current, "url": shared}
         if policy:
-            overrides["policy_file"] = policy.resolve()
+            # absolute(), not resolve(): a ConfigMap mount swaps a symlink, and the agent
+            # must keep watching the link, not the file it pointed to at start.
+            overrides["policy_file"] = policy.absolute()
         cfg = AgentConfig.model_validate(overrides)
     except ConfigError as e:
         _fail(str(e))
