@@ -122,6 +122,11 @@ class Load:
     def ops(self) -> int:
         return sum(sum(s.get("ok", {}).values()) for s in self.statuses())
 
+    def progressed(self, since: list[dict[str, Any]], ops: int = 30) -> bool:
+        """Every worker has made `ops` more successful calls than in `since`."""
+        return all(sum(n.get("ok", {}).values()) >= sum(b.get("ok", {}).values()) + ops
+                   for n, b in zip(self.statuses(), since, strict=True))
+
     def logs(self) -> str:
         return "\n".join((self.root / f"worker-{w}.log").read_text(errors="replace")
                          for w in range(self.workers))

@@ -34,13 +34,6 @@ CLIENT_ERRORS = {"TimeoutError", "AgentUnavailable", "ConnectionError", "Connect
 protocol error (those would mean the agent answered wrongly)."""
 
 
-def progressed(load: Load, since: list[dict[str, Any]], ops: int = 30) -> bool:
-    """Every worker has made `ops` more successful calls than in `since`."""
-    now = load.statuses()
-    return all(sum(n.get("ok", {}).values()) >= sum(b.get("ok", {}).values()) + ops
-               for n, b in zip(now, since, strict=True))
-
-
 def check_after(agent: Any, load: Load, statuses: list[dict[str, Any]]) -> None:
     assert_no_wrong_bytes(statuses)
     seen = {e for s in statuses for e in s["errors"]}
@@ -73,7 +66,7 @@ def test_stopped_agent_times_clients_out_and_serves_them_again_after_sigcont(
             agent.proc.send_signal(signal.SIGCONT)
         before = load.statuses()
         wait_until(lambda: load.all(lambda s: s["errors_then_ok"] >= 1)
-                   and progressed(load, before), "every client to be served again")
+                   and load.progressed(before), "every client to be served again")
         statuses = load.finish()
         assert alive(agent)
         assert all(s["errors"].get("TimeoutError", 0) + s["errors"].get("AgentUnavailable", 0)
@@ -95,7 +88,7 @@ def test_killed_agent_restarts_warm_and_clients_reconnect_by_themselves(
         before = load.statuses()
         agent.start()  # same arena and journal: a warm restart
         wait_until(lambda: load.all(lambda s: s["errors_then_ok"] >= 1)
-                   and progressed(load, before), "every client to reconnect")
+                   and load.progressed(before), "every client to reconnect")
         statuses = load.finish()
         assert all(s["reconnects"] for s in statuses)
         assert "warm restart" in agent.log()
