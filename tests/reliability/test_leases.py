@@ -1,14 +1,18 @@
-"""A read lease protects the bytes it points at, even when the read itself fills DRAM."""
+"""Leases: a read lease protects the bytes it points at, even when the read itself fills
+DRAM; a client that dies holding leases leaves none behind."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 
 from .chunks import PAGE, chunk_key
-from .conftest import inline_client, new_agent, settled, wait_until
+from .conftest import inline_client, metric, new_agent, no_leases, settled, wait_until
 
 SIZE = 4 * PAGE - 100
 """Four arena pages each: the arena's fill level moves in known steps."""
@@ -53,3 +57,38 @@ def test_chunk_promoted_by_a_read_is_not_evicted_before_its_lease(tmp_path: Path
         got = b"".join(bytes(arena[o : o + n]) for o, n in lease.extents)
         assert got == data(old)
         reader._call(p.Release(2, lease.lease))
+
+
+def test_client_killed_holding_read_and_write_leases_leaves_none_behind(tmp_path: Path) -> None:
+    with new_agent(tmp_path / "agent", dram="8Mi") as agent, inline_client(agent) as c:
+        read_key, written_key = chunk_key("killed", 0), chunk_key("killed", 1)
+        assert c.put(read_key, data(read_key))
+        base = c.stats()["tiers"]["dram"]["used_bytes"]
+        # A real client process: three read leases, a write lease half copied, then SIGKILL.
+        script = textwrap.dedent(f"""
+            from kvpool.agent import protocol as p
+            from kvpool.agent.client import KVPoolClient
+            c = KVPoolClient({str(agent.socket_path)!r})
+            for rid in range(3):
+                c._call(p.Acquire(rid, bytes.fromhex({read_key.hex()!r})))
+            a = c._call(p.Alloc(9, bytes.fromhex({written_key.hex()!r}), 1 << 20))
+            c._arena[a.extents[0][0]:a.extents[0][0] + 4096] = b"h" * 4096
+            print("leased", flush=True)
+            input()
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stdin=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"leased"
+            assert c.stats()["leases"] == {"read": 3, "write": 1}
+            assert metric(agent, "kvpool_leases", kind="write") == 1
+            proc.kill()
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+        wait_until(lambda: no_leases(c), "the dead client's leases to end")
+        assert c.stats()["tiers"]["dram"]["used_bytes"] == base
+        assert metric(agent, "kvpool_leases", kind="read") == 0
+        assert c.lookup([written_key]) == 0 and c.get(written_key) is None
+        assert c.delete(read_key)  # no lease holds it back: freed at once
+        assert c.stats()["tiers"]["dram"]["used_bytes"] == 0
