@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -28,7 +29,12 @@ class LocalAgent:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvpool-")
         self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.socket_path = self.workdir / "agent.sock"
-        self.arena_path = Path("/dev/shm") / f"kvpool-{self.workdir.name}.arena"
+        # Named after the whole workdir path, not its last part: two agents whose workdirs
+        # share a name (tmp_path / "agent" in two concurrent test runs) must never share an
+        # arena, or one's start truncates the file the other has mapped (SIGBUS, or its
+        # chunks zeroed). The same workdir still finds its arena again (warm restarts).
+        digest = hashlib.sha256(str(self.workdir.resolve()).encode()).hexdigest()[:12]
+        self.arena_path = Path("/dev/shm") / f"kvpool-{self.workdir.name}-{digest}.arena"
         self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
         self.log_path = log_path or self.workdir / "agent.log"
