@@ -44,10 +44,14 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     ax.plot(x, [c["lru"] for c in caps], "k--", label="LRU (simulated)")
     ax.plot(x, [c["unbounded"] for c in caps], ":", color="grey", label="unbounded cache")
     for name in caps[0]["policies"]:
-        ax.plot(x, [c["policies"][name] for c in caps], "o-", label=f"agent: {name}")
+        (line,) = ax.plot(x, [c["policies"][name] for c in caps], "o-", label=f"agent: {name}")
+        # The same order's queue simulated offline, thin and in the same colour: a gap
+        # between the two is the store not evicting the way its queue says.
+        ax.plot(x, [c["simulated"][name] for c in caps], ":", color=line.get_color(), lw=1)
     ax.set_xlabel("capacity, % of distinct blocks")
     ax.set_ylabel("block hit ratio")
-    ax.set_title(f"Mooncake trace, {result['trace']['requests']} requests")
+    ax.set_title(f"Mooncake trace, {result['trace']['requests']} requests "
+                 "(dotted: each order's queue simulated)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

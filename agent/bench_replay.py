@@ -3,30 +3,31 @@
 At each capacity (a fraction of the trace's distinct blocks, sized as
 `kvpool demo --dram N%` does) the bundled Mooncake trace is
 
-- simulated offline with plain LRU and Belady's MIN (`bench_trace`);
+- simulated offline with plain LRU and Belady's MIN (`bench_trace`), and with
+  each of the agent's own eviction queues (`queue_sim`: what the order should
+  reach when one victim leaves per insertion into a full tier);
 - replayed through a real agent (`replay`: LOOKUP, read the hits, write the
-  misses) once per eviction order of the policy engine, with the DRAM tier
-  holding that many blocks. Its watermarks are set to 0.999 (high) and
-  0.99 (low) and its DRAM to `blocks / 0.9945` pages, so it holds between
-  99.5% and 100.5% of the simulators' capacity: eviction by watermark frees
-  ~1% at a time instead of one chunk per allocation (the store sorts every
-  chunk on each eviction round, so per-chunk rounds are far too slow).
+  misses) once per eviction order (`EvictionOrder`, the default `s3fifo`
+  included), with the DRAM tier holding exactly the simulators' capacity.
 
-Until the store evicts through the policy engine, the agent is replayed once
-with its built-in LRU, reported as policy `builtin-lru`.
+Capacity is exact because every block is one arena page, the arena has
+`blocks` pages, and the high watermark is 1.0: background eviction never
+starts, and each ALLOC that finds the arena full evicts one chunk through the
+tier's eviction queue (O(1) for s3fifo, O(log n) for the heap orders), the
+way the simulators do. The agent's `lru` order then reproduces the LRU
+simulator, which checks both; an order whose replay differs from its
+`simulated` figure shows the store not evicting the way its queue says.
 """
 
 from __future__ import annotations
 
-import inspect
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from . import store
-from .bench_trace import belady, capacity_blocks, lru, unbounded
+from .bench_trace import belady, capacity_blocks, lru, queue_sim, unbounded
 from .client import KVPoolClient
 from .config import EvictionOrder, TierPolicy
 from .demo import PAGE
@@ -34,43 +35,39 @@ from .local import LocalAgent
 from .replay import replay
 from .trace import TraceRequest, distinct_blocks
 
-BLOCK_BYTES = 4096
-"""Bytes per trace block in the replay: one page, so capacity is exact in blocks."""
-HIGH, LOW = 0.999, 0.99
-
-
-def policy_engine_wired() -> bool:
-    """Whether the store's eviction goes through `policy.choose_victims`."""
-    return "choose_victims" in inspect.getsource(store)
-
-
-def agent_orders() -> list[str]:
-    if not policy_engine_wired():
-        return []
-    return [o.value for o in EvictionOrder]
+BLOCK_BYTES = PAGE
+"""Bytes per trace block in the replay: one arena page, so capacity is exact in blocks."""
+HIGH, LOW = 1.0, 0.99
+"""DRAM watermarks of the replays: with high at 1.0 the tier evicts only when full, one
+chunk per allocation, so it always holds the simulators' capacity (LOW is never used)."""
 
 
 def default_order() -> str:
     return str(TierPolicy().tiers.dram.eviction.value)
 
 
-def replay_agent(trace: list[TraceRequest], blocks: int, order: str | None,
+def agent_orders() -> list[str]:
+    """Every eviction order, the default first."""
+    default = default_order()
+    return [default, *(o.value for o in EvictionOrder if o.value != default)]
+
+
+def replay_agent(trace: list[TraceRequest], blocks: int, order: str,
                  workdir: Path) -> tuple[float, float]:
     """(block hit ratio, requests per second) of a real agent holding `blocks` blocks."""
-    args = ["--no-lock"]
-    if order is not None:
-        cfg = {"policy": {"tiers": {"dram": {
-            "eviction": order, "highWatermark": HIGH, "lowWatermark": LOW}}}}
-        path = workdir / f"agent-{order}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        args += ["--config", str(path)]
-    pages = round(blocks / ((HIGH + LOW) / 2)) if order is not None else blocks
-    dram = pages * (-(-BLOCK_BYTES // PAGE)) * PAGE
-    with LocalAgent(*args, dram=str(dram), start_timeout=60) as agent, \
+    cfg = {"policy": {"tiers": {"dram": {
+        "eviction": order, "highWatermark": HIGH, "lowWatermark": LOW}}}}
+    path = workdir / f"agent-{order}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with LocalAgent("--no-lock", "--config", str(path), dram=str(blocks * PAGE),
+                    start_timeout=60) as agent, \
             KVPoolClient(agent.socket_path) as client:
         res = replay(client, trace, BLOCK_BYTES)
+        held = client.stats()["tiers"]["dram"]["chunks"]
     if res.wrong_bytes:
         raise RuntimeError(f"replay read {res.wrong_bytes} wrong chunks")
+    if held != blocks:
+        raise RuntimeError(f"{order} replay ended holding {held} blocks, not {blocks}")
     return res.block_hit_ratio, res.requests / res.seconds
 
 
@@ -86,17 +83,21 @@ def run_trace(trace: list[TraceRequest], fractions: list[float]) -> dict[str, An
         for fraction in fractions:
             blocks = capacity_blocks(distinct, fraction)
             opt = belady(blocks_per_req, blocks)
+            plain = lru(blocks_per_req, blocks).hit_ratio
             policies: dict[str, float] = {}
-            runs: list[str | None] = list(orders) if orders else [None]
-            for order in runs:
+            simulated: dict[str, float] = {}
+            for order in orders:
                 ratio, speed = replay_agent(trace, blocks, order, Path(tmp))
-                policies[order or "builtin-lru"] = round(ratio, 4)
+                policies[order] = round(ratio, 4)
                 rps.append(speed)
+                sim = queue_sim(blocks_per_req, blocks, EvictionOrder(order))
+                simulated[order] = round(sim.hit_ratio, 4)
             capacities.append({
                 "fraction": fraction,
                 "blocks": blocks,
                 "policies": policies,
-                "lru": round(lru(blocks_per_req, blocks).hit_ratio, 4),
+                "simulated": simulated,
+                "lru": round(plain, 4),
                 "optimal": round(opt.hit_ratio, 4),
                 "optimal_bound": round(opt.reference_hit_ratio, 4),
                 "unbounded": round(ceiling, 4),
@@ -106,8 +107,7 @@ def run_trace(trace: list[TraceRequest], fractions: list[float]) -> dict[str, An
         "references": sum(map(len, blocks_per_req)),
         "distinct_blocks": distinct,
         "block_bytes": BLOCK_BYTES,
-        "policy_engine": bool(orders),
-        "default_policy": default_order() if orders else "builtin-lru",
+        "default_policy": orders[0],
         "requests_per_second": round(sorted(rps)[len(rps) // 2], 1),
         "capacities": capacities,
     }

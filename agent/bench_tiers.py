@@ -1,4 +1,4 @@
-"""G3 and G4 parts of `kvpool bench`: the tiers' I/O code against the plain baseline.
+"""G3 and G4 parts of `kvpool bench`: the tiers against the plain baseline.
 
 G3 times the agent's NVMe tier code (`NvmeTier.write`: header, temp file,
 rename; `NvmeTier.read`: whole blob, decode and checksum check) in this
@@ -8,12 +8,18 @@ cache: no O_DIRECT, no fsync on either side). The rebuild figure is
 `NvmeTier(root)` construction (it scans and indexes every chunk file's
 header) over 10^5 chunk files, warm page cache.
 
-G4 times the agent's shared tier (`open_shared_tier`, s3:// backend) against
-plain boto3 `put_object` / `get_object` on the same moto server (a local
-S3-compatible server on 127.0.0.1, started here and stopped after).
+G4 runs against a moto server (a local S3-compatible server on 127.0.0.1,
+started here and stopped after) and times, through real agents on one bucket:
 
-Both are in-process through the tier classes, not through the agent socket
-(a socket round trip adds one control RTT per chunk, see `control`).
+- put: `KVPoolClient.put` into an agent started with a shared tier, until its
+  write-behind queue reports the upload written (`stats()` polled every ms);
+- get: `KVPoolClient.get_into` through a second agent that has never held the
+  key: a shared-tier read, checksum check and promotion into its DRAM, then
+  the client's copy out of the arena;
+
+against plain boto3 `put_object` / `get_object` of the same bytes on the same
+server. Beside them, `tier_*`: the shared tier class (`open_shared_tier`) in
+this process, with no agent, to tell the tier's cost from the agent's.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,12 +34,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .bench_data import bench_key, payload
-from .bench_stats import gbps, timed
-from .local import free_port
+import yaml
+
+from .bench_data import bench_key, payload, prefaulted
+from .bench_stats import child_server, throughput, timed
+from .client import KVPoolClient
+from .config import SharedTier
+from .local import LocalAgent, free_port
 from .protocol import checksum
 from .tiers.base import ChunkRecord
 from .tiers.nvme import NvmeTier
+from .tiers.shared import open_shared_tier
+
+BUCKET = "kvpool-bench"
 
 
 def _raw_write(path: Path, data: bytes) -> None:
@@ -63,21 +75,15 @@ def run_g3(nbytes: int, reps: int, rebuild_files: int) -> dict[str, Any]:
         raw = root / "raw"
         raw.mkdir()
         recs = [ChunkRecord(bench_key(i), data, digest) for i in range(reps + 2)]
-        w = timed(lambda i: tier.write(recs[i]), reps, warmup=2)
-
         def read(i: int) -> None:
             got = tier.read(recs[i].key)
             if got is None or got.size != nbytes:
                 raise RuntimeError("G3 bench chunk missing")
 
-        r = timed(read, reps, warmup=2)
-        rw = timed(lambda i: _raw_write(raw / f"{i}.bin", data), reps, warmup=2)
-        rr = timed(lambda i: _raw_read(raw / f"{i}.bin"), reps, warmup=2)
-        out: dict[str, Any] = {
-            **gbps(nbytes, w).fields("write_gbps"), **gbps(nbytes, r).fields("read_gbps"),
-            **gbps(nbytes, rw).fields("raw_write_gbps"),
-            **gbps(nbytes, rr).fields("raw_read_gbps"),
-        }
+        t = timed({"write_gbps": lambda i: tier.write(recs[i]), "read_gbps": read,
+                   "raw_write_gbps": lambda i: _raw_write(raw / f"{i}.bin", data),
+                   "raw_read_gbps": lambda i: _raw_read(raw / f"{i}.bin")}, reps, warmup=2)
+        out: dict[str, Any] = throughput(nbytes, t)
         out["write_vs_raw"] = round(out["write_gbps"] / out["raw_write_gbps"], 3)
         out["read_vs_raw"] = round(out["read_gbps"] / out["raw_read_gbps"], 3)
         out["chunk_bytes"] = nbytes
@@ -103,77 +109,108 @@ def run_g3(nbytes: int, reps: int, rebuild_files: int) -> dict[str, Any]:
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 in a child process; its endpoint URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import urllib.request
+    import urllib.request
 
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {proc.returncode}")
-            try:
-                urllib.request.urlopen(url, timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            raise RuntimeError("moto server did not answer in 15s")
-        yield url
-    finally:
-        proc.terminate()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            urllib.request.urlopen(url, timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    with child_server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                      ready=answers, what="moto server"):
+        yield url
+
+
+def _shared_agent(stack: contextlib.ExitStack, root: Path, name: str, shared: SharedTier,
+                  dram: int) -> KVPoolClient:
+    """An agent (its own arena, no NVMe) on the shared tier `shared`; a client of it."""
+    workdir = root / name
+    workdir.mkdir()
+    cfg = workdir / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"pool": "bench", "tiers": {
+        "shared": shared.model_dump(mode="json", by_alias=True, exclude_none=True)}}))
+    agent = stack.enter_context(LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir,
+                                           dram=str(dram), start_timeout=60))
+    return stack.enter_context(KVPoolClient(agent.socket_path))
+
+
+def _uploaded(client: KVPoolClient, n: int) -> bool:
+    """Whether the agent's write-behind queue has written `n` chunks and holds none."""
+    q = client.stats()["tiers"]["shared"]["queue"]
+    return bool(q["written"] >= n and q["pending"] == 0 and q["in_flight"] == 0)
 
 
 def run_g4(nbytes: int, reps: int) -> dict[str, Any]:
-    """The `g4` section."""
+    """The `g4` section: through agents (`put_gbps`, `get_gbps`) and in process (`tier_*`)."""
     import boto3
-
-    from .config import SharedTier
-    from .tiers.shared import open_shared_tier
 
     for k, v in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(k, v)
+        os.environ.setdefault(k, v)  # moto accepts any; the agents inherit them
     data = payload(nbytes)
-    with moto_server() as url:
-        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
-        s3.create_bucket(Bucket="kvpool-bench")
-        bp = timed(lambda i: s3.put_object(Bucket="kvpool-bench", Key=f"raw/{i}", Body=data),
-                   reps, warmup=1)
+    out_buf = prefaulted(nbytes)
+    out_view = memoryview(out_buf)
+    root = Path(tempfile.mkdtemp(prefix="kvpool-bench-g4-"))
+    try:
+        with moto_server() as url, contextlib.ExitStack() as stack:
+            s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+            s3.create_bucket(Bucket=BUCKET)
 
-        def boto_get(i: int) -> None:
-            body = s3.get_object(Bucket="kvpool-bench", Key=f"raw/{i}")["Body"].read()
-            if len(body) != nbytes:
-                raise RuntimeError("boto3 bench object truncated")
+            def boto_get(i: int) -> None:
+                body = s3.get_object(Bucket=BUCKET, Key=f"raw/{i}")["Body"].read()
+                if len(body) != nbytes:
+                    raise RuntimeError("boto3 bench object truncated")
 
-        bg = timed(boto_get, reps, warmup=1)
-        tier = open_shared_tier(SharedTier(url="s3://kvpool-bench/tier", endpoint_url=url,
-                                           region="us-east-1", addressing_style="path"))
-        try:
+            shared = SharedTier(url=f"s3://{BUCKET}/agents", endpoint_url=url,
+                                region="us-east-1", addressing_style="path")
+            # Room for every chunk of the run: nothing is evicted while timed.
+            dram = (reps + 2) * nbytes + (64 << 20)
+            writer = _shared_agent(stack, root, "writer", shared, dram)
+            reader = _shared_agent(stack, root, "reader", shared, dram)
+
+            def agent_put(i: int) -> None:
+                # Timed until the write-behind upload has landed, not only until
+                # the client's COMMIT: that is when another node can read it.
+                if not writer.put(bench_key(i), data):
+                    raise RuntimeError("G4 bench key already stored")
+                while not _uploaded(writer, i + 1):
+                    time.sleep(0.001)
+
+            def agent_get(i: int) -> None:
+                # The reader agent has never seen the key: ACQUIRE reads it from the
+                # store, verifies it and promotes it into its DRAM, then the client copies.
+                if reader.get_into(bench_key(i), out_view) != nbytes:
+                    raise RuntimeError("G4 bench chunk missing in the second agent")
+
+            tier = open_shared_tier(shared.model_copy(update={"url": f"s3://{BUCKET}/tier"}))
+            stack.callback(tier.close)
             digest = checksum(data)
-            recs = [ChunkRecord(bench_key(i), data, digest) for i in range(reps + 1)]
-            tp = timed(lambda i: tier.write(recs[i]), reps, warmup=1)
 
             def tier_get(i: int) -> None:
-                got = tier.read(recs[i].key)
+                got = tier.read(bench_key(i))
                 if got is None or got.size != nbytes:
                     raise RuntimeError("G4 bench chunk missing")
 
-            tg = timed(tier_get, reps, warmup=1)
-        finally:
-            tier.close()
-    out: dict[str, Any] = {
-        **gbps(nbytes, tp).fields("put_gbps"), **gbps(nbytes, tg).fields("get_gbps"),
-        **gbps(nbytes, bp).fields("boto3_put_gbps"), **gbps(nbytes, bg).fields("boto3_get_gbps"),
-    }
-    out["put_vs_boto3"] = round(out["put_gbps"] / out["boto3_put_gbps"], 3)
-    out["get_vs_boto3"] = round(out["get_gbps"] / out["boto3_get_gbps"], 3)
+            t = timed({
+                "boto3_put_gbps": lambda i: s3.put_object(Bucket=BUCKET, Key=f"raw/{i}",
+                                                          Body=data),
+                "boto3_get_gbps": boto_get, "put_gbps": agent_put, "get_gbps": agent_get,
+                "tier_put_gbps": lambda i: tier.write(ChunkRecord(bench_key(i), data, digest)),
+                "tier_get_gbps": tier_get,
+            }, reps, warmup=1)
+            if bytes(out_view[:64]) != data[:64]:
+                raise RuntimeError("G4 bench chunk read back wrong")
+    finally:
+        out_view.release()
+        shutil.rmtree(root, ignore_errors=True)
+    out: dict[str, Any] = throughput(nbytes, t)
+    for op in ("put", "get"):
+        out[f"{op}_vs_boto3"] = round(out[f"{op}_gbps"] / out[f"boto3_{op}_gbps"], 3)
+        out[f"tier_{op}_vs_boto3"] = round(out[f"tier_{op}_gbps"] / out[f"boto3_{op}_gbps"], 3)
     out["chunk_bytes"] = nbytes
     return out

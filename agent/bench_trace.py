@@ -8,6 +8,9 @@ is referenced in order (touched if cached, inserted if not), the way the
 replay reads its hits and writes its misses.
 
 - `lru`: plain least-recently-used over the block references.
+- `queue_sim`: the agent's own eviction queues (`eviction.new_queue`) driven
+  offline under the same semantics, one victim per insertion into a full
+  cache: what each agent order should reach, to check the replays against.
 - `belady`: Belady's MIN, the offline policy that on a miss evicts the cached
   block whose next reference is farthest in the future (or does not insert
   the new block at all when *its* next reference is the farthest: caching is
@@ -25,10 +28,14 @@ takes well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .config import EvictionOrder
+from .eviction import new_queue
 
 Trace = Sequence[Sequence[int]]
 """Blocks per request, in arrival order."""
@@ -86,6 +93,61 @@ def lru(trace: Trace, capacity: int) -> SimResult:
             cache[b] = None
             if len(cache) > capacity:
                 cache.popitem(last=False)
+    return SimResult(refs, prefix_hits, ref_hits)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """What a DRAM chunk tells its eviction queue (`policy.Entry`), one block per chunk."""
+
+    key: bytes
+    last_seq: int
+    depth: int
+    size: int = 1
+    tenant: str = ""
+    hits: int = 0
+    last_access: float = 0.0
+
+
+def queue_sim(trace: Trace, capacity: int, order: EvictionOrder) -> SimResult:
+    """The agent's eviction queue for `order`, holding at most `capacity` blocks.
+
+    Mirrors the store: a request's LOOKUP touches its leading cached blocks
+    (hits + 1, its sequence number and depth), the misses are inserted with
+    those, the request's last block marked as its tail; a full cache evicts the
+    first candidate of the queue's walk, and the walk stops there.
+    """
+    if capacity < 0:
+        raise ValueError("capacity must be >= 0")
+    queue = new_queue(order)
+    cached: dict[bytes, _Chunk] = {}
+    refs = prefix_hits = ref_hits = 0
+    for seq, blocks in enumerate(trace, start=1):
+        leading = True
+        last = len(blocks) - 1
+        for depth, b in enumerate(blocks):
+            refs += 1
+            key = b.to_bytes(16, "little")
+            chunk = cached.get(key)
+            if chunk is not None:
+                ref_hits += 1
+                if leading:  # only LOOKUP's prefix touches a chunk
+                    prefix_hits += 1
+                    chunk.hits += 1
+                    chunk.last_seq, chunk.depth = seq, depth
+                    queue.touched(chunk)
+                continue
+            leading = False
+            if capacity == 0:
+                continue
+            if len(cached) >= capacity:
+                with contextlib.closing(queue.candidates()) as walk:
+                    victim = next(walk)
+                    del cached[victim.key]
+                    queue.discard(victim.key)
+            chunk = _Chunk(key, seq, depth)
+            cached[key] = chunk
+            queue.add(chunk, tail=depth == last)
     return SimResult(refs, prefix_hits, ref_hits)
 
 

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.agent.bench_trace import NEVER, belady, capacity_blocks, lru, next_uses, unbounded
+from kvpool.agent.bench_trace import (
+    NEVER,
+    belady,
+    capacity_blocks,
+    lru,
+    next_uses,
+    queue_sim,
+    unbounded,
+)
+from kvpool.agent.config import EvictionOrder
 
 
 @pytest.mark.parametrize(
@@ -112,3 +121,33 @@ def test_belady_reference_hits_are_optimal_and_bound_lru(trace: list[list[int]],
     assert plain.reference_hits <= opt.reference_hits
     assert plain.prefix_hits <= opt.reference_hits  # the bound every policy is under
     assert opt.prefix_hits <= opt.reference_hits <= unbounded(trace).reference_hits
+
+
+def test_s3fifo_queue_keeps_a_reused_block_that_lru_evicts() -> None:
+    # cap 2. r1 inserts 1 (probation), r2 hits it, r3 inserts 2. r4's 3 finds the
+    # cache full: S3-FIFO moves the hit 1 to main and evicts the unhit 2, so r5
+    # hits 1 (2 prefix hits); LRU evicts 1, the least recent, and r5 misses (1 hit).
+    trace = [[1], [1], [2], [3], [1]]
+    assert queue_sim(trace, 2, EvictionOrder.S3FIFO).prefix_hits == 2
+    assert queue_sim(trace, 2, EvictionOrder.LRU).prefix_hits == 1
+    assert lru(trace, 2).prefix_hits == 1
+
+
+single_block_traces = st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=1),
+                               min_size=1, max_size=30)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=single_block_traces, capacity=st.integers(0, 4))
+def test_lru_queue_matches_the_lru_simulator(trace: list[list[int]], capacity: int) -> None:
+    # With one block per request every hit is a leading hit, so the queue (touched
+    # on LOOKUP hits only) and the simulator (touched on every hit) agree exactly.
+    assert queue_sim(trace, capacity, EvictionOrder.LRU) == lru(trace, capacity)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=traces, capacity=st.integers(0, 3), order=st.sampled_from(list(EvictionOrder)))
+def test_every_queue_stays_under_the_optimum(trace: list[list[int]], capacity: int,
+                                             order: EvictionOrder) -> None:
+    got = queue_sim(trace, capacity, order)
+    assert got.prefix_hits <= got.reference_hits <= belady(trace, capacity).reference_hits

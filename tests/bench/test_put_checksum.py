@@ -7,6 +7,7 @@ arena extents, so these tests pin the two to each other.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def test_streamed_checksum_equals_protocol_checksum(size: int, meta: bytes,
     data = os.urandom(size)
     # Extents out of order and apart in the arena, like a fragmented allocator's.
     cut = [size * i // pieces for i in range(pieces + 1)]
-    lengths = [b - a for a, b in zip(cut, cut[1:], strict=False)]
+    lengths = [b - a for a, b in itertools.pairwise(cut)]
     arena = bytearray(2 * size + 3 * 4096 * pieces + 4096)
     extents, offset = [], len(arena)
     for n in lengths:
