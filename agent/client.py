@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import xxhash
@@ -31,6 +32,16 @@ Buffer = Any
 """Anything exporting the buffer protocol: bytes, bytearray, memoryview, numpy arrays."""
 
 _TIER_NAMES = {2: "dram", 3: "nvme", 4: "shared"}
+BATCH_WINDOW = 128
+"""Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
+
+ReadTarget = Callable[[int, int, bytes], Buffer | None]
+"""`target(index, size, meta)`: where `get_many_into` copies the chunk of `keys[index]`,
+or None to skip it. It sees the chunk's size and metadata before any byte is copied."""
+
+PutResult = bool | p.ProtocolError
+"""Per key of `put_many`: True stored now, False already stored (deduplicated), or the
+agent's refusal of that one chunk."""
 COPY_BLOCK = 1 << 20
 """Bytes a put copies into the arena before hashing them: small enough that the block
 is still in L2 when the checksum reads it back, large enough that the per-block
@@ -46,6 +57,12 @@ def _as_bytes_view(data: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("chunk buffers must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _fits(dst: memoryview, size: int) -> memoryview:
+    if dst.nbytes < size:
+        raise ValueError(f"chunk of {size} bytes does not fit in {dst.nbytes}")
+    return dst
 
 
 def _copy_and_checksum(arena: memoryview, extents: Sequence[tuple[int, int]], src: memoryview,
@@ -82,6 +99,7 @@ class KVPoolClient:
         name: str = "",
         reconnect_timeout: float = 10.0,
         timeout: float = 30.0,
+        batch_window: int = BATCH_WINDOW,
     ) -> None:
         path = socket_path if socket_path is not None else os.environ.get("KVPOOL_SOCKET")
         if not path:
@@ -92,6 +110,7 @@ class KVPoolClient:
         self.name = name
         self.reconnect_timeout = reconnect_timeout
         self.timeout = timeout
+        self.batch_window = batch_window
         self._rid = itertools.count(1)
         self._sock: socket.socket | None = None
         self._mm: mmap.mmap | None = None
@@ -245,12 +264,24 @@ class KVPoolClient:
         return len(self.lookup_tiers(keys))
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier of each key of the longest stored prefix: "dram", "nvme" or "shared"."""
-        def call() -> list[str]:
-            reply = self._call(p.Lookup(next(self._rid), list(keys)))
+        """The tier of each key of the longest stored prefix: "dram", "nvme" or "shared".
+
+        A prefix longer than one LOOKUP takes (`MAX_LOOKUP_KEYS`) is asked in windows,
+        the next only while the previous one was a hit all the way.
+        """
+        def call(window: Sequence[bytes]) -> list[str]:
+            reply = self._call(p.Lookup(next(self._rid), list(window)))
             assert isinstance(reply, p.LookupReply)
             return [_TIER_NAMES.get(t, str(t)) for t in reply.tiers]
-        return self._retrying(call)
+
+        tiers: list[str] = []
+        for start in range(0, max(len(keys), 1), p.MAX_LOOKUP_KEYS):
+            window = keys[start : start + p.MAX_LOOKUP_KEYS]
+            found = self._retrying(partial(call, window))
+            tiers += found
+            if len(found) < len(window):
+                break
+        return tiers
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]) == 1
@@ -321,27 +352,158 @@ class KVPoolClient:
                 if got is None:
                     return 0
                 data = got[0]
-                if len(data) > dst.nbytes:
-                    raise ValueError(f"chunk of {len(data)} bytes does not fit in {dst.nbytes}")
-                dst[: len(data)] = data
+                _fits(dst, len(data))[: len(data)] = data
                 return len(data)
             lease = self._acquire(key)
             if lease is None:
                 return 0
             try:
-                if lease.size > dst.nbytes:
-                    raise ValueError(f"chunk of {lease.size} bytes does not fit in {dst.nbytes}")
-                pos = 0
-                assert self._arena is not None
-                for offset, nbytes in lease.extents:
-                    dst[pos : pos + nbytes] = self._arena[offset : offset + nbytes]
-                    pos += nbytes
+                self._copy_out(lease.extents, _fits(dst, lease.size))
             finally:
                 self._cast(p.Release(next(self._rid), lease.lease))
             if verify and p.checksum(dst[: lease.size], lease.meta) != lease.checksum:
                 return 0
             return lease.size
         return self._retrying(call)
+
+    # -- batches: one round trip for N reads, two for N writes
+
+    def get_many_into(self, keys: Sequence[bytes], target: ReadTarget, *,
+                      verify: bool = False) -> list[int]:
+        """Copy each stored chunk into the buffer `target(index, size, meta)` gives for it.
+
+        The ACQUIREs of a window go out in one write and their replies come back in
+        order, so a batch costs one round trip (RELEASEs are not waited for). Returns
+        the size read per key: 0 for a miss, a chunk `target` declined, or (with
+        `verify`) a chunk that failed its checksum. Inline mode reads key by key.
+        """
+        sizes = [0] * len(keys)
+        if self._arena is None:
+            for i, key in enumerate(keys):
+                got = self.get_with_meta(key, verify=verify)
+                out = None if got is None else target(i, len(got[0]), got[1])
+                if got is not None and out is not None:
+                    dst = _fits(_as_bytes_view(out), len(got[0]))
+                    dst[: len(got[0])] = got[0]
+                    sizes[i] = len(got[0])
+            return sizes
+        step = self._batch_step()
+        for start in range(0, len(keys), step):
+            window = keys[start : start + step]
+            self._retrying(partial(self._get_window, window, start, target, sizes, verify))
+        return sizes
+
+    def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
+                 metas: Sequence[bytes] | None = None) -> list[PutResult]:
+        """Store each buffer under its key (with its metadata); one result per key.
+
+        Zero-copy: the ALLOCs of a window go out in one write, the bytes are copied
+        into the arena, then the COMMITs go out in one write: two round trips. A chunk
+        the agent refuses (no space, too large) fails alone. Inline mode puts key by key.
+        """
+        metas = metas if metas is not None else [b""] * len(keys)
+        if not len(keys) == len(data) == len(metas):
+            raise ValueError("put_many needs as many buffers and metas as keys")
+        views = [_as_bytes_view(d) for d in data]
+        results: list[PutResult] = [False] * len(keys)
+        if self._arena is None:
+            for i, (key, view, meta) in enumerate(zip(keys, views, metas, strict=True)):
+                try:
+                    results[i] = self.put(key, view, meta)
+                except p.ProtocolError as e:
+                    results[i] = e
+            return results
+        step = self._batch_step()
+        for start in range(0, len(keys), step):
+            end = start + step
+            self._retrying(partial(self._put_window, keys[start:end], views[start:end],
+                                   metas[start:end], start, results))
+        return results
+
+    def _batch_step(self) -> int:
+        # Never hold more leases at once than the agent grants one connection.
+        limit = self.hello.max_leases if self.hello is not None else self.batch_window
+        return max(1, min(self.batch_window, limit))
+
+    def _exchange(self, reqs: Sequence[p.Request]) -> list[p.Reply]:
+        """Send `reqs` in one write; their replies, error replies included, in order."""
+        if not reqs:
+            return []
+        if self._sock is None:
+            self._reconnect()
+        assert self._sock is not None
+        self._sock.sendall(b"".join(p.encode(r) for r in reqs))
+        while self._unanswered:
+            self._unanswered -= 1  # replies to earlier RELEASEs/ABORTs come first
+            self._read_reply()
+        return [self._read_reply() for _ in reqs]
+
+    def _cast_all(self, reqs: Sequence[p.Request]) -> None:
+        """Send without waiting; the replies are read before the next call's."""
+        if not reqs or self._sock is None:
+            return
+        try:
+            self._sock.sendall(b"".join(p.encode(r) for r in reqs))
+        except OSError:
+            # The agent drops a closed connection's leases itself; the next call
+            # reconnects. Raising here would redo work already handed out.
+            self._drop_socket()
+            return
+        self._unanswered += len(reqs)
+
+    def _get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
+                    sizes: list[int], verify: bool) -> None:
+        replies = self._exchange([p.Acquire(next(self._rid), k) for k in keys])
+        granted = [r for r in replies if isinstance(r, p.AcquireReply)]
+        try:
+            for i, reply in enumerate(replies):
+                if isinstance(reply, p.ErrorReply):
+                    if reply.code != p.ErrorCode.NOT_FOUND:
+                        raise p.ProtocolError(reply.code, reply.message)
+                    continue
+                assert isinstance(reply, p.AcquireReply)
+                out = target(start + i, reply.size, reply.meta)
+                if out is None:
+                    continue
+                dst = _fits(_as_bytes_view(out), reply.size)
+                self._copy_out(reply.extents, dst)
+                if verify and p.checksum(dst[: reply.size], reply.meta) != reply.checksum:
+                    continue
+                sizes[start + i] = reply.size
+        finally:
+            self._cast_all([p.Release(next(self._rid), r.lease) for r in granted])
+
+    def _put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
+                    metas: Sequence[bytes], start: int, results: list[PutResult]) -> None:
+        replies = self._exchange([p.Alloc(next(self._rid), k, v.nbytes, m)
+                                  for k, v, m in zip(keys, views, metas, strict=True)])
+        commits: list[tuple[int, p.Commit]] = []
+        leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
+        try:
+            for i, reply in enumerate(replies):
+                if isinstance(reply, p.ErrorReply):
+                    results[start + i] = p.ProtocolError(reply.code, reply.message)
+                    continue
+                assert isinstance(reply, p.AllocReply)
+                if reply.exists:
+                    results[start + i] = False
+                    continue
+                assert self._arena is not None
+                digest = _copy_and_checksum(self._arena, reply.extents, views[i], metas[i])
+                commits.append((i, p.Commit(next(self._rid), reply.lease, digest)))
+        except BaseException:
+            self._cast_all([p.Abort(next(self._rid), lease) for lease in leases])
+            raise
+        for (i, _), reply in zip(commits, self._exchange([c for _, c in commits]), strict=True):
+            results[start + i] = (p.ProtocolError(reply.code, reply.message)
+                                  if isinstance(reply, p.ErrorReply) else True)
+
+    def _copy_out(self, extents: p.Extents, dst: memoryview) -> None:
+        assert self._arena is not None
+        pos = 0
+        for offset, nbytes in extents:
+            dst[pos : pos + nbytes] = self._arena[offset : offset + nbytes]
+            pos += nbytes
 
     def _acquire(self, key: bytes) -> p.AcquireReply | None:
         try:

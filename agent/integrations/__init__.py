@@ -6,7 +6,7 @@
   storage backend.
 
 Each module imports its engine, so import only the one the engine loads; the
-rest of kvpool never imports them. `pipeline.PipelinedClient` is the shared
-part: whole batches of chunks in one or two round trips, zero-copy. Wiring
-them up is in docs/integrations.md.
+rest of kvpool never imports them. Both move whole batches of chunks in one or
+two round trips, zero-copy, through `KVPoolClient.get_many_into` and
+`put_many`. Wiring them up is in docs/integrations.md.
 """

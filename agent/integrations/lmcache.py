@@ -34,7 +34,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .. import protocol as p
-from .pipeline import PipelinedClient
+from ..client import KVPoolClient
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.local_cpu_backend = local_cpu_backend
         extra = (config.extra_config if config is not None else None) or {}
         socket_path = extra.get("kvpool.socket") or os.environ.get("KVPOOL_SOCKET")
-        self.client = PipelinedClient(socket_path, name="lmcache")
+        self.client = KVPoolClient(socket_path, name="lmcache")
         self.tenant = self.client.tenant
         # LMCache calls from its event-loop thread (get/put) and from the
         # engine's thread (exists_sync, batched_contains); one connection, one lock.
@@ -146,7 +146,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         """How many leading keys the pool holds: one LOOKUP."""
         with self._lock:
-            return self.client.lookup_prefix(self._keys(keys))
+            return self.client.lookup(self._keys(keys))
 
     def support_batched_async_contains(self) -> bool:
         return True

@@ -29,7 +29,7 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from .. import protocol as p
-from .pipeline import PipelinedClient
+from ..client import KVPoolClient
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                  kwargs: dict[str, Any] | None = None) -> None:
         extra = storage_config.extra_config or {}
         socket_path = extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET")
-        self.client = PipelinedClient(socket_path, name="sglang")
+        self.client = KVPoolClient(socket_path, name="sglang")
         self.space = namespace(storage_config)
         self.tenant = self.client.tenant
         # SGLang's prefetch and backup threads share the backend.
@@ -160,7 +160,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages the pool holds: one LOOKUP."""
         with self._lock:
-            return self.client.lookup_prefix(self._keys(keys))
+            return self.client.lookup(self._keys(keys))
 
     def close(self) -> None:
         """Called by SGLang when the storage backend is detached."""

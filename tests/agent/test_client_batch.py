@@ -1,0 +1,88 @@
+"""The client's batch calls against a real agent: whole batches per round trip, zero-copy
+both ways, and the same results in inline mode."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.local import LocalAgent
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+def test_batches_larger_than_the_window_round_trip_with_their_metadata(agent: LocalAgent) -> None:
+    ks = keys(10)
+    chunks = [np.full(1000 + i, i, dtype=np.uint8) for i in range(10)]
+    metas = [f"meta-{i}".encode() for i in range(10)]
+    with KVPoolClient(agent.socket_path, batch_window=4) as c:
+        assert c.put_many(ks, chunks, metas) == [True] * 10
+        outs = [np.zeros(2000, dtype=np.uint8) for _ in ks]
+        seen: dict[int, tuple[int, bytes]] = {}
+
+        def target(i: int, size: int, meta: bytes) -> np.ndarray:
+            seen[i] = (size, meta)
+            return outs[i]
+
+        sizes = c.get_many_into(ks, target, verify=True)
+        assert sizes == [len(x) for x in chunks]
+        assert seen == {i: (len(chunks[i]), metas[i]) for i in range(10)}
+        for out, chunk in zip(outs, chunks, strict=True):
+            assert np.array_equal(out[: len(chunk)], chunk)
+        assert c.stats()["leases"]["read"] == 0
+
+
+def test_misses_and_declined_chunks_read_nothing_and_hold_no_lease(agent: LocalAgent) -> None:
+    stored, missing = keys(2), keys(1)
+    with KVPoolClient(agent.socket_path) as c:
+        c.put_many(stored, [b"a" * 64, b"b" * 64], [b"", b""])
+        out = bytearray(64)
+        sizes = c.get_many_into([stored[0], missing[0], stored[1]],
+                                lambda i, size, meta: None if i == 0 else out)
+        assert sizes == [0, 0, 64] and out == b"b" * 64
+        assert c.lookup([stored[0], missing[0], stored[1]]) == 1
+        assert c.stats()["leases"]["read"] == 0
+
+
+def test_refused_chunk_fails_alone_and_stored_keys_are_deduplicated(agent: LocalAgent) -> None:
+    ks = keys(3)
+    with KVPoolClient(agent.socket_path) as c:
+        assert c.hello is not None
+        too_big = bytes(c.hello.max_chunk_bytes + 1)
+        results = c.put_many(ks, [b"x" * 100, too_big, b"z" * 100], [b"", b"", b""])
+        assert results[0] is True and results[2] is True
+        assert isinstance(results[1], p.ProtocolError)
+        assert results[1].code == p.ErrorCode.BAD_ARGUMENT
+        assert c.put_many([ks[0]], [b"y" * 100], [b""]) == [False]
+        assert c.get(ks[0]) == b"x" * 100
+
+
+def test_inline_mode_batches_give_the_same_results(agent: LocalAgent) -> None:
+    ks = keys(3)
+    with KVPoolClient(agent.socket_path, mode="inline") as c:
+        assert c.put_many(ks[:2], [b"a" * 10, b"b" * 20], [b"m0", b"m1"]) == [True, True]
+        outs = [bytearray(32) for _ in ks]
+        metas: dict[int, bytes] = {}
+
+        def target(i: int, size: int, meta: bytes) -> bytearray:
+            metas[i] = meta
+            return outs[i]
+
+        assert c.get_many_into(ks, target, verify=True) == [10, 20, 0]
+        assert outs[0][:10] == b"a" * 10 and outs[1][:20] == b"b" * 20
+        assert metas == {0: b"m0", 1: b"m1"}
+
+
+def test_lookup_of_a_prefix_longer_than_one_lookup_takes(tmp_path) -> None:
+    ks = keys(p.MAX_LOOKUP_KEYS + 10)  # a page of arena each: 32 MiB and a bit
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="48Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        assert all(r is True for r in c.put_many(ks, [b"x"] * len(ks)))
+        assert c.lookup(ks) == len(ks)
+        assert c.lookup([*ks[: p.MAX_LOOKUP_KEYS + 2], os.urandom(16), ks[0]]) \
+            == p.MAX_LOOKUP_KEYS + 2
