@@ -7,8 +7,10 @@ Buffers are pre-faulted; one process, one thread:
 
 - memcpy: `dst[:] = src` between two pre-faulted bytearrays of the chunk size
   (a single-thread memmove, the copy the zero-copy client itself does);
-  beside it, `xxh3_gbps`: the XXH3-64 checksum over the same bytes on its
-  own (a diagnostic: a put copies and hashes, block by block);
+  beside it, two diagnostics: `xxh3_gbps`, the XXH3-64 checksum over the
+  same bytes on its own, and `copy_xxh3_gbps`, the put's copy-and-hash pass
+  (`client._copy_and_checksum`) between the same two buffers: what a put
+  costs without its two round trips (ALLOC, COMMIT);
 - G2 put: `KVPoolClient.put` of a new key (ALLOC, copy into the arena with
   the checksum computed per 1 MiB block as it is copied, COMMIT);
 - G2 get: `KVPoolClient.get_into` of that key into a pre-faulted buffer
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_stats import child_server, size_label, throughput, timed
-from .client import KVPoolClient
+from .client import KVPoolClient, _copy_and_checksum
 from .local import LocalAgent
 from .protocol import checksum
 
@@ -106,8 +108,11 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, inline: KVPoolClient,
         if got is None or len(got) != nbytes:
             raise RuntimeError("redis lost the bench value")
 
+    def copy_and_hash(_: int) -> None:
+        _copy_and_checksum(d, [(0, nbytes)], s, b"")
+
     ops: dict[str, Callable[[int], object]] = {
-        "memcpy": copy, "xxh3": lambda _: checksum(s),
+        "memcpy": copy, "xxh3": lambda _: checksum(s), "copy_xxh3": copy_and_hash,
         "put": put(zc, b"g2"), "get": get(zc, b"g2"),
         "inline_put": put(inline, b"inline"), "inline_get": get(inline, b"inline"),
         "redis_put": lambda i: rds.set(bench_key(i, b"redis"), data), "redis_get": redis_get,
@@ -139,8 +144,9 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
             label = size_label(nbytes)
             ops, clean = _round(nbytes, payload(nbytes), zc, ic, rds)
             t = timed(ops, reps, warmup=2, after=clean)
-            g2[label] = throughput(nbytes, {"put_gbps": t["put"], "get_gbps": t["get"],
-                                            "memcpy_gbps": t["memcpy"], "xxh3_gbps": t["xxh3"]})
+            g2[label] = throughput(nbytes, {
+                "put_gbps": t["put"], "get_gbps": t["get"], "memcpy_gbps": t["memcpy"],
+                "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"]})
             inline[label] = throughput(nbytes, {"put_gbps": t["inline_put"],
                                                 "get_gbps": t["inline_get"]})
             peer[label] = throughput(nbytes, {"put_gbps": t["redis_put"],
