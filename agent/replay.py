@@ -2,7 +2,8 @@
 
 Each request looks up its blocks' keys (longest stored prefix), reads the
 hits and writes the misses, the way an inference engine with a KV-cache
-connector would. Every block's bytes are derived from its key, so every read
+connector would: a batch per request (`get_many_into`, `put_many`), a few
+round trips whatever its length. Every block's bytes are derived from its key, so every read
 is checked against what was written.
 """
 
@@ -50,27 +51,33 @@ def replay(
     fingerprint: Fingerprint = DEMO_FINGERPRINT,
     on_request: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
+    """Each request: one LOOKUP, one batched read of the hit prefix, one batched write of
+    the rest, as an engine's KV connector does it."""
     res = ReplayResult()
-    buf = bytearray(block_bytes)
-    view = memoryview(buf)
+    buf = bytearray()
     started = time.perf_counter()
     for req in trace:
         keys = block_keys(fingerprint, req.blocks)
         tiers = client.lookup_tiers(keys)
         for tier in tiers:
             res.hits_by_tier[tier] = res.hits_by_tier.get(tier, 0) + 1
+        if len(buf) < len(tiers) * block_bytes:
+            buf = bytearray(len(tiers) * block_bytes)
+        view = memoryview(buf)
+        sizes = client.get_many_into(
+            keys[: len(tiers)],
+            lambda i, size, meta, v=view: v[i * block_bytes : (i + 1) * block_bytes])
         hits = 0
-        for key in keys[: len(tiers)]:
-            n = client.get_into(key, view)
+        for i, (key, n) in enumerate(zip(keys, sizes, strict=False)):
             if n == 0:  # evicted between lookup and read: a miss after all
                 break
-            if view[:n] != block_payload(key, block_bytes):
+            if view[i * block_bytes : i * block_bytes + n] != block_payload(key, block_bytes):
                 res.wrong_bytes += 1
             res.bytes_read += n
             hits += 1
-        for key in keys[hits:]:
-            if client.put(key, block_payload(key, block_bytes)):
-                res.bytes_written += block_bytes
+        misses = keys[hits:]
+        stored = client.put_many(misses, [block_payload(k, block_bytes) for k in misses])
+        res.bytes_written += block_bytes * sum(1 for r in stored if r is True)
         res.requests += 1
         res.blocks += len(keys)
         res.hit_blocks += hits
