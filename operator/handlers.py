@@ -65,11 +65,20 @@ class Context:
     kube: Kube
     settings: Settings
     retry_delay: float = 30.0
-    """Seconds before a pool with a problem (missing policy/Secret, API error) is retried."""
+    """Seconds before a pool with a problem (missing policy/Secret, API error) is first
+    retried; each further retry waits twice as long, up to `retry_max`."""
+    retry_max: float = 300.0
     gc_poll: float = 10.0
     """Seconds between checks of a running garbage-collection Job."""
     connection: kopf.ConnectionInfo | None = None
     """Where kopf connects; None: the in-cluster or kubeconfig login."""
+
+
+def backoff(retry: int, base: float, cap: float) -> float:
+    """Seconds before the next attempt after `retry` failed retries: doubling from `base`,
+    at most `cap`. An API server that is down or overloaded is not hammered, and a
+    problem fixed in minutes is still noticed in minutes."""
+    return float(min(cap, base * 2 ** min(retry, 30)))
 
 
 def context(memo: Any) -> Context:
@@ -159,8 +168,13 @@ def _daemon_set(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
         return None
 
 
-def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> None:
-    """Apply the pool's render and write its status; raise kopf errors on problems."""
+def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: int = 0) -> None:
+    """Apply the pool's render and write its status; raise kopf errors on problems.
+
+    `retry` is how many times kopf has retried this handler: the delay kopf is asked to
+    wait before the next attempt grows with it.
+    """
+    delay = backoff(retry, ctx.retry_delay, ctx.retry_max)
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     generation = meta.get("generation")
@@ -203,7 +217,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> Non
             if problem.reason == Reason.INVALID_SPEC:
                 # Nothing to retry until the spec is edited (which triggers an update).
                 raise kopf.PermanentError(str(problem)) from problem
-            raise kopf.TemporaryError(str(problem), delay=ctx.retry_delay) from problem
+            raise kopf.TemporaryError(str(problem), delay=delay) from problem
         status = pool_status(
             pool=pool,
             generation=generation,
@@ -217,7 +231,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> Non
             _write_status(ctx.kube, body, status)
         except KubeError as e:
             metrics.failed(api.POOL_KIND, Reason.APPLY_FAILED)
-            raise kopf.TemporaryError(f"cannot write the status: {e}", delay=5) from e
+            raise kopf.TemporaryError(f"cannot write the status: {e}", delay=delay) from e
     metrics.succeeded(api.POOL_KIND)
 
 
@@ -256,15 +270,21 @@ def _pools_using(ctx: Context, namespace: str, policy: str) -> list[dict[str, An
 
 
 def propagate_policy(
-    ctx: Context, namespace: str, name: str, body: Mapping[str, Any] | None, logger: Logger
+    ctx: Context,
+    namespace: str,
+    name: str,
+    body: Mapping[str, Any] | None,
+    logger: Logger,
+    retry: int = 0,
 ) -> None:
     """Re-reconcile every pool of `namespace` that references policy `name`."""
+    delay = backoff(retry, ctx.retry_delay, ctx.retry_max)
     with metrics.timed(api.POLICY_KIND):
         try:
             pools = _pools_using(ctx, namespace, name)
         except KubeError as e:
             metrics.failed(api.POLICY_KIND, Reason.APPLY_FAILED)
-            raise kopf.TemporaryError(f"cannot list pools: {e}", delay=ctx.retry_delay) from e
+            raise kopf.TemporaryError(f"cannot list pools: {e}", delay=delay) from e
         for pool in pools:
             try:
                 reconcile_pool(ctx, pool, logger)
@@ -290,7 +310,7 @@ def propagate_policy(
                 )
             except KubeError as e:
                 metrics.failed(api.POLICY_KIND, Reason.APPLY_FAILED)
-                raise kopf.TemporaryError(str(e), delay=5) from e
+                raise kopf.TemporaryError(str(e), delay=delay) from e
     metrics.succeeded(api.POLICY_KIND)
 
 
@@ -378,7 +398,7 @@ def collect_garbage(
     raise kopf.TemporaryError(str(problem), delay=ctx.retry_delay)
 
 
-def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> None:
+def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: int = 0) -> None:
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     try:
@@ -395,7 +415,9 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger) -> None
         for kind in ("ClusterRoleBinding", "ClusterRole"):
             ctx.kube.delete("rbac.authorization.k8s.io/v1", kind, None, names.cluster_role)
     except KubeError as e:
-        raise kopf.TemporaryError(str(e), delay=ctx.retry_delay) from e
+        raise kopf.TemporaryError(
+            str(e), delay=backoff(retry, ctx.retry_delay, ctx.retry_max)
+        ) from e
 
 
 # --------------------------------------------------------------------------- registry
@@ -417,19 +439,19 @@ def build_registry(
     @kopf.on.resume(*POOL, registry=registry)
     @kopf.on.create(*POOL, registry=registry)
     @kopf.on.update(*POOL, registry=registry)
-    def pool_changed(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
-        reconcile_pool(context(memo), body, logger)
+    def pool_changed(*, body: kopf.Body, memo: Any, logger: Logger, retry: int, **_: Any) -> None:
+        reconcile_pool(context(memo), body, logger, retry)
 
     if resync_seconds:
 
         @kopf.timer(*POOL, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
-        def pool_resync(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+        def pool_resync(*, body: kopf.Body, memo: Any, logger: Logger, **kwargs: Any) -> None:
             if not body.metadata.get("deletionTimestamp"):
-                reconcile_pool(context(memo), body, logger)
+                reconcile_pool(context(memo), body, logger, int(kwargs.get("retry") or 0))
 
     @kopf.on.delete(*POOL, registry=registry)
-    def pool_deleted(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
-        finalize_pool(context(memo), body, logger)
+    def pool_deleted(*, body: kopf.Body, memo: Any, logger: Logger, retry: int, **_: Any) -> None:
+        finalize_pool(context(memo), body, logger, retry)
 
     @kopf.on.event(
         "apps",
@@ -460,9 +482,14 @@ def build_registry(
     @kopf.on.resume(*POLICY, registry=registry)
     @kopf.on.create(*POLICY, registry=registry)
     @kopf.on.update(*POLICY, registry=registry)
-    def policy_changed(*, body: kopf.Body, memo: Any, logger: Logger, **_: Any) -> None:
+    def policy_changed(*, body: kopf.Body, memo: Any, logger: Logger, retry: int, **_: Any) -> None:
         propagate_policy(
-            context(memo), body.metadata.namespace or "", body.metadata.name or "", body, logger
+            context(memo),
+            body.metadata.namespace or "",
+            body.metadata.name or "",
+            body,
+            logger,
+            retry,
         )
 
     @kopf.on.event(*POLICY, registry=registry)
@@ -524,6 +551,7 @@ __all__ = [
     "FINALIZER",
     "WEBHOOK_ID",
     "Context",
+    "backoff",
     "build_registry",
     "context",
     "finalize_pool",

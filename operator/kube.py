@@ -22,6 +22,8 @@ from . import api
 
 Manifest = dict[str, Any]
 
+USER_AGENT = "kvpool-operator"
+
 _PLURALS: dict[str, tuple[str, bool]] = {
     "ConfigMap": ("configmaps", True),
     "Secret": ("secrets", True),
@@ -156,21 +158,28 @@ class Kube:
     client: kubernetes.client.ApiClient
 
     @classmethod
-    def from_environment(cls) -> Kube:
+    def from_environment(cls, user_agent: str = USER_AGENT) -> Kube:
         """In-cluster service account, else the local kubeconfig."""
         config = kubernetes.client.Configuration()
         try:
             kubernetes.config.load_incluster_config(client_configuration=config)
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config(client_configuration=config)
-        return cls(kubernetes.client.ApiClient(config))
+        return cls._with_agent(config, user_agent)
 
     @classmethod
-    def for_url(cls, url: str, *, verify_ssl: bool = True) -> Kube:
+    def for_url(cls, url: str, *, verify_ssl: bool = True, user_agent: str = USER_AGENT) -> Kube:
         config = kubernetes.client.Configuration()
         config.host = url
         config.verify_ssl = verify_ssl
-        return cls(kubernetes.client.ApiClient(config))
+        return cls._with_agent(config, user_agent)
+
+    @classmethod
+    def _with_agent(cls, config: kubernetes.client.Configuration, user_agent: str) -> Kube:
+        client = kubernetes.client.ApiClient(config)
+        # Names the operator in the API server's audit log (kopf's own calls say "kopf/...").
+        client.user_agent = user_agent
+        return cls(client)
 
     def _call(
         self,

@@ -31,7 +31,17 @@ class OperatorOptions:
     settings: Settings = field(default_factory=Settings)
     resync_seconds: float = 300.0
     retry_delay: float = 30.0
+    retry_max: float = 300.0
     gc_poll: float = 10.0
+
+
+NAMESPACE_PATTERN_CHARS = frozenset("*?[!,")
+"""What makes a --namespace value a kopf pattern (globs, `!` negations, `,` lists), not a
+name (kopf's own test, plus `[`, which its glob matching understands too)."""
+
+
+def has_patterns(namespaces: list[str]) -> bool:
+    return any(NAMESPACE_PATTERN_CHARS & set(ns) for ns in namespaces)
 
 
 def make_settings(options: OperatorOptions) -> kopf.OperatorSettings:
@@ -43,7 +53,11 @@ def make_settings(options: OperatorOptions) -> kopf.OperatorSettings:
         prefix="kvpool.io", key="last-handled-configuration"
     )
     settings.peering.standalone = True
-    settings.scanning.disabled = True
+    # Scanning is kopf's watch of namespaces and CRDs. Without it kopf serves exact
+    # namespace names only and silently ignores a glob (it never lists namespaces to
+    # expand it); so it is on exactly when --namespace carries a pattern (the chart then
+    # grants list/watch on namespaces and CRDs), and off otherwise, which needs neither.
+    settings.scanning.disabled = options.clusterwide or not has_patterns(options.namespaces)
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
     if options.webhook_port:
         if options.webhook_insecure:
@@ -69,6 +83,7 @@ def make_context(
         kube=kube,
         settings=options.settings,
         retry_delay=options.retry_delay,
+        retry_max=options.retry_max,
         gc_poll=options.gc_poll,
         connection=connection,
     )

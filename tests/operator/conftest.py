@@ -26,15 +26,19 @@ def policy_full() -> dict[str, Any]:
 @pytest.fixture
 async def cluster(kmock: Any) -> Any:
     """The operator, running against the emulator; stopped (bounded) at teardown."""
-    from op_cluster import Cluster, declare_resources, free_port, options_for_tests
-
-    from kvpool.operator.kube import Kube
+    from op_cluster import (
+        Cluster,
+        client_for_tests,
+        declare_resources,
+        free_port,
+        options_for_tests,
+    )
 
     declare_resources(kmock)
     port = free_port()
     c = Cluster(
         emulator=kmock,
-        kube=Kube.for_url(str(kmock.url).rstrip("/")),
+        kube=client_for_tests(str(kmock.url)),
         webhook_url=f"http://127.0.0.1:{port}",
     )
     c.start(options_for_tests(port))

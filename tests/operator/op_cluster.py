@@ -47,18 +47,154 @@ def _merge_patch(base: Any, patch: Any) -> Any:
     return out
 
 
+TEST_USER_AGENT = "kvpool-tests"
+"""The tests' own client: its requests are neither recorded as the operator's nor faulted."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of the operator (kopf or its `Kube` client) to the emulator."""
+
+    verb: str
+    """The RBAC verb: get, list, watch, create, patch, update, delete."""
+    group: str
+    resource: str
+    """The plural, with `/subresource` when there is one (as in an RBAC rule)."""
+    namespace: str | None
+    name: str | None
+    user_agent: str
+    at: float = 0.0
+    """time.monotonic() when it arrived."""
+
+
+def rbac_verb(method: str, action: Any, name: str | None, params: Any) -> str:
+    """The RBAC verb the API server would authorize a request as."""
+    if method == "GET":
+        if str(params.get("watch", "")).lower() in ("true", "1"):
+            return "watch"
+        return "get" if name else "list"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
+
+
+def _status_response(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    return aiohttp.web.json_response(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        },
+        status=code,
+    )
+
+
+@dataclass
+class Fault:
+    """Answer the operator's next `times` matching requests with an error instead."""
+
+    verb: str
+    resource: str
+    """Plural, with `/subresource` if any."""
+    status: int
+    times: int
+    reason: str = ""
+    hits: int = 0
+
+    def matches(self, call: Call) -> bool:
+        return self.hits < self.times and (call.verb, call.resource) == (self.verb, self.resource)
+
+    def response(self, call: Call) -> aiohttp.web.Response:
+        self.hits += 1
+        reason = self.reason or {409: "Conflict", 500: "InternalError"}.get(self.status, "Error")
+        message = (
+            f"Operation cannot be fulfilled on {call.resource} {call.name!r}: the object has "
+            "been modified; please apply your changes to the latest version and try again"
+            if self.status == 409
+            else f"injected {self.status} for {call.verb} {call.resource}"
+        )
+        return _status_response(self.status, reason, message)
+
+
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator with uids, creation timestamps and spec generations.
 
     A namespace put in `terminating` refuses new objects the way a namespace being
-    deleted does (403, "... because it is being terminated").
+    deleted does (403, "... because it is being terminated"). Every resource request
+    that is not the tests' own is recorded in `calls`; `faults` turn matching ones into
+    errors, and `watch_cuts` ends that many watch streams after their first event (a
+    dropped connection, as an API server restart or a load balancer's idle timeout).
     """
 
     terminating: set[str]
     generations = True
     """Emulate metadata.generation (kmock itself has none)."""
 
+    @property
+    def calls(self) -> list[Call]:
+        if not hasattr(self, "_calls"):
+            self._calls: list[Call] = []
+        return self._calls
+
+    @property
+    def faults(self) -> list[Fault]:
+        if not hasattr(self, "_faults"):
+            self._faults: list[Fault] = []
+        return self._faults
+
+    watch_cuts = 0
+    watches_cut = 0
+
+    def _record(self, request: Any) -> Call | None:
+        user_agent = str(request.headers.get("User-Agent", ""))
+        if request.resource is None or user_agent.startswith(TEST_USER_AGENT):
+            return None
+        resource = request.resource.plural
+        if request.subresource:
+            resource += f"/{request.subresource}"
+        call = Call(
+            verb=rbac_verb(
+                str(getattr(request.method, "value", request.method)),
+                request.action,
+                request.name,
+                request.params,
+            ),
+            group=request.resource.group or "",
+            resource=resource,
+            namespace=request.namespace,
+            name=request.name,
+            user_agent=user_agent,
+            at=time.monotonic(),
+        )
+        self.calls.append(call)
+        return call
+
+    async def _serve_watch(self, request: Any) -> Any:
+        events = 0
+        async for item in super()._serve_watch(request):
+            yield item
+            if isinstance(item, dict):
+                events += 1
+            if events and self.watches_cut < self.watch_cuts:
+                self.watches_cut += 1
+                return  # the stream ends: kopf must notice and watch again
+
+    REQUEST_LOG = 50
+    """Requests kmock keeps. It matches each new request against its whole log (quadratic:
+    a test with 100 pools would spend minutes there); no test reads old entries (they use
+    `calls` and `objects`), and the newest, including every one still in flight, stay."""
+
     async def _handle(self, request: Any) -> Any:
+        if len(self._requests) > 2 * self.REQUEST_LOG:
+            del self._requests[: -self.REQUEST_LOG]
+        call = self._record(request)
+        if call is not None:
+            for fault in self.faults:
+                if fault.matches(call):
+                    return fault.response(call)
         terminating = getattr(self, "terminating", set())
         if (
             request.resource is not None
@@ -69,17 +205,7 @@ class Emulator(kmock.KubernetesEmulator):
                 f"{request.resource.plural} is forbidden: unable to create new content in "
                 f"namespace {request.namespace} because it is being terminated"
             )
-            return aiohttp.web.json_response(
-                {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "message": message,
-                    "reason": "Forbidden",
-                    "code": 403,
-                },
-                status=403,
-            )
+            return _status_response(403, "Forbidden", message)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
@@ -182,8 +308,10 @@ class Cluster:
         probe: Callable[[], Awaitable[T | None]],
         what: str,
         timeout: float = 15.0,
+        interval: float = 0.05,
     ) -> T:
-        """Poll `probe` until it returns something truthy; fail after `timeout` seconds."""
+        """Poll `probe` every `interval` seconds until it returns something truthy; fail
+        after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
@@ -196,19 +324,23 @@ class Cluster:
             else:
                 if last:
                     return last
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(interval)
         raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
     def start(self, options: OperatorOptions) -> None:
         ready = threading.Event()
-        connection = kopf.ConnectionInfo(server=str(self.emulator.url).rstrip("/"), insecure=True)
+        url = str(self.emulator.url).rstrip("/")
+        connection = kopf.ConnectionInfo(server=url, insecure=True)
+        # The operator's own client, apart from the tests' (`self.kube`): its requests are
+        # the ones recorded and faulted.
+        operator_kube = Kube.for_url(url)
 
         def main() -> None:
             try:
                 asyncio.run(
                     operate(
                         options,
-                        self.kube,
+                        operator_kube,
                         connection=connection,
                         ready_flag=ready,
                         stop_flag=self.stop,
@@ -232,6 +364,11 @@ class Cluster:
             assert not self.thread.is_alive(), "the operator did not stop"
 
 
+def client_for_tests(url: str) -> Kube:
+    """A client for the tests' own requests (not recorded, not faulted)."""
+    return Kube.for_url(url.rstrip("/"), user_agent=TEST_USER_AGENT)
+
+
 def options_for_tests(webhook_port: int) -> OperatorOptions:
     return OperatorOptions(
         namespaces=[NAMESPACE],
@@ -243,5 +380,6 @@ def options_for_tests(webhook_port: int) -> OperatorOptions:
         settings=Settings(agent_image="ghcr.io/kvpool/kvpool:test", version="test"),
         resync_seconds=0,
         retry_delay=0.5,
+        retry_max=2.0,
         gc_poll=0.2,
     )

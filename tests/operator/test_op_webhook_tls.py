@@ -14,11 +14,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from op_cluster import Cluster, Emulator, declare_resources, free_port, options_for_tests
+from op_cluster import (
+    Cluster,
+    Emulator,
+    client_for_tests,
+    declare_resources,
+    free_port,
+    options_for_tests,
+)
 from op_support import example
 
 from kvpool.operator import api
-from kvpool.operator.kube import Kube
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
@@ -68,7 +74,7 @@ async def test_webhook_serves_https_with_the_given_certificate(kmock: Any, tmp_p
     )
     cluster = Cluster(
         emulator=kmock,
-        kube=Kube.for_url(str(kmock.url).rstrip("/")),
+        kube=client_for_tests(str(kmock.url)),
         webhook_url=f"https://127.0.0.1:{port}",
     )
     cluster.start(options)
