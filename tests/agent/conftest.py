@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,9 @@ from hypothesis import HealthCheck, settings
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.local import LocalAgent
+
+from ..support import scrape as scrape  # re-exported for the tests
+from ..support import wait_until as wait_until
 
 FUZZ_PROFILE = "kvpool-fuzz"
 """`pytest tests/agent -m fuzz --hypothesis-profile=kvpool-fuzz`: the protocol fuzz tests with
@@ -43,31 +44,9 @@ def client(agent: LocalAgent) -> Iterator[KVPoolClient]:
         yield c
 
 
-def scrape(agent: LocalAgent) -> dict[str, float]:
-    """The agent's /metrics as {series: value}."""
-    with urllib.request.urlopen(f"{agent.metrics_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
-
-
 def used_bytes(client: KVPoolClient) -> int:
     used: int = client.stats()["tiers"]["dram"]["used_bytes"]
     return used
-
-
-def wait_until(cond: object, timeout: float = 15.0, what: str = "condition") -> None:
-    """Poll `cond()` until true, failing after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class RawConn:

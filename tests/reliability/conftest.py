@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,32 +21,12 @@ import yaml
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.local import LocalAgent
 
+from ..support import scrape
+from ..support import wait_until as wait_until  # re-exported for the tests
 from .chunks import chunk_bytes, chunk_key, footprint
 
 LOAD = Path(__file__).with_name("load.py")
 POOL = "reliability"
-
-
-def wait_until(cond: Callable[[], object], what: str, timeout: float = 30.0) -> None:
-    """Poll `cond()` until true; the timeout only guards against a hang."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def scrape(agent: LocalAgent) -> dict[str, float]:
-    """The agent's /metrics as {series: value}."""
-    with urllib.request.urlopen(f"{agent.metrics_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
 
 
 def metric(agent: LocalAgent, name: str, **labels: str) -> float:

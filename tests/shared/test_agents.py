@@ -8,8 +8,6 @@ nodes; they share one bucket (moto's S3 server on 127.0.0.1) or one directory
 from __future__ import annotations
 
 import os
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,26 +20,10 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.agent.local import LocalAgent
 from kvpool.agent.tiers.shared import object_name
 
+from ..support import scrape, wait_until
 from .conftest import RestartableMoto, s3_client
 
 CHUNK = 64 * 1024
-
-
-def wait_until(cond: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def metric(agent: LocalAgent, series: str) -> float:
-    with urllib.request.urlopen(f"{agent.metrics_url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(series + " "):
-                return float(line.rpartition(" ")[2])
-    raise AssertionError(f"{series} not exported")
 
 
 def payload(key: bytes) -> bytes:
@@ -98,7 +80,7 @@ def test_prefix_written_through_one_agent_is_a_hit_with_correct_bytes_on_another
         stats = cb.stats()["tiers"]["shared"]
     assert stats["healthy"] and stats["hits"] == len(keys)
     # Each came up into DRAM once: read and promoted, or loaded ahead by prefetch.
-    moved = sum(metric(b, f'kvpool_tier_{kind}_total{{pool="shared-test",tier="shared"}}')
+    moved = sum(scrape(b)[f'kvpool_tier_{kind}_total{{pool="shared-test",tier="shared"}}']
                 for kind in ("promotions", "prefetches"))
     assert moved == len(keys)
 
@@ -129,7 +111,7 @@ def test_object_overwritten_behind_the_agents_back_is_a_miss_and_counted(
             blob[-1] ^= 0xFF  # one flipped byte in the chunk data
             path.write_bytes(bytes(blob))
             assert cb.get(key) is None
-        assert metric(b, 'kvpool_integrity_failures_total{pool="shared-test",tier="shared"}') == 1
+        assert scrape(b)['kvpool_integrity_failures_total{pool="shared-test",tier="shared"}'] == 1
 
 
 def test_store_outage_keeps_local_tiers_serving_and_recovers_by_itself(
@@ -159,7 +141,7 @@ def test_store_outage_keeps_local_tiers_serving_and_recovers_by_itself(
             wait_until(lambda: not c.stats()["tiers"]["shared"]["healthy"], "unhealthy")
             down = c.stats()["tiers"]["shared"]
             assert down["reason"]
-            assert metric(agent, 'kvpool_tier_healthy{pool="shared-test",tier="shared"}') == 0
+            assert scrape(agent)['kvpool_tier_healthy{pool="shared-test",tier="shared"}'] == 0
 
             own_moto.start()
             wait_until(lambda: c.stats()["tiers"]["shared"]["healthy"], "recovery")
@@ -169,7 +151,7 @@ def test_store_outage_keeps_local_tiers_serving_and_recovers_by_itself(
             wait_until(lambda: uploaded(c, written + 1), "an upload after recovery")
         assert s3_client(own_moto.endpoint).head_object(
             Bucket=bucket, Key=f"p/{object_name(again)}")["ContentLength"] > CHUNK
-        assert metric(agent, 'kvpool_tier_healthy{pool="shared-test",tier="shared"}') == 1
+        assert scrape(agent)['kvpool_tier_healthy{pool="shared-test",tier="shared"}'] == 1
 
 
 def test_deleted_chunk_leaves_the_shared_tier_too(

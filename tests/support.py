@@ -1,0 +1,32 @@
+"""Helpers every test folder uses on real agents: bounded waits and metric scrapes."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+
+from kvpool.agent.local import LocalAgent
+
+
+def wait_until(cond: Callable[[], object], what: str = "condition",
+               timeout: float = 30.0) -> None:
+    """Poll `cond()` until true; the timeout only guards against a hang."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scrape(agent: LocalAgent) -> dict[str, float]:
+    """The agent's /metrics as {series: value}."""
+    with urllib.request.urlopen(f"{agent.metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
