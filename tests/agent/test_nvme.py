@@ -131,8 +131,10 @@ def test_a_lookup_that_reaches_nvme_prefetches_the_next_chunks(tmp_path: Path) -
         wait_until(lambda: not any(chunk_file(nvme_dir, k).exists() for k in prefix[:2]),
                    what="the prefetched files to go")
         assert all(chunk_file(nvme_dir, k).exists() for k in prefix[2:])
-        assert c.lookup_tiers(prefix)[:2] == ["dram", "dram"]
-        assert c.lookup_tiers(prefix)[2:] in (["nvme", "nvme"], ["dram", "dram"])
+        tiers = c.lookup_tiers(prefix)
+        assert tiers[:2] == ["dram", "dram"]
+        # That LOOKUP prefetches the other two, each in its own task: either may be up.
+        assert len(tiers) == 4 and set(tiers[2:]) <= {"nvme", "dram"}
         assert all(c.get(k) == data_for(k, 256 * KiB) for k in prefix)
 
 
