@@ -119,13 +119,12 @@ def _check_secret(kube: Kube, pool: api.KVCachePool) -> None:
     if shared is None or not shared.credentials_secret:
         return
     ns, name = pool.metadata.namespace, shared.credentials_secret
-    secret = kube.get("v1", "Secret", ns, name)
-    if secret is None:
+    keys = kube.secret_keys(ns, name)
+    if keys is None:
         raise Problem(
             Reason.SECRET_NOT_FOUND,
             f"Secret {name!r} (spec.tiers.shared.credentialsSecret) not found in namespace {ns!r}",
         )
-    keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
     missing = [k for k in SECRET_KEYS if k not in keys]
     if missing:
         raise Problem(

@@ -31,6 +31,7 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "ServiceAccount": ("serviceaccounts", True),
     "Pod": ("pods", True),
     "Node": ("nodes", False),
+    "Namespace": ("namespaces", False),
     "Event": ("events", True),
     "DaemonSet": ("daemonsets", True),
     "Job": ("jobs", True),
@@ -188,7 +189,11 @@ class Kube:
         body: Any = None,
         content_type: str = "application/json",
         query: list[tuple[str, str]] | None = None,
+        *,
+        log_body: bool = True,
     ) -> Manifest:
+        """One API call. `log_body=False`: the client does not log the response body at
+        DEBUG (as it does every body it parses): for Secrets."""
         try:
             data = self.client.call_api(
                 path,
@@ -199,9 +204,15 @@ class Kube:
                 response_types_map={200: "object", 201: "object", 202: "object"},
                 auth_settings=["BearerToken"],
                 _return_http_data_only=True,
-                _preload_content=True,
+                _preload_content=log_body,
                 _request_timeout=30,
             )
+            if not log_body:
+                raw = data
+                try:
+                    data = json.loads(raw.data or b"{}")
+                finally:
+                    raw.release_conn()
         except kubernetes.client.exceptions.ApiException as e:
             detail = _status_message(e.body)
             message = f"{method} {path}: {e.status} {e.reason}" + (f": {detail}" if detail else "")
@@ -217,6 +228,17 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    def secret_keys(self, namespace: str, name: str) -> set[str] | None:
+        """The keys of a Secret, or None if there is none. Its values are neither returned
+        nor logged: the operator only checks that the keys it references exist."""
+        try:
+            data = self._call("GET", path_of("v1", "Secret", namespace, name), log_body=False)
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+        return set(data.get("data") or {}) | set(data.get("stringData") or {})
 
     def list(
         self, api_version: str, kind: str, namespace: str | None, labels: Mapping[str, str] = {}

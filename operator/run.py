@@ -59,6 +59,10 @@ def make_settings(options: OperatorOptions) -> kopf.OperatorSettings:
     # grants list/watch on namespaces and CRDs), and off otherwise, which needs neither.
     settings.scanning.disabled = options.clusterwide or not has_patterns(options.namespaces)
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
+    # Handler warnings and errors (a missing Secret, an API error, a gc Job that runs) also
+    # become Events on the pool, for `kubectl describe`; successes stay in the log only.
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
     if options.webhook_port:
         if options.webhook_insecure:
             settings.admission.server = kopf.WebhookServer(

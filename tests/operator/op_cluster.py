@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import aiohttp.web
 import kmock
+import kmock._internal.parsing as _kmock_parsing
 import kopf
 
 from kvpool.operator import api
@@ -46,6 +47,24 @@ def _merge_patch(base: Any, patch: Any) -> Any:
             out[key] = _merge_patch(out.get(key), value)
     return out
 
+
+def _parse_path(path: str) -> Any:
+    """kmock's path parser, plus the Namespace kind's own paths.
+
+    kmock reads `/api/v1/namespaces` and `/api/v1/namespaces/<name>` as the start of a
+    namespaced path and fails (500) or finds no resource, so kopf could never list or
+    watch namespaces to expand a `--namespace` pattern. Those two forms name Namespace
+    objects; every longer path is namespaced, as kmock reads it.
+    """
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        name = parts[3] if len(parts) == 4 else None
+        return _kmock_parsing.ParsedPath("", "v1", "namespaces", None, name, None)
+    return _kmock_parse_path(path)
+
+
+_kmock_parse_path = _kmock_parsing.parse_path
+_kmock_parsing.parse_path = _parse_path
 
 TEST_USER_AGENT = "kvpool-tests"
 """The tests' own client: its requests are neither recorded as the operator's nor faulted."""
@@ -152,6 +171,8 @@ class Emulator(kmock.KubernetesEmulator):
         user_agent = str(request.headers.get("User-Agent", ""))
         if request.resource is None or user_agent.startswith(TEST_USER_AGENT):
             return None
+        if not request.resource.plural:
+            return None  # discovery (/apis/<group>/<version>): readable by every user
         resource = request.resource.plural
         if request.subresource:
             resource += f"/{request.subresource}"

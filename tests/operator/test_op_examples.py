@@ -95,7 +95,7 @@ INVALID = [
     ),
     (
         "low above default high",
-        _policy(tiers={"nvme": {"lowWatermark": 0.97}}),
+        _policy(tiers={"nvme": {"lowWatermark": 0.99}}),
         "lowWatermark must be below highWatermark",
     ),
     ("zero ttl", _policy(tiers={"dram": {"ttl": "0s"}}), "duration greater than zero"),
