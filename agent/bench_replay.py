@@ -6,17 +6,19 @@ At each capacity (a fraction of the trace's distinct blocks, sized as
 - simulated offline with plain LRU and Belady's MIN (`bench_trace`), and with
   each of the agent's own eviction queues (`queue_sim`: what the order should
   reach when one victim leaves per insertion into a full tier);
-- replayed through a real agent (`replay`: LOOKUP, read the hits, write the
-  misses) once per eviction order (`EvictionOrder`, the default `s3fifo`
-  included), with the DRAM tier holding exactly the simulators' capacity.
+- replayed through a real agent (`replay`: per request one LOOKUP, one
+  batched read of the hit prefix, one batched write of the misses) once per
+  eviction order (`EvictionOrder`, the default `s3fifo` included), with the
+  DRAM tier holding exactly the simulators' capacity.
 
 Capacity is exact because every block is one arena page, the arena has
 `blocks` pages, and the high watermark is 1.0: background eviction never
-starts, and each ALLOC that finds the arena full evicts one chunk through the
-tier's eviction queue (O(1) for s3fifo, O(log n) for the heap orders), the
-way the simulators do. The agent's `lru` order then reproduces the LRU
-simulator, which checks both; an order whose replay differs from its
-`simulated` figure shows the store not evicting the way its queue says.
+starts, and each ALLOC that finds the arena full (a batched write sends one
+per missing block) evicts one chunk through the tier's eviction queue (O(1)
+for s3fifo, O(log n) for the heap orders), the way the simulators do. An
+order whose replay differs from its `simulated` figure shows the store not
+evicting the way its queue says (`prefix`, whose order has no ties, matches
+to the digit).
 """
 
 from __future__ import annotations
