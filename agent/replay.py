@@ -64,9 +64,11 @@ def replay(
         if len(buf) < len(tiers) * block_bytes:
             buf = bytearray(len(tiers) * block_bytes)
         view = memoryview(buf)
-        sizes = client.get_many_into(
-            keys[: len(tiers)],
-            lambda i, size, meta, v=view: v[i * block_bytes : (i + 1) * block_bytes])
+
+        def slot(i: int, size: int, meta: bytes, v: memoryview = view) -> memoryview:
+            return v[i * block_bytes : (i + 1) * block_bytes]
+
+        sizes = client.get_many_into(keys[: len(tiers)], slot)
         hits = 0
         for i, (key, n) in enumerate(zip(keys, sizes, strict=False)):
             if n == 0:  # evicted between lookup and read: a miss after all
