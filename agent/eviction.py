@@ -216,9 +216,11 @@ class S3FifoQueue(EvictionQueue):
                 self._offered[key] = (entry, from_small)
                 yield entry
         finally:
-            # What the caller did not take stays, at the end of main.
-            for entry, _ in self._offered.values():
-                self._push(entry, small=False)
+            # What the caller did not take (protected, or not needed) goes back to the
+            # head of the queue it came from, in order: being looked at is not a hit.
+            for entry, from_small in reversed(self._offered.values()):
+                self._push(entry, small=from_small)
+                (self.small if from_small else self.main).move_to_end(entry.key, last=False)
             self._offered.clear()
 
     def __len__(self) -> int:

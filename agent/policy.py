@@ -89,8 +89,12 @@ def choose_victims(
     """
     victims: list[Victim] = []
     if not policy.tenants:
-        for e in candidates:
-            if used <= target:
+        walk = iter(candidates)
+        # Check before taking the next candidate: one taken and not chosen would count
+        # as passed over (an S3-FIFO queue moves such a chunk out of probation).
+        while used > target:
+            e = next(walk, None)
+            if e is None:
                 break
             if not protected(e.key):
                 victims.append(Victim(e.key, reason))

@@ -293,3 +293,42 @@ def test_members_are_added_minus_discarded_and_walks_end(order: EvictionOrder,
             offered.append(entry.key)
     assert sorted(offered) == sorted(model)
     assert len(q) == len(model)
+
+
+def test_one_victim_at_a_time_leaves_the_rest_of_probation_in_probation() -> None:
+    """What an eviction walk looks at but does not take is not a hit: it keeps its place.
+
+    A full tier evicting one chunk per write must drain probation oldest first, exactly as
+    S3-FIFO does; were the passed-over chunk promoted, every write would move a never-hit
+    chunk into main and probation would protect nothing.
+    """
+    from kvpool.agent import policy as pol
+    from kvpool.agent.config import TierPolicy
+
+    q = S3FifoQueue()
+    chunks = [c(f"k{i}") for i in range(10)]
+    for ch in chunks:
+        q.add(ch)
+    taken: list[bytes] = []
+    for _ in range(5):
+        with contextlib.closing(q.candidates()) as walk:
+            victims = pol.choose_victims(walk, tier="dram", policy=TierPolicy(), used=100,
+                                         target=90, reason="capacity",
+                                         protected=lambda k: False)
+            for v in victims:
+                q.discard(v.key)
+                taken.append(v.key)
+    assert taken == [f"k{i}".encode() for i in range(5)]
+    assert list(q.small) == [f"k{i}".encode() for i in range(5, 10)] and not q.main
+
+
+def test_a_protected_chunk_passed_over_keeps_its_place_at_the_head() -> None:
+    q = S3FifoQueue()
+    for name in ("pinned", "a", "b"):
+        q.add(c(name))
+    with contextlib.closing(q.candidates()) as walk:
+        for e in walk:
+            if e.key != b"pinned":
+                q.discard(e.key)
+                break
+    assert list(q.small) == [b"pinned", b"b"] and not q.main
