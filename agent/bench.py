@@ -7,14 +7,11 @@ MIN (`bench_replay`, `bench_trace`), scale (`bench_scale`), plots
 (`bench_plots`). `run_bench` runs them in order and returns one dict; with
 `--json` it is printed as the last line of stdout.
 
-Run it as `python -m kvpool.agent.bench [--quick] [--json] [--out DIR]`
-(`main` below); `kvpool bench` takes the same flags once the CLI delegates
-to `main`.
+Run it as `kvpool bench [--quick] [--json] [--out DIR]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -155,20 +152,3 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
         f"{s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}; "
         f"G3 rebuild {s['g3_rebuild_s_1e5']:.2f}s for {s['g3_rebuild_measured_at']} files; "
         f"total {r['meta']['seconds']}s")
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kvpool.agent.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="fewer sizes, reps and trace requests (CI; under 3 minutes)")
-    ap.add_argument("--json", action="store_true",
-                    help="tables on stderr; the result as one JSON object on stdout's last line")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write bench.json and the PNG plots into this directory")
-    args = ap.parse_args(argv)
-    run_bench(quick=args.quick, as_json=args.json, out=args.out)
-
-
-if __name__ == "__main__":
-    main()

@@ -164,6 +164,23 @@ def demo(
 
 
 @app.command()
+def bench(
+    quick: Annotated[bool, typer.Option(
+        help="Fewer sizes, rounds and trace requests (what CI runs; a few minutes).")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Tables on stderr; the result as one JSON object on stdout's last line.")]
+    = False,
+    out: Annotated[Path | None, typer.Option(
+        help="Write bench.json and the PNG plots into this directory.")] = None,
+) -> None:
+    """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU and
+    Belady), in one run on this machine."""
+    from .bench import run_bench
+
+    run_bench(quick=quick, as_json=as_json, out=out)
+
+
+@app.command()
 def gc(
     shared: Annotated[str, typer.Option(help="The pool's shared tier: s3://... or file:///...")],
     ttl: Annotated[str | None, typer.Option(help="Delete objects older than this, e.g. 7d.")]
