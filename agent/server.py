@@ -31,6 +31,7 @@ from . import protocol as p
 from .arena import Arena
 from .config import AgentConfig, ConfigError, load_policy
 from .metrics import AgentMetrics
+from .nodelabel import NodeLabeler
 from .store import MAX_LEASES_PER_CLIENT, ChunkStore, OpError, open_journal
 from .tiers.dram import DramTier
 from .tiers.nvme import NvmeTier
@@ -394,7 +395,10 @@ class Agent:
         runner = await self._metrics_app()
         tasks = [loop.create_task(self._accept_loop(listener)),
                  loop.create_task(self._housekeeping())]
+        # The node label is what the webhook's node affinity schedules client pods by.
+        labeler = NodeLabeler.from_config(self.config)
         self.ready = True
+        labeler.start()
         log.info("kvpool agent serving pool %s on %s (DRAM %d bytes at %s, metrics %s)",
                  self.config.pool, self.config.socket_path, self.arena.size, self.arena.path,
                  self.config.metrics_addr)
@@ -402,6 +406,7 @@ class Agent:
             await stop.wait()
         finally:
             self.ready = False
+            await labeler.stop()
             for t in tasks:
                 t.cancel()
             listener.close()
