@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 MAX_LEASES_PER_CLIENT = 4096
 RECENT_LOOKUPS = 1 << 16
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
+IO_THREADS = 4
+READ_THREADS = 4
+PRESENCE_WAIT_THREADS = 8
+"""Worker threads of the store's three pools (background writes, client reads, shared-tier
+presence checks): file and object-store calls release the GIL, so they overlap."""
 SHARED_PROBE_KEYS = 256
 """Most keys past the local prefix one LOOKUP asks the shared tier about."""
 SHARED_PROBE_INTERVAL = 1.0
@@ -114,10 +119,15 @@ class ChunkStore:
         self.inflight: dict[bytes, ChunkRecord] = {}
         """Chunks on their way from DRAM to NVMe: still served from here."""
         self.loading: dict[bytes, asyncio.Future[Loaded | None]] = {}
-        self.io = ThreadPoolExecutor(4, thread_name_prefix="kvpool-io")
-        self.lookup_io = ThreadPoolExecutor(8, thread_name_prefix="kvpool-lookup")
+        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
+        """Background writes and deletes: demotions, uploads' bookkeeping, file removals."""
+        self.reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-read")
+        """Reads a client waits for (ACQUIRE/GET below DRAM, prefetch): never queued behind
+        a burst of background writes."""
+        self.lookup_io = ThreadPoolExecutor(PRESENCE_WAIT_THREADS,
+                                            thread_name_prefix="kvpool-lookup")
         """Threads that wait out shared-tier presence checks, so a slow store cannot hold
-        up the NVMe reads and writes queued on `io`."""
+        up the reads and writes of the local tiers."""
         self._background: set[asyncio.Task[None]] = set()
 
     # -- policy
@@ -355,7 +365,7 @@ class ChunkStore:
         fut: asyncio.Future[Loaded | None] = loop.create_future()
         self.loading[key] = fut
         try:
-            got = await loop.run_in_executor(self.io, read, key)
+            got = await loop.run_in_executor(self.reads, read, key)
             result: Loaded | None = None
             if got is not None:
                 entry = self.nvme.index.get(key) if self.nvme is not None else None
@@ -700,6 +710,7 @@ class ChunkStore:
         if self.shared is not None:
             self.shared.close()
         self.lookup_io.shutdown(wait=False, cancel_futures=True)
+        self.reads.shutdown(wait=True)
         self.io.shutdown(wait=True)
 
     def recover(self, entries: Iterable[JournalEntry]) -> tuple[int, int]:

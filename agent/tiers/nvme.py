@@ -50,6 +50,8 @@ class NvmeTier(ChunkTier):
         self._used = 0
         self._lock = threading.Lock()
         self._unhealthy: str = ""
+        self._subdirs: set[str] = set()
+        """Fan-out directories known to exist (a mkdir per write costs a syscall)."""
         root.mkdir(parents=True, exist_ok=True)
         self.quarantine.mkdir(exist_ok=True)
         self.rebuild()
@@ -135,7 +137,9 @@ class NvmeTier(ChunkTier):
         path = self.path_of(rec.key)
         header = base.encode_header(rec)
         total = len(header) + rec.size
-        path.parent.mkdir(exist_ok=True)
+        if path.parent.name not in self._subdirs:
+            path.parent.mkdir(exist_ok=True)
+            self._subdirs.add(path.parent.name)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

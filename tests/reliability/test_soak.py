@@ -22,6 +22,7 @@ import psutil
 import pytest
 import yaml
 
+from kvpool.agent.store import IO_THREADS, PRESENCE_WAIT_THREADS, READ_THREADS
 from kvpool.agent.tiers.shared import LOOKUP_THREADS
 
 from .chunks import chunk_key
@@ -40,8 +41,8 @@ from .conftest import (
 
 SOAK_SECONDS = float(os.environ.get("KVPOOL_SOAK_SECONDS", "15"))
 WORKERS = 8
-STORE_POOLS = 4 + 8
-"""The store's worker threads at most: its NVMe I/O pool and its shared-lookup pool."""
+STORE_POOLS = IO_THREADS + READ_THREADS + PRESENCE_WAIT_THREADS
+"""The store's worker threads at most: its write, read and shared-lookup pools."""
 
 
 def chunk_files(nvme: Path) -> dict[str, int]:
@@ -99,8 +100,9 @@ def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
             assert_stored(c, load.acked(statuses))
             wait_until(lambda: no_leases(c), "the audit's own leases to end")
 
-        # The audit's connection is closed too: back to the idle agent's descriptors.
-        wait_until(lambda: proc.num_fds() == idle_fds, "file descriptors back to idle",
+        # The audit's connection is closed too: back to the idle agent's descriptors (or
+        # fewer: the idle count may have caught a start-up probe's connection in passing).
+        wait_until(lambda: proc.num_fds() <= idle_fds, "file descriptors back to idle",
                    timeout=10)
         threads = proc.num_threads()
         assert threads <= idle_threads + STORE_POOLS + LOOKUP_THREADS, \
