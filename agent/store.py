@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -116,6 +117,8 @@ class ChunkStore:
             self.uploads = WriteBehindQueue(shared, config.tiers.shared.write_queue_depth,
                                             config.tiers.shared.write_concurrency, metrics)
         self._next_probe = 0.0
+        self.nvme_removals = 0
+        """Chunks out of the NVMe index whose files a worker has yet to remove (or upload)."""
         self.inflight: dict[bytes, ChunkRecord] = {}
         """Chunks on their way from DRAM to NVMe: still served from here."""
         self.loading: dict[bytes, asyncio.Future[Loaded | None]] = {}
@@ -634,8 +637,14 @@ class ChunkStore:
             else:
                 gone.append((v.key, False))
         if gone:
-            self._spawn(asyncio.get_running_loop().run_in_executor(
-                self.io, self._remove_nvme_files, gone))
+            self.nvme_removals += len(gone)
+            removal = asyncio.get_running_loop().run_in_executor(
+                self.io, self._remove_nvme_files, gone)
+            removal.add_done_callback(functools.partial(self._removed, len(gone)))
+            self._spawn(removal)
+
+    def _removed(self, n: int, _: object) -> None:
+        self.nvme_removals -= n
 
     def _remove_nvme_files(self, gone: list[tuple[bytes, bool]]) -> None:
         assert self.nvme is not None
@@ -770,6 +779,7 @@ class ChunkStore:
                 "healthy": ok,
                 "reason": reason,
                 "inflight": len(self.inflight),
+                "removing": self.nvme_removals,
             }
         if self.shared is not None:
             ok, reason = self.shared.healthy()

@@ -69,8 +69,11 @@ def fill(c: KVPoolClient, n: int, size: int = 256 * KiB) -> list[bytes]:
 
 
 def settle(c: KVPoolClient) -> None:
-    """Wait for demotions in flight to land (they are written in worker threads)."""
-    wait_until(lambda: c.stats()["tiers"]["nvme"]["inflight"] == 0, what="demotions to land")
+    """Wait for demotions in flight to land and dropped files to go (worker threads)."""
+    def settled() -> bool:
+        nvme = c.stats()["tiers"]["nvme"]
+        return bool(nvme["inflight"] == 0 and nvme["removing"] == 0)
+    wait_until(settled, what="demotions to land")
 
 
 def tier_of(c: KVPoolClient, key: bytes) -> str | None:

@@ -156,9 +156,10 @@ def no_leases(client: KVPoolClient) -> bool:
 
 
 def settled(client: KVPoolClient) -> bool:
-    """No chunk on its way to NVMe or the shared tier."""
+    """No chunk on its way to NVMe or the shared tier, no NVMe file left to remove."""
     tiers = client.stats()["tiers"]
-    if tiers.get("nvme", {}).get("inflight", 0):
+    nvme = tiers.get("nvme", {})
+    if nvme.get("inflight", 0) or nvme.get("removing", 0):
         return False
     queue = tiers.get("shared", {}).get("queue") or {}
     return not queue.get("pending", 0) and not queue.get("in_flight", 0)
