@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kvpool.agent.local import LocalAgent
 
@@ -30,3 +32,21 @@ def scrape(agent: LocalAgent) -> dict[str, float]:
             series, _, value = line.rpartition(" ")
             out[series] = float(value)
     return out
+
+
+@dataclass
+class Chunk:
+    """A chunk as the policy engine sees it (the fields of `policy.Entry`): table-test data."""
+
+    key: bytes
+    size: int = 10
+    tenant: str = ""
+    hits: int = 0
+    last_seq: int = 0
+    depth: int = 0
+    last_access: float = 0.0
+
+
+def chunk(name: str, **fields: Any) -> Chunk:
+    """A test chunk whose key is its name."""
+    return Chunk(name.encode(), **fields)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -18,20 +17,8 @@ from hypothesis import strategies as st
 from kvpool.agent.config import EvictionOrder
 from kvpool.agent.eviction import MAX_FREQ, EvictionQueue, KeyedQueue, S3FifoQueue, new_queue
 
-
-@dataclass
-class Chunk:
-    key: bytes
-    size: int = 10
-    tenant: str = ""
-    hits: int = 0
-    last_seq: int = 0
-    depth: int = 0
-    last_access: float = 0.0
-
-
-def c(name: str, **kw: int) -> Chunk:
-    return Chunk(name.encode(), **kw)  # type: ignore[arg-type]
+from ..support import Chunk
+from ..support import chunk as c
 
 
 def names(entries: Iterable[Chunk | bytes]) -> str:

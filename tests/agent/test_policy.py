@@ -7,7 +7,6 @@ them by a letter and the tables list candidates in the tier's eviction order.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -15,20 +14,7 @@ import pytest
 from kvpool.agent import policy as pol
 from kvpool.agent.config import TierPolicy, TierRules
 
-
-@dataclass
-class Chunk:
-    key: bytes
-    size: int = 10
-    tenant: str = ""
-    hits: int = 0
-    last_seq: int = 0
-    depth: int = 0
-    last_access: float = 0.0
-
-
-def chunk(name: str, **kw: Any) -> Chunk:
-    return Chunk(name.encode(), **kw)
+from ..support import Chunk, chunk
 
 
 def chunks(names: str, **kw: Any) -> list[Chunk]:
