@@ -31,7 +31,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -358,6 +358,7 @@ class ChunkStore:
         if pending is not None:
             return await asyncio.shield(pending)
         source: TierName
+        read: Callable[[bytes], ChunkRecord | None]
         if self.nvme is not None and key in self.nvme.index:
             read, source = self._read_nvme, "nvme"
         elif self.shared is not None and self.shared.healthy()[0]:
@@ -384,12 +385,14 @@ class ChunkStore:
         finally:
             del self.loading[key]
 
-    def _read_nvme(self, key: bytes) -> ChunkRecord | None:
+    def _read_nvme(self, key: bytes, *, indexed: bool = True) -> ChunkRecord | None:
+        """A verified chunk from its NVMe file; a failure is counted and is a miss.
+        `indexed=False` reads a chunk already taken out of the index (on its way to G4)."""
         assert self.nvme is not None
         try:
-            rec = self.nvme.read(key)
+            rec = self.nvme.read(key) if indexed else self.nvme.read_file(key)
         except IntegrityError as e:
-            log.error("integrity failure in nvme: %s; chunk quarantined, served as a miss", e)
+            log.error("integrity failure in nvme: %s; chunk quarantined, not served or moved", e)
             self.m.integrity_failures["nvme"].inc()
             return None
         except OSError as e:
@@ -650,23 +653,11 @@ class ChunkStore:
         assert self.nvme is not None
         for key, to_shared in gone:
             if to_shared:
-                rec = self._read_nvme_file(key)
+                rec = self._read_nvme(key, indexed=False)
                 if rec is not None:
                     self._upload(rec)
                     self.m.demotions["nvme"].inc()
             self.nvme.remove_file(key)
-
-    def _read_nvme_file(self, key: bytes) -> ChunkRecord | None:
-        assert self.nvme is not None
-        try:
-            return self.nvme.read_file(key)
-        except IntegrityError as e:
-            log.error("integrity failure in nvme: %s; not demoted", e)
-            self.m.integrity_failures["nvme"].inc()
-        except OSError as e:
-            log.error("nvme read of %s failed: %s", key.hex(), e)
-            self.m.tier_errors[("nvme", "read")].inc()
-        return None
 
     def _check_watermark(self) -> None:
         rules = self.policy.tiers.dram
