@@ -50,6 +50,9 @@ def agent(
     policy: Annotated[Path | None, typer.Option(help="TierPolicy YAML (hot-reloaded).")] = None,
     no_lock: Annotated[bool, typer.Option("--no-lock", help="Do not mlock the arena.")] = False,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
+    tenant: Annotated[list[str] | None, typer.Option(
+        help="A tenant with its own socket, arena and NVMe/shared space (repeat for more; "
+        "each gets an equal share).")] = None,
 ) -> None:
     """Run the node agent (from --config, flags, or both: flags win)."""
     try:
@@ -65,6 +68,8 @@ def agent(
             overrides["max_chunk_bytes"] = max_chunk
         if log_level:
             overrides["log_level"] = log_level
+        if tenant:
+            overrides["tenants"] = [{"name": name} for name in tenant]
         dram_cfg = overrides["tiers"]["dram"]
         if dram:
             dram_cfg["size"] = dram
@@ -190,6 +195,9 @@ def gc(
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint URL.")] = None,
     addressing_style: Annotated[str, typer.Option(
         help="S3 bucket addressing: auto, path (most self-hosted stores) or virtual.")] = "auto",
+    tenant: Annotated[list[str] | None, typer.Option(
+        help="Also collect this tenant's prefix, <shared>/tenants/<name> (repeat for more).")]
+    = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Delete a pool's expired (or all) chunk objects from its shared tier."""
@@ -201,7 +209,7 @@ def gc(
 
     try:
         result = run_gc(shared, ttl, all_objects, endpoint_url,
-                        addressing_style=addressing_style)
+                        addressing_style=addressing_style, tenants=tenant or ())
     except (ValueError, OSError) as e:
         _fail(str(e))
         return

@@ -272,6 +272,82 @@ class Tiers(Model):
         return [t for t in TIER_ORDER if getattr(self, t) is not None]
 
 
+# --------------------------------------------------------------------------- tenants
+
+TENANT_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+TENANTS_DIR = "tenants"
+"""Per-tenant sockets, arenas, NVMe files and shared objects live under `tenants/<name>/`."""
+ARENA_PAGE = 4096
+
+
+class TenantSpace(Model):
+    """A tenant of the pool with a space of its own: socket, arena, NVMe files, shared prefix.
+
+    A client's tenant is then the socket it connected to, not what it claims, and its
+    keys only ever reach its own space: another tenant's keys are misses, and its arena
+    (the file a client maps) holds no other tenant's bytes.
+    """
+
+    name: str = Field(
+        min_length=1, max_length=63, pattern=TENANT_NAME_PATTERN,
+        description="Tenant name: the pod annotation kvpool.io/tenant (default: the namespace).",
+    )
+    dram: ByteSize | None = Field(
+        None, description="The tenant's arena per node; unset: an equal share of the DRAM "
+        "the sized tenants leave.",
+    )
+    nvme: ByteSize | None = Field(
+        None, description="The tenant's NVMe bytes per node; unset: an equal share of what "
+        "the sized tenants leave.",
+    )
+
+
+def tenant_shares(total: int, sizes: list[int | None], page: int, tier: str) -> list[int]:
+    """Each tenant's bytes of a tier of `total`: its own size, or an equal share of the rest.
+
+    Shares are whole pages. Raises ValueError naming the tier when sizes overrun it or
+    leave an unsized tenant nothing.
+    """
+    fixed = sum(s for s in sizes if s is not None)
+    if fixed > total:
+        raise ValueError(f"tenants ask for {fixed} bytes of {tier}, more than its {total}")
+    unsized = sum(1 for s in sizes if s is None)
+    share = (total - fixed) // unsized // page * page if unsized else 0
+    if unsized and share == 0:
+        raise ValueError(f"tenants without a {tier} size get no {tier}: "
+                         f"{total - fixed} bytes are left for {unsized} of them")
+    return [s if s is not None else share for s in sizes]
+
+
+def tenant_socket_path(socket_path: Path, tenant: str) -> Path:
+    """Where the agent serves `tenant`: `<socket dir>/tenants/<tenant>/<socket name>`."""
+    return socket_path.parent / TENANTS_DIR / tenant / socket_path.name
+
+
+def tenant_url(url: str, tenant: str) -> str:
+    """The tenant's prefix of a shared tier: `<url>/tenants/<tenant>`."""
+    return f"{url.rstrip('/')}/{TENANTS_DIR}/{tenant}"
+
+
+def check_tenants(tenants: list[TenantSpace], dram: int, nvme: int | None,
+                  huge_pages: bool = False) -> None:
+    """Raise ValueError if tenant names repeat or their sizes do not fit the tiers."""
+    seen: set[str] = set()
+    for t in tenants:
+        if t.name in seen:
+            raise ValueError(f"tenant {t.name!r} is listed twice")
+        seen.add(t.name)
+    if not tenants:
+        return
+    page = 2 << 20 if huge_pages else ARENA_PAGE
+    tenant_shares(dram, [t.dram for t in tenants], page, "dram")
+    if nvme is None:
+        if any(t.nvme is not None for t in tenants):
+            raise ValueError("a tenant has an nvme size but the pool has no NVMe tier")
+    else:
+        tenant_shares(nvme, [t.nvme for t in tenants], 1, "nvme")
+
+
 # --------------------------------------------------------------------------- agent
 
 
@@ -301,6 +377,17 @@ class AgentConfig(Model):
     )
     node_name: str | None = Field(None, description="Kubernetes node (for labels and logs).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tenants: list[TenantSpace] = Field(
+        default_factory=list,
+        description="Tenants with a space of their own; unset: one space for the whole pool, "
+        "where the tenant a client names is used for quotas and priorities only.",
+    )
+
+    @model_validator(mode="after")
+    def _tenants_fit(self) -> Self:
+        nvme = self.tiers.nvme.size if self.tiers.nvme is not None else None
+        check_tenants(self.tenants, self.tiers.dram.size, nvme, self.tiers.dram.huge_pages)
+        return self
 
     @field_validator("metrics_addr")
     @classmethod
@@ -321,6 +408,38 @@ class AgentConfig(Model):
     def journal_path(self) -> Path:
         """The DRAM commit journal lives beside the arena (same tmpfs, same lifetime)."""
         return self.arena_path().with_suffix(".journal")
+
+    def spaces(self) -> list[tuple[str, AgentConfig]]:
+        """(tenant, config) of every space the agent serves: one per tenant, or the pool's.
+
+        A tenant's config is the pool's with its own socket, arena, NVMe directory and
+        shared prefix (each under `tenants/<name>/`) and its share of the local tiers.
+        """
+        if not self.tenants:
+            return [("", self)]
+        dram, nvme = self.tiers.dram, self.tiers.nvme
+        page = 2 << 20 if dram.huge_pages else ARENA_PAGE
+        dram_sizes = tenant_shares(dram.size, [t.dram for t in self.tenants], page, "dram")
+        nvme_sizes = (tenant_shares(nvme.size, [t.nvme for t in self.tenants], 1, "nvme")
+                      if nvme is not None else [0] * len(self.tenants))
+        out = []
+        for tenant, dram_size, nvme_size in zip(self.tenants, dram_sizes, nvme_sizes,
+                                                 strict=True):
+            name = tenant.name
+            cfg = self.model_copy(deep=True)
+            cfg.tenants = []
+            cfg.socket_path = tenant_socket_path(self.socket_path, name)
+            cfg.tiers.dram.size = dram_size
+            if dram.path is not None:
+                cfg.tiers.dram.path = dram.path.parent / TENANTS_DIR / name / dram.path.name
+            # else: the default arena is named after the socket path, the tenant's own
+            if cfg.tiers.nvme is not None:
+                cfg.tiers.nvme.path = cfg.tiers.nvme.path / TENANTS_DIR / name
+                cfg.tiers.nvme.size = nvme_size
+            if cfg.tiers.shared is not None:
+                cfg.tiers.shared.url = tenant_url(cfg.tiers.shared.url, name)
+            out.append((name, cfg))
+        return out
 
 
 class ConfigError(ValueError):

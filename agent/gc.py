@@ -15,12 +15,12 @@ left alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import SharedTier
+from .config import SharedTier, tenant_url
 from .tiers.shared import ObjectInfo, SharedChunkTier, open_shared_tier
 from .units import parse_duration
 
@@ -95,22 +95,29 @@ def _remove(tier: SharedChunkTier, batch: list[ObjectInfo], result: GcResult,
 
 def run_gc(url: str, ttl: float | str | None = None, all_objects: bool = False,
            endpoint_url: str | None = None, *, region: str | None = None,
-           credentials_file: Path | None = None, addressing_style: str = "auto") -> GcResult:
-    """`kvpool gc --shared URL [--ttl 7d | --all] [--endpoint-url ...]` without the CLI.
+           credentials_file: Path | None = None, addressing_style: str = "auto",
+           tenants: Sequence[str] = ()) -> GcResult:
+    """`kvpool gc --shared URL [--ttl 7d | --all] [--tenant NAME ...]` without the CLI.
 
-    `ttl` is seconds or a duration string (`7d`, `12h`). Credentials and region
-    come from the AWS environment unless given. Raises ValueError on bad
-    arguments and OSError when the store cannot be reached.
+    `ttl` is seconds or a duration string (`7d`, `12h`). `tenants` adds each tenant's
+    prefix (`<url>/tenants/<name>`) to the pool's. Credentials and region come from
+    the AWS environment unless given. Raises ValueError on bad arguments and OSError
+    when the store cannot be reached.
     """
     ttl_s = parse_duration(ttl) if ttl is not None else None
-    cfg = SharedTier.model_validate({
-        "url": url, "endpoint_url": endpoint_url, "region": region,
-        "credentials_file": credentials_file, "addressing_style": addressing_style})
-    tier = open_shared_tier(cfg)
-    try:
-        return collect(tier, ttl_s, all_objects)
-    finally:
-        tier.close()
+    total = GcResult()
+    for prefix in [url, *(tenant_url(url, t) for t in tenants)]:
+        cfg = SharedTier.model_validate({
+            "url": prefix, "endpoint_url": endpoint_url, "region": region,
+            "credentials_file": credentials_file, "addressing_style": addressing_style})
+        tier = open_shared_tier(cfg)
+        try:
+            result = collect(tier, ttl_s, all_objects)
+        finally:
+            tier.close()
+        for name, value in result.to_json().items():
+            setattr(total, name, getattr(total, name) + value)
+    return total
 
 
 def iter_expired(tier: SharedChunkTier, ttl_seconds: float,

@@ -71,6 +71,8 @@ class ErrorCode(IntEnum):
     """The connection holds the most leases allowed; release some first."""
     INTERNAL = 13
     """An unexpected failure inside the agent; the message says what."""
+    TENANT_MISMATCH = 14
+    """HELLO named a tenant other than the one this socket serves (pools with tenants)."""
 
 
 # --------------------------------------------------------------------------- requests
@@ -170,6 +172,8 @@ class HelloReply(Reply, tag=int(Op.HELLO)):
     max_meta_bytes: int
     max_frame_bytes: int
     max_leases: int
+    tenant: str = ""
+    """The connection's tenant: the socket's in a pool with tenants, else the one claimed."""
 
 
 class LookupReply(Reply, tag=int(Op.LOOKUP)):

@@ -19,7 +19,6 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import __version__
 from . import protocol as p
 from .arena import Arena
-from .config import AgentConfig, ConfigError, load_policy
+from .config import AgentConfig, ConfigError, TierPolicy, load_policy
 from .metrics import AgentMetrics
 from .nodelabel import NodeLabeler
 from .store import MAX_LEASES_PER_CLIENT, ChunkStore, OpError, open_journal
@@ -51,11 +50,13 @@ class _Closed(Exception):
 
 
 class Connection:
-    def __init__(self, agent: Agent, sock: socket.socket, cid: int) -> None:
+    def __init__(self, agent: Agent, space: Space, sock: socket.socket, cid: int) -> None:
         self.agent = agent
+        self.space = space
+        self.store = space.store
         self.sock = sock
         self.id = cid
-        self.tenant = ""
+        self.tenant = space.tenant
         self.hello = False
         self.buf = bytearray(64 * 1024)
         self.start = 0
@@ -170,18 +171,26 @@ class Connection:
         if req.version != p.PROTOCOL_VERSION:
             raise OpError(p.ErrorCode.VERSION_MISMATCH,
                           f"agent speaks protocol {p.PROTOCOL_VERSION}, client asked {req.version}")
-        self.tenant = req.tenant
+        space = self.space
+        if space.isolated:
+            # The socket, not the client, says whose connection this is.
+            if req.tenant and req.tenant != space.tenant:
+                raise OpError(p.ErrorCode.TENANT_MISMATCH,
+                              f"this socket serves tenant {space.tenant!r}, "
+                              f"the client claims {req.tenant!r}")
+        else:
+            self.tenant = req.tenant  # one space: the claim only picks quotas and priority
         self.hello = True
         cfg = agent.config
         frame = p.encode(p.HelloReply(
             rid=req.rid, version=p.PROTOCOL_VERSION, agent_version=__version__, pool=cfg.pool,
-            arena_bytes=agent.arena.size, max_chunk_bytes=cfg.max_chunk_bytes,
+            arena_bytes=space.arena.size, max_chunk_bytes=cfg.max_chunk_bytes,
             max_meta_bytes=cfg.max_meta_bytes, max_frame_bytes=agent.max_frame_bytes,
-            max_leases=MAX_LEASES_PER_CLIENT,
+            max_leases=MAX_LEASES_PER_CLIENT, tenant=self.tenant,
         ))
         # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
         # the connection fresh, so one sendmsg carries it whole.
-        fds = array.array("i", [agent.arena.fd])
+        fds = array.array("i", [space.arena.fd])
         try:
             sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except BlockingIOError as e:
@@ -190,38 +199,63 @@ class Connection:
             await self.send(frame[sent:])
 
 
-class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+class Space:
+    """What one tenant (or the whole pool) is served from: socket, arena, store."""
+
+    def __init__(self, tenant: str, config: AgentConfig, metrics: AgentMetrics,
+                 policy: TierPolicy, isolated: bool) -> None:
+        self.tenant = tenant
         self.config = config
-        self.metrics = AgentMetrics(config.pool, config.node_name or "")
+        self.isolated = isolated
+        """True when the pool has tenants: the socket decides a connection's tenant."""
         dram_cfg = config.tiers.dram
         self.arena = Arena(config.arena_path(), dram_cfg.size, lock=dram_cfg.lock,
                            huge_pages=dram_cfg.huge_pages)
-        self.policy = config.policy
-        self.policy_mtime: float | None = None
-        if config.policy_file is not None:
-            self.policy = load_policy(config.policy_file)
-            self.policy_mtime = config.policy_file.stat().st_mtime
         nvme = None
         if config.tiers.nvme is not None:
             nvme = NvmeTier(config.tiers.nvme.path, config.tiers.nvme.size)
         shared = None
         if config.tiers.shared is not None:
-            shared = open_shared_tier(config.tiers.shared, self.metrics)
+            shared = open_shared_tier(config.tiers.shared, metrics)
         journal, entries = open_journal(config)
         if not self.arena.reused:
             entries = []  # a new arena holds nothing the journal describes
-        self.store = ChunkStore(config, DramTier(self.arena), nvme, self.metrics, self.policy,
+        self.store = ChunkStore(config, DramTier(self.arena), nvme, metrics, policy,
                                 journal, shared)
         kept, dropped = self.store.recover(entries)
         if kept or dropped:
-            log.info("warm restart: %d chunks kept from the arena, %d dropped", kept, dropped)
+            log.info("warm restart%s: %d chunks kept from the arena, %d dropped",
+                     f" of tenant {tenant}" if isolated else "", kept, dropped)
+        self.connections = 0
+
+    def state_samples(self) -> Any:
+        for name, doc, labels, value in self.store.state_samples():
+            yield name, doc, {**labels, "tenant": self.tenant} if self.isolated else labels, value
+
+    def close(self) -> None:
+        self.store.close()
+        if self.store.journal is not None:
+            self.store.journal.close()
+        self.arena.close()
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.metrics = AgentMetrics(config.pool, config.node_name or "")
+        self.policy = config.policy
+        self.policy_mtime: float | None = None
+        if config.policy_file is not None:
+            self.policy = load_policy(config.policy_file)
+            self.policy_mtime = config.policy_file.stat().st_mtime
+        isolated = bool(config.tenants)
+        self.spaces = [Space(tenant, cfg, self.metrics, self.policy, isolated)
+                       for tenant, cfg in config.spaces()]
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
         self.connections: dict[int, Connection] = {}
         self._next_cid = 1
         self.ready = False
         self.metrics.add_state(self._state_samples)
-        s = self.store
         self.handlers: dict[p.Op, Callable[[Connection, Any], Any]] = {
             p.Op.LOOKUP: self._lookup,
             p.Op.ALLOC: self._alloc,
@@ -229,69 +263,78 @@ class Agent:
             p.Op.ABORT: self._abort,
             p.Op.ACQUIRE: self._acquire,
             p.Op.RELEASE: self._release,
-            p.Op.PUT: lambda c, r: p.PutReply(r.rid, s.put(r.key, r.data, r.checksum, r.meta,
-                                                            c.tenant)),
+            p.Op.PUT: lambda c, r: p.PutReply(r.rid, c.store.put(r.key, r.data, r.checksum,
+                                                                  r.meta, c.tenant)),
             p.Op.GET: self._get,
-            p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, s.delete(r.key)),
+            p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, c.store.delete(r.key)),
             p.Op.PIN: self._pin,
             p.Op.UNPIN: self._unpin,
-            p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats()),
+            p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats(c.space)),
         }
 
     # -- op handlers that need more than one line
 
     async def _lookup(self, c: Connection, r: p.Lookup) -> p.LookupReply:
-        return p.LookupReply(r.rid, *await self.store.lookup(r.keys))
+        return p.LookupReply(r.rid, *await c.store.lookup(r.keys))
 
     def _alloc(self, c: Connection, r: p.Alloc) -> p.AllocReply:
-        granted = self.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
+        granted = c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
         if granted is None:
             return p.AllocReply(r.rid, 0, [], exists=True)
         return p.AllocReply(r.rid, granted.lease, granted.extents)
 
     def _commit(self, c: Connection, r: p.Commit) -> p.CommitReply:
-        self.store.commit(r.lease, r.checksum, c.id)
+        c.store.commit(r.lease, r.checksum, c.id)
         return p.CommitReply(r.rid)
 
     def _abort(self, c: Connection, r: p.Abort) -> p.AbortReply:
-        self.store.abort(r.lease, c.id)
+        c.store.abort(r.lease, c.id)
         return p.AbortReply(r.rid)
 
     def _release(self, c: Connection, r: p.Release) -> p.ReleaseReply:
-        self.store.release(r.lease, c.id)
+        c.store.release(r.lease, c.id)
         return p.ReleaseReply(r.rid)
 
     def _pin(self, c: Connection, r: p.Pin) -> p.PinReply:
-        self.store.pin(r.key)
+        c.store.pin(r.key)
         return p.PinReply(r.rid)
 
     def _unpin(self, c: Connection, r: p.Unpin) -> p.UnpinReply:
-        self.store.unpin(r.key)
+        c.store.unpin(r.key)
         return p.UnpinReply(r.rid)
 
     async def _acquire(self, c: Connection, r: p.Acquire) -> p.AcquireReply:
-        g = await self.store.acquire(r.key, c.id)
+        g = await c.store.acquire(r.key, c.id)
         return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier)
 
     async def _get(self, c: Connection, r: p.Get) -> p.GetReply:
-        data, digest, meta, tier = await self.store.get(r.key)
+        data, digest, meta, tier = await c.store.get(r.key)
         return p.GetReply(r.rid, data, digest, meta, tier)
 
-    def stats(self) -> dict[str, Any]:
-        out = self.store.stats()
-        out["clients"] = len(self.connections)
+    def stats(self, space: Space) -> dict[str, Any]:
+        """STATS of one space: a tenant sees its own chunks and clients, nobody else's."""
+        out = space.store.stats()
+        if space.isolated:
+            out["tenant"] = space.tenant
+        out["clients"] = space.connections
         out["agent_version"] = __version__
         return out
 
     def _state_samples(self) -> Any:
-        yield from self.store.state_samples()
+        for space in self.spaces:
+            yield from space.state_samples()
         yield ("kvpool_clients", "Connected clients", {}, len(self.connections))
 
     # -- serving
 
-    def _bind(self) -> socket.socket:
-        path = self.config.socket_path
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _bind(self, space: Space) -> socket.socket:
+        path = space.config.socket_path
+        if space.isolated:
+            # Only this tenant's pods mount this directory; owner and group only.
+            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            os.chmod(path.parent, 0o750)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise ConfigError(f"{path} exists and is not a socket")
@@ -311,14 +354,15 @@ class Agent:
         sock.setblocking(False)
         return sock
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
+    async def _accept_loop(self, space: Space, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(listener)
             sock.setblocking(False)
             cid, self._next_cid = self._next_cid, self._next_cid + 1
-            conn = Connection(self, sock, cid)
+            conn = Connection(self, space, sock, cid)
             self.connections[cid] = conn
+            space.connections += 1
             conn.task = loop.create_task(self._run_connection(conn))
 
     async def _run_connection(self, conn: Connection) -> None:
@@ -330,15 +374,18 @@ class Agent:
             log.exception("client %d failed", conn.id)
         finally:
             self.connections.pop(conn.id, None)
-            self.store.disconnect(conn.id)
+            conn.space.connections -= 1
+            conn.store.disconnect(conn.id)
             conn.sock.close()
 
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
-            self.store.expire()
+            for space in self.spaces:
+                space.store.expire()
             self._maybe_reload_policy()
-            await self.store.probe_shared()
+            for space in self.spaces:
+                await space.store.probe_shared()
 
     def _maybe_reload_policy(self) -> None:
         path = self.config.policy_file
@@ -357,7 +404,8 @@ class Agent:
             self.metrics.policy_reloads["invalid"].inc()
             log.error("policy not reloaded, keeping the last good one: %s", e)
             return
-        self.store.set_policy(policy)
+        for space in self.spaces:
+            space.store.set_policy(policy)
         self.policy = policy
         self.metrics.policy_reloads["ok"].inc()
         log.info("policy reloaded from %s", path)
@@ -391,17 +439,20 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-        listener = self._bind()
+        listeners = [(space, self._bind(space)) for space in self.spaces]
         runner = await self._metrics_app()
-        tasks = [loop.create_task(self._accept_loop(listener)),
-                 loop.create_task(self._housekeeping())]
+        tasks = [loop.create_task(self._accept_loop(space, listener))
+                 for space, listener in listeners]
+        tasks.append(loop.create_task(self._housekeeping()))
         # The node label is what the webhook's node affinity schedules client pods by.
         labeler = NodeLabeler.from_config(self.config)
         self.ready = True
         labeler.start()
-        log.info("kvpool agent serving pool %s on %s (DRAM %d bytes at %s, metrics %s)",
-                 self.config.pool, self.config.socket_path, self.arena.size, self.arena.path,
-                 self.config.metrics_addr)
+        for space in self.spaces:
+            log.info("kvpool agent serving pool %s%s on %s (DRAM %d bytes at %s, metrics %s)",
+                     self.config.pool, f" tenant {space.tenant}" if space.isolated else "",
+                     space.config.socket_path, space.arena.size, space.arena.path,
+                     self.config.metrics_addr)
         try:
             await stop.wait()
         finally:
@@ -409,16 +460,15 @@ class Agent:
             await labeler.stop()
             for t in tasks:
                 t.cancel()
-            listener.close()
-            with contextlib.suppress(OSError):
-                Path(self.config.socket_path).unlink()
+            for space, listener in listeners:
+                listener.close()
+                with contextlib.suppress(OSError):
+                    space.config.socket_path.unlink()
             for conn in list(self.connections.values()):
                 conn.sock.close()
             await runner.cleanup()
-            self.store.close()
-            if self.store.journal is not None:
-                self.store.journal.close()
-            self.arena.close()
+            for space in self.spaces:
+                space.close()
             log.info("kvpool agent stopped")
 
 

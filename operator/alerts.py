@@ -146,11 +146,14 @@ AGENT_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVPoolEvictionThrash",
         expr=(
-            f'kvpool_tier_used_bytes{{tier="dram"}}\n'
-            f'  > {EVICTION_THRASH_FILL} * kvpool_tier_capacity_bytes{{tier="dram"}}\n'
+            # Gauges are per tenant in pools with tenants, the counter per pool: compare
+            # the pool's sums (a no-op where there are no tenants).
+            f'sum without (tenant) (kvpool_tier_used_bytes{{tier="dram"}})\n'
+            f'  > {EVICTION_THRASH_FILL} * sum without (tenant) '
+            f'(kvpool_tier_capacity_bytes{{tier="dram"}})\n'
             "and\n"
             'increase(kvpool_tier_demotions_total{tier="dram"}[10m])\n'
-            '  > kvpool_tier_chunks{tier="dram"}'
+            '  > sum without (tenant) (kvpool_tier_chunks{tier="dram"})'
         ),
         for_="15m",
         severity="warning",

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpool.agent.config import DramTier, Model, TierPolicy, explain
+from kvpool.agent.config import DramTier, Model, TenantSpace, TierPolicy, check_tenants, explain
 from kvpool.agent.units import ByteSize
 
 GROUP = "kvpool.io"
@@ -253,6 +253,13 @@ class KVCachePoolSpec(Model):
     )
     tolerations: list[Toleration] | None = Field(None, description="Tolerations of the agent pods.")
     agent: AgentSpec = Field(default_factory=AgentSpec, description="The agent DaemonSet.")
+    tenants: list[TenantSpace] = Field(
+        default_factory=list,
+        description="Tenants with a space of their own on every node: a socket only their "
+        "pods mount, their own arena, NVMe directory and shared prefix, so no tenant can "
+        "read another's chunks. A pod's tenant (annotation kvpool.io/tenant, default its "
+        "namespace) must be listed. Unset: one space for the pool.",
+    )
     socket_dir: str = Field(
         "/run/kvpool",
         description="Host directory for agent sockets; the pool's socket is "
@@ -389,6 +396,13 @@ def _parse(cls: type[_M], body: Any) -> _M:
         check_pool_id(obj.metadata.namespace, obj.metadata.name)
         if obj.spec.tiers.enabled() == []:
             raise InvalidSpec(f"KVCachePool {name}: spec.tiers: at least one tier is required")
+        tiers = obj.spec.tiers
+        dram = tiers.effective_dram()
+        try:
+            check_tenants(obj.spec.tenants, dram.size,
+                          tiers.nvme.size if tiers.nvme is not None else None, dram.huge_pages)
+        except ValueError as e:
+            raise InvalidSpec(f"KVCachePool {name}: spec.tenants: {e}") from e
         shared = obj.spec.tiers.shared
         if shared is not None and shared.credentials_secret and not shared.url.startswith("s3://"):
             raise InvalidSpec(

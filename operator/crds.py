@@ -78,6 +78,11 @@ _FIELD_EXTRA: dict[tuple[type[BaseModel], str], Schema] = {
     (TierPolicy, "pins"): {"maxItems": 4096, "items": {"pattern": "^[0-9a-fA-F]{32}$"}},
     (TenantPolicy, "name"): {"pattern": "^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
     (api.KVCachePoolSpec, "tolerations"): {"maxItems": 64},
+    (api.KVCachePoolSpec, "tenants"): {
+        "maxItems": 64,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+    },
     (api.KVCachePoolStatus, "conditions"): {
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["type"],

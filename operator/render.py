@@ -35,6 +35,7 @@ from kvpool.agent.config import (
     SharedTier,
     TierPolicy,
     Tiers,
+    tenant_socket_path,
 )
 from kvpool.agent.units import format_size
 
@@ -142,6 +143,11 @@ def socket_path(pool: api.KVCachePool) -> str:
     return f"{socket_dir(pool)}/agent.sock"
 
 
+def tenant_socket_dir(pool: api.KVCachePool, tenant: str) -> str:
+    """The directory of a tenant's socket on the node; its pods mount it at `socket_dir`."""
+    return str(tenant_socket_path(Path(socket_path(pool)), tenant).parent)
+
+
 def checksum(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -246,6 +252,7 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
         tiers=Tiers(**tiers),
         policy_file=Path(CONFIG_DIR) / POLICY_KEY,
         log_level=spec.agent.log_level.value,
+        tenants=spec.tenants,
     )
 
 
@@ -612,7 +619,8 @@ def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Ma
         "name": "gc",
         "image": pool.spec.agent.image or settings.image(),
         "imagePullPolicy": pool.spec.agent.image_pull_policy,
-        "command": ["kvpool", "gc", "--shared", shared.url, "--all"],
+        "command": ["kvpool", "gc", "--shared", shared.url, "--all",
+                    *(arg for t in pool.spec.tenants for arg in ("--tenant", t.name))],
         "env": env,
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "securityContext": container_security,

@@ -7,7 +7,10 @@ turns the edit into the admission response's JSON patch.
 A pod of pool `<ns>/<name>` gets:
 
 - the pool's socket directory (a hostPath) mounted at the same path in every
-  container;
+  container; in a pool with tenants, its tenant's socket directory
+  (`<socketDir>/<ns>.<name>/tenants/<tenant>`) mounted there instead, so the
+  pod reaches its own tenant's socket and no other (a tenant the pool does not
+  list is rejected);
 - env `KVPOOL_SOCKET` (the agent socket), `KVPOOL_POOL` (`<ns>.<name>`),
   `KVPOOL_TENANT` (annotation `kvpool.io/tenant`, default the namespace) and
   `KVPOOL_CHUNK_TOKENS` (the pool's chunk size, part of the fingerprint);
@@ -25,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import api
-from .render import socket_dir, socket_path
+from .render import socket_dir, socket_path, tenant_socket_dir
 
 SOCKET_VOLUME = "kvpool-socket"
 INJECTED_ANNOTATION = "kvpool.io/injected"
@@ -72,18 +75,35 @@ def env_for(pod: Mapping[str, Any], pool: api.KVCachePool) -> list[dict[str, Any
     ]
 
 
+def host_socket_dir(pod: Mapping[str, Any], pool: api.KVCachePool) -> tuple[str, str]:
+    """(node directory, type) the pod mounts at the pool's socket directory.
+
+    In a pool with tenants that is the pod's tenant's directory, which the agent made
+    (`Directory`: it must exist), so the pod can reach no other tenant's socket.
+    """
+    if not pool.spec.tenants:
+        return socket_dir(pool), "DirectoryOrCreate"
+    tenant = tenant_of(pod, pool.metadata.namespace)
+    names = [t.name for t in pool.spec.tenants]
+    if tenant not in names:
+        raise Rejected(
+            f"tenant {tenant!r} (annotation {api.TENANT_ANNOTATION}, default the namespace) "
+            f"is not a tenant of KVCachePool {pool.metadata.name!r}; its tenants are "
+            f"{', '.join(names)}"
+        )
+    return tenant_socket_dir(pool, tenant), "Directory"
+
+
 def inject(pod: dict[str, Any], pool: api.KVCachePool) -> None:
     """Add the pool's socket, env and node affinity to `pod` (in place, idempotent)."""
     ns, name = pool.metadata.namespace, pool.metadata.name
     env = env_for(pod, pool)
     directory = socket_dir(pool)
+    host_dir, host_dir_type = host_socket_dir(pod, pool)
     spec = pod.setdefault("spec", {})
 
     volumes = spec.setdefault("volumes", [])
-    _upsert(
-        volumes,
-        {"name": SOCKET_VOLUME, "hostPath": {"path": directory, "type": "DirectoryOrCreate"}},
-    )
+    _upsert(volumes, {"name": SOCKET_VOLUME, "hostPath": {"path": host_dir, "type": host_dir_type}})
     for container in spec.get("containers") or []:
         mounts = container.setdefault("volumeMounts", [])
         mounts[:] = [m for m in mounts if m.get("name") != SOCKET_VOLUME]

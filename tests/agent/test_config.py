@@ -1,8 +1,10 @@
 """Config and policy files: unknown fields and bad values are named precisely."""
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvpool.agent.config import AgentConfig, ConfigError, load_agent_config, load_policy
 from kvpool.agent.units import format_size, parse_duration, parse_size
@@ -56,3 +58,55 @@ def test_arena_path_is_stable_per_socket() -> None:
     a = AgentConfig(socket_path=Path("/run/kvpool/a.sock"))
     assert a.arena_path() == AgentConfig(socket_path=Path("/run/kvpool/a.sock")).arena_path()
     assert a.arena_path() != AgentConfig(socket_path=Path("/run/kvpool/b.sock")).arena_path()
+
+
+def _tenanted(tenants: str) -> AgentConfig:
+    return AgentConfig.model_validate({
+        "socketPath": "/run/kvpool/p/agent.sock",
+        "tiers": {"dram": {"size": "1Gi", "path": "/var/lib/kvpool/dram/arena"},
+                  "nvme": {"path": "/nvme", "size": "10Gi"},
+                  "shared": {"url": "s3://bucket/pools/p/"}},
+        "tenants": yaml.safe_load(tenants),
+    })
+
+
+def test_each_tenant_gets_its_own_socket_arena_nvme_directory_and_shared_prefix() -> None:
+    cfg = _tenanted("[{name: a, dram: 256Mi}, {name: b}, {name: c, nvme: 4Gi}]")
+    spaces = dict(cfg.spaces())
+    assert list(spaces) == ["a", "b", "c"]
+    a, b, c = spaces["a"], spaces["b"], spaces["c"]
+    assert a.socket_path == Path("/run/kvpool/p/tenants/a/agent.sock")
+    assert a.arena_path() == Path("/var/lib/kvpool/dram/tenants/a/arena")
+    assert a.journal_path() == Path("/var/lib/kvpool/dram/tenants/a/arena.journal")
+    assert a.tiers.nvme is not None and a.tiers.nvme.path == Path("/nvme/tenants/a")
+    assert a.tiers.shared is not None and a.tiers.shared.url == "s3://bucket/pools/p/tenants/a"
+    # Sized tenants get their size; the others share what is left equally, in whole pages.
+    assert [s.tiers.dram.size for s in (a, b, c)] == [256 << 20, 384 << 20, 384 << 20]
+    assert [s.tiers.nvme.size for s in (a, b, c) if s.tiers.nvme] == [3 << 30, 3 << 30, 4 << 30]
+    assert all(s.tenants == [] for s in spaces.values())
+    assert cfg.tiers.dram.size == 1 << 30  # the pool's own config is left as it was
+
+
+def test_a_pool_without_tenants_is_one_space() -> None:
+    cfg = AgentConfig()
+    assert cfg.spaces() == [("", cfg)]
+
+
+@pytest.mark.parametrize(("tenants", "error"), [
+    ("[{name: a}, {name: a}]", "tenant 'a' is listed twice"),
+    ("[{name: a, dram: 2Gi}]", "tenants ask for 2147483648 bytes of dram, more than"),
+    ("[{name: a, dram: 1Gi}, {name: b}]", "tenants without a dram size get no dram"),
+    ("[{name: a, nvme: 11Gi}]", "bytes of nvme, more than"),
+    ("[{name: ../a}]", "tenants.0.name: String should match pattern"),
+])
+def test_bad_tenants_are_named(tmp_path: Path, tenants: str, error: str) -> None:
+    f = tmp_path / "agent.yaml"
+    f.write_text(yaml.safe_dump({"tiers": {"nvme": {"path": "/nvme", "size": "10Gi"}},
+                                 "tenants": yaml.safe_load(tenants)}))
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        load_agent_config(f)
+
+
+def test_tenant_nvme_size_needs_an_nvme_tier() -> None:
+    with pytest.raises(ValueError, match="a tenant has an nvme size but the pool has no NVMe"):
+        AgentConfig.model_validate({"tenants": [{"name": "a", "nvme": "1Gi"}]})

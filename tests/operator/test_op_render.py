@@ -205,6 +205,25 @@ def test_gc_job_carries_the_credentials(pool_full: dict) -> None:
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
 
 
+def test_a_pool_with_tenants_renders_them_into_the_agent_config_and_the_gc_job(
+        pool_full: dict) -> None:
+    body = copy.deepcopy(pool_full)
+    body["spec"]["tenants"] = [{"name": "chat", "dram": "8Gi"}, {"name": "search"}]
+    pool = api.parse_pool(body)
+    objects = render.render(pool, None)
+    _validate(objects)
+    config_map = _by_kind(objects)["ConfigMap"]
+    cfg = AgentConfig.model_validate(yaml.safe_load(config_map["data"]["agent.yaml"]))
+    assert [t.name for t in cfg.tenants] == ["chat", "search"]
+    sockets = [str(c.socket_path) for _, c in cfg.spaces()]
+    assert sockets == [f"{render.tenant_socket_dir(pool, t)}/agent.sock"
+                       for t in ("chat", "search")]
+    job = render.render_gc_job(pool)
+    _validate([job])
+    gc = job["spec"]["template"]["spec"]["containers"][0]
+    assert gc["command"][-4:] == ["--tenant", "chat", "--tenant", "search"]
+
+
 def test_long_names_are_shortened_within_limits() -> None:
     name = "a" * 55
     body = {

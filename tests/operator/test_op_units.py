@@ -229,6 +229,51 @@ def test_invalid_tenant_is_rejected() -> None:
         webhook.inject(pod, _pool())
 
 
+def _tenanted_pool(*tenants: str) -> api.KVCachePool:
+    body = example("pool.yaml", api.POOL_KIND)
+    body["spec"]["tenants"] = [{"name": t} for t in tenants]
+    return api.parse_pool(body)
+
+
+def test_in_a_pool_with_tenants_a_pod_mounts_only_its_tenants_socket_directory() -> None:
+    pod = example("pod.yaml", "Pod")  # annotated tenant "chat"
+    webhook.inject(pod, _tenanted_pool("chat", "search"))
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == webhook.SOCKET_VOLUME)
+    assert volume["hostPath"] == {
+        "path": "/run/kvpool/inference.llama-70b/tenants/chat", "type": "Directory"}
+    for container in pod["spec"]["containers"]:
+        mount = next(m for m in container["volumeMounts"]
+                     if m["name"] == webhook.SOCKET_VOLUME)
+        assert mount["mountPath"] == "/run/kvpool/inference.llama-70b"
+        env = {e["name"]: e["value"] for e in container["env"]}
+        # The same socket path inside the pod: clients need no change.
+        assert env["KVPOOL_SOCKET"] == "/run/kvpool/inference.llama-70b/agent.sock"
+        assert env["KVPOOL_TENANT"] == "chat"
+
+
+def test_a_tenant_the_pool_does_not_list_is_rejected() -> None:
+    pod = example("pod.yaml", "Pod")
+    with pytest.raises(webhook.Rejected,
+                       match=r"tenant 'chat' .* is not a tenant of KVCachePool 'llama-70b'; "
+                             r"its tenants are search, code"):
+        webhook.inject(pod, _tenanted_pool("search", "code"))
+
+
+@pytest.mark.parametrize(("tenants", "error"), [
+    ([{"name": "a"}, {"name": "a"}], "spec.tenants: tenant 'a' is listed twice"),
+    ([{"name": "a", "dram": "1Ti"}], "spec.tenants: tenants ask for 1099511627776 bytes of dram"),
+    ([{"name": "a", "nvme": "1Gi"}], None),  # the example pool has NVMe: fine
+])
+def test_pool_tenants_must_fit_the_tiers(tenants: list[dict[str, Any]], error: str | None) -> None:
+    body = example("pool.yaml", api.POOL_KIND)
+    body["spec"]["tenants"] = tenants
+    if error is None:
+        assert api.parse_pool(body).spec.tenants[0].name == "a"
+    else:
+        with pytest.raises(api.InvalidSpec, match=error):
+            api.parse_pool(body)
+
+
 def test_unknown_or_deleting_pool_is_rejected_by_name() -> None:
     with pytest.raises(webhook.Rejected, match="'ghost' not found in namespace 'inference'"):
         webhook.check_pool("ghost", "inference", None)

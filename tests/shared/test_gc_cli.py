@@ -35,3 +35,20 @@ def test_gc_names_a_bad_addressing_style() -> None:
     run = kvpool("gc", "--shared", "s3://bucket/p", "--all", "--addressing-style", "sideways")
     assert run.returncode == 2
     assert "addressing_style" in run.stderr and "sideways" in run.stderr
+
+
+def test_gc_all_with_tenants_empties_each_tenants_prefix_and_no_other(
+        moto_endpoint: str, bucket: str) -> None:
+    s3 = s3_client(moto_endpoint)
+    names = {i: object_name(make_chunk(i).key) for i in range(4)}
+    s3.put_object(Bucket=bucket, Key=f"pools/a/{names[0]}", Body=b"x")
+    s3.put_object(Bucket=bucket, Key=f"pools/a/tenants/chat/{names[1]}", Body=b"x")
+    s3.put_object(Bucket=bucket, Key=f"pools/a/tenants/code/{names[2]}", Body=b"x")
+    s3.put_object(Bucket=bucket, Key=f"pools/a/tenants/other/{names[3]}", Body=b"x")
+    run = kvpool("gc", "--shared", f"s3://{bucket}/pools/a", "--all", "--json",
+                 "--tenant", "chat", "--tenant", "code",
+                 "--endpoint-url", moto_endpoint, "--addressing-style", "path")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["deleted"] == 3
+    left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert left == [f"pools/a/tenants/other/{names[3]}"]  # a tenant not named stays

@@ -1,0 +1,157 @@
+"""Tenant isolation through a real agent: the socket, not the client, decides the tenant.
+
+An agent started with tenants serves each on its own socket (`tenants/<name>/agent.sock`)
+from its own arena, NVMe directory and shared prefix. These tests send one tenant's exact
+keys through another tenant's socket, at every tier, and check they are misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import tenant_socket_path
+from kvpool.agent.local import LocalAgent
+
+from .conftest import scrape, wait_until
+
+CHUNK = 64 * 1024
+TENANTS = ("team-a", "team-b")
+
+
+class TenantAgent(LocalAgent):
+    """A LocalAgent serving tenants; it is up once the last tenant's socket answers."""
+
+    def __init__(self, workdir: Path, *args: str, dram: str) -> None:
+        super().__init__(*args, *(f"--tenant={t}" for t in TENANTS), workdir=workdir, dram=dram)
+        self.pool_socket = self.socket_path
+        self.socket_path = tenant_socket_path(self.pool_socket, TENANTS[-1])
+
+    def socket_of(self, tenant: str) -> Path:
+        return tenant_socket_path(self.pool_socket, tenant)
+
+    def arena_of(self, tenant: str) -> Path:
+        return self.arena_path.parent / "tenants" / tenant / self.arena_path.name
+
+    def stop(self, remove_arena: bool = True) -> None:
+        super().stop(remove_arena)
+        if remove_arena:  # the tenants' arenas live beside the pool's, one directory each
+            for tenant in TENANTS:
+                arena = self.arena_of(tenant)
+                for path in (arena, arena.with_suffix(".journal")):
+                    path.unlink(missing_ok=True)
+                for d in (arena.parent, arena.parent.parent):
+                    with contextlib.suppress(OSError):  # another test's tenants live there
+                        d.rmdir()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[TenantAgent]:
+    # DRAM fits 8 chunks per tenant, NVMe 16: the test pushes chunks down through every tier.
+    with TenantAgent(tmp_path, "--no-lock", "--nvme-dir", str(tmp_path / "nvme"),
+                     "--nvme", str(2 * 16 * (CHUNK + 4096)),
+                     "--shared", (tmp_path / "shared").as_uri(),
+                     dram=str(2 * 8 * CHUNK)) as a:
+        yield a
+
+
+def chunk(i: int) -> tuple[bytes, bytes]:
+    key = i.to_bytes(4, "little") * 4
+    return key, bytes([i % 251 + 1]) * CHUNK
+
+
+def hello(path: Path, tenant: str) -> tuple[p.Reply, list[int]]:
+    """HELLO by hand: the agent's reply and the fds it passed."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(str(path))
+        s.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "test", tenant)))
+        msg, fds, _, _ = socket.recv_fds(s, 64 * 1024, 1)
+        return p.reply_decoder.decode(msg[p.HEADER.size:]), fds
+
+
+def test_a_tenant_never_sees_another_tenants_chunks_in_any_tier(agent: TenantAgent,
+                                                                  tmp_path: Path) -> None:
+    keys = [chunk(i)[0] for i in range(40)]
+    with KVPoolClient(agent.socket_of("team-a")) as a, \
+            KVPoolClient(agent.socket_of("team-b")) as b:
+        for i in range(40):
+            key, data = chunk(i)
+            assert a.put(key, data)
+
+        def written_through() -> bool:
+            queue = a.stats()["tiers"]["shared"]["queue"]
+            return bool(queue["pending"] == 0 and queue["in_flight"] == 0
+                        and queue["written"] >= 40)
+
+        wait_until(written_through, "team-a's chunks written to the shared tier")
+        tiers_a = [a.lookup_tiers([k]) for k in keys]
+        assert all(len(t) == 1 for t in tiers_a)
+        assert {"dram", "nvme", "shared"} == {t[0] for t in tiers_a}, tiers_a  # all hold some
+
+        # team-b sends team-a's exact keys: misses everywhere, LOOKUP, GET and zero-copy read.
+        assert b.lookup(keys) == 0
+        assert all(b.get(k) is None for k in keys)
+        out = bytearray(CHUNK)
+        assert all(b.get_into(k, out) == 0 for k in keys[:3])
+        # The same key written by team-b is team-b's own chunk, with its own bytes.
+        assert b.put(keys[0], b"\xee" * CHUNK)
+        assert b.get(keys[0]) == b"\xee" * CHUNK
+        assert a.get(keys[0]) == chunk(0)[1]
+        assert a.get(keys[-1]) == chunk(39)[1]
+
+        # STATS of a tenant counts its own chunks only.
+        stats_b = b.stats()
+        assert stats_b["tenant"] == "team-b"
+        assert stats_b["tiers"]["dram"]["chunks"] == 1
+        assert a.stats()["tenant"] == "team-a"
+
+    # On disk, each tenant's chunks are under its own directory of each tier.
+    shared_a = list((tmp_path / "shared" / "tenants" / "team-a").rglob("*.kvc"))
+    assert len(shared_a) == 40
+    assert not list((tmp_path / "shared").glob("??/*.kvc"))  # nothing at the pool's root
+
+    samples = scrape(agent)
+    assert samples['kvpool_tier_chunks{pool="default",tenant="team-b",tier="dram"}'] == 1.0
+
+
+def test_the_socket_decides_the_tenant_not_the_client(agent: TenantAgent) -> None:
+    reply, fds = hello(agent.socket_of("team-a"), "team-b")
+    assert not fds
+    assert isinstance(reply, p.ErrorReply)
+    assert reply.code == p.ErrorCode.TENANT_MISMATCH
+    assert "team-a" in reply.message and "team-b" in reply.message
+
+    # A client that names no tenant gets the socket's, and says so at HELLO.
+    with KVPoolClient(agent.socket_of("team-b"), tenant="") as b:
+        assert b.hello is not None and b.hello.tenant == "team-b"
+
+
+def test_each_tenant_maps_its_own_arena_file_with_owner_only_permissions(
+        agent: TenantAgent) -> None:
+    inodes = set()
+    for tenant in TENANTS:
+        reply, fds = hello(agent.socket_of(tenant), tenant)
+        assert isinstance(reply, p.HelloReply) and len(fds) == 1
+        try:
+            st = os.fstat(fds[0])
+        finally:
+            os.close(fds[0])
+        inodes.add((st.st_dev, st.st_ino))
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        arena = agent.arena_of(tenant)
+        assert (arena.stat().st_dev, arena.stat().st_ino) == (st.st_dev, st.st_ino)
+        sock = agent.socket_of(tenant)
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o750
+    assert len(inodes) == len(TENANTS)
+    # No pool-wide socket: a client reaches the agent only through its tenant's directory.
+    assert not agent.pool_socket.exists()
