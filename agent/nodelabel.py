@@ -2,7 +2,8 @@
 
 The operator's pod webhook gives every pod of a pool a required node affinity on this
 label, so an inference pod only lands on a node whose agent is ready. The agent sets
-the label once it serves (`start()`) and removes it when it stops (`stop()`), with the
+the label once it serves (`start()`), checks it every few minutes while serving (putting
+it back if it was removed), and removes it when it stops (`stop()`), with the
 per-pool RBAC the operator renders: `get` and `patch` on nodes, nothing else.
 
 It never takes the agent down: outside a cluster, or without a node name
@@ -33,6 +34,8 @@ LABEL_PREFIX = "pool.kvpool.io/"
 """The operator's `api.NODE_LABEL_PREFIX` (the agent does not import the operator)."""
 READY = "ready"
 NODE_NAME_ENV = "KVPOOL_NODE_NAME"
+RECHECK_INTERVAL = 300.0
+"""While serving, the label is checked this often and put back if someone removed it."""
 
 
 def label_key(pool: str) -> str:
@@ -69,6 +72,7 @@ class NodeLabeler:
         retry_delay: float = 1.0,
         retry_max: float = 60.0,
         stop_attempts: int = 3,
+        recheck: float = RECHECK_INTERVAL,
     ) -> None:
         self.key = label_key(pool)
         self.node_name = node_name
@@ -76,6 +80,7 @@ class NodeLabeler:
         self.retry_delay = retry_delay
         self.retry_max = retry_max
         self.stop_attempts = stop_attempts
+        self.recheck = recheck
         self.labelled = False
         """The label is known to be on the node."""
         self.failures = 0
@@ -119,12 +124,15 @@ class NodeLabeler:
             data.release_conn()
         return result
 
-    def _set(self) -> None:
+    def _set(self) -> bool:
+        """Make sure the label is on the node; True if it had to be (re)written."""
         node = self._call("GET")
         labels = (node.get("metadata") or {}).get("labels") or {}
-        if labels.get(self.key) != READY:  # a warm restart finds it set already
+        missing = labels.get(self.key) != READY  # a warm restart finds it set already
+        if missing:
             self._call("PATCH", {"metadata": {"labels": {self.key: READY}}})
         self.labelled = True
+        return missing
 
     def _remove(self) -> None:
         self._call("PATCH", {"metadata": {"labels": {self.key: None}}})
@@ -144,10 +152,13 @@ class NodeLabeler:
             )
 
     async def _keep_trying(self) -> None:
+        """Label the node, then keep checking: a label removed by hand (or by a node
+        update) while the agent serves would keep new pods of the pool off this node."""
         attempt = 0
+        labelled_once = False
         while True:
             try:
-                await asyncio.to_thread(self._set)
+                rewritten = await asyncio.to_thread(self._set)
             except Exception as e:  # any API or transport error: log, wait, retry
                 self.failures += 1
                 delay = backoff(attempt, self.retry_delay, self.retry_max)
@@ -162,8 +173,14 @@ class NodeLabeler:
                 attempt += 1
                 await asyncio.sleep(delay)
             else:
-                log.info("node %s labelled %s=%s", self.node_name, self.key, READY)
-                return
+                attempt = 0
+                if not labelled_once:
+                    log.info("node %s labelled %s=%s", self.node_name, self.key, READY)
+                elif rewritten:
+                    log.warning("node %s had lost its label %s=%s: put back",
+                                self.node_name, self.key, READY)
+                labelled_once = True
+                await asyncio.sleep(self.recheck)
 
     async def stop(self) -> None:
         """Stop trying to label, and remove the label (a bounded number of attempts)."""

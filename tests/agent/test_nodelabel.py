@@ -145,6 +145,22 @@ async def test_a_restart_finds_the_label_and_does_not_rewrite_it(server: NodeSer
     await second.stop()
 
 
+async def test_a_label_removed_while_serving_is_put_back(
+    server: NodeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpool.agent.nodelabel")
+    labeler = _labeler(server, recheck=0.05)
+    labeler.start()
+    await _until(lambda: _labels(server).get(KEY) == READY, "the ready label")
+    node = server.objects["v1/nodes", None, NODE]
+    server.objects["v1/nodes", None, NODE] = {
+        **node, "metadata": {**node["metadata"], "labels": {"kubernetes.io/hostname": NODE}}}
+    await _until(lambda: _labels(server).get(KEY) == READY, "the label put back")
+    assert any("had lost its label" in r.getMessage() for r in caplog.records)
+    await labeler.stop()
+    assert KEY not in _labels(server)
+
+
 async def test_agent_uses_exactly_the_rbac_the_operator_grants_it(server: NodeServer) -> None:
     """The operator renders a per-pool ClusterRole for the agents: get and patch on nodes.
     The labeler's requests need exactly that, no more and no less."""
