@@ -32,8 +32,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from . import policy as pol
 from .config import AgentConfig, TierName, TierPolicy
@@ -63,6 +64,14 @@ SHARED_PROBE_KEYS = 256
 SHARED_PROBE_INTERVAL = 1.0
 """Seconds between health probes of an unhealthy shared tier."""
 TIER_CODE: dict[TierName, int] = {"dram": 2, "nvme": 3, "shared": 4}
+BATCH_ITEMS = 64
+BATCH_BYTES = 16 << 20
+"""Most chunks (and chunk bytes) one batch of NVMe writes or file removals takes."""
+BATCHES_IN_FLIGHT = 2
+"""Batches of one kind running at once; what is offered meanwhile waits for the next."""
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class OpError(Exception):
@@ -89,6 +98,93 @@ Loaded = tuple[ChunkRecord, TierName, int]
 def check_key(key: bytes) -> None:
     if len(key) != KEY_BYTES:
         raise OpError(ErrorCode.BAD_KEY, f"a key is {KEY_BYTES} bytes, got {len(key)}")
+
+
+class Batches(Generic[T, R]):
+    """Work offered on the event loop, done in a worker pool a batch at a time.
+
+    One executor call per batch instead of one per chunk: a call costs two thread
+    hand-offs (a queue put that wakes a worker, a callback that wakes the loop),
+    which for a small chunk cost more than its file's syscalls. What is offered in
+    one loop tick leaves together at the end of that tick; what is offered while
+    `concurrency` batches are running waits for one to finish and goes in the next,
+    so the busier the tier the larger the batches, and an idle tier adds no delay.
+
+    `work(batch)` runs in the pool and must not raise (it reports per item in its
+    result); `done(batch, result)` runs on the loop. `close()` runs what is still
+    waiting in the calling thread: nothing offered is lost at shutdown.
+    """
+
+    def __init__(self, pool: Executor, work: Callable[[list[T]], R],
+                 done: Callable[[list[T], R], None], *, weight: Callable[[T], int] | None = None,
+                 concurrency: int = BATCHES_IN_FLIGHT, max_items: int = BATCH_ITEMS,
+                 max_weight: int = BATCH_BYTES) -> None:
+        self.pool = pool
+        self.work = work
+        self.done = done
+        self.weight = weight
+        self.concurrency = concurrency
+        self.max_items = max_items
+        self.max_weight = max_weight
+        self.waiting: list[T] = []
+        self.running = 0
+        """Batches handed to the pool whose `done` has not run yet."""
+        self.batches = 0
+        """Batches handed to the pool so far (tests and profiling read it)."""
+        self._scheduled = False
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def offer(self, item: T) -> None:
+        self.waiting.append(item)
+        if not self._scheduled and self.running < self.concurrency:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._start)
+
+    def _take(self) -> list[T]:
+        n, total = 0, 0
+        for item in self.waiting:
+            if n and (n >= self.max_items or (self.weight is not None
+                                               and total >= self.max_weight)):
+                break
+            n += 1
+            if self.weight is not None:
+                total += self.weight(item)
+        batch = self.waiting[:n]
+        del self.waiting[:n]
+        return batch
+
+    def _start(self) -> None:
+        self._scheduled = False
+        loop = asyncio.get_running_loop()
+        while self.waiting and self.running < self.concurrency:
+            batch = self._take()
+            try:
+                fut = loop.run_in_executor(self.pool, self.work, batch)
+            except RuntimeError:  # the pool is shut down: close() runs what waits
+                self.waiting[:0] = batch
+                return
+            self.running += 1
+            self.batches += 1
+            fut.add_done_callback(functools.partial(self._finished, batch))
+
+    def _finished(self, batch: list[T], fut: asyncio.Future[R]) -> None:
+        self.running -= 1
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:  # `work` must not raise: a bug, but one that must not hang us
+            log.error("a batch of %d background jobs failed", len(batch), exc_info=exc)
+        else:
+            self.done(batch, fut.result())
+        if self.waiting and not self._scheduled:
+            self._start()
+
+    def close(self) -> None:
+        """Do what still waits, here and now (the loop is stopping: `done` is not called)."""
+        while self.waiting:
+            self.work(self._take())
 
 
 class ChunkStore:
@@ -124,6 +220,15 @@ class ChunkStore:
         self.loading: dict[bytes, asyncio.Future[Loaded | None]] = {}
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         """Background writes and deletes: demotions, uploads' bookkeeping, file removals."""
+        self.demotions: Batches[tuple[ChunkRecord, DramChunk], list[tuple[str, OSError] | None]]
+        self.demotions = Batches(self.io, self._write_nvme_files, self._demoted,
+                                 weight=lambda d: d[0].size, concurrency=1)
+        """DRAM victims waiting to be written to NVMe, a batch per executor call. One batch
+        at a time: two demotions of one key (demoted, promoted from the in-flight copy,
+        demoted again) land in the order they were made, so the file is the newest one."""
+        self.removals: Batches[tuple[bytes, bool], None] = Batches(
+            self.io, self._remove_nvme_files, self._removed)
+        """Files of chunks out of the NVMe index, removed a batch per executor call."""
         self.reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-read")
         """Reads a client waits for (ACQUIRE/GET below DRAM, prefetch): never queued behind
         a burst of background writes."""
@@ -548,7 +653,7 @@ class ChunkStore:
                 continue
             if below == "nvme":
                 self.inflight[rec.key] = rec
-                self._spawn(self._demote(rec, chunk))
+                self.demotions.offer((rec, chunk))
             else:
                 self._upload(rec)
                 self.m.demotions["dram"].inc()
@@ -572,39 +677,71 @@ class ChunkStore:
         self.uploads.offer(rec)
         self.m.written_bytes["shared"].inc(rec.size)
 
-    async def _demote(self, rec: ChunkRecord, chunk: DramChunk) -> None:
-        loop = asyncio.get_running_loop()
+    def _write_nvme_files(self, batch: list[tuple[ChunkRecord, DramChunk]]
+                          ) -> list[tuple[str, OSError] | None]:
+        """Write demoted chunks to NVMe (a worker thread): per chunk, None once it is
+        written, else (error kind, error)."""
         nvme = self.nvme
         assert nvme is not None
-        try:
-            await loop.run_in_executor(self.io, nvme.write, rec)
-        except OSError as e:
-            kind = "full" if not nvme.healthy()[0] else "write"
-            log.warning("demotion of %s to nvme failed (%s): dropped", rec.key.hex(), e)
-            self.m.tier_errors[("nvme", kind)].inc()
-            if self.inflight.get(rec.key) is rec:
-                del self.inflight[rec.key]
-                if self._demotes_to_shared(chunk.hits):
-                    self._upload(rec)
-            return
-        if self.inflight.get(rec.key) is not rec:
-            # Deleted while it was being written: the file must not bring it back.
-            self._drop_nvme([pol.Victim(rec.key, "deleted")])
-            return
-        del self.inflight[rec.key]
-        if self.dram.get(rec.key) is not None:
-            # Promoted again from the in-flight copy: DRAM holds it, NVMe need not.
-            self._drop_nvme([pol.Victim(rec.key, "promoted")])
-            return
-        entry = nvme.index.get(rec.key)
-        if entry is None:
-            return
-        entry.hits = chunk.hits
-        entry.last_seq, entry.depth, entry.last_access = chunk.last_seq, chunk.depth, time.time()
-        self.nvme_queue.add(entry)
-        self.m.demotions["dram"].inc()
-        self.m.written_bytes["nvme"].inc(rec.size)
-        self._evict_nvme_to_watermark()
+        out: list[tuple[str, OSError] | None] = []
+        for rec, _ in batch:
+            try:
+                nvme.write(rec)
+            except OSError as e:
+                out.append(("full" if not nvme.healthy()[0] else "write", e))
+            except Exception as e:  # a bug must not leave the chunk in flight for ever
+                log.exception("demotion of %s to nvme failed", rec.key.hex())
+                out.append(("write", OSError(str(e))))
+            else:
+                out.append(None)
+        return out
+
+    def _demoted(self, batch: list[tuple[ChunkRecord, DramChunk]],
+                 results: list[tuple[str, OSError] | None]) -> None:
+        """A batch of demotions has been written (or failed): the chunks leave `inflight`
+        and join NVMe's eviction order, then NVMe makes room down to its watermark."""
+        nvme = self.nvme
+        assert nvme is not None
+        landed = False
+        for (rec, chunk), failed in zip(batch, results, strict=True):
+            current = self.inflight.get(rec.key)
+            if failed is not None:
+                kind, e = failed
+                log.warning("demotion of %s to nvme failed (%s): dropped", rec.key.hex(), e)
+                self.m.tier_errors[("nvme", kind)].inc()
+                if current is rec:
+                    del self.inflight[rec.key]
+                    # A file an earlier demotion of the key left (it deferred to this one)
+                    # is tracked by nobody: it goes too.
+                    self._drop_nvme([pol.Victim(rec.key, "superseded")])
+                    if self._demotes_to_shared(chunk.hits):
+                        self._upload(rec)
+                continue
+            if current is None:
+                # Deleted while it was being written: the file must not bring it back.
+                self._drop_nvme([pol.Victim(rec.key, "deleted")])
+                continue
+            if current is not rec:
+                # Demoted again meanwhile (promoted from the in-flight copy, or deleted and
+                # written again): the file and the index entry are that demotion's to take.
+                continue
+            del self.inflight[rec.key]
+            if self.dram.get(rec.key) is not None:
+                # Promoted again from the in-flight copy: DRAM holds it, NVMe need not.
+                self._drop_nvme([pol.Victim(rec.key, "promoted")])
+                continue
+            entry = nvme.index.get(rec.key)
+            if entry is None:
+                continue
+            entry.hits = chunk.hits
+            entry.last_seq, entry.depth = chunk.last_seq, chunk.depth
+            entry.last_access = time.time()
+            self.nvme_queue.add(entry)
+            self.m.demotions["dram"].inc()
+            self.m.written_bytes["nvme"].inc(rec.size)
+            landed = True
+        if landed:
+            self._evict_nvme_to_watermark()
 
     def _evict_nvme_to_watermark(self) -> None:
         nvme = self.nvme
@@ -639,25 +776,26 @@ class ChunkStore:
                 gone.append((v.key, self._demotes_to_shared(entry.hits)))
             else:
                 gone.append((v.key, False))
-        if gone:
-            self.nvme_removals += len(gone)
-            removal = asyncio.get_running_loop().run_in_executor(
-                self.io, self._remove_nvme_files, gone)
-            removal.add_done_callback(functools.partial(self._removed, len(gone)))
-            self._spawn(removal)
+        self.nvme_removals += len(gone)
+        for item in gone:
+            self.removals.offer(item)
 
-    def _removed(self, n: int, _: object) -> None:
-        self.nvme_removals -= n
+    def _removed(self, gone: list[tuple[bytes, bool]], _: None) -> None:
+        self.nvme_removals -= len(gone)
 
     def _remove_nvme_files(self, gone: list[tuple[bytes, bool]]) -> None:
+        """Remove forgotten chunks' files (a worker thread), passing some on to G4 first."""
         assert self.nvme is not None
         for key, to_shared in gone:
-            if to_shared:
-                rec = self._read_nvme(key, indexed=False)
-                if rec is not None:
-                    self._upload(rec)
-                    self.m.demotions["nvme"].inc()
-            self.nvme.remove_file(key)
+            try:
+                if to_shared:
+                    rec = self._read_nvme(key, indexed=False)
+                    if rec is not None:
+                        self._upload(rec)
+                        self.m.demotions["nvme"].inc()
+                self.nvme.remove_file(key)
+            except Exception:  # one file must not keep the others of its batch
+                log.exception("removing the nvme file of %s failed", key.hex())
 
     def _check_watermark(self) -> None:
         rules = self.policy.tiers.dram
@@ -704,7 +842,11 @@ class ChunkStore:
         await asyncio.get_running_loop().run_in_executor(self.io, shared.probe)
 
     def close(self) -> None:
-        """Stop background work: upload what is queued for a moment, then stop the threads."""
+        """Stop background work: finish the NVMe writes and removals that wait, upload what
+        is queued for a moment, then stop the threads."""
+        self.io.shutdown(wait=True)  # batches already handed over finish first
+        self.demotions.close()
+        self.removals.close()
         if self.uploads is not None:
             self.uploads.close()
         if self.shared is not None:

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,10 @@ class NvmeTier(ChunkTier):
                 old = self.index.get(rec.key)
                 if old is not None:
                     self._used -= old.size
-                self.index[rec.key] = NvmeEntry(rec.key, total, rec.tenant)
+                # Stamped now, not 0: until the store files the entry in its eviction
+                # order, a TTL sweep of the index must not take it for an ancient chunk.
+                self.index[rec.key] = NvmeEntry(rec.key, total, rec.tenant,
+                                                last_access=time.time())
                 self._used += total
         except OSError as e:
             with contextlib.suppress(OSError):

@@ -282,3 +282,37 @@ def test_nvme_index_is_rebuilt_at_restart_and_serves_the_chunks_written_before(
             assert all(c.get(k) is None for k in keys if k not in on_disk)  # DRAM-only: gone
     finally:
         agent.stop()
+
+
+def test_bursts_of_demotions_and_promotions_leave_the_index_and_the_disk_alike(
+        tmp_path: Path) -> None:
+    """Demotions are written and promoted chunks' files removed a batch at a time: after
+    bursts of both, the files on disk are exactly the chunks LOOKUP finds in NVMe, the
+    tier's accounting adds up to them, and every chunk reads back right."""
+    nvme_dir = tmp_path / "nvme"
+    size = 64 * KiB
+    with nvme_agent(tmp_path, dram="2Mi") as agent, KVPoolClient(agent.socket_path) as c:
+        keys = [os.urandom(16) for _ in range(120)]  # 7.5 MiB through a 2 MiB arena
+        for start in range(0, len(keys), 12):  # write leases on at most half the arena
+            batch = keys[start : start + 12]
+            assert c.put_many(batch, [data_for(k, size) for k in batch]) == [True] * 12
+        settle(c)
+        # Read back a burst of NVMe chunks in one batch: each promotion removes a file and
+        # demotes a DRAM victim.
+        below = [k for k in keys if tier_of(c, k) == "nvme"][:12]
+        assert len(below) == 12
+        bufs = [bytearray(size) for _ in below]
+        assert c.get_many_into(below, lambda i, n, meta: bufs[i]) == [size] * len(below)
+        assert all(bytes(b) == data_for(k, size) for k, b in zip(below, bufs, strict=True))
+        settle(c)
+        tiers = {k: tier_of(c, k) for k in keys}
+        in_nvme_index = sorted(k for k, t in tiers.items() if t == "nvme")
+        assert sorted(in_nvme(c, nvme_dir, keys)) == in_nvme_index
+        files = [p for p in nvme_dir.glob("*/*") if p.parent.name != "quarantine"]
+        assert len(files) == len(in_nvme_index)  # no stray or temporary file either
+        nvme = c.stats()["tiers"]["nvme"]
+        assert nvme["chunks"] == len(in_nvme_index)
+        assert nvme["used_bytes"] == sum(p.stat().st_size for p in files)
+        assert set(tiers.values()) == {"dram", "nvme"}  # nothing lost on the way
+        assert scrape(agent)[DEMOTED] >= len(in_nvme_index)
+        assert all(c.get(k) == data_for(k, size) for k in keys)

@@ -1,0 +1,216 @@
+"""`store.Batches`: background work offered on the event loop, done a batch per executor call.
+
+The store writes demoted chunks to NVMe and removes NVMe files this way. What is offered in
+one loop tick goes in one batch, what is offered while batches run goes in the next, nothing
+is done twice or left behind, and what still waits at shutdown is done by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent.arena import Arena
+from kvpool.agent.config import AgentConfig, TierPolicy
+from kvpool.agent.metrics import AgentMetrics
+from kvpool.agent.protocol import checksum
+from kvpool.agent.store import IO_THREADS, Batches, ChunkStore
+from kvpool.agent.tiers.dram import DramTier
+from kvpool.agent.tiers.nvme import NvmeTier
+
+
+class Recorder:
+    """A work function that records its batches; `gate` holds the workers until set."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[int]] = []
+        self.done: list[tuple[list[int], int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.lock = threading.Lock()
+
+    def work(self, batch: list[int]) -> int:
+        self.gate.wait(timeout=30)
+        with self.lock:
+            self.ran.append(batch)
+        return sum(batch)
+
+    def finished(self, batch: list[int], result: int) -> None:
+        self.done.append((batch, result))
+
+
+async def settle(b: Batches[int, int]) -> None:
+    while b.running or len(b):
+        await asyncio.sleep(0.01)
+
+
+def test_what_one_tick_offers_goes_in_one_batch_with_its_result() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            b = Batches(pool, rec.work, rec.finished)
+            for i in range(10):
+                b.offer(i)
+            await settle(b)
+            assert b.batches == 1
+
+    asyncio.run(main())
+    assert rec.ran == [list(range(10))]
+    assert rec.done == [(list(range(10)), 45)]
+
+
+def test_items_offered_while_batches_run_wait_and_go_together_in_order() -> None:
+    rec = Recorder()
+    rec.gate.clear()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            b = Batches(pool, rec.work, rec.finished, concurrency=1)
+            b.offer(0)
+            await asyncio.sleep(0)  # the tick ends: batch [0] is handed to the pool
+            for i in range(1, 6):
+                b.offer(i)
+                await asyncio.sleep(0)  # a tick each, but a batch is already running
+            assert b.running == 1 and len(b) == 5
+            rec.gate.set()
+            await settle(b)
+            assert b.batches == 2
+
+    asyncio.run(main())
+    assert rec.ran == [[0], [1, 2, 3, 4, 5]]
+    assert [d[0] for d in rec.done] == rec.ran
+
+
+def test_batches_are_capped_by_items_and_by_weight() -> None:
+    rec = Recorder()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            by_count = Batches(pool, rec.work, rec.finished, max_items=4, concurrency=1)
+            for i in range(10):
+                by_count.offer(i)
+            await settle(by_count)
+            by_weight = Batches(pool, rec.work, rec.finished, weight=lambda i: i,
+                                max_weight=10, concurrency=1)
+            for i in (6, 5, 1, 20, 3):  # a batch stops once it weighs max_weight or more
+                by_weight.offer(i)
+            await settle(by_weight)
+
+    asyncio.run(main())
+    assert rec.ran == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [6, 5], [1, 20], [3]]
+
+
+def test_close_does_what_still_waits() -> None:
+    rec = Recorder()
+    rec.gate.clear()
+
+    async def main() -> Batches[int, int]:
+        pool = ThreadPoolExecutor(1)
+        b = Batches(pool, rec.work, rec.finished, concurrency=1)
+        b.offer(1)
+        await asyncio.sleep(0)
+        b.offer(2)
+        b.offer(3)
+        rec.gate.set()
+        pool.shutdown(wait=True)  # as the store closes: the running batch finishes first
+        return b
+
+    b = asyncio.run(main())
+    b.close()
+    assert sorted(x for batch in rec.ran for x in batch) == [1, 2, 3]
+    assert len(b) == 0
+
+
+# ---------------------------------------------------------------- the store's NVMe batches
+
+
+def _store(tmp_path: Path) -> ChunkStore:
+    """A store on a 1 MiB arena over an NVMe directory: LRU, no prefetch, no server."""
+    config = AgentConfig(socket_path=tmp_path / "agent.sock")
+    arena = Arena(tmp_path / "arena", 1 << 20, lock=False)
+    policy = TierPolicy.model_validate({"prefetch": {"enabled": False},
+                                        "tiers": {"dram": {"eviction": "lru"}}})
+    return ChunkStore(config, DramTier(arena), NvmeTier(tmp_path / "nvme", 64 << 20),
+                      AgentMetrics("test"), policy)
+
+
+def _data(key: bytes, tag: bytes = b"") -> bytes:
+    return ((tag + key) * (CHUNK // 16 + 1))[:CHUNK]
+
+
+CHUNK = 256 << 10
+
+
+def _put(store: ChunkStore, key: bytes, data: bytes) -> None:
+    assert store.put(key, data, checksum(data, b""), b"", "")
+
+
+async def _settle(store: ChunkStore) -> None:
+    while store.demotions.running or len(store.demotions) or store.removals.running \
+            or len(store.removals):
+        await asyncio.sleep(0.01)
+
+
+def _hold_io(store: ChunkStore) -> threading.Event:
+    """Occupy every io thread until the event is set: batches queue up behind it."""
+    gate = threading.Event()
+    for _ in range(IO_THREADS):
+        store.io.submit(gate.wait, 30)
+    return gate
+
+
+def _on_disk(store: ChunkStore) -> list[bytes]:
+    assert store.nvme is not None
+    return sorted(bytes.fromhex(p.stem) for p in store.nvme.root.glob("??/*.kvc"))
+
+
+@pytest.mark.parametrize("again", ["promoted", "deleted-and-rewritten"])
+def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
+        tmp_path: Path, again: str) -> None:
+    """Demoted, then (promoted from the in-flight copy, or deleted and written again with
+    other bytes) and demoted again, all while the first write waits: the newest bytes end
+    up in NVMe, indexed, in the eviction order and on disk, and nothing else does."""
+    store = _store(tmp_path)
+    key = b"k" * 16
+    filler = [bytes([i]) * 16 for i in range(1, 9)]
+    gate = _hold_io(store)
+
+    async def main() -> None:
+        _put(store, key, _data(key, b"old"))
+        for k in filler[:4]:  # a 1 MiB arena holds 4 chunks: the key is evicted
+            _put(store, k, _data(k))
+        assert key in store.inflight
+        if again == "promoted":
+            data, *_ = await store.get(key)  # served from the in-flight copy, promoted
+            assert data == _data(key, b"old")
+            want = _data(key, b"old")
+        else:
+            assert store.delete(key)
+            want = _data(key, b"new")
+            _put(store, key, want)
+        assert store.dram.get(key) is not None
+        for k in filler[4:]:
+            _put(store, k, _data(k))
+        assert key in store.inflight and store.dram.get(key) is None  # demoted again
+        gate.set()
+        await _settle(store)
+        assert store.nvme is not None
+        assert key in store.nvme.index and key in store.nvme_queue and not store.inflight
+        data, _, _, tier = await store.get(key)
+        assert (data, tier) == (want, 3)
+        await _settle(store)
+        indexed = sorted(store.nvme.index)
+        assert _on_disk(store) == indexed
+        assert store.nvme.used_bytes == sum(e.size for e in store.nvme.index.values())
+        assert sorted(indexed + list(store.dram.chunks)) == sorted([key, *filler])
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        store.close()
