@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,13 +58,16 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         f"{distinct} distinct blocks of {format_size(bb)} from {trace_path.name}; "
         f"DRAM {format_size(dram_bytes)}, NVMe {format_size(nvme_bytes)}"
     )
-    with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
-        shared_url = shared or (Path(tmp) / "shared").as_uri()
-        tiers = ["--no-lock", "--nvme-dir", str(Path(tmp) / "nvme"), "--nvme", str(nvme_bytes)]
+    tmp = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
+    try:
+        shared_url = shared or (tmp / "shared").as_uri()
+        tiers = ["--no-lock", "--nvme-dir", str(tmp / "nvme"), "--nvme", str(nvme_bytes)]
         if shared_url != "none":
             tiers += ["--shared", shared_url]
             console.print(f"shared tier {shared_url}")
         result, stats = _replay(tiers, dram_bytes, reqs, bb, console, as_json)
+    finally:
+        remove_in_background(tmp)
     local_hits = sum(n for t, n in result.hits_by_tier.items() if t in ("dram", "nvme"))
     report = {
         "requests": result.requests,
@@ -105,6 +111,20 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
     )
     if as_json:
         print(json.dumps(report))
+
+
+def remove_in_background(path: Path) -> None:
+    """Remove the demo's directory (tens of thousands of chunk files: seconds of unlinks)
+    in a detached process, so the report does not wait for it; inline if that fails."""
+    try:
+        subprocess.Popen(
+            [sys.executable, "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], True)",
+             str(path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _replay(tier_args: list[str], dram_bytes: int, reqs: list[TraceRequest], block_bytes: int,

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.local import LocalAgent
 
+from .conftest import wait_until
 
-def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+
+def kvpool(*args: str, timeout: float = 300,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvpool.agent", *args], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
 
 def test_demo_json_reports_all_three_tiers_and_hit_ratios() -> None:
@@ -42,6 +47,15 @@ def test_demo_without_a_shared_tier() -> None:
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(report["tiers"]) == {"dram", "nvme"}
     assert report["local_hit_ratio"] == report["block_hit_ratio"]
+
+
+def test_demo_removes_its_directory_after_it_reports(tmp_path: Path) -> None:
+    """The chunk files go in a detached process (tens of thousands of unlinks for the full
+    trace): the report does not wait for them, but nothing is left behind."""
+    run = kvpool("demo", "--json", "--requests", "50", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["wrong_bytes"] == 0
+    wait_until(lambda: not list(tmp_path.glob("kvpool-demo-*")), what="the demo's directory to go")
 
 
 def test_stats_command_prints_json(agent: LocalAgent, client: KVPoolClient) -> None:
