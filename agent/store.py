@@ -10,8 +10,10 @@ come from `policy`; this module carries them out:
   keys, waiting at most the tier's lookup budget.
 - ACQUIRE/GET of a chunk below DRAM reads it in a worker thread (NVMe, else
   G4), verifies it, and copies it into the arena (a promotion) so it can be
-  leased. DRAM and NVMe are exclusive (a promoted chunk leaves NVMe); G4 is
-  shared by every node and keeps its copy.
+  leased. An NVMe read also takes the chunks after it in its LOOKUP that NVMe
+  holds (read-ahead: one thread hand-off for a prompt, not one per chunk).
+  DRAM and NVMe are exclusive (a promoted chunk leaves NVMe); G4 is shared
+  by every node and keeps its copy.
 - A DRAM chunk evicted with `onEvict: demote` is copied out and verified,
   its arena space freed at once, and written to NVMe in a worker thread;
   until that write lands the chunk is served from the in-flight copy.
@@ -45,7 +47,7 @@ from .metrics import EVICTION_REASONS, AgentMetrics
 from .protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from .tiers.base import ChunkRecord, IntegrityError
 from .tiers.dram import DramChunk, DramTier
-from .tiers.nvme import NvmeTier
+from .tiers.nvme import NvmeEntry, NvmeTier
 from .tiers.shared import SharedChunkTier
 from .writebehind import WriteBehindQueue
 
@@ -64,6 +66,12 @@ SHARED_PROBE_KEYS = 256
 SHARED_PROBE_INTERVAL = 1.0
 """Seconds between health probes of an unhealthy shared tier."""
 TIER_CODE: dict[TierName, int] = {"dram": 2, "nvme": 3, "shared": 4}
+READAHEAD_CHUNKS = 32
+"""Most chunks one NVMe read of a client takes: the one asked for and those after it."""
+READAHEAD_BYTES = 32 << 20
+"""Most bytes one such read takes, and (twice that) read-ahead chunks kept waiting."""
+RECENT_PROMPTS = 256
+"""Recent LOOKUPs that reached NVMe whose keys are kept, to know what follows a key."""
 BATCH_ITEMS = 64
 BATCH_BYTES = 16 << 20
 """Most chunks (and chunk bytes) one batch of NVMe writes or file removals takes."""
@@ -218,6 +226,12 @@ class ChunkStore:
         self.inflight: dict[bytes, ChunkRecord] = {}
         """Chunks on their way from DRAM to NVMe: still served from here."""
         self.loading: dict[bytes, asyncio.Future[Loaded | None]] = {}
+        self.prompts: OrderedDict[int, list[bytes]] = OrderedDict()
+        """Keys of recent LOOKUPs that found chunks in NVMe, by request seq."""
+        self.readahead: OrderedDict[bytes, tuple[ChunkRecord, NvmeEntry]] = OrderedDict()
+        """Verified chunks read from NVMe with an earlier chunk of their prompt, waiting for
+        their own read; each is good while the index holds the entry it was read under."""
+        self.readahead_bytes = 0
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         """Background writes and deletes: demotions, uploads' bookkeeping, file removals."""
         self.demotions: Batches[tuple[ChunkRecord, DramChunk], list[tuple[str, OSError] | None]]
@@ -314,6 +328,10 @@ class ChunkStore:
         while len(self.recent) > RECENT_LOOKUPS:
             self.recent.popitem(last=False)
         local = len(tiers)
+        if 3 in tiers:  # its NVMe chunks are about to be read: one read can take several
+            self.prompts[seq] = keys[:local]
+            if len(self.prompts) > RECENT_PROMPTS:
+                self.prompts.popitem(last=False)
         if local < len(keys) and self.shared is not None:
             tiers += b"\x04" * await self._shared_prefix(keys[local:])
         count = len(tiers)
@@ -455,32 +473,36 @@ class ChunkStore:
 
     async def _load(self, key: bytes) -> Loaded | None:
         """A verified chunk from below DRAM, the tier it came from and its hits there
-        (one read per key however many ask)."""
+        (one read per key however many ask).
+
+        An NVMe read also takes the chunks that follow the key in the LOOKUP that found
+        it, when they are in NVMe too (at most `READAHEAD_CHUNKS` and `READAHEAD_BYTES`):
+        a client reads a prompt's chunks one after the other, and one worker-thread read
+        of all of them costs one thread hand-off instead of one per chunk. The others wait
+        in `readahead`, verified, until their own read takes them; one is used only while
+        the NVMe index still holds the entry it was read under (so never after a delete,
+        a rewrite or an eviction)."""
         rec = self.inflight.get(key)
         if rec is not None:
             return rec, "nvme", 1
         pending = self.loading.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
-        source: TierName
-        read: Callable[[bytes], ChunkRecord | None]
+        ahead = self._take_readahead(key)
+        if ahead is not None:
+            return ahead
         if self.nvme is not None and key in self.nvme.index:
-            read, source = self._read_nvme, "nvme"
-        elif self.shared is not None and self.shared.healthy()[0]:
-            read, source = self._read_shared, "shared"
-        else:
+            return await self._load_nvme([key, *self._following_in_nvme(key)])
+        if self.shared is None or not self.shared.healthy()[0]:
             return None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Loaded | None] = loop.create_future()
         self.loading[key] = fut
         try:
-            got = await loop.run_in_executor(self.reads, read, key)
+            got = await loop.run_in_executor(self.reads, self._read_shared, key)
             result: Loaded | None = None
             if got is not None:
-                entry = self.nvme.index.get(key) if self.nvme is not None else None
-                result = (got, source, entry.hits if entry is not None else 1)
-            elif source == "nvme":
-                self.nvme_queue.discard(key)  # quarantined or gone: out of the order too
+                result = (got, "shared", 1)
             fut.set_result(result)
             return result
         except BaseException as e:
@@ -489,6 +511,95 @@ class ChunkStore:
             raise
         finally:
             del self.loading[key]
+
+    async def _load_nvme(self, keys: list[bytes]) -> Loaded | None:
+        """Read `keys` from NVMe in one worker-thread call; the first one's result, the
+        others kept in `readahead` (and given to whoever waits for them meanwhile)."""
+        nvme = self.nvme
+        assert nvme is not None
+        loop = asyncio.get_running_loop()
+        entries = [nvme.index.get(k) for k in keys]
+        futs: list[asyncio.Future[Loaded | None]] = []
+        for k in keys:
+            fut: asyncio.Future[Loaded | None] = loop.create_future()
+            self.loading[k] = fut
+            futs.append(fut)
+        try:
+            got = await loop.run_in_executor(self.reads, self._read_nvme_many, keys)
+            first: Loaded | None = None
+            for i, (k, rec, read_under, fut) in enumerate(
+                    zip(keys, got, entries, futs, strict=True)):
+                result: Loaded | None = None
+                if rec is not None:
+                    entry = nvme.index.get(k)
+                    result = (rec, "nvme", entry.hits if entry is not None else 1)
+                    if i and read_under is not None and entry is read_under:
+                        self._keep_readahead(k, rec, read_under)
+                else:
+                    self.nvme_queue.discard(k)  # quarantined or gone: out of the order too
+                fut.set_result(result)
+                if i == 0:
+                    first = result
+            return first
+        except BaseException as e:
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(e)
+                    fut.exception()  # retrieved: waiting readers get it, nobody else must
+            raise
+        finally:
+            for k, fut in zip(keys, futs, strict=True):
+                if self.loading.get(k) is fut:
+                    del self.loading[k]
+
+    def _following_in_nvme(self, key: bytes) -> list[bytes]:
+        """The keys after `key` in its LOOKUP that NVMe holds and nobody is reading yet."""
+        nvme = self.nvme
+        assert nvme is not None
+        seq, depth, _ = self.recent.get(key) or (0, 0, False)
+        prompt = self.prompts.get(seq)
+        if prompt is None or depth >= len(prompt) or prompt[depth] != key:
+            return []
+        out: list[bytes] = []
+        total = nvme.index[key].size
+        for k in prompt[depth + 1 :]:
+            if len(out) + 1 >= READAHEAD_CHUNKS:
+                break
+            entry = nvme.index.get(k)
+            if (entry is None or k in self.loading or k in self.readahead
+                    or k in self.inflight or self.dram.get(k) is not None):
+                continue
+            total += entry.size
+            if total > READAHEAD_BYTES:
+                break
+            out.append(k)
+        return out
+
+    def _read_nvme_many(self, keys: list[bytes]) -> list[ChunkRecord | None]:
+        return [self._read_nvme(k) for k in keys]
+
+    def _keep_readahead(self, key: bytes, rec: ChunkRecord, entry: NvmeEntry) -> None:
+        self._drop_readahead(key)
+        self.readahead[key] = (rec, entry)
+        self.readahead_bytes += rec.size
+        while self.readahead_bytes > 2 * READAHEAD_BYTES:
+            _, (old, _) = self.readahead.popitem(last=False)
+            self.readahead_bytes -= old.size
+
+    def _drop_readahead(self, key: bytes) -> None:
+        kept = self.readahead.pop(key, None)
+        if kept is not None:
+            self.readahead_bytes -= kept[0].size
+
+    def _take_readahead(self, key: bytes) -> Loaded | None:
+        kept = self.readahead.pop(key, None)
+        if kept is None:
+            return None
+        rec, entry = kept
+        self.readahead_bytes -= rec.size
+        if self.nvme is None or self.nvme.index.get(key) is not entry:
+            return None  # deleted, rewritten or evicted since: read again (or miss)
+        return rec, "nvme", entry.hits
 
     def _read_nvme(self, key: bytes, *, indexed: bool = True) -> ChunkRecord | None:
         """A verified chunk from its NVMe file; a failure is counted and is a miss.
@@ -525,6 +636,7 @@ class ChunkStore:
     def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int,
                  evict: bool = True) -> DramChunk:
         """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`)."""
+        self._drop_readahead(rec.key)
         extents = self._allocate(rec.size)
         self.dram.arena.write(extents, rec.data)
         chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
@@ -566,6 +678,7 @@ class ChunkStore:
     def delete(self, key: bytes) -> bool:
         check_key(key)
         self.dram.pins.discard(key)
+        self._drop_readahead(key)
         existed = self._drop_dram(key)
         if self.inflight.pop(key, None) is not None:
             existed = True

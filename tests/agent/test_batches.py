@@ -18,7 +18,7 @@ from kvpool.agent.arena import Arena
 from kvpool.agent.config import AgentConfig, TierPolicy
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.protocol import checksum
-from kvpool.agent.store import IO_THREADS, Batches, ChunkStore
+from kvpool.agent.store import IO_THREADS, Batches, ChunkStore, OpError
 from kvpool.agent.tiers.dram import DramTier
 from kvpool.agent.tiers.nvme import NvmeTier
 
@@ -213,4 +213,59 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         asyncio.run(main())
     finally:
         gate.set()
+        store.close()
+
+
+def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chunk(
+        tmp_path: Path) -> None:
+    """Reading the first NVMe chunk of a looked-up prompt reads the ones after it in the
+    same worker-thread call; each is then served from that read, unless it was deleted
+    (or rewritten) since."""
+    store = _store(tmp_path)
+    prompt = [bytes([0x40 + i]) * 16 for i in range(6)]
+    filler = [bytes([i]) * 16 for i in range(1, 5)]
+    calls: list[list[bytes]] = []
+    read_many = store._read_nvme_many
+
+    def counted(keys: list[bytes]) -> list[object]:
+        calls.append(keys)
+        return read_many(keys)  # type: ignore[return-value]
+
+    store._read_nvme_many = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        for k in prompt + filler:  # the filler pushes the whole prompt down to NVMe
+            _put(store, k, _data(k))
+        await _settle(store)
+        count, tiers = await store.lookup(prompt)
+        assert (count, tiers) == (6, b"\x03" * 6)
+        data, *_ = await store.get(prompt[0])
+        assert data == _data(prompt[0])
+        assert calls == [prompt]  # one read for the whole prompt
+        assert list(store.readahead) == prompt[1:]
+        assert store.delete(prompt[3])  # the read-ahead copy must not bring it back
+        other = _data(prompt[4], b"other")  # already stored: refused, the copy is kept
+        assert not store.put(prompt[4], other, checksum(other, b""), b"", "")
+        for k in prompt[1:]:
+            if k == prompt[3]:
+                with pytest.raises(OpError):
+                    await store.get(k)
+                continue
+            data, _, _, tier = await store.get(k)
+            assert (data, tier) == (_data(k), 3)
+        assert calls == [prompt]  # served from the read-ahead copies
+        assert not store.readahead and store.readahead_bytes == 0
+        await _settle(store)
+        # Written again with other bytes and pushed down again: read afresh, new bytes.
+        _put(store, prompt[3], _data(prompt[3], b"new"))
+        for k in filler:
+            await store.get(k)
+        await _settle(store)
+        assert prompt[3] in store.nvme.index  # type: ignore[union-attr]
+        data, *_ = await store.get(prompt[3])
+        assert data == _data(prompt[3], b"new")
+
+    try:
+        asyncio.run(main())
+    finally:
         store.close()
