@@ -125,12 +125,18 @@ class Batches(Generic[T, R]):
 
     def __init__(self, pool: Executor, work: Callable[[list[T]], R],
                  done: Callable[[list[T], R], None], *, weight: Callable[[T], int] | None = None,
+                 key: Callable[[T], bytes] | None = None,
                  concurrency: int = BATCHES_IN_FLIGHT, max_items: int = BATCH_ITEMS,
                  max_weight: int = BATCH_BYTES) -> None:
         self.pool = pool
         self.work = work
         self.done = done
         self.weight = weight
+        self.key = key
+        """With a key: items of one key are done one after the other, in the order offered
+        (an item waits while a running batch holds an earlier one of its key)."""
+        self._busy: dict[bytes, int] = {}
+        """Keys in running batches, with how many items of each."""
         self.concurrency = concurrency
         self.max_items = max_items
         self.max_weight = max_weight
@@ -151,34 +157,67 @@ class Batches(Generic[T, R]):
             asyncio.get_running_loop().call_soon(self._start)
 
     def _take(self) -> list[T]:
-        n, total = 0, 0
-        for item in self.waiting:
-            if n and (n >= self.max_items or (self.weight is not None
-                                               and total >= self.max_weight)):
+        if self.key is None:
+            n, total = 0, 0
+            for item in self.waiting:
+                if n and (n >= self.max_items or (self.weight is not None
+                                                   and total >= self.max_weight)):
+                    break
+                n += 1
+                if self.weight is not None:
+                    total += self.weight(item)
+            batch = self.waiting[:n]
+            del self.waiting[:n]
+            return batch
+        batch, left, total = [], [], 0
+        held: set[bytes] = set()  # keys of items left to wait: later ones of them wait too
+        for i, item in enumerate(self.waiting):
+            if batch and (len(batch) >= self.max_items or (self.weight is not None
+                                                           and total >= self.max_weight)):
+                left.extend(self.waiting[i:])
                 break
-            n += 1
+            k = self.key(item)
+            if k in self._busy or k in held:
+                held.add(k)
+                left.append(item)
+                continue
+            batch.append(item)
             if self.weight is not None:
                 total += self.weight(item)
-        batch = self.waiting[:n]
-        del self.waiting[:n]
+        self.waiting = left
         return batch
+
+    def _hold(self, batch: list[T], n: int) -> None:
+        if self.key is None:
+            return
+        for item in batch:
+            k = self.key(item)
+            count = self._busy.get(k, 0) + n
+            if count:
+                self._busy[k] = count
+            else:
+                del self._busy[k]
 
     def _start(self) -> None:
         self._scheduled = False
         loop = asyncio.get_running_loop()
         while self.waiting and self.running < self.concurrency:
             batch = self._take()
+            if not batch:
+                return  # all that waits is behind running batches of its keys
             try:
                 fut = loop.run_in_executor(self.pool, self.work, batch)
             except RuntimeError:  # the pool is shut down: close() runs what waits
                 self.waiting[:0] = batch
                 return
+            self._hold(batch, 1)
             self.running += 1
             self.batches += 1
             fut.add_done_callback(functools.partial(self._finished, batch))
 
     def _finished(self, batch: list[T], fut: asyncio.Future[R]) -> None:
         self.running -= 1
+        self._hold(batch, -1)
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -190,7 +229,9 @@ class Batches(Generic[T, R]):
             self._start()
 
     def close(self) -> None:
-        """Do what still waits, here and now (the loop is stopping: `done` is not called)."""
+        """Do what still waits, here and now (the loop is stopping: `done` is not called;
+        call it once the pool is shut down, so no batch is running)."""
+        self._busy.clear()
         while self.waiting:
             self.work(self._take())
 
@@ -236,10 +277,12 @@ class ChunkStore:
         """Background writes and deletes: demotions, uploads' bookkeeping, file removals."""
         self.demotions: Batches[tuple[ChunkRecord, DramChunk], list[tuple[str, OSError] | None]]
         self.demotions = Batches(self.io, self._write_nvme_files, self._demoted,
-                                 weight=lambda d: d[0].size, concurrency=1)
-        """DRAM victims waiting to be written to NVMe, a batch per executor call. One batch
-        at a time: two demotions of one key (demoted, promoted from the in-flight copy,
-        demoted again) land in the order they were made, so the file is the newest one."""
+                                 weight=lambda d: d[0].size, key=lambda d: d[0].key,
+                                 concurrency=IO_THREADS)
+        """DRAM victims waiting to be written to NVMe, a batch per executor call. Batches
+        run side by side, but two demotions of one key (demoted, promoted from the in-flight
+        copy or deleted and written again, demoted again) land in the order they were
+        made, so the file holds the newest bytes."""
         self.removals: Batches[tuple[bytes, bool], None] = Batches(
             self.io, self._remove_nvme_files, self._removed)
         """Files of chunks out of the NVMe index, removed a batch per executor call."""

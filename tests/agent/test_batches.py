@@ -105,6 +105,30 @@ def test_batches_are_capped_by_items_and_by_weight() -> None:
     assert rec.ran == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [6, 5], [1, 20], [3]]
 
 
+def test_with_a_key_an_item_waits_while_a_running_batch_holds_its_key() -> None:
+    """Batches run side by side, but two items of one key never do, nor out of order."""
+    rec = Recorder()
+    rec.gate.clear()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(4) as pool:
+            b = Batches(pool, rec.work, rec.finished, key=lambda i: bytes([i % 10]),
+                        concurrency=4)
+            b.offer(1)
+            await asyncio.sleep(0)  # [1] runs, holding key 1
+            for i in (11, 2, 21, 3):  # 11 and 21 share key 1: they wait; 2 and 3 go
+                b.offer(i)
+            await asyncio.sleep(0)
+            assert b.running == 2 and b.waiting == [11, 21]
+            rec.gate.set()
+            await settle(b)
+
+    asyncio.run(main())
+    assert sorted(map(tuple, rec.ran[:2])) == [(1,), (2, 3)]
+    order = [x for batch in rec.ran for x in batch if x % 10 == 1]
+    assert order == [1, 11, 21]
+
+
 def test_close_does_what_still_waits() -> None:
     rec = Recorder()
     rec.gate.clear()
