@@ -376,17 +376,28 @@ class ChunkStore:
             if len(self.prompts) > RECENT_PROMPTS:
                 self.prompts.popitem(last=False)
         if local < len(keys) and self.shared is not None:
-            tiers += b"\x04" * await self._shared_prefix(keys[local:])
+            # Past the local prefix the shared tier decides how far the prefix goes, but a
+            # key of it that is local after all is reported (and counted) in its local tier.
+            for depth in range(local, local + await self._shared_prefix(keys[local:])):
+                k = keys[depth]
+                chunk = self.dram.get(k)
+                if chunk is not None:
+                    self._touch(chunk, self.dram_queue, seq, depth)
+                    tiers.append(2)
+                elif k in nvme_index or k in self.inflight:
+                    tiers.append(3)
+                else:
+                    tiers.append(4)
         count = len(tiers)
         in_dram = tiers.count(2)
-        in_nvme = local - in_dram
+        in_nvme = tiers.count(3)
         m.hits["dram"].inc(in_dram)
         m.misses["dram"].inc(len(keys) - in_dram)
         if self.nvme is not None:
             m.hits["nvme"].inc(in_nvme)
-            m.misses["nvme"].inc(len(keys) - local)
+            m.misses["nvme"].inc(len(keys) - in_dram - in_nvme)
         if self.shared is not None:
-            m.hits["shared"].inc(count - local)
+            m.hits["shared"].inc(count - in_dram - in_nvme)
             m.misses["shared"].inc(len(keys) - count)
         for k in pol.prefetch_keys(self.policy, keys, count, bytes(tiers)):
             self._spawn(self._prefetch(k))
