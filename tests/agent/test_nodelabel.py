@@ -156,7 +156,9 @@ async def test_a_label_removed_while_serving_is_put_back(
     server.objects["v1/nodes", None, NODE] = {
         **node, "metadata": {**node["metadata"], "labels": {"kubernetes.io/hostname": NODE}}}
     await _until(lambda: _labels(server).get(KEY) == READY, "the label put back")
-    assert any("had lost its label" in r.getMessage() for r in caplog.records)
+    # The warning follows the PATCH once the labeler's coroutine resumes: wait for it too.
+    await _until(lambda: any("had lost its label" in r.getMessage() for r in caplog.records),
+                 "the warning that the label was put back")
     await labeler.stop()
     assert KEY not in _labels(server)
 
