@@ -26,6 +26,8 @@ from .protocol import Extents
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
+HUGE_PAGE_BYTES = 2 << 20
+"""The page of an arena on hugetlbfs (2Mi huge pages): its size is a multiple of it."""
 MAX_EXTENTS = 1024
 """A chunk is never cut into more runs than this (keeps ALLOC replies small)."""
 

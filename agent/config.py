@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from .arena import HUGE_PAGE_BYTES, PAGE_BYTES
 from .units import ByteSize, Duration
 
 TierName = Literal["dram", "nvme", "shared"]
@@ -277,7 +278,6 @@ class Tiers(Model):
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 TENANTS_DIR = "tenants"
 """Per-tenant sockets, arenas, NVMe files and shared objects live under `tenants/<name>/`."""
-ARENA_PAGE = 4096
 
 
 class TenantSpace(Model):
@@ -329,23 +329,23 @@ def tenant_url(url: str, tenant: str) -> str:
     return f"{url.rstrip('/')}/{TENANTS_DIR}/{tenant}"
 
 
-def check_tenants(tenants: list[TenantSpace], dram: int, nvme: int | None,
-                  huge_pages: bool = False) -> None:
-    """Raise ValueError if tenant names repeat or their sizes do not fit the tiers."""
+def tenant_sizes(tenants: list[TenantSpace], dram: int, nvme: int | None,
+                 huge_pages: bool = False) -> list[tuple[int, int]]:
+    """Each tenant's (DRAM, NVMe) bytes of tiers of `dram` and `nvme` bytes (NVMe 0 when
+    there is no NVMe tier). Raises ValueError if names repeat or the sizes do not fit."""
     seen: set[str] = set()
     for t in tenants:
         if t.name in seen:
             raise ValueError(f"tenant {t.name!r} is listed twice")
         seen.add(t.name)
-    if not tenants:
-        return
-    page = 2 << 20 if huge_pages else ARENA_PAGE
-    tenant_shares(dram, [t.dram for t in tenants], page, "dram")
+    page = HUGE_PAGE_BYTES if huge_pages else PAGE_BYTES
+    dram_sizes = tenant_shares(dram, [t.dram for t in tenants], page, "dram")
     if nvme is None:
         if any(t.nvme is not None for t in tenants):
             raise ValueError("a tenant has an nvme size but the pool has no NVMe tier")
-    else:
-        tenant_shares(nvme, [t.nvme for t in tenants], 1, "nvme")
+        return [(d, 0) for d in dram_sizes]
+    nvme_sizes = tenant_shares(nvme, [t.nvme for t in tenants], 1, "nvme")
+    return list(zip(dram_sizes, nvme_sizes, strict=True))
 
 
 # --------------------------------------------------------------------------- agent
@@ -385,9 +385,13 @@ class AgentConfig(Model):
 
     @model_validator(mode="after")
     def _tenants_fit(self) -> Self:
-        nvme = self.tiers.nvme.size if self.tiers.nvme is not None else None
-        check_tenants(self.tenants, self.tiers.dram.size, nvme, self.tiers.dram.huge_pages)
+        self.tenant_sizes()
         return self
+
+    def tenant_sizes(self) -> list[tuple[int, int]]:
+        """Each tenant's (DRAM, NVMe) bytes on this node; see `tenant_sizes`."""
+        nvme = self.tiers.nvme.size if self.tiers.nvme is not None else None
+        return tenant_sizes(self.tenants, self.tiers.dram.size, nvme, self.tiers.dram.huge_pages)
 
     @field_validator("metrics_addr")
     @classmethod
@@ -417,14 +421,10 @@ class AgentConfig(Model):
         """
         if not self.tenants:
             return [("", self)]
-        dram, nvme = self.tiers.dram, self.tiers.nvme
-        page = 2 << 20 if dram.huge_pages else ARENA_PAGE
-        dram_sizes = tenant_shares(dram.size, [t.dram for t in self.tenants], page, "dram")
-        nvme_sizes = (tenant_shares(nvme.size, [t.nvme for t in self.tenants], 1, "nvme")
-                      if nvme is not None else [0] * len(self.tenants))
+        dram = self.tiers.dram
         out = []
-        for tenant, dram_size, nvme_size in zip(self.tenants, dram_sizes, nvme_sizes,
-                                                 strict=True):
+        for tenant, (dram_size, nvme_size) in zip(self.tenants, self.tenant_sizes(),
+                                                  strict=True):
             name = tenant.name
             cfg = self.model_copy(deep=True)
             cfg.tenants = []

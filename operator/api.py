@@ -16,7 +16,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpool.agent.config import DramTier, Model, TenantSpace, TierPolicy, check_tenants, explain
+from kvpool.agent.arena import HUGE_PAGE_BYTES
+from kvpool.agent.config import DramTier, Model, TenantSpace, TierPolicy, explain, tenant_sizes
 from kvpool.agent.units import ByteSize
 
 GROUP = "kvpool.io"
@@ -81,9 +82,6 @@ class ReclaimPolicy(StrEnum):
     """Deleting the pool runs `kvpool gc --all` on its shared prefix first."""
 
 
-HUGE_PAGE_SIZE = 2 << 20
-
-
 class DramSpec(Model):
     """G2: a pinned shared-memory arena on every node of the pool."""
 
@@ -101,7 +99,7 @@ class DramSpec(Model):
 
     @model_validator(mode="after")
     def _whole_huge_pages(self) -> DramSpec:
-        if self.huge_pages and self.size % HUGE_PAGE_SIZE:
+        if self.huge_pages and self.size % HUGE_PAGE_BYTES:
             raise ValueError("size must be a multiple of 2Mi when hugePages is true")
         return self
 
@@ -399,8 +397,8 @@ def _parse(cls: type[_M], body: Any) -> _M:
         tiers = obj.spec.tiers
         dram = tiers.effective_dram()
         try:
-            check_tenants(obj.spec.tenants, dram.size,
-                          tiers.nvme.size if tiers.nvme is not None else None, dram.huge_pages)
+            tenant_sizes(obj.spec.tenants, dram.size,
+                         tiers.nvme.size if tiers.nvme is not None else None, dram.huge_pages)
         except ValueError as e:
             raise InvalidSpec(f"KVCachePool {name}: spec.tenants: {e}") from e
         shared = obj.spec.tiers.shared

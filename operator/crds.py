@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 
-from kvpool.agent.config import TenantPolicy, TierPolicy, TierRules
+from kvpool.agent.config import TENANT_NAME_PATTERN, TenantPolicy, TierPolicy, TierRules
 from kvpool.agent.units import parse_duration, parse_size
 
 from . import api
@@ -76,7 +76,7 @@ _FIELD_EXTRA: dict[tuple[type[BaseModel], str], Schema] = {
         "x-kubernetes-list-map-keys": ["name"],
     },
     (TierPolicy, "pins"): {"maxItems": 4096, "items": {"pattern": "^[0-9a-fA-F]{32}$"}},
-    (TenantPolicy, "name"): {"pattern": "^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"},
+    (TenantPolicy, "name"): {"pattern": TENANT_NAME_PATTERN},
     (api.KVCachePoolSpec, "tolerations"): {"maxItems": 64},
     (api.KVCachePoolSpec, "tenants"): {
         "maxItems": 64,

@@ -27,12 +27,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvpool.agent.config import TENANT_NAME_PATTERN
+
 from . import api
 from .render import socket_dir, socket_path, tenant_socket_dir
 
 SOCKET_VOLUME = "kvpool-socket"
 INJECTED_ANNOTATION = "kvpool.io/injected"
-_TENANT = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_TENANT = re.compile(TENANT_NAME_PATTERN)
 
 
 class Rejected(ValueError):
