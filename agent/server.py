@@ -203,11 +203,10 @@ class Space:
     """What one tenant (or the whole pool) is served from: socket, arena, store."""
 
     def __init__(self, tenant: str, config: AgentConfig, metrics: AgentMetrics,
-                 policy: TierPolicy, isolated: bool) -> None:
+                 policy: TierPolicy) -> None:
         self.tenant = tenant
+        """The tenant this space serves; "" for the one space of a pool without tenants."""
         self.config = config
-        self.isolated = isolated
-        """True when the pool has tenants: the socket decides a connection's tenant."""
         dram_cfg = config.tiers.dram
         self.arena = Arena(config.arena_path(), dram_cfg.size, lock=dram_cfg.lock,
                            huge_pages=dram_cfg.huge_pages)
@@ -225,8 +224,12 @@ class Space:
         kept, dropped = self.store.recover(entries)
         if kept or dropped:
             log.info("warm restart%s: %d chunks kept from the arena, %d dropped",
-                     f" of tenant {tenant}" if isolated else "", kept, dropped)
-        self.connections = 0
+                     f" of tenant {tenant}" if self.isolated else "", kept, dropped)
+
+    @property
+    def isolated(self) -> bool:
+        """True when the pool has tenants: the socket decides a connection's tenant."""
+        return bool(self.tenant)
 
     def state_samples(self) -> Any:
         for name, doc, labels, value in self.store.state_samples():
@@ -248,8 +251,7 @@ class Agent:
         if config.policy_file is not None:
             self.policy = load_policy(config.policy_file)
             self.policy_mtime = config.policy_file.stat().st_mtime
-        isolated = bool(config.tenants)
-        self.spaces = [Space(tenant, cfg, self.metrics, self.policy, isolated)
+        self.spaces = [Space(tenant, cfg, self.metrics, self.policy)
                        for tenant, cfg in config.spaces()]
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
         self.connections: dict[int, Connection] = {}
@@ -316,7 +318,7 @@ class Agent:
         out = space.store.stats()
         if space.isolated:
             out["tenant"] = space.tenant
-        out["clients"] = space.connections
+        out["clients"] = sum(1 for c in self.connections.values() if c.space is space)
         out["agent_version"] = __version__
         return out
 
@@ -329,12 +331,9 @@ class Agent:
 
     def _bind(self, space: Space) -> socket.socket:
         path = space.config.socket_path
-        if space.isolated:
-            # Only this tenant's pods mount this directory; owner and group only.
-            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if space.isolated:  # only this tenant's pods mount the directory: owner and group
             os.chmod(path.parent, 0o750)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise ConfigError(f"{path} exists and is not a socket")
@@ -362,7 +361,6 @@ class Agent:
             cid, self._next_cid = self._next_cid, self._next_cid + 1
             conn = Connection(self, space, sock, cid)
             self.connections[cid] = conn
-            space.connections += 1
             conn.task = loop.create_task(self._run_connection(conn))
 
     async def _run_connection(self, conn: Connection) -> None:
@@ -374,7 +372,6 @@ class Agent:
             log.exception("client %d failed", conn.id)
         finally:
             self.connections.pop(conn.id, None)
-            conn.space.connections -= 1
             conn.store.disconnect(conn.id)
             conn.sock.close()
 
