@@ -29,16 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from . import policy as pol
+from .batches import Batches
 from .config import AgentConfig, TierName, TierPolicy
 from .eviction import EvictionQueue, new_queue
 from .journal import Journal, JournalEntry, replay
@@ -72,14 +71,6 @@ READAHEAD_BYTES = 32 << 20
 """Most bytes one such read takes, and (twice that) read-ahead chunks kept waiting."""
 RECENT_PROMPTS = 256
 """Recent LOOKUPs that reached NVMe whose keys are kept, to know what follows a key."""
-BATCH_ITEMS = 64
-BATCH_BYTES = 16 << 20
-"""Most chunks (and chunk bytes) one batch of NVMe writes or file removals takes."""
-BATCHES_IN_FLIGHT = 2
-"""Batches of one kind running at once; what is offered meanwhile waits for the next."""
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 class OpError(Exception):
@@ -106,134 +97,6 @@ Loaded = tuple[ChunkRecord, TierName, int]
 def check_key(key: bytes) -> None:
     if len(key) != KEY_BYTES:
         raise OpError(ErrorCode.BAD_KEY, f"a key is {KEY_BYTES} bytes, got {len(key)}")
-
-
-class Batches(Generic[T, R]):
-    """Work offered on the event loop, done in a worker pool a batch at a time.
-
-    One executor call per batch instead of one per chunk: a call costs two thread
-    hand-offs (a queue put that wakes a worker, a callback that wakes the loop),
-    which for a small chunk cost more than its file's syscalls. What is offered in
-    one loop tick leaves together at the end of that tick; what is offered while
-    `concurrency` batches are running waits for one to finish and goes in the next,
-    so the busier the tier the larger the batches, and an idle tier adds no delay.
-
-    `work(batch)` runs in the pool and must not raise (it reports per item in its
-    result); `done(batch, result)` runs on the loop. `close()` runs what is still
-    waiting in the calling thread: nothing offered is lost at shutdown.
-    """
-
-    def __init__(self, pool: Executor, work: Callable[[list[T]], R],
-                 done: Callable[[list[T], R], None], *, weight: Callable[[T], int] | None = None,
-                 key: Callable[[T], bytes] | None = None,
-                 concurrency: int = BATCHES_IN_FLIGHT, max_items: int = BATCH_ITEMS,
-                 max_weight: int = BATCH_BYTES) -> None:
-        self.pool = pool
-        self.work = work
-        self.done = done
-        self.weight = weight
-        self.key = key
-        """With a key: items of one key are done one after the other, in the order offered
-        (an item waits while a running batch holds an earlier one of its key)."""
-        self._busy: dict[bytes, int] = {}
-        """Keys in running batches, with how many items of each."""
-        self.concurrency = concurrency
-        self.max_items = max_items
-        self.max_weight = max_weight
-        self.waiting: list[T] = []
-        self.running = 0
-        """Batches handed to the pool whose `done` has not run yet."""
-        self.batches = 0
-        """Batches handed to the pool so far (tests and profiling read it)."""
-        self._scheduled = False
-
-    def __len__(self) -> int:
-        return len(self.waiting)
-
-    def offer(self, item: T) -> None:
-        self.waiting.append(item)
-        if not self._scheduled and self.running < self.concurrency:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._start)
-
-    def _take(self) -> list[T]:
-        if self.key is None:
-            n, total = 0, 0
-            for item in self.waiting:
-                if n and (n >= self.max_items or (self.weight is not None
-                                                   and total >= self.max_weight)):
-                    break
-                n += 1
-                if self.weight is not None:
-                    total += self.weight(item)
-            batch = self.waiting[:n]
-            del self.waiting[:n]
-            return batch
-        batch, left, total = [], [], 0
-        held: set[bytes] = set()  # keys of items left to wait: later ones of them wait too
-        for i, item in enumerate(self.waiting):
-            if batch and (len(batch) >= self.max_items or (self.weight is not None
-                                                           and total >= self.max_weight)):
-                left.extend(self.waiting[i:])
-                break
-            k = self.key(item)
-            if k in self._busy or k in held:
-                held.add(k)
-                left.append(item)
-                continue
-            batch.append(item)
-            if self.weight is not None:
-                total += self.weight(item)
-        self.waiting = left
-        return batch
-
-    def _hold(self, batch: list[T], n: int) -> None:
-        if self.key is None:
-            return
-        for item in batch:
-            k = self.key(item)
-            count = self._busy.get(k, 0) + n
-            if count:
-                self._busy[k] = count
-            else:
-                del self._busy[k]
-
-    def _start(self) -> None:
-        self._scheduled = False
-        loop = asyncio.get_running_loop()
-        while self.waiting and self.running < self.concurrency:
-            batch = self._take()
-            if not batch:
-                return  # all that waits is behind running batches of its keys
-            try:
-                fut = loop.run_in_executor(self.pool, self.work, batch)
-            except RuntimeError:  # the pool is shut down: close() runs what waits
-                self.waiting[:0] = batch
-                return
-            self._hold(batch, 1)
-            self.running += 1
-            self.batches += 1
-            fut.add_done_callback(functools.partial(self._finished, batch))
-
-    def _finished(self, batch: list[T], fut: asyncio.Future[R]) -> None:
-        self.running -= 1
-        self._hold(batch, -1)
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:  # `work` must not raise: a bug, but one that must not hang us
-            log.error("a batch of %d background jobs failed", len(batch), exc_info=exc)
-        else:
-            self.done(batch, fut.result())
-        if self.waiting and not self._scheduled:
-            self._start()
-
-    def close(self) -> None:
-        """Do what still waits, here and now (the loop is stopping: `done` is not called;
-        call it once the pool is shut down, so no batch is running)."""
-        self._busy.clear()
-        while self.waiting:
-            self.work(self._take())
 
 
 class ChunkStore:
@@ -1020,7 +883,6 @@ class ChunkStore:
             self.shared.close()
         self.lookup_io.shutdown(wait=False, cancel_futures=True)
         self.reads.shutdown(wait=True)
-        self.io.shutdown(wait=True)
 
     def recover(self, entries: Iterable[JournalEntry]) -> tuple[int, int]:
         """Re-admit journaled chunks whose arena bytes still verify; (kept, dropped)."""

@@ -1,4 +1,4 @@
-"""`store.Batches`: background work offered on the event loop, done a batch per executor call.
+"""`batches.Batches`: background work offered on the event loop, done a batch per executor call.
 
 The store writes demoted chunks to NVMe and removes NVMe files this way. What is offered in
 one loop tick goes in one batch, what is offered while batches run goes in the next, nothing
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent.arena import Arena
+from kvpool.agent.batches import Batches
 from kvpool.agent.config import AgentConfig, TierPolicy
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.protocol import checksum
-from kvpool.agent.store import IO_THREADS, Batches, ChunkStore, OpError
+from kvpool.agent.store import IO_THREADS, ChunkStore, OpError
 from kvpool.agent.tiers.dram import DramTier
 from kvpool.agent.tiers.nvme import NvmeTier
 
