@@ -72,7 +72,9 @@ class Batches(Generic[T, R]):
     def _take(self) -> list[T]:
         """The next batch from the front of `waiting`, within the caps; with a key, an
         item whose key a running batch (or an item left to wait) holds stays behind."""
-        batch, left, total = [], [], 0
+        batch: list[T] = []
+        left: list[T] = []
+        total = 0
         held: set[bytes] = set()  # keys of items left to wait: later ones of them wait too
         for i, item in enumerate(self.waiting):
             if batch and (len(batch) >= self.max_items or (self.weight is not None
