@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from .bench_data import bench_key, payload, prefaulted
 from .bench_stats import child_server, throughput, timed
 from .client import KVPoolClient
 from .config import SharedTier
-from .local import LocalAgent, free_port
+from .local import PYTHON, LocalAgent, free_port
 from .protocol import checksum
 from .tiers.base import ChunkRecord
 from .tiers.nvme import NvmeTier
@@ -121,7 +120,7 @@ def moto_server() -> Iterator[str]:
         except OSError:
             return False
 
-    with child_server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    with child_server([*PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                       ready=answers, what="moto server"):
         yield url
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from rich.table import Table
 
 from . import bench_trace as sim
 from .client import KVPoolClient
-from .local import LocalAgent
+from .local import PYTHON, LocalAgent
 from .replay import ReplayResult, replay
 from .tiers.base import HEADER_BYTES
 from .trace import TraceRequest, bundled_trace_path, distinct_blocks, load_trace
@@ -118,7 +117,7 @@ def remove_in_background(path: Path) -> None:
     in a detached process, so the report does not wait for it; inline if that fails."""
     try:
         subprocess.Popen(
-            [sys.executable, "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], True)",
+            [*PYTHON, "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], True)",
              str(path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
