@@ -6,9 +6,13 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+"""The checkout's root: where the README's commands run."""
 
 
 def wait_until(cond: Callable[[], object], what: str = "condition",

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from ..support import scrape as scrape  # re-exported for the tests
 from ..support import wait_until as wait_until

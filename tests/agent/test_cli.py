@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
+from ..support import REPO_ROOT
 from .conftest import wait_until
 
 
@@ -58,18 +59,13 @@ def test_demo_removes_its_directory_after_it_reports(tmp_path: Path) -> None:
     wait_until(lambda: not list(tmp_path.glob("kvpool-demo-*")), what="the demo's directory to go")
 
 
-def test_demo_runs_from_a_directory_whose_modules_shadow_the_agents(tmp_path: Path) -> None:
-    """`pip install . && kvpool demo` is run from a checkout, whose `operator/` shadows the
-    standard library's `operator`: the processes the demo starts must not import from the
-    working directory. (A `msgspec.py` there stands in for it: the agent imports msgspec,
-    while this interpreter's start-up may already have imported `operator`.)"""
-    (tmp_path / "operator").mkdir()
-    (tmp_path / "operator" / "__init__.py").write_text("")
-    (tmp_path / "msgspec.py").write_text("raise ImportError('imported from the working dir')\n")
-    # -P for this process too, as a console script (which puts its own bin/ first) would.
-    run = subprocess.run([sys.executable, "-P", "-m", "kvpool.agent", "demo", "--json",
+def test_demo_runs_from_the_repository_root() -> None:
+    """`python -m kvpool.agent demo` from a checkout's root: `python -m` puts the working
+    directory first on sys.path, so nothing at the root may shadow a module the agent (or the
+    standard library) imports, and the processes the demo starts run there too."""
+    run = subprocess.run([sys.executable, "-m", "kvpool.agent", "demo", "--json",
                           "--requests", "20", "--shared", "none"], capture_output=True,
-                         text=True, timeout=300, stdin=subprocess.DEVNULL, cwd=tmp_path)
+                         text=True, timeout=300, stdin=subprocess.DEVNULL, cwd=REPO_ROOT)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.strip().splitlines()[-1])["wrong_bytes"] == 0
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 
 def keys(n: int) -> list[bytes]:

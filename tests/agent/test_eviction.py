@@ -6,7 +6,7 @@ import os
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from .conftest import RawConn, scrape
 

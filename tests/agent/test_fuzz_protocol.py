@@ -50,9 +50,9 @@ from hypothesis.stateful import (
 from kvpool.agent import protocol as p
 from kvpool.agent.arena import MAX_EXTENTS, PAGE_BYTES
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
 from kvpool.agent.server import FRAME_TIMEOUT, SEND_TIMEOUT
 from kvpool.agent.store import MAX_LEASES_PER_CLIENT
+from kvpool.bench.local import LocalAgent
 
 from .conftest import FUZZ_PROFILE
 

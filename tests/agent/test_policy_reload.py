@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from .conftest import RawConn, scrape, wait_until
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from .conftest import scrape, wait_until
 

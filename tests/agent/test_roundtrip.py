@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from .conftest import scrape, used_bytes
 

@@ -19,7 +19,7 @@ import pytest
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import tenant_socket_path
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from .conftest import scrape, wait_until
 

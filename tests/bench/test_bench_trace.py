@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.agent.bench_trace import (
+from kvpool.agent.config import EvictionOrder
+from kvpool.bench.sim import (
     NEVER,
     belady,
     capacity_blocks,
@@ -17,7 +18,6 @@ from kvpool.agent.bench_trace import (
     queue_sim,
     unbounded,
 )
-from kvpool.agent.config import EvictionOrder
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import COPY_BLOCK, KVPoolClient, _copy_and_checksum
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 
 @pytest.mark.parametrize("size", [0, 1, COPY_BLOCK - 1, COPY_BLOCK, 3 * COPY_BLOCK + 4097])

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent, free_port
+from kvpool.bench.local import LocalAgent, free_port
 from kvpool.operator import alerts, dashboard
 
 from .conftest import CHART

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import scrape, wait_until
 from . import lmcache_engine as engine

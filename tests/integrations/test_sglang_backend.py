@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvpool.agent.integrations.sglang import KVPoolHiCacheStorage
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import scrape
 

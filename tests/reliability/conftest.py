@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
+from kvpool.bench.local import LocalAgent
 
 from ..support import scrape
 from ..support import wait_until as wait_until  # re-exported for the tests

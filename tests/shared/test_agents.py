@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.local import LocalAgent
 from kvpool.agent.tiers.shared import object_name
+from kvpool.bench.local import LocalAgent
 
 from ..support import scrape, wait_until
 from .conftest import RestartableMoto, s3_client

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,15 +36,16 @@ from typing import Any
 
 import yaml
 
-from .bench_data import bench_key, payload, prefaulted
-from .bench_stats import child_server, throughput, timed
-from .client import KVPoolClient
-from .config import SharedTier
-from .local import PYTHON, LocalAgent, free_port
-from .protocol import checksum
-from .tiers.base import ChunkRecord
-from .tiers.nvme import NvmeTier
-from .tiers.shared import open_shared_tier
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import SharedTier
+from kvpool.agent.protocol import checksum
+from kvpool.agent.tiers.base import ChunkRecord
+from kvpool.agent.tiers.nvme import NvmeTier
+from kvpool.agent.tiers.shared import open_shared_tier
+
+from .data_path import bench_key, payload, prefaulted
+from .local import LocalAgent, free_port
+from .stats import child_server, throughput, timed
 
 BUCKET = "kvpool-bench"
 
@@ -120,7 +122,7 @@ def moto_server() -> Iterator[str]:
         except OSError:
             return False
 
-    with child_server([*PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    with child_server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                       ready=answers, what="moto server"):
         yield url
 

@@ -29,12 +29,13 @@ from typing import Any
 
 import yaml
 
-from .bench_trace import belady, capacity_blocks, lru, queue_sim, unbounded
-from .client import KVPoolClient
-from .config import EvictionOrder, TierPolicy
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import EvictionOrder, TierPolicy
+
 from .demo import PAGE
 from .local import LocalAgent
 from .replay import replay
+from .sim import belady, capacity_blocks, lru, queue_sim, unbounded
 from .trace import TraceRequest, distinct_blocks
 
 BLOCK_BYTES = PAGE

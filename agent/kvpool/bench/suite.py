@@ -24,12 +24,12 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from .bench_control import run_control
-from .bench_data import run_data_path
-from .bench_replay import run_trace
-from .bench_scale import run_scale
-from .bench_stats import MiB
-from .bench_tiers import run_g3, run_g4
+from .control import run_control
+from .data_path import run_data_path
+from .hit_ratio import run_trace
+from .scale import run_scale
+from .stats import MiB
+from .tiers import run_g3, run_g4
 from .trace import load_trace
 
 FULL_SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -84,7 +84,7 @@ def run_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any]:
     result["scale"] = scale
     result["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     if out is not None:
-        from .bench_plots import write_plots
+        from .plots import write_plots
 
         result["meta"]["plots"] = [str(p) for p in write_plots(result, out)]
         (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")

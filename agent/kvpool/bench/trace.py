@@ -24,7 +24,7 @@ class TraceRequest:
 
 
 def bundled_trace_path() -> Path:
-    return Path(str(resources.files("kvpool.agent.data").joinpath(BUNDLED_TRACE)))
+    return Path(str(resources.files("kvpool.bench.data").joinpath(BUNDLED_TRACE)))
 
 
 def load_trace(path: Path | None = None, limit: int | None = None) -> list[TraceRequest]:

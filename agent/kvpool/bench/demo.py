@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import bench_trace as sim
-from .client import KVPoolClient
-from .local import PYTHON, LocalAgent
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.tiers.base import HEADER_BYTES
+from kvpool.agent.units import format_size, parse_size
+
+from . import sim
+from .local import LocalAgent
 from .replay import ReplayResult, replay
-from .tiers.base import HEADER_BYTES
 from .trace import TraceRequest, bundled_trace_path, distinct_blocks, load_trace
-from .units import format_size, parse_size
 
 PAGE = 4096
 
@@ -117,7 +119,7 @@ def remove_in_background(path: Path) -> None:
     in a detached process, so the report does not wait for it; inline if that fails."""
     try:
         subprocess.Popen(
-            [*PYTHON, "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], True)",
+            [sys.executable, "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], True)",
              str(path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,

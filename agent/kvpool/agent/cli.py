@@ -159,7 +159,7 @@ def demo(
     requests: Annotated[int | None, typer.Option(help="Replay only the first N.")] = None,
 ) -> None:
     """Start a local agent and replay a real request trace through it."""
-    from .demo import run_demo
+    from kvpool.bench.demo import run_demo
 
     try:
         run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram, nvme=nvme,
@@ -180,7 +180,7 @@ def bench(
 ) -> None:
     """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU and
     Belady), in one run on this machine."""
-    from .bench import run_bench
+    from kvpool.bench.suite import run_bench
 
     run_bench(quick=quick, as_json=as_json, out=out)
 

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .client import KVPoolClient
-from .keys import Fingerprint, block_keys
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.keys import Fingerprint, block_keys
+
 from .trace import TraceRequest
 
 DEMO_FINGERPRINT = Fingerprint(

@@ -20,10 +20,11 @@ from typing import Any
 
 import psutil
 
-from . import protocol as p
-from .bench_stats import percentile
-from .client import KVPoolClient
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+
 from .local import LocalAgent
+from .stats import percentile
 
 TINY = 64
 BATCH = 256

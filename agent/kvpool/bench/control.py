@@ -19,9 +19,10 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from .bench_stats import percentile
-from .client import KVPoolClient
+from kvpool.agent.client import KVPoolClient
+
 from .local import LocalAgent
+from .stats import percentile
 
 PREFIX_CHUNKS = 128
 SMALL_CHUNK = 4096

@@ -34,8 +34,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .config import EvictionOrder
-from .eviction import new_queue
+from kvpool.agent.config import EvictionOrder
+from kvpool.agent.eviction import new_queue
 
 Trace = Sequence[Sequence[int]]
 """Blocks per request, in arrival order."""

@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .bench_stats import child_server, size_label, throughput, timed
-from .client import KVPoolClient, _copy_and_checksum
+from kvpool.agent.client import KVPoolClient, _copy_and_checksum
+from kvpool.agent.protocol import checksum
+
 from .local import LocalAgent
-from .protocol import checksum
+from .stats import child_server, size_label, throughput, timed
 
 KEY_PREFIX = b"kvpool-bench-key"
 

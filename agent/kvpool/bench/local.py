@@ -13,11 +13,6 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-PYTHON = [sys.executable, "-P"]
-"""The command of a child Python: this interpreter, without the working directory first on
-sys.path (-P), which a checkout of this repository would otherwise put there: its `operator/`
-shadows the standard library's `operator`, and the child dies before it starts."""
-
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -53,7 +48,7 @@ class LocalAgent:
     def start(self) -> LocalAgent:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [*PYTHON, "-m", "kvpool.agent", "agent", *self.args],
+            [sys.executable, "-m", "kvpool.agent", "agent", *self.args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         log.close()
