@@ -105,8 +105,10 @@ class _CountingSocket:
 def test_16mib_zero_copy_round_trip_sends_under_4kib_over_the_socket(
         agent: LocalAgent) -> None:
     with KVPoolClient(agent.socket_path) as c:
-        counter = _CountingSocket(c._sock)  # type: ignore[arg-type]
-        c._sock = counter  # type: ignore[assignment]
+        conn = c._live().conn
+        assert conn.sock is not None
+        counter = _CountingSocket(conn.sock)
+        conn.sock = counter  # type: ignore[assignment]
         k, data = key(), os.urandom(16 << 20)
         c.put(k, data)
         out = bytearray(16 << 20)

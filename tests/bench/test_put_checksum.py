@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent import protocol as p
-from kvpool.agent.client import COPY_BLOCK, KVPoolClient, _copy_and_checksum
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.transport import COPY_BLOCK, copy_and_checksum
 from kvpool.bench.local import LocalAgent
 
 
@@ -32,7 +33,7 @@ def test_streamed_checksum_equals_protocol_checksum(size: int, meta: bytes,
     for n in lengths:
         offset -= n + 4096
         extents.append((offset, n))
-    digest = _copy_and_checksum(memoryview(arena), extents, memoryview(data), meta)
+    digest = copy_and_checksum(memoryview(arena), extents, memoryview(data), meta)
     assert digest == p.checksum(data, meta)
     copied = b"".join(bytes(arena[o : o + n]) for o, n in extents)
     assert copied == data

@@ -9,7 +9,7 @@ Buffers are pre-faulted; one process, one thread:
   (a single-thread memmove, the copy the zero-copy client itself does);
   beside it, two diagnostics: `xxh3_gbps`, the XXH3-64 checksum over the
   same bytes on its own, and `copy_xxh3_gbps`, the put's copy-and-hash pass
-  (`client._copy_and_checksum`) between the same two buffers: what a put
+  (`transport.copy_and_checksum`) between the same two buffers: what a put
   costs without its two round trips (ALLOC, COMMIT);
 - G2 put: `KVPoolClient.put` of a new key (ALLOC, copy into the arena with
   the checksum computed per 1 MiB block as it is copied, COMMIT);
@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvpool.agent.client import KVPoolClient, _copy_and_checksum
+from kvpool.agent.client import KVPoolClient
 from kvpool.agent.protocol import checksum
+from kvpool.agent.transport import copy_and_checksum
 
 from .local import LocalAgent
 from .stats import child_server, size_label, throughput, timed
@@ -110,7 +111,7 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, inline: KVPoolClient,
             raise RuntimeError("redis lost the bench value")
 
     def copy_and_hash(_: int) -> None:
-        _copy_and_checksum(d, [(0, nbytes)], s, b"")
+        copy_and_checksum(d, [(0, nbytes)], s, b"")
 
     ops: dict[str, Callable[[int], object]] = {
         "memcpy": copy, "xxh3": lambda _: checksum(s), "copy_xxh3": copy_and_hash,
