@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 PAGE_BYTES = 4096
 HUGE_PAGE_BYTES = 2 << 20
 """The page of an arena on hugetlbfs (2Mi huge pages): its size is a multiple of it."""
+_HASH_PIECE_BYTES = 1 << 20
+"""The agent checksums arena bytes read into one buffer of this size, piece by piece: the
+piece is still in cache when the hash reads it, and no chunk costs its size in heap."""
 MAX_EXTENTS = 1024
 """A chunk is never cut into more runs than this (keeps ALLOC replies small)."""
 
@@ -156,13 +159,32 @@ def _libc() -> ctypes.CDLL:
 
 
 class Arena:
-    """The arena file, mapped shared, pre-faulted and (when permitted) locked."""
+    """The arena file, mapped shared, pre-faulted and (when permitted) locked.
+
+    Every client of the arena's space holds a writable fd of this file, and a writable fd
+    of a tmpfs file can be resized (a sealed memfd could not be, but a memfd dies with the
+    agent, and a restart must find the arena again). A mapping touched past the file's end
+    is SIGBUS, which would end the agent and every tenant with it. So the agent never
+    touches its own mapping (it only keeps the pages resident and locked): it reads and
+    writes the arena with pread/pwrite through its fd, which see a shrunk file as a short
+    read instead of a fault, and it puts the file back to its size whenever it finds it
+    resized. A client that resizes the arena destroys only bytes of its own space (which
+    it could overwrite anyway: see the trust model in docs/reliability.md); a read that
+    verifies them finds a checksum mismatch, a miss.
+
+    hugetlbfs files cannot be written with pwrite, so an arena on huge pages is written
+    through the mapping after a size check: there a resize racing that check can still
+    fault the agent (docs/reliability.md).
+    """
 
     def __init__(self, path: Path, size: int, *, lock: bool = True, huge_pages: bool = False):
         self.path = path
         self.size = size
+        self.huge_pages = huge_pages
         self.locked_bytes = 0
         self.lock_error: str | None = None
+        self.resizes = 0
+        """How many times a client resized the file and the agent put it back."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -183,6 +205,7 @@ class Arena:
             raise
         self.fd = fd
         self.view = memoryview(self.mm)
+        self._piece = bytearray(_HASH_PIECE_BYTES)
         self._anchor: Any = None
         if lock:
             self._lock()
@@ -199,24 +222,76 @@ class Arena:
                 self.lock_error += " (grant IPC_LOCK or raise RLIMIT_MEMLOCK)"
             log.warning("DRAM arena not locked: %s; continuing unlocked", self.lock_error)
 
+    def restore_size(self) -> bool:
+        """Put the file back to the arena's size if a client resized it; True if it had to."""
+        actual = os.fstat(self.fd).st_size
+        if actual == self.size:
+            return False
+        self.resizes += 1
+        log.warning("DRAM arena %s was resized to %d bytes behind the agent (a client's fd); "
+                    "restoring %d bytes: chunks in the lost range fail their checksums",
+                    self.path, actual, self.size)
+        os.ftruncate(self.fd, self.size)
+        if not self.huge_pages:
+            os.posix_fallocate(self.fd, 0, self.size)
+        return True
+
+    def client_fd(self) -> int:
+        """The fd handed to a client at HELLO, once the file has its size (a client mapping a
+        shrunk file would fault on its first copy)."""
+        self.restore_size()
+        return self.fd
+
     def write(self, extents: Extents, data: Any) -> None:
         src = memoryview(data).cast("B")
+        self.restore_size()  # a pwrite past a shrunk end would grow a sparse file instead
         pos = 0
         for offset, nbytes in extents:
-            self.view[offset : offset + nbytes] = src[pos : pos + nbytes]
+            if self.huge_pages:
+                self.view[offset : offset + nbytes] = src[pos : pos + nbytes]
+            else:
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(self.fd, src[pos + done : pos + nbytes], offset + done)
             pos += nbytes
+
+    def _pread(self, offset: int, nbytes: int) -> bytes:
+        if self.huge_pages:
+            self.restore_size()
+            return bytes(self.view[offset : offset + nbytes])
+        data = os.pread(self.fd, nbytes, offset)
+        if len(data) < nbytes:
+            # Shrunk behind the agent: what was past the end is gone; read zeros there.
+            self.restore_size()
+            data += os.pread(self.fd, nbytes - len(data), offset + len(data))
+        return data
 
     def read(self, extents: Extents) -> bytes:
         if len(extents) == 1:
             offset, nbytes = extents[0]
-            return bytes(self.view[offset : offset + nbytes])
-        return b"".join(self.view[o : o + n] for o, n in extents)
+            return self._pread(offset, nbytes)
+        return b"".join(self._pread(o, n) for o, n in extents)
 
     def checksum(self, extents: Extents, meta: bytes = b"") -> int:
         h = xxhash.xxh3_64()
         h.update(meta)
+        piece = memoryview(self._piece)
         for offset, nbytes in extents:
-            h.update(self.view[offset : offset + nbytes])
+            if self.huge_pages:
+                self.restore_size()
+                h.update(self.view[offset : offset + nbytes])
+                continue
+            done = 0
+            while done < nbytes:
+                n = min(nbytes - done, len(piece))
+                got = os.preadv(self.fd, [piece[:n]], offset + done)
+                if got == 0:  # shrunk behind the agent: zeros from here, once restored
+                    if not self.restore_size():
+                        raise OSError(errno.EIO,
+                                      f"arena {self.path} reads short at {offset + done}")
+                    continue
+                h.update(piece[:got])
+                done += got
         return int(h.intdigest())
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import __version__
 from . import protocol as p
 from .arena import Arena
+from .claim import SpaceClaim
 from .config import AgentConfig, ConfigError, TierPolicy, load_policy
 from .metrics import AgentMetrics
 from .nodelabel import NodeLabeler
@@ -190,7 +191,7 @@ class Connection:
         ))
         # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
         # the connection fresh, so one sendmsg carries it whole.
-        fds = array.array("i", [space.arena.fd])
+        fds = array.array("i", [space.arena.client_fd()])
         try:
             sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except BlockingIOError as e:
@@ -208,6 +209,7 @@ class Space:
         """The tenant this space serves; "" for the one space of a pool without tenants."""
         self.config = config
         dram_cfg = config.tiers.dram
+        self.claim = SpaceClaim(config.arena_path(), config.socket_path)  # before touching any
         self.arena = Arena(config.arena_path(), dram_cfg.size, lock=dram_cfg.lock,
                            huge_pages=dram_cfg.huge_pages)
         nvme = None
@@ -240,6 +242,7 @@ class Space:
         if self.store.journal is not None:
             self.store.journal.close()
         self.arena.close()
+        self.claim.release()
 
 
 class Agent:

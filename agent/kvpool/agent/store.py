@@ -376,9 +376,14 @@ class ChunkStore:
         check_key(key)
         chunk = self.dram.get(key)
         if chunk is not None:
+            data = self.dram.read_verified(chunk)
+            if data is None:  # its arena bytes were overwritten: a miss, never wrong bytes
+                self.m.integrity_failures["dram"].inc()
+                self._drop_dram(key)
+                raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} failed its checksum")
             self._touch_read(chunk)
             self.m.read_bytes["dram"].inc(chunk.size)
-            return self.dram.arena.read(chunk.extents), chunk.checksum, chunk.meta, 2
+            return data, chunk.checksum, chunk.meta, 2
         loaded = await self._load(key)
         if loaded is None:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")

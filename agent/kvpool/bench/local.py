@@ -90,7 +90,8 @@ class LocalAgent:
                 self.proc.kill()
                 self.proc.wait(timeout=15)
         if remove_arena:
-            for p in (self.arena_path, self.arena_path.with_suffix(".journal")):
+            for p in (self.arena_path, *(self.arena_path.with_suffix(x)
+                                         for x in (".journal", ".lock"))):
                 if p.exists():
                     os.unlink(p)
         if self._tmp is not None and remove_arena:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..arena import Arena, ExtentAllocator
-from ..protocol import Extents
+from ..protocol import Extents, checksum
 
 
 @dataclass(slots=True)
@@ -82,6 +82,15 @@ class DramTier:
 
     def get(self, key: bytes) -> DramChunk | None:
         return self.chunks.get(key)
+
+    def read_verified(self, chunk: DramChunk) -> bytes | None:
+        """A chunk's bytes from the arena, or None when they no longer match its checksum.
+
+        Every client of a space can write anywhere in its arena (and resize the file), so
+        bytes the agent hands out by value are checked first: hashing costs a fraction of
+        the copy it guards (docs/reliability.md, the trust model within a tenant)."""
+        data = self.arena.read(chunk.extents)
+        return data if checksum(data, chunk.meta) == chunk.checksum else None
 
     def protected(self, key: bytes) -> bool:
         """Pinned or read right now: never evicted."""
