@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from kvpool.agent import __version__
 from kvpool.agent.client import KVPoolClient
-from kvpool.bench.local import LocalAgent
+from kvpool.agent.units import human_size
+from kvpool.bench.local import LocalAgent, free_port
 
 from ..support import REPO_ROOT
 from .conftest import wait_until
@@ -107,3 +114,218 @@ def test_gc_all_deletes_every_chunk_of_a_file_shared_tier(tmp_path) -> None:
     assert json.loads(run.stdout)["deleted"] == 3
     assert list(tier.keys()) == []
     tier.close()
+
+
+# --------------------------------------------------------------------------- errors a user sees
+
+
+def error_line(run: subprocess.CompletedProcess[str]) -> str:
+    """The command's stderr, which must be exactly one `error: ...` line."""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    return lines[0]
+
+
+def shm_arena(tmp_path: Path) -> Path:
+    """An arena path of this test's own under /dev/shm (the agent's journal goes beside it)."""
+    digest = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
+    return Path("/dev/shm") / f"kvpool-cli-test-{digest}.arena"
+
+
+@pytest.fixture
+def arena_path(tmp_path: Path) -> Iterator[Path]:
+    path = shm_arena(tmp_path)
+    yield path
+    for p in (path, path.with_suffix(".journal")):
+        p.unlink(missing_ok=True)
+
+
+def test_version_prints_the_package_version() -> None:
+    run = kvpool("--version", timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"kvpool {__version__}"
+
+
+def test_demo_with_a_missing_trace_names_the_flag_and_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    run = kvpool("demo", "--trace", str(missing), timeout=60)
+    assert run.returncode == 2
+    line = error_line(run)
+    assert "--trace" in line and str(missing) in line and "No such file" in line
+
+
+def test_demo_with_a_bad_size_names_the_flag() -> None:
+    run = kvpool("demo", "--block-bytes", "10XB", timeout=60)
+    assert run.returncode == 2
+    assert "'--block-bytes'" in error_line(run) and "'10XB' is not a size" in run.stderr
+
+
+def test_agent_with_a_bad_dram_size_names_the_flag_not_the_config_field() -> None:
+    run = kvpool("agent", "--dram", "10XB", timeout=60)
+    assert run.returncode == 2
+    line = error_line(run)
+    assert "'--dram'" in line and "'10XB' is not a size" in line
+    assert "tiers.dram.size" not in line and "pydantic" not in line
+
+
+def test_agent_with_a_bad_flag_value_names_that_flag() -> None:
+    run = kvpool("agent", "--metrics-addr", "nowhere", timeout=60)
+    assert run.returncode == 2
+    assert "'--metrics-addr'" in error_line(run)
+
+
+def test_unknown_flag_is_a_usage_error() -> None:
+    run = kvpool("agent", "--no-such-flag", timeout=60)
+    assert run.returncode == 2
+    assert "No such option: --no-such-flag" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_agent_that_cannot_make_its_socket_says_so_and_leaves_nothing(
+        tmp_path: Path, arena_path: Path) -> None:
+    """`--socket /etc/hostname/agent.sock`: the socket's directory is a file. The start fails
+    in one line naming --socket, and the arena and journal it opened are gone again."""
+    not_a_dir = tmp_path / "hostname"
+    not_a_dir.write_text("node-1\n")
+    sock = not_a_dir / "agent.sock"
+    run = kvpool("agent", "--socket", str(sock), "--arena", str(arena_path), "--dram", "16Mi",
+                 "--no-lock", "--metrics-addr", f"127.0.0.1:{free_port()}", timeout=120)
+    assert run.returncode == 2
+    line = error_line(run)
+    assert "--socket" in line and str(sock) in line
+    assert not arena_path.exists() and not arena_path.with_suffix(".journal").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostname"]
+
+
+def test_agent_whose_metrics_port_is_taken_leaves_no_file_or_directory(
+        tmp_path: Path, arena_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        run = kvpool("agent", "--socket", str(tmp_path / "run" / "kvpool" / "agent.sock"),
+                     "--arena", str(arena_path), "--dram", "16Mi", "--no-lock",
+                     "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "16Mi",
+                     "--metrics-addr", f"127.0.0.1:{port}", timeout=120)
+    assert run.returncode == 1
+    assert "--metrics-addr" in error_line(run)
+    assert not arena_path.exists() and not arena_path.with_suffix(".journal").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_start_keeps_the_arena_a_previous_run_left(tmp_path: Path) -> None:
+    """What existed before a start is not the start's to remove: a warm arena survives a
+    start that fails, and the next good start serves its chunks."""
+    key, data = b"w" * 16, b"warm" * 1000
+    first = LocalAgent("--no-lock", workdir=tmp_path, dram="16Mi").start()
+    with KVPoolClient(first.socket_path) as c:
+        c.put(key, data)
+    first.stop(remove_arena=False)
+    try:
+        assert first.arena_path.exists()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = taken.getsockname()[1]
+            run = kvpool("agent", "--socket", str(first.socket_path), "--arena",
+                         str(first.arena_path), "--dram", "16Mi", "--no-lock",
+                         "--metrics-addr", f"127.0.0.1:{port}", timeout=120)
+        assert run.returncode == 1, run.stderr
+        assert first.arena_path.exists() and first.arena_path.with_suffix(".journal").exists()
+        with LocalAgent("--no-lock", workdir=tmp_path, dram="16Mi") as again, \
+                KVPoolClient(again.socket_path) as c:
+            assert c.get(key) == data
+    finally:
+        first.stop()
+
+
+# --------------------------------------------------------------------------- stats, help
+
+
+def test_stats_reads_the_socket_from_the_environment(agent: LocalAgent,
+                                                      client: KVPoolClient) -> None:
+    client.put(b"e" * 16, b"v" * 100)
+    run = kvpool("stats", "--json", env={**os.environ, "KVPOOL_SOCKET": str(agent.socket_path)})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["tiers"]["dram"]["chunks"] == 1
+
+
+def test_stats_without_a_socket_says_how_to_give_one() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_SOCKET"}
+    run = kvpool("stats", env=env, timeout=60)
+    assert run.returncode == 2
+    assert "--socket" in error_line(run) and "KVPOOL_SOCKET" in run.stderr
+
+
+def test_stats_prints_sizes_for_people_and_no_python_structures(
+        agent: LocalAgent, client: KVPoolClient) -> None:
+    client.put(b"h" * 16, b"v" * 100)
+    run = kvpool("stats", "--socket", str(agent.socket_path),
+                 env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr
+    assert "32.0 MiB" in run.stdout and "4.0 KiB" in run.stdout  # capacity, one page used
+    assert "read leases 0" in run.stdout and "write leases 0" in run.stdout
+    for python_syntax in ("{", "}", "[", "]", "'"):
+        assert python_syntax not in run.stdout, run.stdout
+
+
+def test_human_size_is_one_format_for_every_size() -> None:
+    cases = {0: "0 B", 100: "100 B", 1023: "1023 B", 1024: "1.0 KiB", 4096: "4.0 KiB",
+             35136 * 1024: "34.3 MiB", 64 << 20: "64.0 MiB", (1 << 20) - 1: "1.0 MiB",
+             3 << 29: "1.5 GiB", 1 << 40: "1.0 TiB"}
+    assert {n: human_size(n) for n in cases} == cases
+
+
+def test_help_shows_defaults_and_no_type_noise() -> None:
+    run = kvpool("agent", "--help", timeout=60)
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())  # as wrapped for any terminal width
+    assert "--dram SIZE DRAM arena size (G2). [default: 1Gi]" in text
+    assert "--socket PATH Unix socket to serve on. [default: /run/kvpool/agent.sock]" in text
+    assert "--no-lock Do not mlock the arena." in text
+    assert "<bool>" not in text and "<str>" not in text and "<path>" not in text, run.stdout
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def test_cleanup_frees_the_arena_a_stopped_agent_left(tmp_path: Path) -> None:
+    a = LocalAgent("--no-lock", workdir=tmp_path, dram="16Mi").start()
+    a.stop(remove_arena=False)
+    journal = a.arena_path.with_suffix(".journal")
+    try:
+        assert a.arena_path.exists() and journal.exists()
+        run = kvpool("cleanup", "--socket", str(a.socket_path), "--arena", str(a.arena_path),
+                     timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert not a.arena_path.exists() and not journal.exists()
+        assert f"removed {a.arena_path} (16.0 MiB)" in run.stdout
+    finally:
+        a.stop()
+
+
+def test_cleanup_refuses_while_the_agent_serves(agent: LocalAgent) -> None:
+    run = kvpool("cleanup", "--socket", str(agent.socket_path), "--arena",
+                 str(agent.arena_path), timeout=60)
+    assert run.returncode == 1
+    assert "serving" in error_line(run) and str(agent.socket_path) in run.stderr
+    assert agent.arena_path.exists()
+    with KVPoolClient(agent.socket_path) as c:
+        assert c.put(b"s" * 16, b"still here")
+        assert c.get(b"s" * 16) == b"still here"
+
+
+def test_cleanup_refuses_while_a_client_still_maps_the_arena(tmp_path: Path) -> None:
+    """The agent is gone but a zero-copy client keeps its mapping: removing the file would
+    free nothing, and a restarted agent could not find its chunks again."""
+    a = LocalAgent("--no-lock", workdir=tmp_path, dram="16Mi").start()
+    c = KVPoolClient(a.socket_path, reconnect_timeout=0)
+    try:
+        c.put(b"m" * 16, b"mapped")
+        a.stop(remove_arena=False)
+        run = kvpool("cleanup", "--socket", str(a.socket_path), "--arena", str(a.arena_path),
+                     timeout=60)
+        assert run.returncode == 1
+        assert str(os.getpid()) in error_line(run) and a.arena_path.exists()
+    finally:
+        c.close()
+        a.stop()

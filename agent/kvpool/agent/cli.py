@@ -1,23 +1,62 @@
-"""The `kvpool` command: the agent, its tools, and (loaded lazily) the operator's."""
+"""The `kvpool` command: the agent, its tools, and (loaded lazily) the operator's.
+
+Errors are one line on stderr, `error: ...`, naming the flag or file at fault. Exit status:
+0 done, 1 failed, 2 a usage error (a bad flag or value, a file or path that cannot be used).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
+from pydantic import ValidationError
 
+from . import __version__
 from .config import AgentConfig, ConfigError, load_agent_config
+from .units import format_size, human_size
+
+USAGE = 2
+"""Exit status of a usage error, the same as click's own (an unknown flag, a missing value)."""
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
-    help="kvpool: a tiered KV-cache for LLM inference.",
+    rich_markup_mode=None,  # plain help: `--socket PATH`, no `<bool>` type column
     pretty_exceptions_enable=False,
 )
+
+_DEFAULTS = AgentConfig()
+SOCKET_ENV = "KVPOOL_SOCKET"
+"""The agent socket's environment variable, as the client and the webhook name it."""
+
+
+def _with_default(help_text: str, default: str) -> str:
+    """Help text with the default a flag stands for when it is left out.
+
+    Written into the text, not as click's show_default: these flags default to None so that
+    a config file's value is kept unless the flag is given."""
+    return f"{help_text}  [default: {default}]"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvpool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", help="Print kvpool's version and exit.", is_eager=True,
+        callback=_print_version)] = False,
+) -> None:
+    """kvpool: a tiered KV-cache for LLM inference."""
 
 
 def _setup_logging(level: str) -> None:
@@ -29,154 +68,334 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = USAGE) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+# --------------------------------------------------------------------------- agent
+
+_FLAG_FOR_FIELD: dict[tuple[str | int, ...], str] = {
+    ("socket_path",): "--socket",
+    ("pool",): "--pool",
+    ("metrics_addr",): "--metrics-addr",
+    ("max_chunk_bytes",): "--max-chunk",
+    ("log_level",): "--log-level",
+    ("policy_file",): "--policy",
+    ("tiers", "dram", "size"): "--dram",
+    ("tiers", "dram", "path"): "--arena",
+    ("tiers", "nvme", "path"): "--nvme-dir",
+    ("tiers", "nvme", "size"): "--nvme",
+    ("tiers", "shared", "url"): "--shared",
+}
+
+
+def _flag_errors(err: ValidationError) -> str:
+    """A validation error of the merged flags, each problem naming its flag."""
+    problems = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        flag = "--tenant" if loc[:1] == ("tenants",) else _FLAG_FOR_FIELD.get(loc)
+        msg = e["msg"].removeprefix("Value error, ")
+        problems.append(f"invalid value for '{flag}': {msg}" if flag else msg)
+    return "; ".join(problems)
+
+
+def _agent_config(config: Path | None, flags: dict[str, Any]) -> AgentConfig:
+    """The config file (if any) with the flags given on top; raises ConfigError."""
+    cfg = load_agent_config(config) if config else AgentConfig()
+    overrides: dict[str, Any] = cfg.model_dump(by_alias=False)
+    for field in ("socket_path", "pool", "metrics_addr", "max_chunk_bytes", "log_level"):
+        if flags[field] is not None:
+            overrides[field] = flags[field]
+    if flags["tenant"]:
+        overrides["tenants"] = [{"name": name} for name in flags["tenant"]]
+    tiers = overrides["tiers"]
+    if flags["dram"] is not None:
+        tiers["dram"]["size"] = flags["dram"]
+    if flags["arena"] is not None:
+        tiers["dram"]["path"] = flags["arena"]
+    if flags["no_lock"]:
+        tiers["dram"]["lock"] = False
+    if flags["nvme_dir"] is not None or flags["nvme"] is not None:
+        current = tiers.get("nvme") or {}
+        path = flags["nvme_dir"] or current.get("path")
+        if path is None:
+            raise ConfigError("--nvme needs --nvme-dir (or tiers.nvme.path in the config)")
+        tiers["nvme"] = {"path": path, "size": flags["nvme"] or current.get("size") or "10Gi"}
+    if flags["shared"] is not None:
+        tiers["shared"] = {**(tiers.get("shared") or {}), "url": flags["shared"]}
+    if flags["policy"] is not None:
+        # absolute(), not resolve(): a ConfigMap mount swaps a symlink, and the agent
+        # must keep watching the link, not the file it pointed to at start.
+        overrides["policy_file"] = flags["policy"].absolute()
+    try:
+        return AgentConfig.model_validate(overrides)
+    except ValidationError as e:
+        raise ConfigError(_flag_errors(e)) from e
+
+
+def _start_error(e: OSError, cfg: AgentConfig, flags: dict[str, Any]) -> tuple[str, int]:
+    """One line for an OSError of a failed start, naming the flag (or field) of its path."""
+    reason = e.strerror or str(e)
+    if e.filename is None:
+        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            return f"--metrics-addr {cfg.metrics_addr}: {reason}", 1
+        return f"the agent could not start: {reason}", 1
+    failed = Path(e.filename).absolute()
+    named = [
+        ("--socket", "socketPath", cfg.socket_path, flags["socket_path"]),
+        ("--arena", "tiers.dram.path", cfg.arena_path(), flags["arena"]),
+        ("--nvme-dir", "tiers.nvme.path", cfg.tiers.nvme.path if cfg.tiers.nvme else None,
+         flags["nvme_dir"]),
+        ("--policy", "policyFile", cfg.policy_file, flags["policy"]),
+    ]
+    for flag, field, path, given in named:
+        if path is None:
+            continue
+        path = Path(path).absolute()
+        if failed == path or failed in path.parents:
+            where = f"{flag} {path}" if given is not None else f"{field} {path}"
+            if failed != path:
+                reason = f"{failed}: {reason}"
+            return f"{where}: {reason}", USAGE
+    return f"{e.filename}: {reason}", 1
 
 
 @app.command()
 def agent(
-    config: Annotated[Path | None, typer.Option(help="Agent config YAML (AgentConfig).")] = None,
-    socket: Annotated[Path | None, typer.Option(help="Unix socket to serve on.")] = None,
-    pool: Annotated[str | None, typer.Option(help="Pool name.")] = None,
-    dram: Annotated[str | None, typer.Option(help="DRAM arena size, e.g. 1Gi.")] = None,
-    arena: Annotated[Path | None, typer.Option(help="Arena file (default under /dev/shm).")] = None,
-    metrics_addr: Annotated[str | None, typer.Option(help="host:port for /metrics.")] = None,
-    max_chunk: Annotated[str | None, typer.Option(help="Largest chunk, e.g. 64Mi.")] = None,
-    nvme_dir: Annotated[Path | None, typer.Option(help="G3 chunk file directory.")] = None,
-    nvme: Annotated[str | None, typer.Option(help="G3 capacity, e.g. 100Gi.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Agent config YAML (AgentConfig); flags override it.")] = None,
+    socket: Annotated[Path | None, typer.Option(
+        metavar="PATH", help=_with_default("Unix socket to serve on.",
+                                          str(_DEFAULTS.socket_path)))] = None,
+    pool: Annotated[str | None, typer.Option(
+        metavar="NAME", help=_with_default("Pool name.", _DEFAULTS.pool))] = None,
+    dram: Annotated[str | None, typer.Option(
+        metavar="SIZE", help=_with_default("DRAM arena size (G2).",
+                                          format_size(_DEFAULTS.tiers.dram.size)))] = None,
+    arena: Annotated[Path | None, typer.Option(
+        metavar="PATH", help=_with_default(
+            "Arena file.", "/dev/shm/kvpool-<pool>-<hash of the socket path>.arena"))] = None,
+    metrics_addr: Annotated[str | None, typer.Option(
+        metavar="HOST:PORT", help=_with_default(
+            "Where /metrics, /healthz and /readyz are served.", _DEFAULTS.metrics_addr))]
+    = None,
+    max_chunk: Annotated[str | None, typer.Option(
+        metavar="SIZE", help=_with_default(
+            "Largest chunk a client may store.", format_size(_DEFAULTS.max_chunk_bytes)))]
+    = None,
+    nvme_dir: Annotated[Path | None, typer.Option(
+        metavar="DIR", help=_with_default("G3 chunk file directory.", "no NVMe tier"))] = None,
+    nvme: Annotated[str | None, typer.Option(
+        metavar="SIZE", help=_with_default("G3 capacity (with --nvme-dir).", "10Gi"))] = None,
     shared: Annotated[str | None, typer.Option(
-        help="G4 shared tier: s3://bucket/prefix or file:///path.")] = None,
-    policy: Annotated[Path | None, typer.Option(help="TierPolicy YAML (hot-reloaded).")] = None,
-    no_lock: Annotated[bool, typer.Option("--no-lock", help="Do not mlock the arena.")] = False,
-    log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error.")] = None,
+        metavar="URL", help=_with_default(
+            "G4 shared tier: s3://bucket/prefix or file:///path.", "no shared tier"))] = None,
+    policy: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="TierPolicy YAML, reloaded when it changes.")] = None,
+    no_lock: Annotated[bool, typer.Option(
+        "--no-lock", help="Do not mlock the arena.")] = False,
+    log_level: Annotated[str | None, typer.Option(
+        metavar="LEVEL",
+        help=_with_default("debug, info, warning or error.", _DEFAULTS.log_level))] = None,
     tenant: Annotated[list[str] | None, typer.Option(
-        help="A tenant with its own socket, arena and NVMe/shared space (repeat for more; "
-        "each gets an equal share).")] = None,
+        metavar="NAME", help="A tenant with its own socket, arena and NVMe/shared space "
+        "(repeat for more; each gets an equal share).")] = None,
 ) -> None:
     """Run the node agent (from --config, flags, or both: flags win)."""
+    flags: dict[str, Any] = {
+        "socket_path": socket, "pool": pool, "metrics_addr": metrics_addr,
+        "max_chunk_bytes": max_chunk, "log_level": log_level, "tenant": tenant, "dram": dram,
+        "arena": arena, "no_lock": no_lock, "nvme_dir": nvme_dir, "nvme": nvme,
+        "shared": shared, "policy": policy,
+    }
     try:
-        cfg = load_agent_config(config) if config else AgentConfig()
-        overrides: dict[str, Any] = cfg.model_dump(by_alias=False)
-        if socket:
-            overrides["socket_path"] = socket
-        if pool:
-            overrides["pool"] = pool
-        if metrics_addr:
-            overrides["metrics_addr"] = metrics_addr
-        if max_chunk:
-            overrides["max_chunk_bytes"] = max_chunk
-        if log_level:
-            overrides["log_level"] = log_level
-        if tenant:
-            overrides["tenants"] = [{"name": name} for name in tenant]
-        dram_cfg = overrides["tiers"]["dram"]
-        if dram:
-            dram_cfg["size"] = dram
-        if arena:
-            dram_cfg["path"] = arena
-        if no_lock:
-            dram_cfg["lock"] = False
-        if nvme_dir or nvme:
-            current = overrides["tiers"].get("nvme") or {}
-            overrides["tiers"]["nvme"] = {
-                "path": nvme_dir or current.get("path"),
-                "size": nvme or current.get("size") or "10Gi",
-            }
-        if shared:
-            current = overrides["tiers"].get("shared") or {}
-            overrides["tiers"]["shared"] = {**current, "url": shared}
-        if policy:
-            # absolute(), not resolve(): a ConfigMap mount swaps a symlink, and the agent
-            # must keep watching the link, not the file it pointed to at start.
-            overrides["policy_file"] = policy.absolute()
-        cfg = AgentConfig.model_validate(overrides)
+        cfg = _agent_config(config, flags)
     except ConfigError as e:
         _fail(str(e))
-        return
-    except ValueError as e:
-        _fail(str(e))
-        return
     _setup_logging(cfg.log_level)
-    from .server import run_agent
+    _serve(cfg, flags)
 
+
+def _serve(cfg: AgentConfig, flags: dict[str, Any]) -> None:
+    """Run the agent; a start that fails leaves nothing it created behind."""
+    from .agentfiles import StartFiles
+    from .server import Agent
+
+    created = StartFiles(cfg)
+    server: Agent | None = None
     try:
-        run_agent(cfg)
+        server = Agent(cfg)
+        asyncio.run(server.run())
     except ConfigError as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(*_start_error(e, cfg, flags))
+    finally:
+        if server is None or not server.started:
+            created.remove_created()
+
+
+@app.command()
+def cleanup(
+    config: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="The agent's config YAML.")] = None,
+    socket: Annotated[Path | None, typer.Option(
+        metavar="PATH", help=_with_default("The agent's socket.",
+                                          str(_DEFAULTS.socket_path)))]
+    = None,
+    pool: Annotated[str | None, typer.Option(
+        metavar="NAME", help=_with_default("The agent's pool.", _DEFAULTS.pool))] = None,
+    arena: Annotated[Path | None, typer.Option(
+        metavar="PATH", help="The agent's arena file, if it was given one.")] = None,
+    tenant: Annotated[list[str] | None, typer.Option(
+        metavar="NAME", help="The agent's tenants (repeat for more).")] = None,
+) -> None:
+    """Free the DRAM arena and journal a stopped agent left for a warm restart.
+
+    Give the flags the agent ran with (those that name its files). Refused while an agent
+    serves the socket or any process still maps the arena."""
+    from .agentfiles import answers, mapped_by, space_files
+
+    flags: dict[str, Any] = dict.fromkeys(
+        ("metrics_addr", "max_chunk_bytes", "log_level", "dram", "nvme_dir", "nvme",
+         "shared", "policy"))
+    flags.update(socket_path=socket, pool=pool, arena=arena, tenant=tenant, no_lock=False)
+    try:
+        cfg = _agent_config(config, flags)
+    except ConfigError as e:
+        _fail(str(e))
+    spaces = space_files(cfg)
+    for space in spaces:
+        if answers(space.socket):
+            _fail(f"an agent is serving {space.socket}: stop it first", 1)
+        holders = mapped_by(space.arena)
+        if holders:
+            _fail(f"{space.arena} is still mapped by process {', '.join(map(str, holders))} "
+                  "(an agent or its clients): stop them first", 1)
+    removed = 0
+    for space in spaces:
+        for path in (space.arena, space.journal):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                _fail(f"{path}: {e.strerror or e}", 1)
+            typer.echo(f"removed {path} ({human_size(size)})")
+            removed += 1
+    if not removed:
+        typer.echo("nothing to remove: " + ", ".join(str(s.arena) for s in spaces)
+                   + " not found")
+
+
+# --------------------------------------------------------------------------- stats
 
 
 @app.command()
 def stats(
-    socket: Annotated[Path, typer.Option(help="The agent's socket.")],
+    socket: Annotated[Path | None, typer.Option(
+        metavar="PATH", envvar=SOCKET_ENV,
+        help=f"The agent's socket [env: {SOCKET_ENV}].", show_envvar=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show an agent's tiers, hits, leases and health."""
     from .client import KVPoolClient
 
+    if socket is None:
+        _fail(f"no agent socket: give --socket PATH or set {SOCKET_ENV}")
     try:
         with KVPoolClient(socket, mode="inline", reconnect_timeout=0) as c:
             data = c.stats()
     except OSError as e:
-        _fail(f"cannot reach the agent at {socket}: {e}")
-        return
+        _fail(f"cannot reach the agent at {socket}: {e.strerror or e}")
     if as_json:
         typer.echo(json.dumps(data))
         return
+    _print_stats(data)
+
+
+def _tier_notes(t: dict[str, Any]) -> str:
+    """What a tier reports beyond the table's columns, in words."""
+    notes = []
+    if t.get("lock_error"):
+        notes.append(f"not locked: {t['lock_error']}")
+    for field, words in (("inflight", "being demoted"), ("removing", "being removed"),
+                         ("queue", "queued for upload")):
+        if t.get(field):
+            notes.append(f"{t[field]} {words}")
+    return "; ".join(notes)
+
+
+def _print_stats(data: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"pool {data.get('pool')}")
-    for col in ("tier", "capacity", "used", "chunks", "hits", "misses", "healthy"):
+    title = f"pool {data.get('pool')}"
+    if data.get("tenant"):
+        title += f", tenant {data['tenant']}"
+    table = Table(title=title)
+    for col in ("tier", "capacity", "used", "chunks", "hits", "misses", "healthy", "notes"):
         table.add_column(col)
     for name, t in data.get("tiers", {}).items():
-        table.add_row(name, _size(t["capacity_bytes"]), _size(t["used_bytes"]), str(t["chunks"]),
+        capacity = human_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        table.add_row(name, capacity, human_size(t["used_bytes"]), str(t["chunks"]),
                       str(t["hits"]), str(t["misses"]),
-                      "yes" if t["healthy"] else f"no: {t.get('reason', '')}")
+                      "yes" if t["healthy"] else f"no: {t.get('reason', '')}", _tier_notes(t))
     console = Console()
     console.print(table)
-    console.print(f"clients {data.get('clients')}  leases {data.get('leases')}")
+    leases = data.get("leases", {})
+    console.print(f"clients {data.get('clients', 0)}, read leases {leases.get('read', 0)}, "
+                  f"write leases {leases.get('write', 0)}, pins {data.get('pins', 0)}, "
+                  f"agent {data.get('agent_version', '?')}")
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+# --------------------------------------------------------------------------- tools
 
 
 @app.command()
 def demo(
-    trace: Annotated[Path | None, typer.Option(help="Mooncake-format JSONL trace.")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        metavar="FILE", help=_with_default("Mooncake-format JSONL trace.", "the bundled one"))]
+    = None,
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
-    block_bytes: Annotated[str, typer.Option(help="Bytes stored per trace block.")] = "16Ki",
-    dram: Annotated[str, typer.Option(help="DRAM capacity: a size or % of blocks.")] = "5%",
-    nvme: Annotated[str, typer.Option(help="NVMe capacity: a size or % of blocks.")] = "30%",
+    block_bytes: Annotated[str, typer.Option(
+        metavar="SIZE", help="Bytes stored per trace block.")] = "16Ki",
+    dram: Annotated[str, typer.Option(
+        metavar="SIZE|N%", help="DRAM capacity: a size or a share of the trace's blocks.")]
+    = "5%",
+    nvme: Annotated[str, typer.Option(
+        metavar="SIZE|N%", help="NVMe capacity: a size or a share of the trace's blocks.")]
+    = "30%",
     shared: Annotated[str, typer.Option(
-        help="Shared tier URL (s3://... or file:///...); default: a temporary directory; "
-        "'none': no shared tier.")] = "",
-    requests: Annotated[int | None, typer.Option(help="Replay only the first N.")] = None,
+        metavar="URL|none", help=_with_default(
+            "Shared tier (s3://... or file:///...); 'none': no shared tier.",
+            "a temporary directory"))] = "",
+    requests: Annotated[int | None, typer.Option(
+        metavar="N", help=_with_default("Replay only the first N requests.", "all"))] = None,
 ) -> None:
     """Start a local agent and replay a real request trace through it."""
-    from kvpool.bench.demo import run_demo
+    from kvpool.bench.demo import DemoError, run_demo
 
     try:
         run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram, nvme=nvme,
                  shared=shared, requests=requests)
-    except (ConfigError, ValueError) as e:
+    except DemoError as e:
         _fail(str(e))
 
 
 @app.command()
 def bench(
     quick: Annotated[bool, typer.Option(
-        help="Fewer sizes, rounds and trace requests (what CI runs; a few minutes).")] = False,
+        "--quick", help="Fewer sizes, rounds and trace requests (what CI runs; a few minutes).")]
+    = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Tables on stderr; the result as one JSON object on stdout's last line.")]
     = False,
     out: Annotated[Path | None, typer.Option(
-        help="Write bench.json and the PNG plots into this directory.")] = None,
+        metavar="DIR", help="Write bench.json and the PNG plots into this directory.")] = None,
 ) -> None:
     """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU and
     Belady), in one run on this machine."""
@@ -187,24 +406,26 @@ def bench(
 
 @app.command()
 def gc(
-    shared: Annotated[str, typer.Option(help="The pool's shared tier: s3://... or file:///...")],
-    ttl: Annotated[str | None, typer.Option(help="Delete objects older than this, e.g. 7d.")]
-    = None,
+    shared: Annotated[str, typer.Option(
+        metavar="URL", help="The pool's shared tier: s3://... or file:///...")],
+    ttl: Annotated[str | None, typer.Option(
+        metavar="DURATION", help="Delete objects older than this, e.g. 7d.")] = None,
     all_objects: Annotated[bool, typer.Option("--all", help="Delete every chunk object.")]
     = False,
-    endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint URL.")] = None,
-    addressing_style: Annotated[str, typer.Option(
-        help="S3 bucket addressing: auto, path (most self-hosted stores) or virtual.")] = "auto",
-    tenant: Annotated[list[str] | None, typer.Option(
-        help="Also collect this tenant's prefix, <shared>/tenants/<name> (repeat for more).")]
+    endpoint_url: Annotated[str | None, typer.Option(
+        metavar="URL", help=_with_default("S3 endpoint URL.", "from the AWS environment"))]
     = None,
+    addressing_style: Annotated[str, typer.Option(
+        metavar="STYLE", help="S3 bucket addressing: auto, path (most self-hosted stores) or "
+        "virtual.")] = "auto",
+    tenant: Annotated[list[str] | None, typer.Option(
+        metavar="NAME", help="Also collect this tenant's prefix, <shared>/tenants/<name> "
+        "(repeat for more).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Delete a pool's expired (or all) chunk objects from its shared tier."""
     if (ttl is None) == (not all_objects):
         _fail("give exactly one of --ttl DURATION or --all")
-    from dataclasses import asdict
-
     from .gc import run_gc
 
     try:
@@ -212,12 +433,16 @@ def gc(
                         addressing_style=addressing_style, tenants=tenant or ())
     except (ValueError, OSError) as e:
         _fail(str(e))
-        return
-    data = asdict(result)
-    typer.echo(json.dumps(data) if as_json else
-               " ".join(f"{k}={v}" for k, v in data.items()))
+    if as_json:
+        typer.echo(json.dumps(result.to_json()))
+    else:
+        typer.echo(f"deleted {result.deleted} chunk objects ({human_size(result.bytes_freed)}),"
+                   f" kept {result.kept}, could not delete {result.errors}")
     if result.errors:
         raise typer.Exit(1)
+
+
+# --------------------------------------------------------------------------- operator
 
 
 def _forward_to_operator(name: str, help_text: str) -> None:
@@ -239,4 +464,5 @@ _forward_to_operator("render", "Print the manifests the operator applies for a p
 
 
 def main() -> None:
+    """The `kvpool` command (click reports its own usage errors, exit status 2)."""
     app()

@@ -260,6 +260,8 @@ class Agent:
         self.connections: dict[int, Connection] = {}
         self._next_cid = 1
         self.ready = False
+        self.started = False
+        """Set once serving: a failure after that keeps the arena (a warm restart's)."""
         self.metrics.add_state(self._state_samples)
         self.handlers: dict[p.Op, Callable[[Connection, Any], Any]] = {
             p.Op.LOOKUP: self._lookup,
@@ -446,7 +448,7 @@ class Agent:
         tasks.append(loop.create_task(self._housekeeping()))
         # The node label is what the webhook's node affinity schedules client pods by.
         labeler = NodeLabeler.from_config(self.config)
-        self.ready = True
+        self.ready = self.started = True
         labeler.start()
         for space in self.spaces:
             log.info("kvpool agent serving pool %s%s on %s (DRAM %d bytes at %s, metrics %s)",

@@ -41,12 +41,28 @@ def parse_size(value: int | float | str) -> int:
 
 
 def format_size(n: int) -> str:
-    """The shortest exact binary quantity for n bytes (`64Mi`), else plain bytes."""
+    """The shortest exact binary quantity for n bytes (`64Mi`), else plain bytes.
+
+    For what a machine reads back (config, manifests, JSON); people get `human_size`.
+    """
     for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
         scale = _BINARY[suffix]
         if n >= scale and n % scale == 0:
             return f"{n // scale}{suffix}"
     return str(n)
+
+
+_HUMAN_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def human_size(n: int) -> str:
+    """n bytes for people, one way everywhere: `100 B`, `4.0 KiB`, `64.0 MiB`, `1.5 GiB`."""
+    value = float(n)
+    for unit in _HUMAN_UNITS:
+        if abs(round(value, 1)) < 1024 or unit == _HUMAN_UNITS[-1]:
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def parse_duration(value: int | float | str) -> float:

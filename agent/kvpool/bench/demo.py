@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from rich.table import Table
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.tiers.base import HEADER_BYTES
-from kvpool.agent.units import format_size, parse_size
+from kvpool.agent.units import human_size, parse_size
 
 from . import sim
 from .local import LocalAgent
@@ -26,29 +27,65 @@ from .trace import TraceRequest, bundled_trace_path, distinct_blocks, load_trace
 PAGE = 4096
 
 
+class DemoError(ValueError):
+    """What the user gave the demo cannot be used; the message names the flag or file."""
+
+
 def capacity(spec: str, distinct: int, block_bytes: int) -> int:
     """A tier size from `512Mi` or from a fraction of the trace's distinct blocks (`5%`)."""
     spec = spec.strip()
     if spec.endswith("%"):
-        fraction = float(spec[:-1]) / 100
+        try:
+            fraction = float(spec[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"{spec!r} is not a size or a percentage like 5%") from None
         if not 0 < fraction <= 10:
-            raise ValueError(f"{spec!r}: a percentage must be above 0")
+            raise ValueError(f"{spec!r}: a percentage must be above 0% and at most 1000%")
         blocks = max(1, round(distinct * fraction))
         pages_per_block = -(-block_bytes // PAGE)
         return blocks * pages_per_block * PAGE
     return parse_size(spec)
 
 
+def _flag(flag: str, parse: Callable[..., int], *args: Any) -> int:
+    """parse(*args), its ValueError told as the flag's."""
+    try:
+        return parse(*args)
+    except ValueError as e:
+        raise DemoError(f"invalid value for '{flag}': {e}") from e
+
+
+def _load(trace: Path | None, requests: int | None) -> tuple[Path, list[TraceRequest]]:
+    if requests is not None and requests < 1:
+        raise DemoError(f"invalid value for '--requests': {requests} is not a positive number")
+    if trace is None:
+        return bundled_trace_path(), load_trace(None, limit=requests)
+    try:
+        return trace, load_trace(trace, limit=requests)
+    except OSError as e:
+        raise DemoError(f"--trace {trace}: {e.strerror or e}") from e
+    except ValueError as e:  # the message names the file and line
+        raise DemoError(f"--trace {e}") from e
+
+
+def _shared_url(shared: str, tmp: Path) -> str:
+    if shared in ("", "none") or shared.startswith(("s3://", "file:///")):
+        return shared or (tmp / "shared").as_uri()
+    raise DemoError(f"invalid value for '--shared': {shared!r}: use s3://bucket/prefix, "
+                    "file:///path or none")
+
+
 def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvme: str,
              shared: str, requests: int | None) -> None:
+    """Raises DemoError, naming the flag, when a flag's value or the trace cannot be used."""
     console = Console(stderr=as_json)
-    trace_path = trace or bundled_trace_path()
-    reqs = load_trace(trace_path, limit=requests)
-    bb = parse_size(block_bytes)
+    bb = _flag("--block-bytes", parse_size, block_bytes)
+    _shared_url(shared, Path("/"))  # checked before the trace is read
+    trace_path, reqs = _load(trace, requests)
     distinct = distinct_blocks(reqs)
-    dram_bytes = capacity(dram, distinct, bb)
+    dram_bytes = _flag("--dram", capacity, dram, distinct, bb)
     # An NVMe chunk file carries a header beside the block's bytes.
-    nvme_bytes = capacity(nvme, distinct, bb + HEADER_BYTES)
+    nvme_bytes = _flag("--nvme", capacity, nvme, distinct, bb + HEADER_BYTES)
     blocks = [r.blocks for r in reqs]
     refs = sum(len(b) for b in blocks)
     total_blocks = dram_bytes // (-(-bb // PAGE) * PAGE) + nvme_bytes // (bb + HEADER_BYTES)
@@ -56,12 +93,12 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
     ideal = sim.unbounded(blocks)
     console.print(
         f"[bold]kvpool demo[/]: {len(reqs)} requests, {refs} block references, "
-        f"{distinct} distinct blocks of {format_size(bb)} from {trace_path.name}; "
-        f"DRAM {format_size(dram_bytes)}, NVMe {format_size(nvme_bytes)}"
+        f"{distinct} distinct blocks of {human_size(bb)} from {trace_path.name}; "
+        f"DRAM {human_size(dram_bytes)}, NVMe {human_size(nvme_bytes)}"
     )
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
     try:
-        shared_url = shared or (tmp / "shared").as_uri()
+        shared_url = _shared_url(shared, tmp)
         tiers = ["--no-lock", "--nvme-dir", str(tmp / "nvme"), "--nvme", str(nvme_bytes)]
         if shared_url != "none":
             tiers += ["--shared", shared_url]
@@ -99,7 +136,7 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         table.add_column(col)
     for name, t in report["tiers"].items():  # type: ignore[attr-defined]
         seen = t["hits"] + t["misses"]
-        cap = format_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        cap = human_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
         table.add_row(name, cap, str(t["hits"]), str(t["misses"]),
                       f"{t['hits'] / seen:.3f}" if seen else "-")
     console.print(table)

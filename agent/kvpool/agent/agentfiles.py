@@ -1,0 +1,118 @@
+"""The files an agent keeps on its node, and whether an agent still uses them.
+
+Each space of an agent (one per tenant, or the pool's one) has a socket, a DRAM arena and
+the arena's commit journal. The arena and the journal stay after a clean stop, on purpose:
+a restarted agent finds its chunks in them again (a warm restart). `kvpool cleanup` frees
+them once no agent serves them; a start that fails removes what it created itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import AgentConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceFiles:
+    """Where one space of an agent lives on the node."""
+
+    tenant: str
+    """"" for the one space of a pool without tenants."""
+    socket: Path
+    arena: Path
+    journal: Path
+
+
+def space_files(config: AgentConfig) -> list[SpaceFiles]:
+    """The socket, arena and journal of every space `config` describes."""
+    return [SpaceFiles(tenant, cfg.socket_path, cfg.arena_path(), cfg.journal_path())
+            for tenant, cfg in config.spaces()]
+
+
+def answers(socket_path: Path) -> bool:
+    """True when something accepts connections on the Unix socket (an agent serving it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(socket_path))
+        except OSError:
+            return False
+    return True
+
+
+def mapped_by(path: Path) -> list[int]:
+    """Ids of the processes (those this user may inspect) that have `path` mapped.
+
+    An agent maps its arena, and so does every zero-copy client it handed the arena to.
+    """
+    target = str(path.absolute())
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            maps = (entry / "maps").read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(line.endswith(target) or line.endswith(target + " (deleted)")
+               for line in maps.splitlines()):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _topmost_missing(path: Path) -> Path | None:
+    """The highest ancestor of `path` (or itself) that does not exist yet."""
+    path = path.absolute()
+    if path.exists():
+        return None
+    top = path
+    for parent in path.parents:
+        if parent.exists():
+            break
+        top = parent
+    return top
+
+
+class StartFiles:
+    """What a start of the agent may create, taken before it starts.
+
+    After a failed start, `remove_created` deletes the sockets, arenas and journals that
+    did not exist before, and the directories made for them while they are empty. Nothing
+    that existed before is touched: an arena left by a previous run keeps its chunks.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        files: list[Path] = []
+        dirs: list[Path] = []
+        for space in space_files(config):
+            files += [space.socket, space.arena, space.journal]
+            dirs += [space.socket.parent, space.arena.parent]
+        for _, cfg in config.spaces():
+            if cfg.tiers.nvme is not None:
+                dirs.append(cfg.tiers.nvme.path)
+            if cfg.tiers.shared is not None and cfg.tiers.shared.url.startswith("file://"):
+                dirs.append(Path(cfg.tiers.shared.url.removeprefix("file://")))
+        self.new_files = [f for f in files if not f.exists() and not f.is_symlink()]
+        self.new_dirs = [d for d in (_topmost_missing(d) for d in dirs) if d is not None]
+
+    def remove_created(self) -> None:
+        for f in self.new_files:
+            with contextlib.suppress(OSError):  # never made (the start failed before it)
+                f.unlink()
+        for top in dict.fromkeys(self.new_dirs):
+            _remove_empty_dirs(top)
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    """rmdir `top` and the directories under it, deepest first, where they are empty."""
+    if not top.is_dir():
+        return
+    below: Iterable[tuple[str, list[str], list[str]]] = os.walk(top, topdown=False)
+    for root, _, _ in below:
+        with contextlib.suppress(OSError):  # not empty: something else is in it
+            os.rmdir(root)
