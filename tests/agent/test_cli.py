@@ -136,8 +136,14 @@ def shm_arena(tmp_path: Path) -> Path:
 def arena_path(tmp_path: Path) -> Iterator[Path]:
     path = shm_arena(tmp_path)
     yield path
-    for p in (path, path.with_suffix(".journal")):
+    for p in (path, path.with_suffix(".journal"), path.with_suffix(".lock")):
         p.unlink(missing_ok=True)
+
+
+def left_in_shm(arena: Path) -> list[Path]:
+    """What an agent with this arena has in /dev/shm: the arena, its journal and lock."""
+    return [p for p in (arena, arena.with_suffix(".journal"), arena.with_suffix(".lock"))
+            if p.exists()]
 
 
 def test_version_prints_the_package_version() -> None:
@@ -192,7 +198,7 @@ def test_agent_that_cannot_make_its_socket_says_so_and_leaves_nothing(
     assert run.returncode == 2
     line = error_line(run)
     assert "--socket" in line and str(sock) in line
-    assert not arena_path.exists() and not arena_path.with_suffix(".journal").exists()
+    assert left_in_shm(arena_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hostname"]
 
 
@@ -208,7 +214,7 @@ def test_agent_whose_metrics_port_is_taken_leaves_no_file_or_directory(
                      "--metrics-addr", f"127.0.0.1:{port}", timeout=120)
     assert run.returncode == 1
     assert "--metrics-addr" in error_line(run)
-    assert not arena_path.exists() and not arena_path.with_suffix(".journal").exists()
+    assert left_in_shm(arena_path) == []
     assert list(tmp_path.iterdir()) == []
 
 
@@ -297,7 +303,7 @@ def test_cleanup_frees_the_arena_a_stopped_agent_left(tmp_path: Path) -> None:
         run = kvpool("cleanup", "--socket", str(a.socket_path), "--arena", str(a.arena_path),
                      timeout=60)
         assert run.returncode == 0, run.stderr
-        assert not a.arena_path.exists() and not journal.exists()
+        assert left_in_shm(a.arena_path) == []
         assert f"removed {a.arena_path} (16.0 MiB)" in run.stdout
     finally:
         a.stop()
@@ -312,6 +318,15 @@ def test_cleanup_refuses_while_the_agent_serves(agent: LocalAgent) -> None:
     with KVPoolClient(agent.socket_path) as c:
         assert c.put(b"s" * 16, b"still here")
         assert c.get(b"s" * 16) == b"still here"
+
+
+def test_cleanup_refuses_while_an_agent_holds_the_arena_lock(agent: LocalAgent) -> None:
+    """An agent whose socket file was removed no longer answers, but still holds its lock."""
+    agent.socket_path.unlink()
+    run = kvpool("cleanup", "--socket", str(agent.socket_path), "--arena",
+                 str(agent.arena_path), timeout=60)
+    assert run.returncode == 1
+    assert "holds" in error_line(run) and agent.arena_path.exists()
 
 
 def test_cleanup_refuses_while_a_client_still_maps_the_arena(tmp_path: Path) -> None:

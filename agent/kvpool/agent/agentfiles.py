@@ -9,12 +9,14 @@ them once no agent serves them; a start that fails removes what it created itsel
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .claim import lock_path
 from .config import AgentConfig
 
 
@@ -27,12 +29,57 @@ class SpaceFiles:
     socket: Path
     arena: Path
     journal: Path
+    lock: Path
+    """Held (flock) by the agent serving the space; see `claim`."""
 
 
 def space_files(config: AgentConfig) -> list[SpaceFiles]:
-    """The socket, arena and journal of every space `config` describes."""
-    return [SpaceFiles(tenant, cfg.socket_path, cfg.arena_path(), cfg.journal_path())
+    """The socket, arena, journal and lock file of every space `config` describes."""
+    return [SpaceFiles(tenant, cfg.socket_path, cfg.arena_path(), cfg.journal_path(),
+                       lock_path(cfg.arena_path()))
             for tenant, cfg in config.spaces()]
+
+
+class InUse(Exception):
+    """A space's files are still in use; the message says by whom."""
+
+
+def remove_space_files(space: SpaceFiles) -> list[tuple[Path, int]]:
+    """Remove a stopped space's arena, journal and lock file: (path, bytes) of each removed.
+
+    Raises InUse while an agent answers on the socket or holds the lock, or a process maps
+    the arena. The lock is held while the files go, so no agent starts on them meanwhile.
+    """
+    if answers(space.socket):
+        raise InUse(f"an agent is serving {space.socket}: stop it first")
+    try:
+        fd = os.open(space.lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise InUse(f"an agent holds {space.lock} (the lock of {space.arena}): "
+                            "stop it first") from None
+        holders = mapped_by(space.arena)
+        if holders:
+            raise InUse(f"{space.arena} is still mapped by process "
+                        f"{', '.join(map(str, holders))} (an agent or its clients): "
+                        "stop them first")
+        removed = []
+        for path in (space.arena, space.journal, space.lock):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append((path, size))
+        return removed
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def answers(socket_path: Path) -> bool:
@@ -81,7 +128,7 @@ def _topmost_missing(path: Path) -> Path | None:
 class StartFiles:
     """What a start of the agent may create, taken before it starts.
 
-    After a failed start, `remove_created` deletes the sockets, arenas and journals that
+    After a failed start, `remove_created` deletes the sockets, arenas, journals and locks that
     did not exist before, and the directories made for them while they are empty. Nothing
     that existed before is touched: an arena left by a previous run keeps its chunks.
     """
@@ -90,7 +137,7 @@ class StartFiles:
         files: list[Path] = []
         dirs: list[Path] = []
         for space in space_files(config):
-            files += [space.socket, space.arena, space.journal]
+            files += [space.socket, space.arena, space.journal, space.lock]
             dirs += [space.socket.parent, space.arena.parent]
         for _, cfg in config.spaces():
             if cfg.tiers.nvme is not None:

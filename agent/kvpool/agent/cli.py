@@ -255,8 +255,8 @@ def cleanup(
     """Free the DRAM arena and journal a stopped agent left for a warm restart.
 
     Give the flags the agent ran with (those that name its files). Refused while an agent
-    serves the socket or any process still maps the arena."""
-    from .agentfiles import answers, mapped_by, space_files
+    serves the socket or holds the arena's lock, or any process still maps the arena."""
+    from .agentfiles import InUse, remove_space_files, space_files
 
     flags: dict[str, Any] = dict.fromkeys(
         ("metrics_addr", "max_chunk_bytes", "log_level", "dram", "nvme_dir", "nvme",
@@ -266,29 +266,19 @@ def cleanup(
         cfg = _agent_config(config, flags)
     except ConfigError as e:
         _fail(str(e))
-    spaces = space_files(cfg)
-    for space in spaces:
-        if answers(space.socket):
-            _fail(f"an agent is serving {space.socket}: stop it first", 1)
-        holders = mapped_by(space.arena)
-        if holders:
-            _fail(f"{space.arena} is still mapped by process {', '.join(map(str, holders))} "
-                  "(an agent or its clients): stop them first", 1)
-    removed = 0
-    for space in spaces:
-        for path in (space.arena, space.journal):
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                _fail(f"{path}: {e.strerror or e}", 1)
-            typer.echo(f"removed {path} ({human_size(size)})")
-            removed += 1
+    removed = []
+    for space in space_files(cfg):
+        try:
+            removed += remove_space_files(space)
+        except InUse as e:
+            _fail(str(e), 1)
+        except OSError as e:
+            _fail(f"{e.filename}: {e.strerror or e}", 1)
+    for path, size in removed:
+        typer.echo(f"removed {path} ({human_size(size)})")
     if not removed:
-        typer.echo("nothing to remove: " + ", ".join(str(s.arena) for s in spaces)
-                   + " not found")
+        typer.echo("nothing to remove: no arena at "
+                   + ", ".join(str(s.arena) for s in space_files(cfg)))
 
 
 # --------------------------------------------------------------------------- stats
