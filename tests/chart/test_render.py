@@ -18,6 +18,7 @@ from cryptography import x509
 
 from kvpool.operator.alerts import RUNBOOK_BASE_URL, rule_groups
 from kvpool.operator.api import parse_policy, parse_pool
+from kvpool.operator.operator_policy import DEFAULT_HOST_PATH_ROOTS, OperatorPolicy
 
 from .conftest import ALL_TOGGLES_ON, CHART, NAMESPACE, Rendered
 
@@ -54,6 +55,7 @@ def test_default_render_yields_the_operator_and_its_webhook(defaults: Rendered) 
             "Service",  # webhook
             "Secret",
             "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration",
         ]
     )
 
@@ -266,6 +268,7 @@ def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
         ("kvpool.io", "kvtierpolicies", "watch"),
         ("kvpool.io", "kvtierpolicies/status", "patch"),
         ("apps", "daemonsets", "create"),
+        ("apps", "daemonsets", "delete"),  # the agents of a pool the policy does not allow
         ("", "configmaps", "create"),
         ("", "serviceaccounts", "create"),
         ("", "services", "create"),
@@ -297,6 +300,82 @@ def test_cluster_role_binding_binds_the_operator_service_account(defaults: Rende
     ]
     pod = defaults.one("Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["name"]
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def _policy_env(rendered: Rendered) -> dict[str, str]:
+    container = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("KVPOOL_")}
+
+
+def test_default_render_carries_the_operator_policy_with_the_operators_defaults(
+    defaults: Rendered,
+) -> None:
+    """`helm template` shows the policy, and it is the one `kvpool operator` defaults to."""
+    env = _policy_env(defaults)
+    assert env == {
+        "KVPOOL_ALLOWED_IMAGES": "ghcr.io/kvpool/kvpool",
+        "KVPOOL_ALLOW_ROOT": "false",
+        "KVPOOL_HOST_PATH_ROOTS": " ".join(DEFAULT_HOST_PATH_ROOTS),
+        "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS": "false",
+    }
+    default = OperatorPolicy()
+    assert not default.allow_root and not default.allow_tolerate_all_taints
+    assert env["KVPOOL_HOST_PATH_ROOTS"].split() == list(default.host_path_roots)
+
+
+def test_allowed_images_default_to_the_agent_images_repository(render: Any) -> None:
+    digest = "sha256:" + "a" * 64
+    assert _policy_env(render({"image": {"repository": "r.local:5000/kv", "digest": digest}}))[
+        "KVPOOL_ALLOWED_IMAGES"
+    ] == "r.local:5000/kv"
+    assert _policy_env(render({"operator": {"agentImage": "r.local:5000/agent:2"}}))[
+        "KVPOOL_ALLOWED_IMAGES"
+    ] == "r.local:5000/agent"
+
+
+def test_operator_policy_values_reach_the_operator(render: Any) -> None:
+    env = _policy_env(
+        render(
+            {
+                "operatorPolicy": {
+                    "allowedImages": ["r.local/ml/", "ghcr.io/kvpool/kvpool"],
+                    "allowRoot": True,
+                    "hostPathRoots": ["/scratch"],
+                    "allowTolerateAllTaints": True,
+                }
+            }
+        )
+    )
+    assert env == {
+        "KVPOOL_ALLOWED_IMAGES": "r.local/ml/ ghcr.io/kvpool/kvpool",
+        "KVPOOL_ALLOW_ROOT": "true",
+        "KVPOOL_HOST_PATH_ROOTS": "/scratch",
+        "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS": "true",
+    }
+
+
+def test_values_schema_rejects_a_relative_host_path_root(render: Any) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match="hostPathRoots"):
+        render({"operatorPolicy": {"hostPathRoots": ["data"]}})
+
+
+def test_pools_and_policies_are_validated_by_the_operator_at_admission(
+    defaults: Rendered,
+) -> None:
+    hooks = {h["name"]: h for h in defaults.one("ValidatingWebhookConfiguration")["webhooks"]}
+    assert sorted(hooks) == ["validate-policy.kvpool.io", "validate-pool.kvpool.io"]
+    for hook, path, resource in [
+        (hooks["validate-pool.kvpool.io"], "/kvpool-validate-pool", "kvcachepools"),
+        (hooks["validate-policy.kvpool.io"], "/kvpool-validate-policy", "kvtierpolicies"),
+    ]:
+        assert hook["clientConfig"]["service"]["path"] == path
+        assert hook["rules"][0]["resources"] == [resource]
+        assert hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+        assert hook["failurePolicy"] == "Fail"
+        assert "namespaceSelector" not in hook  # a pool in any namespace runs on the nodes
 
 
 # ----------------------------------------------------------------------------- webhook

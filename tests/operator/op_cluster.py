@@ -328,11 +328,11 @@ class Cluster:
         self,
         probe: Callable[[], Awaitable[T | None]],
         what: str,
-        timeout: float = 15.0,
+        timeout: float = 60.0,
         interval: float = 0.05,
     ) -> T:
         """Poll `probe` every `interval` seconds until it returns something truthy; fail
-        after `timeout` seconds."""
+        after `timeout` seconds (a hang guard: generous, the machine may be loaded)."""
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:

@@ -19,20 +19,27 @@ import yaml
 
 from kvpool.agent.config import AgentConfig
 from kvpool.operator import api, hostdirs, render
+from kvpool.operator.operator_policy import OperatorPolicy
 
 K8S_VERSION = "1.33.0"
 
 
-def _objects(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    objects = render.render(api.parse_pool(body), None)
+ROOT_ALLOWED = render.Settings(policy=OperatorPolicy(allow_root=True))
+"""Settings of a cluster whose admin lets pools run their agent as root."""
+
+
+def _objects(
+    body: dict[str, Any], settings: render.Settings | None = None
+) -> dict[str, dict[str, Any]]:
+    objects = render.render(api.parse_pool(body), None, settings)
     for obj in objects:
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     return {o["kind"]: o for o in objects}
 
 
-def _pod(body: dict[str, Any]) -> dict[str, Any]:
-    pod: dict[str, Any] = _objects(body)["DaemonSet"]["spec"]["template"]["spec"]
+def _pod(body: dict[str, Any], settings: render.Settings | None = None) -> dict[str, Any]:
+    pod: dict[str, Any] = _objects(body, settings)["DaemonSet"]["spec"]["template"]["spec"]
     return pod
 
 
@@ -117,7 +124,7 @@ def test_run_as_user_zero_is_a_root_agent_without_init_container(
 ) -> None:
     body = copy.deepcopy(pool_minimal)
     body["spec"]["agent"] = {"runAsUser": 0}
-    pod = _pod(body)
+    pod = _pod(body, ROOT_ALLOWED)
     assert pod["securityContext"]["runAsNonRoot"] is False
     assert pod["securityContext"]["runAsUser"] == 0
     assert "initContainers" not in pod

@@ -200,6 +200,19 @@ async def _pool_life(cluster: Cluster) -> None:
 
     await cluster.eventually(recreated, "the DaemonSet put back")
 
+    # An edit the operator policy does not allow (stored past the webhook): no agents; and
+    # back within it: the agents return.
+    await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"agent": {"runAsUser": 0}}})
+
+    async def no_agents() -> bool:
+        return await cluster.get("apps/v1", "DaemonSet", CHILD) is None
+
+    await cluster.eventually(no_agents, "the DaemonSet deleted")
+    await cluster.patch(
+        api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"agent": {"runAsUser": 65532}}}
+    )
+    await cluster.eventually(recreated, "the DaemonSet back")
+
     # Deletion: the gc Job runs and succeeds, the cluster-scoped RBAC goes.
     pool = await cluster.pool(POOL)
     assert pool is not None

@@ -64,6 +64,18 @@ app.kubernetes.io/part-of: kvpool
 {{- end -}}
 {{- end -}}
 
+{{/* The images pools may name (operatorPolicy.allowedImages), space-separated; default: the
+repository of the agent image (operator.agentImage or the chart's image), without its tag
+or digest. */}}
+{{- define "kvpool.allowedImages" -}}
+{{- if .Values.operatorPolicy.allowedImages -}}
+{{- join " " .Values.operatorPolicy.allowedImages -}}
+{{- else -}}
+{{- $agent := default (include "kvpool.image" .) .Values.operator.agentImage -}}
+{{- regexReplaceAll "(@.*|:[^:/]*)$" $agent "" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Names of the webhook's Service, TLS Secret and configuration. */}}
 {{- define "kvpool.webhookServiceName" -}}
 {{- printf "%s-webhook" (include "kvpool.fullname" .) | trunc 63 | trimSuffix "-" -}}

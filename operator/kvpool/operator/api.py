@@ -206,7 +206,9 @@ class AgentSpec(Model):
     """How the agent DaemonSet runs."""
 
     image: str | None = Field(
-        None, description="Agent image; unset: the operator's default (same kvpool version)."
+        None,
+        description="Agent image; unset: the operator's default (same kvpool version). "
+        "It must be one the operator policy allows (default: the operator's own repository).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Image pull policy."
@@ -224,8 +226,9 @@ class AgentSpec(Model):
         AGENT_UID,
         ge=0,
         description="UID and GID the agent runs as (not root by default); an init container "
-        "gives the pool's host directories to it. 0 runs the agent as root, the only way "
-        "the IPC_LOCK capability takes effect without a raised memlock limit on the node.",
+        "gives the pool's host directories to it. 0 runs the agent as root (where the "
+        "operator policy allows it), the only way the IPC_LOCK capability takes effect "
+        "without a raised memlock limit on the node.",
     )
     priority_class_name: str | None = Field(
         None, description="PriorityClass of the agent pods (e.g. system-node-critical)."

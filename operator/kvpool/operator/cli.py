@@ -14,6 +14,7 @@ import yaml
 
 from . import api
 from .crds import crds_yaml, to_yaml, write_crds
+from .operator_policy import DEFAULT_HOST_PATH_ROOTS, OperatorPolicy, normalize_host_path
 from .render import Settings, render
 
 app = typer.Typer(
@@ -26,6 +27,66 @@ app = typer.Typer(
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code=2)
+
+
+# The operator policy: the same flags, environment and defaults for `kvpool operator` and
+# `kvpool render`, so a render shows what the operator would accept.
+AllowedImages = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allowed-image",
+        envvar="KVPOOL_ALLOWED_IMAGES",
+        help="Image a pool's spec.agent.image may name: a repository (any tag or digest "
+        "of it) or a prefix ending in '/' (repeatable; from env: space-separated). "
+        "Default: the repository of the agent image only.",
+    ),
+]
+AllowRoot = Annotated[
+    bool,
+    typer.Option(
+        envvar="KVPOOL_ALLOW_ROOT", help="Allow pools to run their agent as root (runAsUser: 0)."
+    ),
+]
+HostPathRoots = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--host-path-root",
+        envvar="KVPOOL_HOST_PATH_ROOTS",
+        help="Directory below which a pool's nvme.hostPath, file:// shared URL and socketDir "
+        "may lie (repeatable; from env: space-separated). Default: "
+        + " ".join(DEFAULT_HOST_PATH_ROOTS)
+        + ". System directories (/, /etc, /proc, ...) are refused whatever this says.",
+    ),
+]
+AllowTolerateAll = Annotated[
+    bool,
+    typer.Option(
+        envvar="KVPOOL_ALLOW_TOLERATE_ALL_TAINTS",
+        help="Allow tolerations that match every taint (no key, operator Exists).",
+    ),
+]
+
+
+def operator_policy(
+    allowed_images: list[str] | None,
+    allow_root: bool,
+    host_path_roots: list[str] | None,
+    allow_tolerate_all_taints: bool,
+) -> OperatorPolicy:
+    """The policy from the flags; `typer.Exit` with an `error:` line for a bad root."""
+    images = tuple(i for item in allowed_images or [] for i in item.split())
+    roots = tuple(r for item in host_path_roots or [] for r in item.split())
+    for root in roots:
+        try:
+            normalize_host_path(root)
+        except ValueError as e:
+            raise _fail(f"--host-path-root {root!r} {e}") from e
+    return OperatorPolicy(
+        allowed_images=images,
+        allow_root=allow_root,
+        host_path_roots=roots or DEFAULT_HOST_PATH_ROOTS,
+        allow_tolerate_all_taints=allow_tolerate_all_taints,
+    )
 
 
 @app.command("crds")
@@ -75,6 +136,10 @@ def render_command(
     pod_monitor: Annotated[
         bool, typer.Option(help="Also render a PodMonitor (Prometheus Operator).")
     ] = False,
+    allowed_image: AllowedImages = None,
+    allow_root: AllowRoot = False,
+    host_path_root: HostPathRoots = None,
+    allow_tolerate_all_taints: AllowTolerateAll = False,
 ) -> None:
     """Print the manifests the operator applies for a pool, as multi-document YAML."""
     docs = _load_documents(files)
@@ -86,7 +151,13 @@ def render_command(
             typer.echo(f"note: ignoring {d.get('kind')} {name}", err=True)
     if not pools:
         raise _fail("no KVCachePool in the given files")
-    settings = Settings(agent_image=agent_image, pod_monitor=pod_monitor)
+    settings = Settings(
+        agent_image=agent_image,
+        pod_monitor=pod_monitor,
+        policy=operator_policy(
+            allowed_image, allow_root, host_path_root, allow_tolerate_all_taints
+        ),
+    )
     out: list[dict[str, Any]] = []
     try:
         by_name = {}
@@ -167,6 +238,10 @@ def operator_command(
             help="Re-reconcile every pool this often (drift repair, retries).",
         ),
     ] = 300.0,
+    allowed_image: AllowedImages = None,
+    allow_root: AllowRoot = False,
+    host_path_root: HostPathRoots = None,
+    allow_tolerate_all_taints: AllowTolerateAll = False,
 ) -> None:
     """Run the operator (kopf, embedded): reconcile pools, serve the pod webhook."""
     namespaces = [n for item in namespace or [] for n in item.split()]
@@ -185,7 +260,13 @@ def operator_command(
         liveness_port=liveness_port,
         webhook_port=webhook_port,
         webhook_cert_dir=webhook_cert_dir,
-        settings=Settings(agent_image=agent_image, pod_monitor=pod_monitor),
+        settings=Settings(
+            agent_image=agent_image,
+            pod_monitor=pod_monitor,
+            policy=operator_policy(
+                allowed_image, allow_root, host_path_root, allow_tolerate_all_taints
+            ),
+        ),
         resync_seconds=resync_seconds,
     )
     run_operator(options)

@@ -27,6 +27,8 @@ from kvpool.agent.config import TierPolicy
 
 from . import api, metrics
 from .kube import Kube, KubeError
+from .operator_policy import Forbidden
+from .operator_policy import check as check_operator_policy
 from .render import (
     MANAGED_BY,
     POOL_LABEL,
@@ -48,7 +50,15 @@ from .status import (
     pool_status,
     problem_of,
 )
-from .webhook import Rejected, check_pool, inject, requested_pool
+from .webhook import (
+    Rejected,
+    admit_policy,
+    admit_pool,
+    check_pool,
+    inject,
+    requested_pool,
+    spec_changed,
+)
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -56,6 +66,8 @@ POOL = (api.GROUP, api.VERSION, api.POOL_PLURAL)
 POLICY = (api.GROUP, api.VERSION, api.POLICY_PLURAL)
 FINALIZER = "kvpool.io/finalizer"
 WEBHOOK_ID = "kvpool-inject"
+VALIDATE_POOL_ID = "kvpool-validate-pool"
+VALIDATE_POLICY_ID = "kvpool-validate-policy"
 
 
 @dataclass
@@ -167,6 +179,15 @@ def _daemon_set(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
         return None
 
 
+def _remove_agents(kube: Kube, namespace: str, name: str, logger: Logger) -> None:
+    """Delete the pool's agent DaemonSet, if there is one."""
+    try:
+        if kube.delete("apps/v1", "DaemonSet", namespace, Names(namespace, name).agent):
+            logger.warning("deleted the agents of a pool the operator policy does not allow")
+    except KubeError as e:
+        raise Problem(Reason.APPLY_FAILED, f"cannot delete the agents: {e}") from e
+
+
 def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: int = 0) -> None:
     """Apply the pool's render and write its status; raise kopf errors on problems.
 
@@ -190,7 +211,15 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 _check_secret(ctx.kube, pool)
             except KubeError as e:
                 raise Problem(Reason.APPLY_FAILED, str(e)) from e
-            objects = render(pool, policy, ctx.settings)
+            try:
+                objects = render(pool, policy, ctx.settings)
+            except Forbidden as e:
+                # Stored past the admission webhook (down, or the policy was tightened
+                # since): no agent runs what the policy does not allow.
+                _remove_agents(ctx.kube, ns, name, logger)
+                raise Problem(Reason.FORBIDDEN, str(e)) from e
+            except api.InvalidSpec as e:
+                raise Problem(Reason.INVALID_SPEC, str(e)) from e
             for obj in objects:
                 try:
                     result = ctx.kube.apply(obj)
@@ -213,7 +242,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 _write_status(ctx.kube, body, status)
             except KubeError as e:
                 logger.warning("cannot write the status: %s", e)
-            if problem.reason == Reason.INVALID_SPEC:
+            if problem.reason in (Reason.INVALID_SPEC, Reason.FORBIDDEN):
                 # Nothing to retry until the spec is edited (which triggers an update).
                 raise kopf.PermanentError(str(problem)) from problem
             raise kopf.TemporaryError(str(problem), delay=delay) from problem
@@ -407,8 +436,14 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: 
     try:
         shared = pool.spec.tiers.shared if pool is not None else None
         if pool is not None and shared is not None and shared.reclaim_policy == "Delete":
-            collect_garbage(ctx, pool, body, logger)
-            logger.info("deleted the pool's chunks in %s", shared.url)
+            try:
+                check_operator_policy(pool, ctx.settings.policy, ctx.settings.image())
+            except Forbidden as e:
+                # The gc Job would run what the policy does not allow: the chunks stay.
+                logger.warning("%s is kept: %s", shared.url, e)
+            else:
+                collect_garbage(ctx, pool, body, logger)
+                logger.info("deleted the pool's chunks in %s", shared.url)
         # Cluster-scoped objects cannot be owned by the pool: delete them here.
         names = Names(ns, name)
         for kind in ("ClusterRoleBinding", "ClusterRole"):
@@ -522,6 +557,28 @@ def build_registry(
             # kopf passes the index under its id.
             mutate_pod(body, patch, kwargs["pools_by_name"])
 
+        @kopf.on.validate(
+            *POOL, id=VALIDATE_POOL_ID, operations=["CREATE", "UPDATE"], registry=registry
+        )
+        def validate_pool(*, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+            if not spec_changed(kwargs.get("old"), kwargs.get("new")):
+                return
+            try:
+                admit_pool(body, context(memo).settings)
+            except api.InvalidSpec as e:
+                raise kopf.AdmissionError(str(e), code=422) from e
+
+        @kopf.on.validate(
+            *POLICY, id=VALIDATE_POLICY_ID, operations=["CREATE", "UPDATE"], registry=registry
+        )
+        def validate_policy(*, body: kopf.Body, **kwargs: Any) -> None:
+            if not spec_changed(kwargs.get("old"), kwargs.get("new")):
+                return
+            try:
+                admit_policy(body)
+            except api.InvalidSpec as e:
+                raise kopf.AdmissionError(str(e), code=422) from e
+
     return registry
 
 
@@ -548,6 +605,8 @@ def mutate_pod(
 __all__ = [
     "DEGRADED",
     "FINALIZER",
+    "VALIDATE_POLICY_ID",
+    "VALIDATE_POOL_ID",
     "WEBHOOK_ID",
     "Context",
     "backoff",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ from kvpool.agent.units import format_size
 
 from . import api
 from .dashboard import AGENT_JOB
+from .operator_policy import OperatorPolicy
+from .operator_policy import check as check_operator_policy
 
 Manifest = dict[str, Any]
 
@@ -82,6 +84,8 @@ class Settings:
     """Value of the `app.kubernetes.io/version` label; empty: the package version."""
     pod_monitor: bool = False
     """Render a PodMonitor per pool (needs the Prometheus Operator CRDs)."""
+    policy: OperatorPolicy = field(default_factory=OperatorPolicy)
+    """What pools may ask of the nodes (images, root, host paths, tolerations)."""
 
     def image(self) -> str:
         return self.agent_image or default_agent_image()
@@ -582,10 +586,12 @@ def render(
     """Every object of a pool, in apply order; pure and deterministic.
 
     `policy` is the pool's resolved `KVTierPolicy` (None: the built-in defaults).
-    Raises `api.InvalidSpec` if the pool cannot be rendered.
+    Raises `api.InvalidSpec` if the pool cannot be rendered, `operator_policy.Forbidden`
+    (a kind of it) if the operator policy does not allow what it asks for.
     """
     settings = settings or Settings()
     api.check_pool_id(pool.metadata.namespace, pool.metadata.name)
+    check_operator_policy(pool, settings.policy, settings.image())
     tier_policy = policy.spec if policy is not None else TierPolicy()
     config_map = _config_map(pool, tier_policy, settings)
     data = config_map["data"]
@@ -603,6 +609,7 @@ def render(
 def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Manifest:
     """The Job that deletes every chunk of the pool's shared prefix (`reclaimPolicy: Delete`)."""
     settings = settings or Settings()
+    check_operator_policy(pool, settings.policy, settings.image())
     shared = pool.spec.tiers.shared
     if shared is None:
         raise api.InvalidSpec(f"KVCachePool {pool.metadata.name} has no shared tier to collect")

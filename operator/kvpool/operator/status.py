@@ -46,6 +46,8 @@ class Reason:
     SECRET_NOT_FOUND = "SecretNotFound"
     SECRET_KEY_MISSING = "SecretKeyMissing"
     INVALID_SPEC = "InvalidSpec"
+    FORBIDDEN = "Forbidden"
+    """The operator policy does not allow what the pool asks for (image, root, ...)."""
     APPLY_FAILED = "ApplyFailed"
     GC_FAILED = "GarbageCollectionFailed"
 
@@ -56,6 +58,7 @@ PROBLEM_REASONS = (
     Reason.SECRET_NOT_FOUND,
     Reason.SECRET_KEY_MISSING,
     Reason.INVALID_SPEC,
+    Reason.FORBIDDEN,
     Reason.APPLY_FAILED,
     Reason.GC_FAILED,
 )

@@ -30,7 +30,7 @@ from typing import Any
 from kvpool.agent.config import TENANT_NAME_PATTERN
 
 from . import api
-from .render import socket_dir, socket_path, tenant_socket_dir
+from .render import Settings, render, socket_dir, socket_path, tenant_socket_dir
 
 SOCKET_VOLUME = "kvpool-socket"
 INJECTED_ANNOTATION = "kvpool.io/injected"
@@ -152,3 +152,26 @@ def check_pool(pool_name: str, namespace: str, body: Mapping[str, Any] | None) -
         return api.parse_pool(body)
     except api.InvalidSpec as e:
         raise Rejected(f"KVCachePool {pool_name!r} is invalid: {e}") from e
+
+
+def admit_pool(body: Mapping[str, Any], settings: Settings) -> api.KVCachePool:
+    """The pool admission check: the same parsing and `render()` the reconcile runs (the
+    pool's KVTierPolicy is checked on its own), so a pool `kubectl apply` accepts is one
+    the operator can render; `api.InvalidSpec` (or `Forbidden`) says why not."""
+    pool = api.parse_pool(body)
+    render(pool, None, settings)
+    return pool
+
+
+def admit_policy(body: Mapping[str, Any]) -> api.KVTierPolicy:
+    """The policy admission check: the parsing the reconcile runs."""
+    return api.parse_policy(body)
+
+
+def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> bool:
+    """Whether an update changes the spec. Updates that do not (finalizers, labels, the
+    operator's own annotations) are never refused: an object whose spec a tightened
+    operator policy no longer allows can still be labelled, and deleted."""
+    if old is None or new is None:
+        return True
+    return (old.get("spec") or {}) != (new.get("spec") or {})

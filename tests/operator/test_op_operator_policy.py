@@ -1,0 +1,292 @@
+"""The operator policy: a pool cannot run other images, root, every-taint tolerations or
+system host directories unless the cluster admin allows it — refused by `kvpool render`,
+by the pool admission webhook, and, stored anyway, left without agents."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from typing import Any
+
+import aiohttp
+import pytest
+from op_cluster import Cluster, Emulator
+from op_support import EXAMPLES, example
+from typer.testing import CliRunner
+
+from kvpool.operator import api
+from kvpool.operator.cli import app
+from kvpool.operator.operator_policy import (
+    DEFAULT_HOST_PATH_ROOTS,
+    Forbidden,
+    OperatorPolicy,
+    check,
+    host_path_problem,
+    image_allowed,
+    problems,
+)
+
+OPERATOR_IMAGE = "ghcr.io/kvpool/kvpool:1.2.3"
+
+
+def _pool(**spec: Any) -> api.KVCachePool:
+    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
+    body["spec"].update(spec)
+    return api.parse_pool(body)
+
+
+@pytest.mark.parametrize(
+    ("image", "prefixes", "allowed"),
+    [
+        ("ghcr.io/kvpool/kvpool:2.0", ["ghcr.io/kvpool/kvpool"], True),
+        ("ghcr.io/kvpool/kvpool@sha256:" + "a" * 64, ["ghcr.io/kvpool/kvpool"], True),
+        ("ghcr.io/kvpool/kvpool", ["ghcr.io/kvpool/kvpool"], True),
+        ("ghcr.io/kvpool/kvpool-evil:1", ["ghcr.io/kvpool/kvpool"], False),
+        ("ghcr.io/kvpool/kvpool/sub:1", ["ghcr.io/kvpool/kvpool"], False),
+        ("evil.io/ghcr.io/kvpool/kvpool:1", ["ghcr.io/kvpool/kvpool"], False),
+        ("registry.local:5000/ml/agent:1", ["registry.local:5000/ml/"], True),
+        ("registry.local:5000/mlx/agent:1", ["registry.local:5000/ml/"], False),
+    ],
+)
+def test_image_is_allowed_by_repository_or_by_prefix(
+    image: str, prefixes: list[str], allowed: bool
+) -> None:
+    assert image_allowed(image, prefixes) is allowed
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("/mnt/nvme0/kvpool", None),
+        ("/mnt", None),
+        ("/mnt//nvme0/./kvpool/", None),
+        ("/etc", "system directory"),
+        ("/etc/kvpool", "system directory"),
+        ("//etc", "system directory"),
+        ("/", "system directory"),
+        ("/proc/1", "system directory"),
+        ("/var/lib/kubelet/pods", "system directory"),
+        ("/var/run/containerd", "system directory"),
+        ("/mnt/../etc", "'..'"),
+        ("/mnt/nvme/..", "'..'"),
+        ("mnt/nvme", "absolute"),
+        ("/home/user", "not below an allowed host path root"),
+        ("/mntx", "not below an allowed host path root"),
+    ],
+)
+def test_host_paths_are_normalized_and_checked_against_roots_and_deny_list(
+    path: str, reason: str | None
+) -> None:
+    problem = host_path_problem(path, DEFAULT_HOST_PATH_ROOTS)
+    if reason is None:
+        assert problem is None
+    else:
+        assert problem is not None and reason in problem
+
+
+def test_system_directories_are_refused_even_when_the_admin_allows_their_root() -> None:
+    assert host_path_problem("/etc", ["/"]) is not None
+    assert host_path_problem("/var/lib/kubelet", ["/var/lib"]) is not None
+    assert host_path_problem("/var/lib/kvpool", ["/var/lib"]) is None
+
+
+def test_default_policy_refuses_what_roots_the_nodes() -> None:
+    pool = _pool(
+        tolerations=[{"operator": "Exists"}],
+        agent={"image": "evil.io/miner:1", "runAsUser": 0},
+        tiers={
+            "dram": {"size": "1Gi"},
+            "nvme": {"hostPath": "/etc", "size": "1Gi"},
+            "shared": {"url": "file:///proc"},
+        },
+        socketDir="/var/lib/kubelet",
+    )
+    found = problems(pool, OperatorPolicy(), OPERATOR_IMAGE)
+    fields = [p.split(":")[0] for p in found]
+    assert fields == [
+        "spec.agent.image",
+        "spec.agent.runAsUser",
+        "spec.socketDir",
+        "spec.tiers.nvme.hostPath",
+        "spec.tiers.shared.url",
+        "spec.tolerations[0]",
+    ]
+    assert "ghcr.io/kvpool/kvpool" in found[0]  # the default: the operator's own repository
+    with pytest.raises(Forbidden, match="not allowed by the operator policy"):
+        check(pool, OperatorPolicy(), OPERATOR_IMAGE)
+
+
+def test_a_permissive_policy_allows_each_in_turn() -> None:
+    pool = _pool(
+        tolerations=[{"operator": "Exists", "effect": "NoSchedule"}],
+        agent={"image": "registry.local/ml/agent:1", "runAsUser": 0},
+        tiers={"dram": {"size": "1Gi"}, "nvme": {"hostPath": "/scratch/kv", "size": "1Gi"}},
+    )
+    policy = OperatorPolicy(
+        allowed_images=("registry.local/ml/",),
+        allow_root=True,
+        host_path_roots=("/scratch", "/run/kvpool"),
+        allow_tolerate_all_taints=True,
+    )
+    assert problems(pool, policy, OPERATOR_IMAGE) == []
+
+
+def test_keyed_tolerations_and_the_default_image_pass_the_default_policy() -> None:
+    pool = _pool(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}])
+    assert problems(pool, OperatorPolicy(), OPERATOR_IMAGE) == []
+
+
+# --------------------------------------------------------------------------- kvpool render
+
+runner = CliRunner()
+
+
+def _forbidden_file(tmp_path: Any) -> str:
+    path = tmp_path / "pool.yaml"
+    text = (EXAMPLES / "pool-minimal.yaml").read_text()
+    path.write_text(text + "  agent:\n    runAsUser: 0\n")
+    assert api.parse_pool(example("pool-minimal.yaml", api.POOL_KIND))  # the base is valid
+    return str(path)
+
+
+def test_render_refuses_a_pool_outside_the_policy_with_one_error_line(tmp_path: Any) -> None:
+    result = runner.invoke(app, ["render", "-f", _forbidden_file(tmp_path)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "spec.agent.runAsUser" in lines[0] and "root" in lines[0]
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_render_takes_the_policy_from_flags_and_environment(tmp_path: Any) -> None:
+    path = _forbidden_file(tmp_path)
+    assert runner.invoke(app, ["render", "-f", path, "--allow-root"]).exit_code == 0
+    env = {"KVPOOL_ALLOW_ROOT": "true"}
+    assert runner.invoke(app, ["render", "-f", path], env=env).exit_code == 0
+
+
+def test_render_refuses_a_relative_host_path_root(tmp_path: Any) -> None:
+    result = runner.invoke(
+        app, ["render", "-f", str(EXAMPLES / "pool-minimal.yaml"), "--host-path-root", "data"]
+    )
+    assert result.exit_code == 2 and result.stderr.startswith("error: --host-path-root")
+
+
+# --------------------------------------------------------------------------- operator
+
+
+def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return None
+
+
+def _review(obj: dict[str, Any], operation: str, old: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": api.GROUP, "version": api.VERSION, "kind": obj["kind"]},
+            "resource": {
+                "group": api.GROUP,
+                "version": api.VERSION,
+                "resource": api.POOL_PLURAL if obj["kind"] == api.POOL_KIND else api.POLICY_PLURAL,
+            },
+            "namespace": obj["metadata"]["namespace"],
+            "operation": operation,
+            "userInfo": {"username": "alice"},
+            "object": obj,
+            "oldObject": old,
+            "dryRun": False,
+        },
+    }
+
+
+async def admit(
+    cluster: Cluster,
+    webhook: str,
+    obj: dict[str, Any],
+    operation: str = "CREATE",
+    old: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """POST an AdmissionReview to one of the operator's webhooks, as the API server does."""
+
+    async def post() -> dict[str, Any] | None:
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{cluster.webhook_url}/{webhook}",
+                    json=_review(obj, operation, old),
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+                response: dict[str, Any] = (await resp.json())["response"]
+                return response
+        except aiohttp.ClientConnectorError:
+            return None  # the webhook server is still starting
+
+    return await cluster.eventually(post, "the webhook's answer")
+
+
+def _minimal(**spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
+    body["metadata"]["namespace"] = "inference"
+    body["spec"].update(spec)
+    return body
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_admission_refuses_a_pool_outside_the_policy_with_the_reason(
+    cluster: Cluster,
+) -> None:
+    response = await admit(cluster, "kvpool-validate-pool", _minimal(agent={"runAsUser": 0}))
+    assert response["allowed"] is False
+    assert "spec.agent.runAsUser" in response["status"]["message"]
+    response = await admit(cluster, "kvpool-validate-pool", _minimal())
+    assert response["allowed"] is True
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_admission_never_refuses_an_update_that_leaves_the_spec(cluster: Cluster) -> None:
+    """A pool a tightened policy no longer allows can still get its finalizer removed."""
+    old = _minimal(agent={"runAsUser": 0})
+    new = copy.deepcopy(old)
+    new["metadata"]["finalizers"] = []
+    response = await admit(cluster, "kvpool-validate-pool", new, "UPDATE", old)
+    assert response["allowed"] is True
+    edited = copy.deepcopy(old)
+    edited["spec"]["agent"]["image"] = "evil.io/miner:1"
+    response = await admit(cluster, "kvpool-validate-pool", edited, "UPDATE", old)
+    assert response["allowed"] is False and "evil.io/miner:1" in response["status"]["message"]
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_a_stored_pool_outside_the_policy_says_why_and_runs_no_agents(
+    cluster: Cluster,
+) -> None:
+    name = _minimal()["metadata"]["name"]
+    ds_name = f"kvpool-{name}"
+    await cluster.create(_minimal())
+    await cluster.eventually(lambda: cluster.get("apps/v1", "DaemonSet", ds_name), "agents")
+
+    # Edited past the webhook (down, or not installed): the agents go.
+    await cluster.patch(api.API_VERSION, api.POOL_KIND, name, {"spec": {"agent": {"runAsUser": 0}}})
+
+    async def forbidden() -> dict[str, Any] | None:
+        c = _condition(await cluster.pool(name), "Degraded")
+        return c if c and c["status"] == "True" and c["reason"] == "Forbidden" else None
+
+    cond = await cluster.eventually(forbidden, "Degraded/Forbidden")
+    assert "spec.agent.runAsUser" in cond["message"]
+    ready = _condition(await cluster.pool(name), "Ready")
+    assert ready is not None and ready["status"] == "False" and ready["reason"] == "Forbidden"
+
+    async def no_agents() -> bool:
+        return await cluster.get("apps/v1", "DaemonSet", ds_name) is None
+
+    await cluster.eventually(no_agents, "the DaemonSet to be deleted")
