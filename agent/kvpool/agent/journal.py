@@ -5,22 +5,33 @@ made visible (`commit`) and every chunk taken away (`drop`). An agent that
 restarts (SIGKILL, rolling upgrade) replays it, re-verifies each chunk's
 checksum against the arena bytes, and serves what passes. A torn last record
 (the process died mid-append) fails its CRC and ends the replay there.
+
+The file is bounded by what the arena holds, not by how long the agent has run: once it
+holds more than twice as many records as live chunks (plus `COMPACT_FLOOR`), it is
+rewritten from the live chunks. An append that fails (the tmpfs is full) leaves the file
+as it was and raises, so the caller can refuse the chunk it was about to make visible:
+nothing is acknowledged that a restart would not find, and nothing refused is stored.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import msgspec
 
 from .protocol import Extents
 
+log = logging.getLogger(__name__)
+
 _RECORD = struct.Struct("<BII")  # kind, payload length, crc32 of payload
 COMMIT, DROP = 1, 2
+COMPACT_FLOOR = 1024
+"""Records allowed beyond twice the live chunks before the journal is compacted."""
 
 
 class JournalEntry(msgspec.Struct, array_like=True):
@@ -41,29 +52,81 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.size = os.fstat(self.fd).st_size
         self.records = 0
+        self.live = 0
+        """Chunks the records describe as live (commits less drops since the last rewrite)."""
+        self.live_entries: Callable[[], Iterable[JournalEntry]] | None = None
+        """What the arena holds now, for compaction; set by the store that owns the arena."""
+        self._compact_at = COMPACT_FLOOR
+        self.compactions = 0
+        self.stale = False
+        """A drop could not be written: a restart could bring the chunk back until the
+        next compaction, which is tried at the next append."""
 
     def _append(self, kind: int, payload: bytes) -> None:
-        os.write(self.fd, _RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload)
+        record = _RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload
+        try:
+            written = os.write(self.fd, record)
+            if written != len(record):
+                raise OSError(f"short write to {self.path}: {written} of {len(record)} bytes")
+        except OSError:
+            # A torn record would end every later replay there: cut it off.
+            os.ftruncate(self.fd, self.size)
+            raise
+        self.size += len(record)
         self.records += 1
 
     def commit(self, entry: JournalEntry) -> None:
+        """Record a chunk as visible; raises OSError (file unchanged) when it cannot."""
+        self._maybe_compact()
         self._append(COMMIT, _enc.encode(entry))
+        self.live += 1
 
     def drop(self, key: bytes) -> None:
-        self._append(DROP, _enc.encode(key))
+        """Record a chunk as gone. Never raises: the chunk is gone from the index already,
+        so a failure marks the journal stale and the next compaction leaves the chunk out."""
+        try:
+            self._maybe_compact()
+            self._append(DROP, _enc.encode(key))
+        except OSError as e:
+            log.error("commit journal %s could not record a drop: %s; compacting at the "
+                      "next chance", self.path, e)
+            self.stale = True
+        self.live = max(0, self.live - 1)
+
+    def _maybe_compact(self) -> None:
+        if self.live_entries is None:
+            return
+        if not self.stale and self.records < max(self._compact_at, 2 * self.live + COMPACT_FLOOR):
+            return
+        try:
+            self.rewrite(list(self.live_entries()))
+        except OSError as e:
+            # Retry after as many records again, not at every append (that would be quadratic).
+            self._compact_at = 2 * self.records + COMPACT_FLOOR
+            log.error("commit journal %s could not be compacted: %s", self.path, e)
+            return
+        self.compactions += 1
 
     def rewrite(self, live: list[JournalEntry]) -> None:
         """Replace the journal by one commit record per live chunk (compaction)."""
         tmp = self.path.with_suffix(".journal.tmp")
-        with open(tmp, "wb") as f:
-            for entry in live:
-                payload = _enc.encode(entry)
-                f.write(_RECORD.pack(COMMIT, len(payload), zlib.crc32(payload)) + payload)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "wb") as f:
+                for entry in live:
+                    payload = _enc.encode(entry)
+                    f.write(_RECORD.pack(COMMIT, len(payload), zlib.crc32(payload)) + payload)
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        self.records = len(live)
+        self.size = os.fstat(self.fd).st_size
+        self.records = self.live = len(live)
+        self._compact_at = COMPACT_FLOOR
+        self.stale = False
 
     def close(self) -> None:
         os.close(self.fd)

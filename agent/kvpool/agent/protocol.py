@@ -24,6 +24,9 @@ HEADER = struct.Struct("<I")
 CONTROL_FRAME_MAX = 256 * 1024
 """Largest frame without chunk bytes in it (LOOKUP of many keys, STATS)."""
 MAX_LOOKUP_KEYS = 8192
+MAX_TENANT_BYTES = 253
+"""The longest tenant name a HELLO may claim (UTF-8 bytes): every chunk record (journal,
+NVMe header, shared object) carries it, so it must stay small."""
 
 
 class Op(IntEnum):

@@ -172,6 +172,10 @@ class Connection:
         if req.version != p.PROTOCOL_VERSION:
             raise OpError(p.ErrorCode.VERSION_MISMATCH,
                           f"agent speaks protocol {p.PROTOCOL_VERSION}, client asked {req.version}")
+        if len(req.tenant.encode()) > p.MAX_TENANT_BYTES:
+            raise OpError(p.ErrorCode.BAD_ARGUMENT,
+                          f"tenant name of {len(req.tenant.encode())} bytes: at most "
+                          f"{p.MAX_TENANT_BYTES}")
         space = self.space
         if space.isolated:
             # The socket, not the client, says whose connection this is.

@@ -110,6 +110,8 @@ class ChunkStore:
         self.m = metrics
         self.policy = policy
         self.journal = journal
+        if journal is not None:
+            journal.live_entries = self.dram.journal_entries  # what its compaction keeps
         self.dram.pins.update(bytes.fromhex(k) for k in policy.pins)
         self.seq = 0
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
@@ -325,14 +327,23 @@ class ChunkStore:
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
                 tenant: str, hits: int = 0, evict: bool = True) -> DramChunk:
-        """Make a chunk visible; `evict=False` leaves the watermark check to the caller."""
+        """Make a chunk visible; `evict=False` leaves the watermark check to the caller.
+
+        Journaled first: a chunk the journal cannot record is refused and its extents
+        freed, so no client is told "failed" for a chunk that is stored."""
+        if self.journal is not None:
+            try:
+                self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant))
+            except OSError as e:
+                self.dram.alloc.free(extents)
+                raise OpError(ErrorCode.NO_SPACE,
+                              f"chunk not stored: the commit journal cannot record it ({e})"
+                              ) from e
         chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant)
         seq, depth, last = self.recent.get(key) or (self._next_seq(), 0, False)
         chunk.last_seq, chunk.depth, chunk.last_access = seq, depth, time.time()
         chunk.hits = hits
         self.dram_queue.add(chunk, tail=last)
-        if self.journal is not None:
-            self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant))
         self.m.written_bytes["dram"].inc(size)
         if evict:
             self._check_watermark()

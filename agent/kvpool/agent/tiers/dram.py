@@ -9,9 +9,11 @@ deleted while read is hidden at once and freed on its last release.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..arena import Arena, ExtentAllocator
+from ..journal import JournalEntry
 from ..protocol import Extents, checksum
 
 
@@ -82,6 +84,11 @@ class DramTier:
 
     def get(self, key: bytes) -> DramChunk | None:
         return self.chunks.get(key)
+
+    def journal_entries(self) -> Iterator[JournalEntry]:
+        """The commit journal's view of the visible chunks (what a compaction keeps)."""
+        for c in self.chunks.values():
+            yield JournalEntry(c.key, c.extents, c.size, c.checksum, c.meta, c.tenant)
 
     def read_verified(self, chunk: DramChunk) -> bytes | None:
         """A chunk's bytes from the arena, or None when they no longer match its checksum.

@@ -1,0 +1,116 @@
+"""The DRAM commit journal through a real agent: bounded while it runs, never out of step.
+
+The journal lives beside the arena on a tmpfs. It used to grow by every chunk's lifecycle
+for as long as the agent ran (a 1 MiB tenant name made each record 1 MiB), and once it could
+not grow, a PUT answered with an error had stored its chunk anyway.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.bench.local import LocalAgent
+
+from .conftest import RawConn
+
+PAGE = 4096
+
+
+def key_of(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 4
+
+
+def data_of(i: int) -> bytes:
+    return bytes([i % 251 + 1]) * PAGE
+
+
+@pytest.fixture
+def small_agent(tmp_path: Path) -> Iterator[LocalAgent]:
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="4Mi") as a:
+        yield a
+
+
+def test_the_journal_stays_bounded_while_chunks_come_and_go_and_a_restart_keeps_the_live_ones(
+        small_agent: LocalAgent) -> None:
+    journal = small_agent.arena_path.with_suffix(".journal")
+    cycles, kept = 3000, range(0, 3000, 10)
+    largest = 0
+    with KVPoolClient(small_agent.socket_path) as c:
+        for i in range(cycles):
+            assert c.put(key_of(i), data_of(i))
+            if i % 10:
+                assert c.delete(key_of(i))
+            largest = max(largest, journal.stat().st_size)
+    # 3,000 commits and 2,700 drops appended and never compacted: about 250 KB. Compacted
+    # past twice the live chunks plus 1,024 records, it stays near 100 KB.
+    assert largest < 150_000, largest
+
+    small_agent.kill(signal.SIGKILL)
+    small_agent.start()
+    with KVPoolClient(small_agent.socket_path) as c:
+        assert all(c.get(key_of(i), verify=True) == data_of(i) for i in kept)
+        assert c.lookup([key_of(1)]) == 0 and c.lookup([key_of(cycles - 1)]) == 0
+        assert c.stats()["tiers"]["dram"]["chunks"] == len(kept)
+
+
+def test_a_tenant_name_longer_than_the_protocol_allows_is_refused_at_hello(
+        small_agent: LocalAgent) -> None:
+    raw = RawConn(small_agent.socket_path, hello=False)
+    try:
+        reply = raw.call(p.Hello(1, p.PROTOCOL_VERSION, "test", "t" * (1 << 20)))
+        assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.BAD_ARGUMENT
+        assert str(p.MAX_TENANT_BYTES) in reply.message
+    finally:
+        raw.close()
+    with KVPoolClient(small_agent.socket_path, tenant="t" * p.MAX_TENANT_BYTES) as c:
+        assert c.put(key_of(1), data_of(1))
+        assert c.get(key_of(1)) == data_of(1)
+
+
+def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(tmp_path: Path) -> None:
+    # RLIMIT_FSIZE stands in for a full tmpfs: the agent (it inherits the limit) can write
+    # no file past 2 MiB, the arena's size. Chunks of one page with 16,000 bytes of meta
+    # fill the journal's 2 MiB long before the arena.
+    config = tmp_path / "agent.yaml"
+    config.write_text("maxMetaBytes: 16384\n")
+    agent = LocalAgent("--no-lock", "--config", str(config), workdir=tmp_path, dram="2Mi")
+    limit = 2 << 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        agent.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    meta = b"m" * 16_000
+    try:
+        stored, refused = [], []
+        with KVPoolClient(agent.socket_path) as c:
+            for i in range(300):
+                try:
+                    assert c.put(key_of(i), data_of(i), meta=meta)
+                    stored.append(i)
+                except p.ProtocolError as e:
+                    assert e.code == p.ErrorCode.NO_SPACE, e
+                    assert "journal" in str(e)
+                    refused.append(i)
+            assert stored and refused
+            assert c.stats()["tiers"]["dram"]["chunks"] == len(stored)
+            assert all(c.lookup([key_of(i)]) == 0 for i in refused)
+            assert all(c.get_with_meta(key_of(i)) == (data_of(i), meta) for i in stored)
+
+        # What the journal holds is exactly what was acknowledged: a restart (without the
+        # limit) finds every stored chunk and nothing else.
+        agent.kill(signal.SIGKILL)
+        agent.start()
+        with KVPoolClient(agent.socket_path) as c:
+            assert c.stats()["tiers"]["dram"]["chunks"] == len(stored)
+            assert all(c.get(key_of(i), verify=True) == data_of(i) for i in stored)
+    finally:
+        agent.stop()
