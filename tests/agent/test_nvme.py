@@ -174,6 +174,30 @@ def test_a_damaged_nvme_chunk_is_a_counted_quarantined_miss(tmp_path: Path, mode
         assert c.get(good) == data_for(good, 256 * KiB)  # its neighbours are unaffected
 
 
+@pytest.mark.parametrize("mode", ["zero_copy", "inline"])
+def test_an_unreadable_nvme_chunk_leaves_no_stuck_index_entry(tmp_path: Path, mode: str) -> None:
+    nvme_dir = tmp_path / "nvme"
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
+            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
+        keys = fill(writer, 24)
+        settle(writer)
+        bad, good = in_nvme(writer, nvme_dir, keys)[:2]
+        chunks = writer.stats()["tiers"]["nvme"]["chunks"]
+        path = chunk_file(nvme_dir, bad)
+        path.unlink()
+        path.mkdir()  # a read of the chunk's file now fails with an OSError (EISDIR)
+        assert c.get(bad) is None
+        assert scrape(agent)[series("kvpool_tier_errors_total", kind="read", tier="nvme")] == 1
+        # Out of the index: LOOKUP misses, the tier counts one chunk less, and a fresh PUT
+        # of the key is stored (it used to be refused as a duplicate, for good).
+        assert c.lookup([bad]) == 0
+        assert writer.stats()["tiers"]["nvme"]["chunks"] == chunks - 1
+        fresh = data_for(bad[::-1], 256 * KiB)
+        assert c.put(bad, fresh)
+        assert c.get(bad, verify=True) == fresh
+        assert c.get(good) == data_for(good, 256 * KiB)
+
+
 @contextlib.contextmanager
 def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real, small file system. Tests run as root (here and in CI); if mounting is not

@@ -127,11 +127,18 @@ class NvmeTier(ChunkTier):
         except FileNotFoundError:
             self.forget(key)
             return None
+        except OSError:
+            # An unreadable file (EIO, a directory in its place): out of the index, or
+            # LOOKUP would keep answering nvme for a chunk no read returns, and a fresh
+            # PUT of the key would be refused as a duplicate.
+            self.forget(key)
+            self._set_aside(key, path)
+            raise
         try:
             return base.decode(blob, expect_key=key)
         except IntegrityError:
             self.forget(key)
-            self._quarantine(path)
+            self._set_aside(key, path)
             raise
 
     def write(self, rec: ChunkRecord) -> None:
@@ -200,6 +207,13 @@ class NvmeTier(ChunkTier):
         return (not self._unhealthy, self._unhealthy)
 
     # -- internals
+
+    def _set_aside(self, key: bytes, path: Path) -> None:
+        """Quarantine a forgotten chunk's file, unless the key was written again meanwhile
+        (the new file is good: the bad one is gone with the rename)."""
+        with self._lock:
+            if key not in self.index:
+                self._quarantine(path)
 
     def _quarantine(self, path: Path) -> None:
         try:
