@@ -101,7 +101,7 @@ def test_gc_all_deletes_every_chunk_of_a_file_shared_tier(tmp_path) -> None:
     from kvpool.agent.config import SharedTier
     from kvpool.agent.protocol import checksum
     from kvpool.agent.tiers.base import ChunkRecord
-    from kvpool.agent.tiers.shared import open_shared_tier
+    from kvpool.agent.tiers.factory import open_shared_tier
 
     url = f"file://{tmp_path / 'shared'}"
     tier = open_shared_tier(SharedTier(url=url))

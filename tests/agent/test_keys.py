@@ -4,7 +4,8 @@ import struct
 
 import xxhash
 
-from kvpool.agent.keys import KEY_BYTES, Fingerprint, block_keys, chunk_keys
+from kvpool.agent.constants import KEY_BYTES
+from kvpool.agent.keys import Fingerprint, block_keys, chunk_keys
 
 FP = Fingerprint("meta-llama/Llama-3.1-8B", "bfloat16", 32, 8, 128, 4, tenant="acme")
 

@@ -14,7 +14,9 @@ import kubernetes
 import pytest
 
 from kvpool.agent.config import AgentConfig
-from kvpool.agent.nodelabel import NODE_NAME_ENV, READY, NodeLabeler, label_key
+from kvpool.agent.constants import ENV_NODE_NAME as NODE_NAME_ENV
+from kvpool.agent.constants import NODE_LABEL_READY as READY
+from kvpool.agent.nodelabel import NodeLabeler, label_key
 
 NODE = "gpu-node-1"
 POOL = "inference.llama-70b"
@@ -101,11 +103,23 @@ async def test_label_is_set_when_serving_and_removed_on_stop(server: NodeServer)
 
 
 async def test_label_key_is_the_one_the_webhook_requires() -> None:
-    from kvpool.operator import api
+    from kvpool.operator import api, webhook
 
     namespace, name = POOL.split(".", 1)
     assert api.node_label(namespace, name) == KEY
-    assert READY == api.NODE_LABEL_READY
+    # What an inference pod of the pool is injected with: a node affinity on exactly
+    # the label and value this agent sets.
+    pool = api.parse_pool({
+        "apiVersion": api.API_VERSION, "kind": api.POOL_KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"tiers": {"dram": {"size": "8Gi"}}},
+    })
+    pod: dict[str, Any] = {"metadata": {"namespace": namespace},
+                           "spec": {"containers": [{"name": "engine"}]}}
+    webhook.inject(pod, pool)
+    terms = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": KEY, "operator": "In", "values": [READY]}]}]
 
 
 async def test_api_errors_are_logged_and_retried_never_raised(

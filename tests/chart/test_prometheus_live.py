@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.constants import AGENT_JOB
 from kvpool.bench.local import LocalAgent, free_port
 from kvpool.operator import alerts, dashboard
 
@@ -170,7 +171,7 @@ def prometheus(
         "scrape_configs": [
             {
                 # What the chart's PodMonitor produces for an agent pod.
-                "job_name": dashboard.AGENT_JOB,
+                "job_name": AGENT_JOB,
                 "static_configs": [
                     {
                         "targets": [f"127.0.0.1:{agent.metrics_port}"],

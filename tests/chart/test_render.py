@@ -492,7 +492,7 @@ def test_operator_pod_monitor_labels_agent_series_as_the_chart_does(everything: 
     """`kvpool operator --pod-monitor` renders one PodMonitor per pool; its series must carry
     the same job and node labels as the chart's, or the agent-up panel and KVPoolAgentDown
     (`up{job="kvpool-agent"}`) never see them."""
-    from kvpool.operator.dashboard import AGENT_JOB
+    from kvpool.agent.constants import AGENT_JOB
     from kvpool.operator.render import Settings, render
 
     docs = list(yaml.safe_load_all((CHART.parents[1] / "docs/examples/pool.yaml").read_text()))

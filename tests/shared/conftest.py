@@ -21,7 +21,8 @@ from moto.server import ThreadedMotoServer
 from kvpool.agent.config import SharedTier
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.tiers.base import ChunkRecord
-from kvpool.agent.tiers.shared import SharedChunkTier, object_name, open_shared_tier
+from kvpool.agent.tiers.factory import open_shared_tier
+from kvpool.agent.tiers.shared import SharedChunkTier, object_name
 
 REGION = "us-east-1"
 _bucket_ids = itertools.count()

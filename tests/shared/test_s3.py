@@ -11,8 +11,9 @@ import pytest
 from kvpool.agent.config import SharedTier
 from kvpool.agent.gc import collect
 from kvpool.agent.metrics import AgentMetrics
+from kvpool.agent.tiers.factory import open_shared_tier
 from kvpool.agent.tiers.s3 import S3SharedTier, bucket_and_prefix
-from kvpool.agent.tiers.shared import SharedTierUnavailable, open_shared_tier
+from kvpool.agent.tiers.shared import SharedTierUnavailable
 from kvpool.agent.writebehind import WriteBehindQueue
 
 from .conftest import RestartableMoto, counter, make_chunk, s3_client

@@ -21,13 +21,11 @@ from typing import Any
 
 import xxhash
 
+from .constants import PAGE_BYTES
 from .protocol import Extents
 
 log = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
-HUGE_PAGE_BYTES = 2 << 20
-"""The page of an arena on hugetlbfs (2Mi huge pages): its size is a multiple of it."""
 _HASH_PIECE_BYTES = 1 << 20
 """The agent checksums arena bytes read into one buffer of this size, piece by piece: the
 piece is still in cache when the hash reads it, and no chunk costs its size in heap."""

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from . import __version__
 from .config import AgentConfig, ConfigError, load_agent_config
+from .constants import ENV_SOCKET as SOCKET_ENV
 from .units import format_size, human_size
 
 USAGE = 2
@@ -32,8 +33,6 @@ app = typer.Typer(
 )
 
 _DEFAULTS = AgentConfig()
-SOCKET_ENV = "KVPOOL_SOCKET"
-"""The agent socket's environment variable, as the client and the webhook name it."""
 
 
 def _with_default(help_text: str, default: str) -> str:

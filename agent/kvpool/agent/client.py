@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from . import protocol as p
+from .constants import ENV_SOCKET, ENV_TENANT, TIER_NAMES
 from .transport import (
     Buffer,
     Mode,
@@ -40,7 +41,6 @@ __all__ = ["BATCH_WINDOW", "AgentUnavailable", "Buffer", "KVPoolClient", "PutRes
 
 T = TypeVar("T")
 
-_TIER_NAMES = {2: "dram", 3: "nvme", 4: "shared"}
 BATCH_WINDOW = 128
 """Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
 
@@ -61,12 +61,12 @@ class KVPoolClient:
         timeout: float = 30.0,
         batch_window: int = BATCH_WINDOW,
     ) -> None:
-        path = socket_path if socket_path is not None else os.environ.get("KVPOOL_SOCKET")
+        path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
         if not path:
             raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
         self.socket_path = os.fspath(path)
         self.mode = mode
-        self.tenant = tenant if tenant is not None else os.environ.get("KVPOOL_TENANT", "")
+        self.tenant = tenant if tenant is not None else os.environ.get(ENV_TENANT, "")
         self.name = name
         self.reconnect_timeout = reconnect_timeout
         self.timeout = timeout
@@ -157,7 +157,7 @@ class KVPoolClient:
         def call(window: Sequence[bytes], t: Transport) -> list[str]:
             reply = t.conn.call(p.Lookup(t.conn.rid(), list(window)))
             assert isinstance(reply, p.LookupReply)
-            return [_TIER_NAMES.get(t, str(t)) for t in reply.tiers]
+            return [TIER_NAMES.get(t, str(t)) for t in reply.tiers]
 
         tiers: list[str] = []
         for start in range(0, max(len(keys), 1), p.MAX_LOOKUP_KEYS):

@@ -18,13 +18,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .arena import HUGE_PAGE_BYTES, PAGE_BYTES
+from .constants import HUGE_PAGE_BYTES, PAGE_BYTES
+from .constants import TIER_ORDER as TIER_ORDER
+from .constants import TierName as TierName
 from .units import ByteSize, Duration
-
-TierName = Literal["dram", "nvme", "shared"]
-TIER_ORDER: tuple[TierName, ...] = ("dram", "nvme", "shared")
-"""Fastest first: G2 host DRAM, G3 local NVMe, G4 shared store."""
-TIER_LEVEL: dict[TierName, int] = {"dram": 2, "nvme": 3, "shared": 4}
 
 
 class Model(BaseModel):

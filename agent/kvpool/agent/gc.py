@@ -15,13 +15,14 @@ left alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import SharedTier, tenant_url
-from .tiers.shared import ObjectInfo, SharedChunkTier, open_shared_tier
+from .tiers.factory import open_shared_tier
+from .tiers.shared import ObjectInfo, SharedChunkTier
 from .units import parse_duration
 
 if TYPE_CHECKING:
@@ -119,11 +120,3 @@ def run_gc(url: str, ttl: float | str | None = None, all_objects: bool = False,
             setattr(total, name, getattr(total, name) + value)
     return total
 
-
-def iter_expired(tier: SharedChunkTier, ttl_seconds: float,
-                 now: float | None = None) -> Iterator[ObjectInfo]:
-    """The chunk objects a TTL run would delete (for a dry run or a report)."""
-    now = time.time() if now is None else now
-    for obj in tier.list_objects():
-        if _expired(obj, now, ttl_seconds):
-            yield obj

@@ -22,10 +22,28 @@ from dataclasses import dataclass
 
 import xxhash
 
-KEY_BYTES = 16
 KEY_SCHEME = "kvpool-chain-xxh3-128-v1"
 _FINGERPRINT_DOMAIN = b"kvpool/fingerprint/v1\x00"
 _BLOCK_DOMAIN = b"kvpool/block/v1\x00"
+
+
+def length_prefixed(domain: bytes, *texts: str) -> bytes:
+    """`domain` then each text as UTF-8 behind its u32 LE length: no two lists of texts
+    encode alike, and no two domains collide (each ends in NUL)."""
+    out = bytearray(domain)
+    for text in texts:
+        raw = text.encode()
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def domain_key(domain: bytes, *texts: str) -> bytes:
+    """A chunk key named by `texts` in `domain`: XXH3-128 of their length-prefixed encoding.
+
+    The engine integrations key their chunks this way (LMCache's key string, SGLang's
+    page hash, each with the tenant), in a domain of their own.
+    """
+    return xxhash.xxh3_128_digest(length_prefixed(domain, *texts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +65,9 @@ class Fingerprint:
 
     def canonical(self) -> bytes:
         """Unambiguous encoding: each field length-prefixed, integers as u32 LE."""
-        out = bytearray(_FINGERPRINT_DOMAIN)
-        for text in (self.model, self.dtype, self.tenant):
-            raw = text.encode()
-            out += struct.pack("<I", len(raw)) + raw
+        out = length_prefixed(_FINGERPRINT_DOMAIN, self.model, self.dtype, self.tenant)
         out += struct.pack("<4I", self.layers, self.kv_heads, self.head_dim, self.chunk_tokens)
-        return bytes(out)
+        return out
 
     def digest(self) -> bytes:
         """16-byte id of the layout; the seed of every key chain."""

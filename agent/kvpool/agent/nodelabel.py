@@ -27,20 +27,17 @@ from typing import Any
 import kubernetes
 
 from .config import AgentConfig
+from .constants import ENV_NODE_NAME, NODE_LABEL_PREFIX, NODE_LABEL_READY
 
 log = logging.getLogger("kvpool.agent.nodelabel")
 
-LABEL_PREFIX = "pool.kvpool.io/"
-"""The operator's `api.NODE_LABEL_PREFIX` (the agent does not import the operator)."""
-READY = "ready"
-NODE_NAME_ENV = "KVPOOL_NODE_NAME"
 RECHECK_INTERVAL = 300.0
 """While serving, the label is checked this often and put back if someone removed it."""
 
 
 def label_key(pool: str) -> str:
     """The node label of pool `<namespace>.<name>`."""
-    return LABEL_PREFIX + pool
+    return NODE_LABEL_PREFIX + pool
 
 
 def backoff(attempt: int, base: float, cap: float) -> float:
@@ -93,7 +90,7 @@ class NodeLabeler:
     ) -> NodeLabeler:
         """The agent's labeler: node from the config or `KVPOOL_NODE_NAME`, the in-cluster
         service account unless a client is given."""
-        node = config.node_name or os.environ.get(NODE_NAME_ENV) or None
+        node = config.node_name or os.environ.get(ENV_NODE_NAME) or None
         return cls(config.pool, node, client if client is not None else in_cluster_client())
 
     @property
@@ -128,9 +125,9 @@ class NodeLabeler:
         """Make sure the label is on the node; True if it had to be (re)written."""
         node = self._call("GET")
         labels = (node.get("metadata") or {}).get("labels") or {}
-        missing = labels.get(self.key) != READY  # a warm restart finds it set already
+        missing = labels.get(self.key) != NODE_LABEL_READY  # a warm restart finds it set already
         if missing:
-            self._call("PATCH", {"metadata": {"labels": {self.key: READY}}})
+            self._call("PATCH", {"metadata": {"labels": {self.key: NODE_LABEL_READY}}})
         self.labelled = True
         return missing
 
@@ -166,7 +163,7 @@ class NodeLabeler:
                     "cannot label node %s with %s=%s (retrying in %.1fs): %s",
                     self.node_name,
                     self.key,
-                    READY,
+                    NODE_LABEL_READY,
                     delay,
                     _short(e),
                 )
@@ -175,10 +172,10 @@ class NodeLabeler:
             else:
                 attempt = 0
                 if not labelled_once:
-                    log.info("node %s labelled %s=%s", self.node_name, self.key, READY)
+                    log.info("node %s labelled %s=%s", self.node_name, self.key, NODE_LABEL_READY)
                 elif rewritten:
                     log.warning("node %s had lost its label %s=%s: put back",
-                                self.node_name, self.key, READY)
+                                self.node_name, self.key, NODE_LABEL_READY)
                 labelled_once = True
                 await asyncio.sleep(self.recheck)
 

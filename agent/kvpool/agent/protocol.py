@@ -21,8 +21,6 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<I")
-CONTROL_FRAME_MAX = 256 * 1024
-"""Largest frame without chunk bytes in it (LOOKUP of many keys, STATS)."""
 MAX_LOOKUP_KEYS = 8192
 MAX_TENANT_BYTES = 253
 """The longest tenant name a HELLO may claim (UTF-8 bytes): every chunk record (journal,

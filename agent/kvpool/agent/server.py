@@ -34,8 +34,8 @@ from .metrics import AgentMetrics
 from .nodelabel import NodeLabeler
 from .store import MAX_LEASES_PER_CLIENT, ChunkStore, OpError, open_journal
 from .tiers.dram import DramTier
+from .tiers.factory import open_shared_tier
 from .tiers.nvme import NvmeTier
-from .tiers.shared import open_shared_tier
 
 log = logging.getLogger("kvpool.agent")
 

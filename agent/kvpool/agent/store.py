@@ -39,9 +39,10 @@ from dataclasses import dataclass
 from . import policy as pol
 from .batches import Batches
 from .config import AgentConfig, TierName, TierPolicy
+from .constants import KEY_BYTES
+from .constants import TIER_CODES as TIER_CODE
 from .eviction import EvictionQueue, new_queue
 from .journal import Journal, JournalEntry, replay
-from .keys import KEY_BYTES
 from .metrics import EVICTION_REASONS, AgentMetrics
 from .protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from .tiers.base import ChunkRecord, IntegrityError
@@ -64,7 +65,6 @@ SHARED_PROBE_KEYS = 256
 """Most keys past the local prefix one LOOKUP asks the shared tier about."""
 SHARED_PROBE_INTERVAL = 1.0
 """Seconds between health probes of an unhealthy shared tier."""
-TIER_CODE: dict[TierName, int] = {"dram": 2, "nvme": 3, "shared": 4}
 READAHEAD_CHUNKS = 32
 """Most chunks one NVMe read of a client takes: the one asked for and those after it."""
 READAHEAD_BYTES = 32 << 20

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.constants import PAGE_BYTES as PAGE
 from kvpool.agent.tiers.base import HEADER_BYTES
 from kvpool.agent.units import human_size, parse_size
 
@@ -23,8 +24,6 @@ from . import sim
 from .local import LocalAgent
 from .replay import ReplayResult, replay
 from .trace import TraceRequest, bundled_trace_path, distinct_blocks, load_trace
-
-PAGE = 4096
 
 
 class DemoError(ValueError):

@@ -31,8 +31,8 @@ import yaml
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import EvictionOrder, TierPolicy
+from kvpool.agent.constants import PAGE_BYTES as PAGE
 
-from .demo import PAGE
 from .local import LocalAgent
 from .replay import replay
 from .sim import belady, capacity_blocks, lru, queue_sim, unbounded

@@ -40,8 +40,8 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import SharedTier
 from kvpool.agent.protocol import checksum
 from kvpool.agent.tiers.base import ChunkRecord
+from kvpool.agent.tiers.factory import open_shared_tier
 from kvpool.agent.tiers.nvme import NvmeTier
-from kvpool.agent.tiers.shared import open_shared_tier
 
 from .data_path import bench_key, payload, prefaulted
 from .local import LocalAgent, free_port

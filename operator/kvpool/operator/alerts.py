@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .dashboard import AGENT_JOB
+from kvpool.agent.constants import AGENT_JOB
 
 RUNBOOK_BASE_URL = "https://github.com/kvpool/kvpool/blob/main/docs/runbook.md"
 """Where `docs/runbook.md` is published; the chart's `prometheusRule.runbookBaseURL`

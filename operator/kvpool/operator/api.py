@@ -16,8 +16,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpool.agent.arena import HUGE_PAGE_BYTES
 from kvpool.agent.config import DramTier, Model, TenantSpace, TierPolicy, explain, tenant_sizes
+from kvpool.agent.constants import HUGE_PAGE_BYTES, NODE_LABEL_PREFIX
 from kvpool.agent.units import ByteSize
 
 GROUP = "kvpool.io"
@@ -33,9 +33,6 @@ POOL_ANNOTATION = "kvpool.io/pool"
 """A pod annotated with a pool's name gets that pool's socket, env and node affinity."""
 TENANT_ANNOTATION = "kvpool.io/tenant"
 """The tenant a pod's chunks belong to (part of the fingerprint); default: its namespace."""
-NODE_LABEL_PREFIX = "pool.kvpool.io/"
-"""The agent labels its node `pool.kvpool.io/<namespace>.<pool>=ready` when it serves."""
-NODE_LABEL_READY = "ready"
 AGENT_UID = 65532
 """The agent's default UID and GID: not root (the distroless "nonroot" user's number)."""
 

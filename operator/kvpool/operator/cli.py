@@ -12,6 +12,22 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from kvpool.agent.constants import (
+    ENV_AGENT_IMAGE,
+    ENV_ALL_NAMESPACES,
+    ENV_ALLOW_ROOT,
+    ENV_ALLOW_TOLERATE_ALL_TAINTS,
+    ENV_ALLOWED_IMAGES,
+    ENV_HOST_PATH_ROOTS,
+    ENV_LIVENESS_PORT,
+    ENV_METRICS_PORT,
+    ENV_NAMESPACES,
+    ENV_POD_MONITOR,
+    ENV_RESYNC_SECONDS,
+    ENV_WEBHOOK_CERT_DIR,
+    ENV_WEBHOOK_PORT,
+)
+
 from . import api
 from .crds import crds_yaml, to_yaml, write_crds
 from .operator_policy import DEFAULT_HOST_PATH_ROOTS, OperatorPolicy, normalize_host_path
@@ -35,7 +51,7 @@ AllowedImages = Annotated[
     list[str] | None,
     typer.Option(
         "--allowed-image",
-        envvar="KVPOOL_ALLOWED_IMAGES",
+        envvar=ENV_ALLOWED_IMAGES,
         help="Image a pool's spec.agent.image may name: a repository (any tag or digest "
         "of it) or a prefix ending in '/' (repeatable; from env: space-separated). "
         "Default: the repository of the agent image only.",
@@ -44,14 +60,14 @@ AllowedImages = Annotated[
 AllowRoot = Annotated[
     bool,
     typer.Option(
-        envvar="KVPOOL_ALLOW_ROOT", help="Allow pools to run their agent as root (runAsUser: 0)."
+        envvar=ENV_ALLOW_ROOT, help="Allow pools to run their agent as root (runAsUser: 0)."
     ),
 ]
 HostPathRoots = Annotated[
     list[str] | None,
     typer.Option(
         "--host-path-root",
-        envvar="KVPOOL_HOST_PATH_ROOTS",
+        envvar=ENV_HOST_PATH_ROOTS,
         help="Directory below which a pool's nvme.hostPath, file:// shared URL and socketDir "
         "may lie (repeatable; from env: space-separated). Default: "
         + " ".join(DEFAULT_HOST_PATH_ROOTS)
@@ -61,7 +77,7 @@ HostPathRoots = Annotated[
 AllowTolerateAll = Annotated[
     bool,
     typer.Option(
-        envvar="KVPOOL_ALLOW_TOLERATE_ALL_TAINTS",
+        envvar=ENV_ALLOW_TOLERATE_ALL_TAINTS,
         help="Allow tolerations that match every taint (no key, operator Exists).",
     ),
 ]
@@ -131,7 +147,7 @@ def render_command(
     ],
     agent_image: Annotated[
         str,
-        typer.Option(envvar="KVPOOL_AGENT_IMAGE", help="Agent image for pools that name none."),
+        typer.Option(envvar=ENV_AGENT_IMAGE, help="Agent image for pools that name none."),
     ] = "",
     pod_monitor: Annotated[
         bool, typer.Option(help="Also render a PodMonitor (Prometheus Operator).")
@@ -189,7 +205,7 @@ def operator_command(
         typer.Option(
             "--namespace",
             "-n",
-            envvar="KVPOOL_NAMESPACES",
+            envvar=ENV_NAMESPACES,
             help="Namespace to watch (repeatable; glob patterns allowed). "
             "From env: space-separated.",
         ),
@@ -199,42 +215,42 @@ def operator_command(
         typer.Option(
             "--all-namespaces",
             "-A",
-            envvar="KVPOOL_ALL_NAMESPACES",
+            envvar=ENV_ALL_NAMESPACES,
             help="Watch the whole cluster.",
         ),
     ] = False,
     metrics_port: Annotated[
-        int, typer.Option(envvar="KVPOOL_METRICS_PORT", help="Port of /metrics (0: off).")
+        int, typer.Option(envvar=ENV_METRICS_PORT, help="Port of /metrics (0: off).")
     ] = 8080,
     liveness_port: Annotated[
-        int, typer.Option(envvar="KVPOOL_LIVENESS_PORT", help="Port of /healthz (0: off).")
+        int, typer.Option(envvar=ENV_LIVENESS_PORT, help="Port of /healthz (0: off).")
     ] = 8081,
     webhook_port: Annotated[
         int,
-        typer.Option(envvar="KVPOOL_WEBHOOK_PORT", help="HTTPS port of the webhook (0: off)."),
+        typer.Option(envvar=ENV_WEBHOOK_PORT, help="HTTPS port of the webhook (0: off)."),
     ] = 9443,
     webhook_cert_dir: Annotated[
         Path | None,
         typer.Option(
-            envvar="KVPOOL_WEBHOOK_CERT_DIR",
+            envvar=ENV_WEBHOOK_CERT_DIR,
             help="Directory with tls.crt and tls.key for the webhook.",
         ),
     ] = None,
     agent_image: Annotated[
         str,
-        typer.Option(envvar="KVPOOL_AGENT_IMAGE", help="Agent image for pools that name none."),
+        typer.Option(envvar=ENV_AGENT_IMAGE, help="Agent image for pools that name none."),
     ] = "",
     pod_monitor: Annotated[
         bool,
         typer.Option(
-            envvar="KVPOOL_POD_MONITOR",
+            envvar=ENV_POD_MONITOR,
             help="Render a PodMonitor per pool (Prometheus Operator CRDs needed).",
         ),
     ] = False,
     resync_seconds: Annotated[
         float,
         typer.Option(
-            envvar="KVPOOL_RESYNC_SECONDS",
+            envvar=ENV_RESYNC_SECONDS,
             help="Re-reconcile every pool this often (drift repair, retries).",
         ),
     ] = 300.0,

@@ -18,10 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.agent.constants import AGENT_JOB
+
 DASHBOARD_UID = "kvpool-overview"
 DASHBOARD_TITLE = "kvpool / Tiered KV-cache"
-AGENT_JOB = "kvpool-agent"
-"""The `job` label the chart's PodMonitor gives agent targets."""
 
 SEL = 'namespace=~"$namespace", pool=~"$pool", node=~"$node"'
 """Label matchers every agent query applies."""

@@ -37,10 +37,10 @@ from kvpool.agent.config import (
     Tiers,
     tenant_socket_path,
 )
+from kvpool.agent.constants import AGENT_JOB, ENV_NODE_NAME, ENV_POD_NAMESPACE
 from kvpool.agent.units import format_size
 
 from . import api
-from .dashboard import AGENT_JOB
 from .operator_policy import OperatorPolicy
 from .operator_policy import check as check_operator_policy
 
@@ -430,9 +430,9 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         volumes.append(_host_dir("shared", shared_path, "Directory"))
         mounts.append({"name": "shared", "mountPath": shared_path})
     env: list[Manifest] = [
-        {"name": "KVPOOL_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {
-            "name": "KVPOOL_POD_NAMESPACE",
+            "name": ENV_POD_NAMESPACE,
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
         *credential_env(pool),

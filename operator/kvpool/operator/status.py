@@ -26,7 +26,6 @@ from . import api
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
 
 
 class Reason:

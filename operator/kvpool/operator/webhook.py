@@ -28,6 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpool.agent.config import TENANT_NAME_PATTERN
+from kvpool.agent.constants import (
+    ENV_CHUNK_TOKENS,
+    ENV_POOL,
+    ENV_SOCKET,
+    ENV_TENANT,
+    NODE_LABEL_READY,
+)
 
 from . import api
 from .render import Settings, render, socket_dir, socket_path, tenant_socket_dir
@@ -70,10 +77,10 @@ def _upsert(items: list[dict[str, Any]], item: dict[str, Any], key: str = "name"
 def env_for(pod: Mapping[str, Any], pool: api.KVCachePool) -> list[dict[str, Any]]:
     ns, name = pool.metadata.namespace, pool.metadata.name
     return [
-        {"name": "KVPOOL_SOCKET", "value": socket_path(pool)},
-        {"name": "KVPOOL_POOL", "value": api.pool_id(ns, name)},
-        {"name": "KVPOOL_TENANT", "value": tenant_of(pod, ns)},
-        {"name": "KVPOOL_CHUNK_TOKENS", "value": str(pool.spec.chunk_tokens)},
+        {"name": ENV_SOCKET, "value": socket_path(pool)},
+        {"name": ENV_POOL, "value": api.pool_id(ns, name)},
+        {"name": ENV_TENANT, "value": tenant_of(pod, ns)},
+        {"name": ENV_CHUNK_TOKENS, "value": str(pool.spec.chunk_tokens)},
     ]
 
 
@@ -120,7 +127,7 @@ def inject(pod: dict[str, Any], pool: api.KVCachePool) -> None:
         if agent_gid not in groups:
             groups.append(agent_gid)
 
-    requirement = {"key": api.node_label(ns, name), "operator": "In", "values": ["ready"]}
+    requirement = {"key": api.node_label(ns, name), "operator": "In", "values": [NODE_LABEL_READY]}
     affinity = spec.setdefault("affinity", {})
     node_affinity = affinity.setdefault("nodeAffinity", {})
     required = node_affinity.setdefault(

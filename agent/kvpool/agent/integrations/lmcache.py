@@ -22,19 +22,19 @@ import asyncio
 import logging
 import math
 import os
-import struct
 import threading
 from typing import Any
 
 import msgspec
 import torch
-import xxhash
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from .. import protocol as p
 from ..client import KVPoolClient
+from ..constants import ENV_SOCKET
+from ..keys import domain_key
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,7 @@ def pool_key(key: CacheEngineKey, tenant: str = "") -> bytes:
     and dtype (and layer and tags when present); the tenant is mixed in so
     tenants never read each other's chunks, as with `kvpool.agent.keys`.
     """
-    out = bytearray(_KEY_DOMAIN)
-    for text in (tenant, str(key.to_string())):
-        raw = text.encode()
-        out += struct.pack("<I", len(raw)) + raw
-    return xxhash.xxh3_128_digest(bytes(out))
+    return domain_key(_KEY_DOMAIN, tenant, str(key.to_string()))
 
 
 class ChunkMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -119,7 +115,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         extra = (config.extra_config if config is not None else None) or {}
-        socket_path = extra.get("kvpool.socket") or os.environ.get("KVPOOL_SOCKET")
+        socket_path = extra.get("kvpool.socket") or os.environ.get(ENV_SOCKET)
         self.client = KVPoolClient(socket_path, name="lmcache")
         self.tenant = self.client.tenant
         # LMCache calls from its event-loop thread (get/put) and from the

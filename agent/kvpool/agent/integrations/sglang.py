@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 from typing import Any
 
 import msgspec
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from .. import protocol as p
 from ..client import KVPoolClient
+from ..constants import ENV_SOCKET
+from ..keys import domain_key
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,7 @@ def namespace(config: HiCacheStorageConfig) -> str:
 
 def pool_key(page_hash: str, space: str, tenant: str = "") -> bytes:
     """The kvpool key of an SGLang page hash in a model shard, for a tenant."""
-    out = bytearray(_KEY_DOMAIN)
-    for text in (tenant, space, page_hash):
-        raw = text.encode()
-        out += struct.pack("<I", len(raw)) + raw
-    return xxhash.xxh3_128_digest(bytes(out))
+    return domain_key(_KEY_DOMAIN, tenant, space, page_hash)
 
 
 class PageMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -94,7 +90,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: HiCacheStorageConfig,
                  kwargs: dict[str, Any] | None = None) -> None:
         extra = storage_config.extra_config or {}
-        socket_path = extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET")
+        socket_path = extra.get("socket_path") or os.environ.get(ENV_SOCKET)
         self.client = KVPoolClient(socket_path, name="sglang")
         self.space = namespace(storage_config)
         self.tenant = self.client.tenant

@@ -19,12 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..constants import CHUNK_SUFFIX as SUFFIX
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kvc"
 TMP_MARK = ".tmp-"
 
 
@@ -105,9 +105,6 @@ class NvmeTier(ChunkTier):
     @property
     def chunks(self) -> int:
         return len(self.index)
-
-    def set_capacity(self, capacity: int) -> None:
-        self._capacity = capacity
 
     def contains(self, key: bytes) -> bool:
         return key in self.index

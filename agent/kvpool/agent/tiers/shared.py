@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from ..constants import CHUNK_SUFFIX as SUFFIX
+from ..constants import KEY_BYTES
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
 
@@ -36,8 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kvc"
-KEY_BYTES = 16
 LOOKUP_THREADS = 16
 """Presence checks in flight at once (HEADs for S3, stats for a mount)."""
 _NEGATIVE_CACHE_MAX = 200_000
@@ -390,15 +390,3 @@ class SharedChunkTier(ChunkTier):
             log.error("cannot delete corrupt object %s: %s", key.hex(), e)
         self._remember_absent(key)
 
-
-def open_shared_tier(cfg: SharedTier, metrics: AgentMetrics | None = None) -> SharedChunkTier:
-    """The shared tier for `cfg.url`: `s3://bucket/prefix` or `file:///path`."""
-    if cfg.url.startswith("s3://"):
-        from .s3 import S3SharedTier
-
-        return S3SharedTier(cfg, metrics)
-    if cfg.url.startswith("file://"):
-        from .sharedfs import FileSharedTier
-
-        return FileSharedTier(cfg, metrics)
-    raise ValueError(f"{cfg.url!r}: the shared tier URL must start with s3:// or file://")
