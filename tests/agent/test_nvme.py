@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -196,6 +197,40 @@ def test_an_unreadable_nvme_chunk_leaves_no_stuck_index_entry(tmp_path: Path, mo
         assert c.put(bad, fresh)
         assert c.get(bad, verify=True) == fresh
         assert c.get(good) == data_for(good, 256 * KiB)
+
+
+def test_nvme_directories_removed_while_running_are_made_again_and_their_chunks_forgotten(
+        tmp_path: Path) -> None:
+    nvme_dir = tmp_path / "nvme"
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 24)
+        settle(c)
+        old = in_nvme(c, nvme_dir, keys)
+        assert old
+        for sub in nvme_dir.iterdir():
+            if sub.name != "quarantine":
+                shutil.rmtree(sub)
+
+        # The chunks went with their directories: forgotten, not counted, not looked up.
+        def forgotten() -> bool:
+            nvme = c.stats()["tiers"]["nvme"]
+            return bool(nvme["chunks"] == 0 and nvme["used_bytes"] == 0)
+        wait_until(forgotten, what="the vanished chunks to be forgotten")
+        assert c.lookup([old[0]]) == 0
+
+        # New demotions make the directories again instead of being dropped.
+        new = fill(c, 24)
+        settle(c)
+        tiers = [tier_of(c, k) for k in new]
+        assert "nvme" in tiers and set(tiers) <= {"dram", "nvme"}, tiers
+        on_disk = in_nvme(c, nvme_dir, new)
+        assert sorted(on_disk) == sorted(k for k, t in zip(new, tiers, strict=True)
+                                         if t == "nvme")
+        # The index holds exactly the files there are (the new chunks' and the first
+        # ones' that were still in DRAM when the directories went).
+        assert c.stats()["tiers"]["nvme"]["chunks"] == len(list(nvme_dir.glob("??/*.kvc")))
+        assert scrape(agent)[NVME_HEALTHY] == 1
+        assert all(c.get(k, verify=True) == data_for(k, 256 * KiB) for k in new)
 
 
 @contextlib.contextmanager

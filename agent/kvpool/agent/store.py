@@ -874,6 +874,11 @@ class ChunkStore:
         self._evict_dram(pol.expired(self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall,
                                      self.dram.protected))
         if self.nvme is not None:
+            vanished = self.nvme.vanished_keys()
+            if vanished:
+                log.warning("%d nvme chunks vanished with their directories: forgotten",
+                            len(vanished))
+                self._drop_nvme([pol.Victim(k, "vanished") for k in vanished])
             victims = pol.expired(self.nvme.index.values(), self.policy.tiers.nvme.ttl, wall,
                                   lambda k: k in self.dram.pins)
             if victims:

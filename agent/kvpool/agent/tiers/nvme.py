@@ -67,9 +67,11 @@ class NvmeTier(ChunkTier):
         """Index every chunk file by its header; drop leftovers of interrupted writes."""
         index: dict[bytes, NvmeEntry] = {}
         used = 0
+        subdirs: set[str] = set()
         for sub in os.scandir(self.root):
             if not sub.is_dir() or sub.name == "quarantine":
                 continue
+            subdirs.add(sub.name)
             for entry in os.scandir(sub.path):
                 if TMP_MARK in entry.name:
                     os.unlink(entry.path)
@@ -90,7 +92,7 @@ class NvmeTier(ChunkTier):
                 index[h.key] = NvmeEntry(h.key, size, h.tenant, last_access=entry.stat().st_mtime)
                 used += size
         with self._lock:
-            self.index, self._used = index, used
+            self.index, self._used, self._subdirs = index, used, subdirs
 
     # -- ChunkTier
 
@@ -143,11 +145,16 @@ class NvmeTier(ChunkTier):
         header = base.encode_header(rec)
         total = len(header) + rec.size
         if path.parent.name not in self._subdirs:
-            path.parent.mkdir(exist_ok=True)
-            self._subdirs.add(path.parent.name)
+            self._make_subdir(path.parent)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            except FileNotFoundError:
+                # The fan-out directory was removed behind the agent: make it again (the
+                # chunks it held are found gone by `vanished_keys`).
+                self._make_subdir(path.parent)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(rec.data)
                 for buf in (header, view):
@@ -197,6 +204,21 @@ class NvmeTier(ChunkTier):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path_of(key))
 
+    def vanished_keys(self) -> list[bytes]:
+        """Indexed chunks whose fan-out directory was removed behind the agent (a listing
+        of the root; the index is walked only when a directory is missing). They are
+        forgotten by the caller, which also takes them out of its eviction order."""
+        with self._lock:  # serialised with `_make_subdir`: a new directory is never missing
+            try:
+                present = {e.name for e in os.scandir(self.root) if e.is_dir()}
+            except FileNotFoundError:
+                present = set()
+            missing = self._subdirs - present
+            if not missing:
+                return []
+            self._subdirs -= missing
+            return [k for k in self.index if k.hex()[:2] in missing]
+
     def keys(self) -> Iterable[bytes]:
         return list(self.index)
 
@@ -204,6 +226,11 @@ class NvmeTier(ChunkTier):
         return (not self._unhealthy, self._unhealthy)
 
     # -- internals
+
+    def _make_subdir(self, path: Path) -> None:
+        with self._lock:
+            path.mkdir(parents=True, exist_ok=True)  # parents: the root may be gone too
+            self._subdirs.add(path.name)
 
     def _set_aside(self, key: bytes, path: Path) -> None:
         """Quarantine a forgotten chunk's file, unless the key was written again meanwhile
