@@ -1,0 +1,99 @@
+"""The client is a light library: an inference process that imports it, or an image that
+installs it the light way (docs/client.md, "Installing the client in an inference image"),
+gets msgspec and xxhash and nothing of the agent's server, the operator or the tools."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import version
+from pathlib import Path
+
+from kvpool.bench.local import LocalAgent
+
+from .support import REPO_ROOT
+
+CLIENT_MODULES = ["kvpool.agent.client", "kvpool.agent.keys"]
+"""What an inference process imports to compute keys and talk to its agent."""
+LIGHT_KVPOOL_MODULES = {
+    "kvpool", "kvpool.agent", "kvpool.agent.client", "kvpool.agent.transport",
+    "kvpool.agent.keys", "kvpool.agent.protocol", "kvpool.agent.constants",
+}
+"""Every kvpool module the client may pull in (the server side, the operator, the tools
+and the pydantic config model are none of them)."""
+HEAVY = ["kopf", "kubernetes", "boto3", "botocore", "typer", "rich", "aiohttp",
+         "prometheus_client", "pydantic", "yaml"]
+
+
+def _without_pythonpath() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def test_importing_the_client_and_keys_loads_no_server_module_and_no_heavy_dependency() -> None:
+    probe = ("import json, sys\n"
+             f"for name in {CLIENT_MODULES!r}: __import__(name)\n"
+             "print(json.dumps(sorted(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    loaded = set(json.loads(run.stdout))
+    assert {m for m in loaded if m.split(".")[0] == "kvpool"} <= LIGHT_KVPOOL_MODULES, (
+        sorted(m for m in loaded if m.startswith("kvpool") and m not in LIGHT_KVPOOL_MODULES))
+    assert not {m.split(".")[0] for m in loaded} & set(HEAVY)
+
+
+_ROUND_TRIP = textwrap.dedent("""
+    import importlib.util, sys
+    from kvpool.agent.client import KVPoolClient
+    from kvpool.agent.keys import Fingerprint, chunk_keys
+
+    # Light indeed: none of the agent's or the operator's dependencies is installed.
+    missing = [m for m in {heavy!r} if importlib.util.find_spec(m) is not None]
+    assert not missing, missing
+    fp = Fingerprint("llama-3-8b", "bfloat16", layers=2, kv_heads=2, head_dim=8,
+                     chunk_tokens=4, tenant="team-a")
+    keys = chunk_keys(fp, list(range(12)))
+    with KVPoolClient(sys.argv[1], name="light") as c:
+        for i, k in enumerate(keys):
+            assert c.put(k, bytes([i]) * fp.chunk_bytes(2))
+        assert c.lookup(keys) == 3
+        assert c.get(keys[2]) == bytes([2]) * fp.chunk_bytes(2)
+    print(keys[-1].hex())
+""")
+
+
+def test_the_light_install_recipe_gives_a_working_client_without_the_agents_dependencies(
+        tmp_path: Path) -> None:
+    wheels, venv = tmp_path / "wheels", tmp_path / "venv"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    # The recipe's build step; --no-build-isolation builds with the setuptools at hand
+    # instead of fetching one, and the pins take the client's dependencies as installed
+    # here, so pip's cache can serve them.
+    subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(wheels), str(REPO_ROOT),
+                    f"msgspec=={version('msgspec')}", f"xxhash=={version('xxhash')}"],
+                   check=True, timeout=600)
+    # A fresh environment of the machine's Python, nothing from this one.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
+    light_python = str(venv / "bin" / "python")
+    # The recipe's install step, aimed at that environment.
+    subprocess.run([*pip, "--python", light_python, "install", "--quiet", "--no-deps",
+                    "--no-index", "--find-links", str(wheels), "kvpool", "msgspec", "xxhash"],
+                   check=True, timeout=600)
+
+    (tmp_path / "agent").mkdir()
+    with LocalAgent("--no-lock", workdir=tmp_path / "agent", dram="16Mi") as agent:
+        run = subprocess.run([light_python, "-c", _ROUND_TRIP.format(heavy=HEAVY),
+                              str(agent.socket_path)],
+                             cwd=tmp_path, env=_without_pythonpath(), capture_output=True,
+                             text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    from kvpool.agent.keys import Fingerprint, chunk_keys
+
+    fp = Fingerprint("llama-3-8b", "bfloat16", layers=2, kv_heads=2, head_dim=8,
+                     chunk_tokens=4, tenant="team-a")
+    assert run.stdout.strip() == chunk_keys(fp, list(range(12)))[-1].hex()
