@@ -178,8 +178,10 @@ def _put(store: ChunkStore, key: bytes, data: bytes) -> None:
 
 
 async def _settle(store: ChunkStore) -> None:
-    while store.demotions.running or len(store.demotions) or store.removals.running \
-            or len(store.removals):
+    assert store.nvme is not None
+    nvme = store.nvme
+    while nvme.writes.running or len(nvme.writes) or nvme.removals.running \
+            or len(nvme.removals):
         await asyncio.sleep(0.01)
 
 
@@ -193,7 +195,7 @@ def _hold_io(store: ChunkStore) -> threading.Event:
 
 def _on_disk(store: ChunkStore) -> list[bytes]:
     assert store.nvme is not None
-    return sorted(bytes.fromhex(p.stem) for p in store.nvme.root.glob("??/*.kvc"))
+    return sorted(bytes.fromhex(p.stem) for p in store.nvme.nvme.root.glob("??/*.kvc"))
 
 
 @pytest.mark.parametrize("again", ["promoted", "deleted-and-rewritten"])
@@ -211,7 +213,8 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         _put(store, key, _data(key, b"old"))
         for k in filler[:4]:  # a 1 MiB arena holds 4 chunks: the key is evicted
             _put(store, k, _data(k))
-        assert key in store.inflight
+        assert store.nvme is not None
+        assert key in store.nvme.inflight
         if again == "promoted":
             data, *_ = await store.get(key)  # served from the in-flight copy, promoted
             assert data == _data(key, b"old")
@@ -223,17 +226,17 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         assert store.dram.get(key) is not None
         for k in filler[4:]:
             _put(store, k, _data(k))
-        assert key in store.inflight and store.dram.get(key) is None  # demoted again
+        assert key in store.nvme.inflight and store.dram.get(key) is None  # demoted again
         gate.set()
         await _settle(store)
-        assert store.nvme is not None
-        assert key in store.nvme.index and key in store.nvme_queue and not store.inflight
+        index = store.nvme.nvme.index
+        assert key in index and key in store.nvme.queue and not store.nvme.inflight
         data, _, _, tier = await store.get(key)
         assert (data, tier) == (want, 3)
         await _settle(store)
-        indexed = sorted(store.nvme.index)
+        indexed = sorted(index)
         assert _on_disk(store) == indexed
-        assert store.nvme.used_bytes == sum(e.size for e in store.nvme.index.values())
+        assert store.nvme.nvme.used_bytes == sum(e.size for e in index.values())
         assert sorted(indexed + list(store.dram.chunks)) == sorted([key, *filler])
 
     try:
@@ -252,13 +255,13 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
     prompt = [bytes([0x40 + i]) * 16 for i in range(6)]
     filler = [bytes([i]) * 16 for i in range(1, 5)]
     calls: list[list[bytes]] = []
-    read_many = store._read_nvme_many
+    read_many = store.loads.read_nvme_many
 
     def counted(keys: list[bytes]) -> list[object]:
         calls.append(keys)
         return read_many(keys)  # type: ignore[return-value]
 
-    store._read_nvme_many = counted  # type: ignore[method-assign]
+    store.loads.read_nvme_many = counted  # type: ignore[method-assign]
 
     async def main() -> None:
         for k in prompt + filler:  # the filler pushes the whole prompt down to NVMe
@@ -269,7 +272,7 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
         data, *_ = await store.get(prompt[0])
         assert data == _data(prompt[0])
         assert calls == [prompt]  # one read for the whole prompt
-        assert list(store.readahead) == prompt[1:]
+        assert list(store.loads.ahead) == prompt[1:]
         assert store.delete(prompt[3])  # the read-ahead copy must not bring it back
         other = _data(prompt[4], b"other")  # already stored: refused, the copy is kept
         assert not store.put(prompt[4], other, checksum(other, b""), b"", "")
@@ -281,14 +284,14 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
             data, _, _, tier = await store.get(k)
             assert (data, tier) == (_data(k), 3)
         assert calls == [prompt]  # served from the read-ahead copies
-        assert not store.readahead and store.readahead_bytes == 0
+        assert not list(store.loads.ahead) and store.loads.ahead.bytes == 0
         await _settle(store)
         # Written again with other bytes and pushed down again: read afresh, new bytes.
         _put(store, prompt[3], _data(prompt[3], b"new"))
         for k in filler:
             await store.get(k)
         await _settle(store)
-        assert prompt[3] in store.nvme.index  # type: ignore[union-attr]
+        assert prompt[3] in store.nvme.nvme.index  # type: ignore[union-attr]
         data, *_ = await store.get(prompt[3])
         assert data == _data(prompt[3], b"new")
 

@@ -2,16 +2,19 @@
 
 Counters are bound per label value up front, so every series exists from the
 start (dashboards and alerts see a 0, not an absent series) and the hot path
-does no label lookups. Gauges that describe state (used bytes, chunks,
-clients, leases) are read from the store at scrape time by a collector.
+does no label lookups. What the stores hold and count themselves (used bytes,
+chunks, clients, leases, per-tier hits and misses) is read from them at scrape
+time by a collector that names and fills its families in one place (like
+prometheus_client's gc_collector); nothing reads a metric object's value back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import __version__
@@ -29,24 +32,47 @@ _LATENCY_BUCKETS = (
 )
 
 
-class _StateCollector(Collector):
-    """Gauges computed from live state at scrape time."""
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One value of a series the collector fills at scrape time."""
 
-    def __init__(self, pool: str, sample: Callable[[], Iterable[tuple[str, str, dict[str, str],
-                                                                       float]]]) -> None:
+    name: str
+    """Family name; a counter's series is exposed as `<name>_total`."""
+    doc: str
+    labels: dict[str, str] = field(default_factory=dict)
+    value: float = 0
+    counter: bool = False
+
+
+Sampler = Callable[[], Iterable[Sample]]
+
+
+class _StateCollector(Collector):
+    """Families computed from live state at scrape time. Samples of one series (the same
+    name and labels, e.g. a counter kept per tenant's store) are added up."""
+
+    def __init__(self, pool: str, sample: Sampler) -> None:
         self.pool = pool
         self.sample = sample
 
     def collect(self) -> Iterable[Metric]:
-        families: dict[str, GaugeMetricFamily] = {}
-        for name, doc, labels, value in self.sample():
-            fam = families.get(name)
-            if fam is None:
-                fam = families[name] = GaugeMetricFamily(
-                    name, doc, labels=["pool", *labels.keys()]
-                )
-            fam.add_metric([self.pool, *labels.values()], value)
-        return list(families.values())
+        families: dict[str, tuple[Sample, dict[tuple[str, ...], float]]] = {}
+        for s in self.sample():
+            _, series = families.setdefault(s.name, (s, {}))
+            values = (self.pool, *s.labels.values())
+            series[values] = series.get(values, 0) + s.value
+        out: list[Metric] = []
+        for first, series in families.values():
+            names = ["pool", *first.labels.keys()]
+            fam: CounterMetricFamily | GaugeMetricFamily
+            if first.counter:
+                fam = CounterMetricFamily(first.name, first.doc, labels=names)
+            else:
+                fam = GaugeMetricFamily(first.name, first.doc, labels=names)
+            for values, value in series.items():
+                fam.add_metric(list(values), value)
+            out.append(fam)
+        return out
 
 
 class AgentMetrics:
@@ -59,10 +85,6 @@ class AgentMetrics:
         def per_tier(metric: Counter) -> dict[TierName, Counter]:
             return {t: metric.labels(pool, t) for t in TIER_ORDER}
 
-        self.hits = per_tier(Counter("kvpool_tier_hits", "Looked-up keys found in the tier",
-                                     [*p, "tier"], registry=r))
-        self.misses = per_tier(Counter("kvpool_tier_misses", "Looked-up keys not in the tier",
-                                       [*p, "tier"], registry=r))
         self.read_bytes = per_tier(Counter("kvpool_tier_read_bytes", "Chunk bytes read",
                                            [*p, "tier"], registry=r))
         self.written_bytes = per_tier(Counter("kvpool_tier_written_bytes",
@@ -117,6 +139,6 @@ class AgentMetrics:
         name = op.name.lower() if isinstance(op, Op) else "unknown"
         self._ops.labels(self.pool, name, code.name.lower()).inc()
 
-    def add_state(self, sample: Callable[[], Iterable[tuple[str, str, dict[str, str],
-                                                          float]]]) -> None:
+    def add_state(self, sample: Sampler) -> None:
+        """Serve what `sample` yields at every scrape (the stores' state and counts)."""
         self.registry.register(_StateCollector(self.pool, sample))

@@ -1,0 +1,187 @@
+"""One client connection: whole frames in, replies out, in order.
+
+A connection is closed when it sends garbage, stalls inside a frame, or stops
+reading its replies; its leases end with it. What each op does is the
+dispatcher's (dispatch.py); nothing a client sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .. import __version__
+from .. import protocol as p
+from ..store import MAX_LEASES_PER_CLIENT, OpError
+
+if TYPE_CHECKING:
+    from .dispatch import Dispatcher
+    from .space import Space
+
+log = logging.getLogger("kvpool.agent")
+
+FRAME_TIMEOUT = 10.0
+"""Longest a client may take to send the rest of a frame it started."""
+SEND_TIMEOUT = 10.0
+"""Longest a reply may wait for a client to read; then the client is dropped."""
+
+
+class Closed(Exception):
+    """The connection must close (EOF, timeout, or a frame we cannot recover from)."""
+
+
+class Connection:
+    def __init__(self, dispatcher: Dispatcher, space: Space, sock: socket.socket,
+                 cid: int) -> None:
+        self.dispatcher = dispatcher
+        self.space = space
+        self.store = space.store
+        self.sock = sock
+        self.id = cid
+        self.tenant = space.tenant
+        self.hello = False
+        self.buf = bytearray(64 * 1024)
+        self.start = 0
+        self.end = 0
+        self.task: asyncio.Task[None] | None = None
+
+    async def _fill(self, need: int, timeout: float | None) -> None:
+        """Read until `need` bytes are buffered from self.start."""
+        loop = asyncio.get_running_loop()
+        if self.start + need > len(self.buf) and self.start:
+            pending = self.end - self.start
+            self.buf[:pending] = self.buf[self.start : self.end]
+            self.start, self.end = 0, pending
+        while self.end - self.start < need:
+            if self.end == len(self.buf):
+                # Grow by doubling as bytes arrive: a length prefix alone must not make
+                # the agent allocate a whole frame for a client that never sends it.
+                grown = bytearray(min(self.start + need, 2 * len(self.buf)))
+                grown[: self.end] = self.buf[: self.end]
+                self.buf = grown
+            view = memoryview(self.buf)[self.end :]
+            try:
+                if timeout is None:
+                    n = await loop.sock_recv_into(self.sock, view)
+                else:
+                    n = await asyncio.wait_for(loop.sock_recv_into(self.sock, view), timeout)
+            except TimeoutError as e:
+                raise Closed("frame not completed in time") from e
+            except OSError as e:
+                raise Closed(f"receive failed: {e}") from e
+            finally:
+                view.release()
+            if n == 0:
+                raise Closed("peer closed" if self.end == self.start else "truncated frame")
+            self.end += n
+
+    async def read_frame(self) -> bytes:
+        if self.end == self.start:
+            self.start = self.end = 0
+        await self._fill(1, None)  # idle between frames: no limit
+        await self._fill(p.HEADER.size, FRAME_TIMEOUT)  # inside a frame: the frame timeout
+        (length,) = p.HEADER.unpack_from(self.buf, self.start)
+        limit = self.dispatcher.max_frame_bytes
+        if length > limit:
+            await self.send_error(0, p.ErrorCode.FRAME_TOO_LARGE,
+                                  f"frame of {length} bytes exceeds the limit of {limit}")
+            raise Closed("frame too large")
+        self.start += p.HEADER.size
+        await self._fill(length, FRAME_TIMEOUT)
+        body = bytes(self.buf[self.start : self.start + length])
+        self.start += length
+        return body
+
+    async def send(self, frame: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.sock_sendall(self.sock, frame), SEND_TIMEOUT)
+        except TimeoutError as e:
+            raise Closed("client does not read its replies") from e
+        except OSError as e:
+            raise Closed(f"send failed: {e}") from e
+
+    async def send_error(self, rid: int, code: p.ErrorCode, message: str) -> None:
+        await self.send(p.encode(p.ErrorReply(rid=rid, code=int(code), message=message)))
+
+    async def serve(self) -> None:
+        metrics = self.dispatcher.metrics
+        while True:
+            body = await self.read_frame()
+            started = time.perf_counter()
+            try:
+                req = p.request_decoder.decode(body)
+            except msgspec.ValidationError as e:
+                tag = p.peek_tag(body)
+                if tag is not None and tag not in p.Op._value2member_map_:
+                    metrics.op_error(0, p.ErrorCode.UNKNOWN_OP)
+                    await self.send_error(0, p.ErrorCode.UNKNOWN_OP, f"unknown op {tag}")
+                    raise Closed("unknown op") from e
+                metrics.op_error(tag or 0, p.ErrorCode.BAD_FRAME)
+                await self.send_error(0, p.ErrorCode.BAD_FRAME, f"malformed request: {e}")
+                raise Closed("malformed frame") from e
+            except msgspec.DecodeError as e:
+                metrics.op_error(0, p.ErrorCode.BAD_FRAME)
+                await self.send_error(0, p.ErrorCode.BAD_FRAME, f"undecodable frame: {e}")
+                raise Closed("undecodable frame") from e
+            op = p.Op(type(req).__struct_config__.tag)
+            try:
+                if not self.hello and op is not p.Op.HELLO:
+                    raise OpError(p.ErrorCode.HELLO_REQUIRED, "send HELLO first")
+                if op is p.Op.HELLO:
+                    assert isinstance(req, p.Hello)
+                    await self._hello(req)
+                else:
+                    await self.send(p.encode(await self.dispatcher.dispatch(self, op, req)))
+                metrics.ops_ok[op].inc()
+            except OpError as e:
+                metrics.op_error(op, e.code)
+                await self.send_error(req.rid, e.code, e.message)
+            except Closed:
+                raise
+            except Exception as e:  # a bug must cost one request, not the agent
+                log.exception("internal error serving %s", op.name)
+                metrics.op_error(op, p.ErrorCode.INTERNAL)
+                await self.send_error(req.rid, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            metrics.latency[op].observe(time.perf_counter() - started)
+
+    async def _hello(self, req: p.Hello) -> None:
+        if req.version != p.PROTOCOL_VERSION:
+            raise OpError(p.ErrorCode.VERSION_MISMATCH,
+                          f"agent speaks protocol {p.PROTOCOL_VERSION}, client asked {req.version}")
+        if len(req.tenant.encode()) > p.MAX_TENANT_BYTES:
+            raise OpError(p.ErrorCode.BAD_ARGUMENT,
+                          f"tenant name of {len(req.tenant.encode())} bytes: at most "
+                          f"{p.MAX_TENANT_BYTES}")
+        space = self.space
+        if space.isolated:
+            # The socket, not the client, says whose connection this is.
+            if req.tenant and req.tenant != space.tenant:
+                raise OpError(p.ErrorCode.TENANT_MISMATCH,
+                              f"this socket serves tenant {space.tenant!r}, "
+                              f"the client claims {req.tenant!r}")
+        else:
+            self.tenant = req.tenant  # one space: the claim only picks quotas and priority
+        self.hello = True
+        cfg = space.config
+        frame = p.encode(p.HelloReply(
+            rid=req.rid, version=p.PROTOCOL_VERSION, agent_version=__version__, pool=cfg.pool,
+            arena_bytes=space.arena.size, max_chunk_bytes=cfg.max_chunk_bytes,
+            max_meta_bytes=cfg.max_meta_bytes, max_frame_bytes=self.dispatcher.max_frame_bytes,
+            max_leases=MAX_LEASES_PER_CLIENT, tenant=self.tenant,
+        ))
+        # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
+        # the connection fresh, so one sendmsg carries it whole.
+        fds = array.array("i", [space.arena.client_fd()])
+        try:
+            sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        except BlockingIOError as e:
+            raise Closed("client does not read its replies") from e
+        if sent < len(frame):
+            await self.send(frame[sent:])

@@ -1,0 +1,107 @@
+"""What each request op does: decode is done, call the connection's store, build the reply."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+from .. import protocol as p
+from ..config import AgentConfig
+from ..metrics import AgentMetrics
+from ..store import snapshot
+
+if TYPE_CHECKING:
+    from .connection import Connection
+    from .space import Space
+
+Handler = Callable[["Connection", Any], Any]
+
+
+class Dispatcher:
+    """The op table every connection of the agent shares, and the limits it answers with."""
+
+    def __init__(self, config: AgentConfig, metrics: AgentMetrics,
+                 clients: Callable[[Space], int]) -> None:
+        self.metrics = metrics
+        self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
+        self._clients = clients
+        """Connections a space has now (STATS reports them)."""
+        self.handlers: dict[p.Op, Handler] = {
+            p.Op.LOOKUP: _lookup,
+            p.Op.ALLOC: _alloc,
+            p.Op.COMMIT: _commit,
+            p.Op.ABORT: _abort,
+            p.Op.ACQUIRE: _acquire,
+            p.Op.RELEASE: _release,
+            p.Op.PUT: lambda c, r: p.PutReply(r.rid, c.store.put(r.key, r.data, r.checksum,
+                                                                  r.meta, c.tenant)),
+            p.Op.GET: _get,
+            p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, c.store.delete(r.key)),
+            p.Op.PIN: _pin,
+            p.Op.UNPIN: _unpin,
+            p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats(c.space)),
+        }
+
+    async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
+        """The reply to one request (an `OpError` for what the client did wrong)."""
+        reply = self.handlers[op](conn, req)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        return reply
+
+    def stats(self, space: Space) -> dict[str, Any]:
+        """STATS of one space: a tenant sees its own chunks and clients, nobody else's."""
+        out: dict[str, Any] = snapshot.stats_reply(space.store.snapshot(), space.config.pool)
+        if space.isolated:
+            out["tenant"] = space.tenant
+        out["clients"] = self._clients(space)
+        out["agent_version"] = __version__
+        return out
+
+
+async def _lookup(c: Connection, r: p.Lookup) -> p.LookupReply:
+    return p.LookupReply(r.rid, *await c.store.lookup(r.keys))
+
+
+def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
+    granted = c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
+    if granted is None:
+        return p.AllocReply(r.rid, 0, [], exists=True)
+    return p.AllocReply(r.rid, granted.lease, granted.extents)
+
+
+def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
+    c.store.commit(r.lease, r.checksum, c.id)
+    return p.CommitReply(r.rid)
+
+
+def _abort(c: Connection, r: p.Abort) -> p.AbortReply:
+    c.store.abort(r.lease, c.id)
+    return p.AbortReply(r.rid)
+
+
+def _release(c: Connection, r: p.Release) -> p.ReleaseReply:
+    c.store.release(r.lease, c.id)
+    return p.ReleaseReply(r.rid)
+
+
+def _pin(c: Connection, r: p.Pin) -> p.PinReply:
+    c.store.pin(r.key)
+    return p.PinReply(r.rid)
+
+
+def _unpin(c: Connection, r: p.Unpin) -> p.UnpinReply:
+    c.store.unpin(r.key)
+    return p.UnpinReply(r.rid)
+
+
+async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
+    g = await c.store.acquire(r.key, c.id)
+    return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier)
+
+
+async def _get(c: Connection, r: p.Get) -> p.GetReply:
+    data, digest, meta, tier = await c.store.get(r.key)
+    return p.GetReply(r.rid, data, digest, meta, tier)

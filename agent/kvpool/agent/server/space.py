@@ -1,0 +1,63 @@
+"""What one tenant (or the whole pool) is served from: socket config, arena, tiers, store."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from ..arena import Arena
+from ..claim import SpaceClaim
+from ..config import AgentConfig, TierPolicy
+from ..metrics import AgentMetrics, Sample
+from ..store import ChunkStore, open_journal, snapshot
+from ..tiers.dram import DramTier
+from ..tiers.factory import open_shared_tier
+from ..tiers.nvme import NvmeTier
+
+log = logging.getLogger("kvpool.agent")
+
+
+class Space:
+    def __init__(self, tenant: str, config: AgentConfig, metrics: AgentMetrics,
+                 policy: TierPolicy) -> None:
+        self.tenant = tenant
+        """The tenant this space serves; "" for the one space of a pool without tenants."""
+        self.config = config
+        dram_cfg = config.tiers.dram
+        self.claim = SpaceClaim(config.arena_path(), config.socket_path)  # before touching any
+        self.arena = Arena(config.arena_path(), dram_cfg.size, lock=dram_cfg.lock,
+                           huge_pages=dram_cfg.huge_pages)
+        nvme = None
+        if config.tiers.nvme is not None:
+            nvme = NvmeTier(config.tiers.nvme.path, config.tiers.nvme.size)
+        shared = None
+        if config.tiers.shared is not None:
+            shared = open_shared_tier(config.tiers.shared, metrics)
+        journal, entries = open_journal(config)
+        if not self.arena.reused:
+            entries = []  # a new arena holds nothing the journal describes
+        self.store = ChunkStore(config, DramTier(self.arena), nvme, metrics, policy,
+                                journal, shared)
+        kept, dropped = self.store.recover(entries)
+        if kept or dropped:
+            log.info("warm restart%s: %d chunks kept from the arena, %d dropped",
+                     f" of tenant {tenant}" if self.isolated else "", kept, dropped)
+
+    @property
+    def isolated(self) -> bool:
+        """True when the pool has tenants: the socket decides a connection's tenant."""
+        return bool(self.tenant)
+
+    def samples(self) -> Iterator[Sample]:
+        """The store's series; a tenant's state carries its name (counters are summed)."""
+        for s in snapshot.samples(self.store.snapshot()):
+            if self.isolated and not s.counter:
+                s = Sample(s.name, s.doc, {**s.labels, "tenant": self.tenant}, s.value)
+            yield s
+
+    def close(self) -> None:
+        self.store.close()
+        if self.store.journal is not None:
+            self.store.journal.close()
+        self.arena.close()
+        self.claim.release()

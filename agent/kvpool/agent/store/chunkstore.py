@@ -1,0 +1,593 @@
+"""The chunk store: what every socket op does, across the agent's tiers.
+
+The server decodes frames and calls these methods; they raise `OpError` with
+a protocol error code for anything a client did wrong. Nothing here touches
+the socket. Decisions (what to evict, whether to demote, promote, prefetch)
+come from `policy`; the store carries them out with collaborators that own
+their state:
+
+- `Demotion` (demotion.py): the NVMe side — in-flight copies of demoted
+  chunks, NVMe's eviction order, the write and removal pipelines.
+- `Loads` (loads.py): reads below DRAM a client waits for, one per key, with
+  NVMe read-ahead (readahead.py).
+- `SharedLink` (sharedlink.py): G4 presence checks, uploads, deletes, probes.
+- `StoreSnapshot` (snapshot.py): one moment's per-tier state and counts, for
+  STATS and the metrics collector alike.
+
+What the operations themselves keep: DRAM's eviction order, the recent
+LOOKUPs (a chunk written next knows its depth), and this store's hit counts.
+
+- LOOKUP walks DRAM then the NVMe index, in memory, never waiting on a disk;
+  where the local prefix ends it asks the shared tier (G4) about the next
+  keys, waiting at most the tier's lookup budget.
+- ACQUIRE/GET of a chunk below DRAM reads it (NVMe, else G4), verifies it, and
+  copies it into the arena (a promotion) so it can be leased. DRAM and NVMe are
+  exclusive (a promoted chunk leaves NVMe); G4 is shared by every node and keeps
+  its copy.
+- Chunks a client commits are offered to G4's write-behind queue when its
+  rules say `writeThrough` (the default), else on eviction from the lowest
+  local tier. The queue never blocks a client.
+- Each tier keeps its chunks in eviction order (`eviction.EvictionQueue`);
+  `policy.choose_victims` decides, walking that order only as far as needed.
+- Every visible DRAM chunk is journaled, so a restarted agent finds it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .. import policy as pol
+from ..config import AgentConfig, TierName, TierPolicy
+from ..constants import KEY_BYTES
+from ..constants import TIER_CODES as TIER_CODE
+from ..eviction import EvictionQueue, new_queue
+from ..journal import Journal, JournalEntry, replay
+from ..metrics import AgentMetrics
+from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
+from ..tiers.base import ChunkRecord
+from ..tiers.dram import DramChunk, DramTier
+from ..tiers.nvme import NvmeTier
+from ..tiers.shared import SharedChunkTier
+from .demotion import IO_THREADS, Demotion
+from .errors import OpError, check_key
+from .loads import Loads
+from .sharedlink import SharedLink
+from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot
+
+log = logging.getLogger(__name__)
+
+MAX_LEASES_PER_CLIENT = 4096
+RECENT_LOOKUPS = 1 << 16
+"""Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
+
+
+@dataclass(slots=True)
+class Granted:
+    lease: int
+    extents: Extents
+    size: int = 0
+    checksum: int = 0
+    meta: bytes = b""
+    tier: int = 2
+
+
+class ChunkStore:
+    def __init__(self, config: AgentConfig, dram: DramTier, nvme: NvmeTier | None,
+                 metrics: AgentMetrics, policy: TierPolicy, journal: Journal | None = None,
+                 shared: SharedChunkTier | None = None) -> None:
+        self.config = config
+        self.dram = dram
+        self.m = metrics
+        self.policy = policy
+        self.journal = journal
+        if journal is not None:
+            journal.live_entries = self.dram.journal_entries  # what its compaction keeps
+        self.dram.pins.update(bytes.fromhex(k) for k in policy.pins)
+        self.seq = 0
+        self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
+        """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
+        self.counts = LookupCounts()
+        self.dram_queue = new_queue(policy.tiers.dram.eviction)
+        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
+        """Background writes and deletes: demotions, file removals, shared deletes and probes."""
+        self.shared: SharedLink | None = None
+        if shared is not None:
+            self.shared = SharedLink(shared, config.tiers.shared, metrics, self.io,
+                                     lambda: self.policy)
+        self.nvme: Demotion | None = None
+        if nvme is not None:
+            self.nvme = Demotion(nvme, self.io, metrics, policy,
+                                 in_dram=lambda k: self.dram.get(k) is not None,
+                                 pinned=lambda k: k in self.dram.pins, shared=self.shared)
+        self.loads = Loads(self.nvme, self.shared, metrics, position=self._position,
+                           in_dram=lambda k: self.dram.get(k) is not None)
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- policy
+
+    def set_policy(self, policy: TierPolicy) -> None:
+        """Apply a new policy in place: nothing is flushed, pins are re-derived, and a
+        tier whose eviction order changed has its queue rebuilt from what it holds."""
+        old = {bytes.fromhex(k) for k in self.policy.pins}
+        new = {bytes.fromhex(k) for k in policy.pins}
+        self.dram.pins -= old - new
+        self.dram.pins |= new
+        if policy.tiers.dram.eviction is not self.policy.tiers.dram.eviction:
+            self.dram_queue = new_queue(policy.tiers.dram.eviction)
+            for chunk in sorted(self.dram.chunks.values(), key=lambda c: c.last_seq):
+                self.dram_queue.add(chunk)
+        if self.nvme is not None:
+            self.nvme.set_policy(policy)
+        self.policy = policy
+
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _position(self, key: bytes) -> tuple[int, int]:
+        seq, depth, _ = self.recent.get(key) or (0, 0, False)
+        return seq, depth
+
+    @staticmethod
+    def _touch(entry: pol.Entry, queue: EvictionQueue, seq: int, depth: int) -> None:
+        entry.hits += 1
+        entry.last_seq = seq
+        entry.depth = depth
+        entry.last_access = time.time()
+        queue.touched(entry)
+
+    def _touch_read(self, chunk: DramChunk) -> None:
+        """A read keeps the request grouping its LOOKUP gave it (prefix order needs it);
+        a read without a LOOKUP before it counts as a hit of its own."""
+        seq, depth, _ = self.recent.get(chunk.key) or (self._next_seq(), chunk.depth, False)
+        chunk.last_access = time.time()
+        if seq > chunk.last_seq:
+            chunk.last_seq, chunk.depth = seq, depth
+            self.dram_queue.touched(chunk)
+
+    # -- lookups
+
+    async def lookup(self, keys: list[bytes]) -> tuple[int, bytes]:
+        """How many leading keys are stored, and the tier code of each (2, 3, 4)."""
+        if len(keys) > MAX_LOOKUP_KEYS:
+            raise OpError(ErrorCode.BAD_ARGUMENT,
+                          f"LOOKUP takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
+        for k in keys:
+            check_key(k)
+        m = self.m
+        m.lookups.inc()
+        m.lookup_keys.inc(len(keys))
+        seq = self._next_seq()
+        tiers = bytearray()
+        nvme = self.nvme
+        for depth, k in enumerate(keys):
+            chunk = self.dram.get(k)
+            if chunk is not None:
+                self._touch(chunk, self.dram_queue, seq, depth)
+                tiers.append(2)
+                continue
+            if nvme is not None and nvme.holds(k):
+                entry = nvme.entry(k)
+                if entry is not None:
+                    self._touch(entry, nvme.queue, seq, depth)
+                tiers.append(3)
+                continue
+            break
+        last = len(keys) - 1
+        for depth, k in enumerate(keys):
+            self.recent[k] = (seq, depth, depth == last)
+            self.recent.move_to_end(k)
+        while len(self.recent) > RECENT_LOOKUPS:
+            self.recent.popitem(last=False)
+        local = len(tiers)
+        if 3 in tiers:  # its NVMe chunks are about to be read: one read can take several
+            self.loads.ahead.remember_prompt(seq, keys[:local])
+        if local < len(keys) and self.shared is not None:
+            # Past the local prefix the shared tier decides how far the prefix goes, but a
+            # key of it that is local after all is reported (and counted) in its local tier.
+            for depth in range(local, local + await self.shared.prefix(keys[local:])):
+                k = keys[depth]
+                chunk = self.dram.get(k)
+                if chunk is not None:
+                    self._touch(chunk, self.dram_queue, seq, depth)
+                    tiers.append(2)
+                elif self._below(k):
+                    tiers.append(3)
+                else:
+                    tiers.append(4)
+        count = len(tiers)
+        in_dram = tiers.count(2)
+        in_nvme = tiers.count(3)
+        self.counts.add("dram", in_dram, len(keys) - in_dram)
+        if self.nvme is not None:
+            self.counts.add("nvme", in_nvme, len(keys) - in_dram - in_nvme)
+        if self.shared is not None:
+            self.counts.add("shared", count - in_dram - in_nvme, len(keys) - count)
+        for k in pol.prefetch_keys(self.policy, keys, count, bytes(tiers)):
+            self._spawn(self._prefetch(k))
+        return count, bytes(tiers)
+
+    def contains(self, key: bytes) -> bool:
+        return self.dram.get(key) is not None or self._below(key)
+
+    def _below(self, key: bytes) -> bool:
+        """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
+        return self.nvme is not None and self.nvme.holds(key)
+
+    # -- zero-copy writes
+
+    def alloc(self, key: bytes, size: int, meta: bytes, tenant: str, owner: int) -> Granted | None:
+        """A write lease on fresh extents, or None when the key is already stored."""
+        check_key(key)
+        self._check_size(size, meta)
+        if self.contains(key):
+            return None
+        self._check_lease_budget(owner)
+        extents = self._allocate(size)
+        lease = self.dram.open_write(key, extents, size, meta, tenant, owner,
+                                     self.config.write_lease_timeout)
+        return Granted(lease.id, extents, size)
+
+    def commit(self, lease_id: int, checksum_: int, owner: int) -> None:
+        lease = self.dram.close_write(lease_id, owner)
+        if lease is None:
+            raise OpError(ErrorCode.UNKNOWN_LEASE,
+                          f"write lease {lease_id} is not open on this connection")
+        if self.contains(lease.key):
+            # Another client stored the same key first: keep theirs.
+            self.dram.alloc.free(lease.extents)
+            return
+        chunk = self._insert(lease.key, lease.extents, lease.size, checksum_ & (2**64 - 1),
+                             lease.meta, lease.tenant)
+        self._write_through(chunk)
+
+    def abort(self, lease_id: int, owner: int) -> None:
+        lease = self.dram.close_write(lease_id, owner)
+        if lease is None:
+            raise OpError(ErrorCode.UNKNOWN_LEASE,
+                          f"write lease {lease_id} is not open on this connection")
+        self.dram.alloc.free(lease.extents)
+
+    def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
+                tenant: str, hits: int = 0, evict: bool = True) -> DramChunk:
+        """Make a chunk visible; `evict=False` leaves the watermark check to the caller.
+
+        Journaled first: a chunk the journal cannot record is refused and its extents
+        freed, so no client is told "failed" for a chunk that is stored."""
+        if self.journal is not None:
+            try:
+                self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant))
+            except OSError as e:
+                self.dram.alloc.free(extents)
+                raise OpError(ErrorCode.NO_SPACE,
+                              f"chunk not stored: the commit journal cannot record it ({e})"
+                              ) from e
+        chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant)
+        seq, depth, last = self.recent.get(key) or (self._next_seq(), 0, False)
+        chunk.last_seq, chunk.depth, chunk.last_access = seq, depth, time.time()
+        chunk.hits = hits
+        self.dram_queue.add(chunk, tail=last)
+        self.m.written_bytes["dram"].inc(size)
+        if evict:
+            self._check_watermark()
+        return chunk
+
+    # -- reads
+
+    async def acquire(self, key: bytes, owner: int) -> Granted:
+        check_key(key)
+        self._check_lease_budget(owner)
+        chunk = self.dram.get(key)
+        tier, transient = 2, False
+        if chunk is None:
+            loaded = await self.loads.load(key)
+            if loaded is None:
+                raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
+            rec, source, hits = loaded
+            # Leases are on arena bytes, so the chunk comes up into DRAM either way;
+            # with promotion off it stays only for this lease.
+            chunk = self.dram.get(key) or self._promote(rec, "promotion", source, hits,
+                                                        evict=False)
+            tier, transient = TIER_CODE[source], not pol.should_promote(self.policy, hits or 1)
+        self._touch_read(chunk)
+        lease = self.dram.open_read(chunk, owner)
+        # Only now that the lease protects it: a promoted chunk may well be the watermark's
+        # first victim (LRU by an old LOOKUP's seq, a prompt's tail), and evicted before
+        # its lease it would be read from freed arena pages that another chunk reuses.
+        self._check_watermark()
+        if transient:
+            self._drop_dram(key)  # hidden now, freed at RELEASE
+        self.m.read_bytes["dram"].inc(chunk.size)
+        return Granted(lease.id, chunk.extents, chunk.size, chunk.checksum, chunk.meta, tier)
+
+    def release(self, lease_id: int, owner: int) -> None:
+        if not self.dram.close_read(lease_id, owner):
+            raise OpError(ErrorCode.UNKNOWN_LEASE,
+                          f"read lease {lease_id} is not open on this connection")
+
+    async def get(self, key: bytes) -> tuple[bytes, int, bytes, int]:
+        """(bytes, checksum, meta, tier) of a stored chunk."""
+        check_key(key)
+        chunk = self.dram.get(key)
+        if chunk is not None:
+            data = self.dram.read_verified(chunk)
+            if data is None:  # its arena bytes were overwritten: a miss, never wrong bytes
+                self.m.integrity_failures["dram"].inc()
+                self._drop_dram(key)
+                raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} failed its checksum")
+            self._touch_read(chunk)
+            self.m.read_bytes["dram"].inc(chunk.size)
+            return data, chunk.checksum, chunk.meta, 2
+        loaded = await self.loads.load(key)
+        if loaded is None:
+            raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
+        rec, source, hits = loaded
+        if pol.should_promote(self.policy, hits or 1) and self.dram.get(key) is None:
+            with contextlib.suppress(OpError):  # DRAM all leased: serve without promoting
+                self._promote(rec, "promotion", source, hits)
+        return bytes(rec.data), rec.checksum, rec.meta, TIER_CODE[source]
+
+    def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int,
+                 evict: bool = True) -> DramChunk:
+        """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`)."""
+        self.loads.ahead.drop(rec.key)
+        extents = self._allocate(rec.size)
+        self.dram.arena.write(extents, rec.data)
+        chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
+                             hits, evict)
+        (self.m.prefetches if why == "prefetch" else self.m.promotions)[source].inc()
+        # DRAM and NVMe are exclusive: the NVMe copy goes, so they hold as many
+        # distinct chunks as their capacities add up to. Eviction demotes it back.
+        if self.nvme is not None and self.nvme.entry(rec.key) is not None:
+            self.nvme.drop([pol.Victim(rec.key, "promoted")])
+        return chunk
+
+    async def _prefetch(self, key: bytes) -> None:
+        if self.dram.get(key) is not None:
+            return
+        loaded = await self.loads.load(key)
+        if loaded is not None and self.dram.get(key) is None:
+            rec, source, hits = loaded
+            with contextlib.suppress(OpError):  # no room can be made: prefetch is best effort
+                self._promote(rec, "prefetch", source, hits)
+
+    # -- inline writes
+
+    def put(self, key: bytes, data: bytes, checksum_: int, meta: bytes, tenant: str) -> bool:
+        check_key(key)
+        self._check_size(len(data), meta)
+        if checksum(data, meta) != checksum_:
+            raise OpError(ErrorCode.CHECKSUM_MISMATCH,
+                          "the PUT bytes do not match their checksum; nothing stored")
+        if self.contains(key):
+            return False
+        extents = self._allocate(len(data))
+        self.dram.arena.write(extents, data)
+        chunk = self._insert(key, extents, len(data), checksum_, meta, tenant)
+        self._write_through(chunk, data)
+        return True
+
+    # -- management
+
+    def delete(self, key: bytes) -> bool:
+        check_key(key)
+        self.dram.pins.discard(key)
+        self.loads.ahead.drop(key)
+        existed = self._drop_dram(key)
+        if self.nvme is not None and self.nvme.forget(key):
+            existed = True
+        if self.shared is not None:
+            self._spawn(self.shared.delete(key))
+        return existed
+
+    def pin(self, key: bytes) -> None:
+        check_key(key)
+        if not self.contains(key):
+            raise OpError(ErrorCode.NOT_FOUND, f"cannot pin {key.hex()}: not stored")
+        self.dram.pins.add(key)
+
+    def unpin(self, key: bytes) -> None:
+        check_key(key)
+        self.dram.pins.discard(key)
+
+    def disconnect(self, owner: int) -> None:
+        """A connection closed: abort its writes and end its reads."""
+        writes, reads = self.dram.leases_of(owner)
+        for lease_id in writes:
+            self.abort(lease_id, owner)
+        for lease_id in reads:
+            self.dram.close_read(lease_id, owner)
+
+    # -- eviction and demotion
+
+    def _drop_dram(self, key: bytes) -> bool:
+        if self.dram.remove(key) is None:
+            return False
+        self.dram_queue.discard(key)
+        if self.journal is not None:
+            self.journal.drop(key)
+        return True
+
+    def _footprint(self, chunk: pol.Entry) -> int:
+        """Arena bytes a DRAM chunk frees: whole pages."""
+        return self.dram.alloc.pages_for(chunk.size) * self.dram.alloc.page
+
+    def _evict_dram_to(self, target: int, reason: str) -> None:
+        with contextlib.closing(self.dram_queue.candidates()) as walk:
+            self._evict_dram(pol.choose_victims(
+                walk, tier="dram", policy=self.policy, used=self.dram.used_bytes,
+                target=target, reason=reason, protected=self.dram.protected,
+                footprint=self._footprint))
+
+    def _evict_dram(self, victims: Iterable[pol.Victim]) -> None:
+        rules = self.policy.tiers.dram
+        for v in victims:
+            chunk = self.dram.get(v.key)
+            if chunk is None or self.dram.protected(v.key):
+                continue
+            below: TierName | None = None
+            if pol.demotes(rules):
+                if self.nvme is not None:
+                    below = "nvme" if pol.admits(self.policy.tiers.nvme, chunk.hits) else None
+                elif self.shared is not None and self.shared.demotes(chunk.hits):
+                    below = "shared"
+            rec = None
+            if below is not None:
+                rec = ChunkRecord(chunk.key, self.dram.arena.read(chunk.extents), chunk.checksum,
+                                  chunk.meta, chunk.tenant)
+                if not rec.verify():
+                    log.error("integrity failure in dram for %s: dropped", chunk.key.hex())
+                    self.m.integrity_failures["dram"].inc()
+                    rec = None
+            self._drop_dram(v.key)
+            self.m.evictions[("dram", v.reason)].inc()
+            if rec is None:
+                continue
+            if below == "nvme":
+                assert self.nvme is not None
+                self.nvme.demote(rec, chunk)
+            else:
+                assert self.shared is not None
+                self.shared.upload(rec)
+                self.m.demotions["dram"].inc()
+
+    def _write_through(self, chunk: DramChunk, data: bytes | None = None) -> None:
+        """Offer a freshly committed chunk to G4 when its rules say write-through."""
+        if self.shared is None or not self.shared.writes_through():
+            return
+        payload = data if data is not None else self.dram.arena.read(chunk.extents)
+        self.shared.upload(ChunkRecord(chunk.key, payload, chunk.checksum, chunk.meta,
+                                       chunk.tenant))
+
+    def _check_watermark(self) -> None:
+        rules = self.policy.tiers.dram
+        target = pol.watermark_target(rules, self.dram.capacity_bytes, self.dram.used_bytes)
+        if target is not None:
+            self._evict_dram_to(target, "watermark")
+
+    def _allocate(self, size: int) -> Extents:
+        """Extents for a new chunk, evicting by policy as needed."""
+        extents = self.dram.alloc.alloc(size)
+        if extents is not None:
+            return extents
+        need = self.dram.used_bytes + self.dram.alloc.pages_for(size) * self.dram.alloc.page \
+            - self.dram.capacity_bytes
+        self._evict_dram_to(self.dram.used_bytes - max(need, 0), "capacity")
+        extents = self.dram.alloc.alloc(size)
+        if extents is not None:
+            return extents
+        raise OpError(ErrorCode.NO_SPACE,
+                      f"no room for {size} bytes: the arena's chunks are all leased or pinned")
+
+    # -- housekeeping
+
+    def expire(self, now: float | None = None) -> None:
+        """Writes idle past their lease timeout, and chunks past their tier's TTL."""
+        mono = time.monotonic()
+        for lease in self.dram.expired_writes(mono):
+            self.abort(lease.id, lease.owner)
+        wall = time.time() if now is None else now
+        self._evict_dram(pol.expired(self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall,
+                                     self.dram.protected))
+        if self.nvme is not None:
+            self.nvme.expire(wall)
+
+    async def probe_shared(self) -> None:
+        """Ask an unhealthy shared tier, about once a second, whether it answers again."""
+        if self.shared is not None:
+            await self.shared.probe()
+
+    def close(self) -> None:
+        """Stop background work: finish the NVMe writes and removals that wait, upload what
+        is queued for a moment, then stop the threads."""
+        self.io.shutdown(wait=True)  # batches already handed over finish first
+        if self.nvme is not None:
+            self.nvme.close()
+        if self.shared is not None:
+            self.shared.close()
+        self.loads.close()
+
+    def recover(self, entries: Iterable[JournalEntry]) -> tuple[int, int]:
+        """Re-admit journaled chunks whose arena bytes still verify; (kept, dropped)."""
+        kept = dropped = 0
+        live: list[JournalEntry] = []
+        arena = self.dram.arena
+        for e in entries:
+            if (len(e.key) != KEY_BYTES or self.dram.get(e.key) is not None
+                    or not self.dram.alloc.reserve(e.extents)):
+                dropped += 1
+                continue
+            if arena.checksum(e.extents, e.meta) != e.checksum:
+                self.dram.alloc.free(e.extents)
+                self.m.integrity_failures["dram"].inc()
+                dropped += 1
+                continue
+            chunk = self.dram.insert(e.key, e.extents, e.size, e.checksum, e.meta, e.tenant)
+            chunk.last_seq = self._next_seq()
+            chunk.last_access = time.time()
+            self.dram_queue.add(chunk)
+            live.append(e)
+            kept += 1
+        if self.journal is not None:
+            self.journal.rewrite(live)
+        return kept, dropped
+
+    def _spawn(self, work: Coroutine[object, object, None] | asyncio.Future[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- reporting
+
+    def snapshot(self) -> StoreSnapshot:
+        """What this store holds and has counted, now (STATS and the metrics read it)."""
+        d, c = self.dram, self.counts
+        tiers = [TierSnapshot("dram", d.capacity_bytes, d.used_bytes, len(d.chunks),
+                              c.hits["dram"], c.misses["dram"], True)]
+        demoting = removing = 0
+        if self.nvme is not None:
+            nvme = self.nvme.nvme
+            ok, reason = nvme.healthy()
+            tiers.append(TierSnapshot("nvme", nvme.capacity_bytes, nvme.used_bytes, nvme.chunks,
+                                      c.hits["nvme"], c.misses["nvme"], ok, reason))
+            demoting, removing = len(self.nvme.inflight), self.nvme.removing
+        url = ""
+        queue = None
+        if self.shared is not None:
+            shared = self.shared.tier
+            ok, reason = shared.healthy()
+            tiers.append(TierSnapshot("shared", shared.capacity_bytes, shared.used_bytes,
+                                      shared.chunks, c.hits["shared"], c.misses["shared"], ok,
+                                      reason))
+            url, queue = shared.url, self.shared.queue_stats()
+        return StoreSnapshot(tiers, LookupCounts(dict(c.hits), dict(c.misses)), len(d.reads),
+                             len(d.writes), len(d.pins), d.arena.locked_bytes,
+                             d.arena.lock_error or "", demoting, removing, url, queue)
+
+    # -- checks
+
+    def _check_size(self, size: int, meta: bytes) -> None:
+        if not 0 < size <= self.config.max_chunk_bytes:
+            raise OpError(ErrorCode.BAD_ARGUMENT,
+                          f"chunk size {size} is outside 1..{self.config.max_chunk_bytes}")
+        if len(meta) > self.config.max_meta_bytes:
+            raise OpError(ErrorCode.BAD_ARGUMENT,
+                          f"metadata of {len(meta)} bytes exceeds {self.config.max_meta_bytes}")
+
+    def _check_lease_budget(self, owner: int) -> None:
+        if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT:
+            raise OpError(ErrorCode.TOO_MANY_LEASES,
+                          f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
+
+
+def open_journal(config: AgentConfig) -> tuple[Journal, list[JournalEntry]]:
+    path = config.journal_path()
+    entries = list(replay(path))
+    return Journal(path), entries

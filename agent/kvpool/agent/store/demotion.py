@@ -1,0 +1,230 @@
+"""The NVMe side of the store: demotions into it, evictions and file removals out of it.
+
+A DRAM chunk evicted with `onEvict: demote` is copied out and verified, its arena
+space freed at once, and written to NVMe in a worker thread; until that write lands
+the chunk is served from the in-flight copy. Chunks leave NVMe's index on the loop
+at once (so one watermark crossing cannot start a second eviction round while the
+files are still there); their files go (or move to G4 first) in a worker thread.
+`Demotion` owns what that takes: the in-flight copies, NVMe's eviction order, and
+the two batch pipelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+
+from .. import policy as pol
+from ..batches import Batches
+from ..config import TierPolicy
+from ..eviction import EvictionQueue, new_queue
+from ..metrics import EVICTION_REASONS, AgentMetrics
+from ..tiers.base import ChunkRecord
+from ..tiers.dram import DramChunk
+from ..tiers.nvme import NvmeEntry, NvmeTier
+from .sharedlink import SharedLink
+from .tierreads import read_nvme
+
+log = logging.getLogger(__name__)
+
+IO_THREADS = 4
+"""Threads of the store's background pool (NVMe writes and removals, shared-tier deletes
+and probes): file and object-store calls release the GIL, so they overlap."""
+
+WriteResult = list[tuple[str, OSError] | None]
+
+
+class Demotion:
+    def __init__(self, nvme: NvmeTier, io: Executor, metrics: AgentMetrics, policy: TierPolicy,
+                 *, in_dram: Callable[[bytes], bool], pinned: Callable[[bytes], bool],
+                 shared: SharedLink | None) -> None:
+        self.nvme = nvme
+        self.io = io
+        self.m = metrics
+        self.policy = policy
+        self._in_dram = in_dram
+        self._pinned = pinned
+        self._shared = shared
+        self.queue: EvictionQueue = new_queue(policy.tiers.nvme.eviction)
+        """NVMe's chunks in eviction order."""
+        for entry in sorted(nvme.index.values(), key=lambda e: e.last_access):
+            self.queue.add(entry)  # files found at start: the oldest go first
+        self.inflight: dict[bytes, ChunkRecord] = {}
+        """Chunks on their way from DRAM to NVMe: still served from here."""
+        self.removing = 0
+        """Chunks out of the NVMe index whose files a worker has yet to remove (or upload)."""
+        self.writes: Batches[tuple[ChunkRecord, DramChunk], WriteResult] = Batches(
+            io, self._write_files, self._written, weight=lambda d: d[0].size,
+            key=lambda d: d[0].key, concurrency=IO_THREADS)
+        """DRAM victims waiting to be written to NVMe, a batch per executor call. Batches
+        run side by side, but two demotions of one key (demoted, promoted from the in-flight
+        copy or deleted and written again, demoted again) land in the order they were
+        made, so the file holds the newest bytes."""
+        self.removals: Batches[tuple[bytes, bool], None] = Batches(
+            io, self._remove_files, self._removed)
+        """Files of chunks out of the NVMe index, removed a batch per executor call."""
+
+    def set_policy(self, policy: TierPolicy) -> None:
+        """A changed eviction order rebuilds the queue from what NVMe holds."""
+        if policy.tiers.nvme.eviction is not self.policy.tiers.nvme.eviction:
+            self.queue = new_queue(policy.tiers.nvme.eviction)
+            for entry in sorted(self.nvme.index.values(), key=lambda e: e.last_seq):
+                self.queue.add(entry)
+        self.policy = policy
+
+    # -- what NVMe holds
+
+    def entry(self, key: bytes) -> NvmeEntry | None:
+        return self.nvme.index.get(key)
+
+    def holds(self, key: bytes) -> bool:
+        """In NVMe or on its way there."""
+        return key in self.inflight or key in self.nvme.index
+
+    def copy_of(self, key: bytes) -> ChunkRecord | None:
+        """The in-flight copy of a chunk being demoted."""
+        return self.inflight.get(key)
+
+    # -- into NVMe
+
+    def demote(self, rec: ChunkRecord, chunk: DramChunk) -> None:
+        """Write a verified copy of an evicted DRAM chunk to NVMe; served from here meanwhile."""
+        self.inflight[rec.key] = rec
+        self.writes.offer((rec, chunk))
+
+    def forget(self, key: bytes) -> bool:
+        """A deleted key: its in-flight copy goes and its file with it. Whether any was held."""
+        existed = self.inflight.pop(key, None) is not None
+        if key in self.nvme.index:
+            self.drop([pol.Victim(key, "deleted")])
+            existed = True
+        return existed
+
+    def _write_files(self, batch: list[tuple[ChunkRecord, DramChunk]]) -> WriteResult:
+        """Write demoted chunks to NVMe (a worker thread): per chunk, None once it is
+        written, else (error kind, error)."""
+        out: WriteResult = []
+        for rec, _ in batch:
+            try:
+                self.nvme.write(rec)
+            except OSError as e:
+                out.append(("full" if not self.nvme.healthy()[0] else "write", e))
+            except Exception as e:  # a bug must not leave the chunk in flight for ever
+                log.exception("demotion of %s to nvme failed", rec.key.hex())
+                out.append(("write", OSError(str(e))))
+            else:
+                out.append(None)
+        return out
+
+    def _written(self, batch: list[tuple[ChunkRecord, DramChunk]], results: WriteResult) -> None:
+        """A batch of demotions has been written (or failed): the chunks leave `inflight`
+        and join NVMe's eviction order, then NVMe makes room down to its watermark."""
+        landed = False
+        for (rec, chunk), failed in zip(batch, results, strict=True):
+            current = self.inflight.get(rec.key)
+            if failed is not None:
+                kind, e = failed
+                log.warning("demotion of %s to nvme failed (%s): dropped", rec.key.hex(), e)
+                self.m.tier_errors[("nvme", kind)].inc()
+                if current is rec:
+                    del self.inflight[rec.key]
+                    # A file an earlier demotion of the key left (it deferred to this one)
+                    # is tracked by nobody: it goes too.
+                    self.drop([pol.Victim(rec.key, "superseded")])
+                    if self._shared is not None and self._shared.demotes(chunk.hits):
+                        self._shared.upload(rec)
+                continue
+            if current is None:
+                # Deleted while it was being written: the file must not bring it back.
+                self.drop([pol.Victim(rec.key, "deleted")])
+                continue
+            if current is not rec:
+                # Demoted again meanwhile (promoted from the in-flight copy, or deleted and
+                # written again): the file and the index entry are that demotion's to take.
+                continue
+            del self.inflight[rec.key]
+            if self._in_dram(rec.key):
+                # Promoted again from the in-flight copy: DRAM holds it, NVMe need not.
+                self.drop([pol.Victim(rec.key, "promoted")])
+                continue
+            entry = self.nvme.index.get(rec.key)
+            if entry is None:
+                continue
+            entry.hits = chunk.hits
+            entry.last_seq, entry.depth = chunk.last_seq, chunk.depth
+            entry.last_access = time.time()
+            self.queue.add(entry)
+            self.m.demotions["dram"].inc()
+            self.m.written_bytes["nvme"].inc(rec.size)
+            landed = True
+        if landed:
+            self.evict_to_watermark()
+
+    # -- out of NVMe
+
+    def evict_to_watermark(self) -> None:
+        rules = self.policy.tiers.nvme
+        nvme = self.nvme
+        target = pol.watermark_target(rules, nvme.capacity_bytes, nvme.used_bytes)
+        if target is None:
+            return
+        with contextlib.closing(self.queue.candidates()) as walk:
+            self.drop(pol.choose_victims(
+                walk, tier="nvme", policy=self.policy, used=nvme.used_bytes, target=target,
+                reason="watermark", protected=self._pinned))
+
+    def expire(self, wall: float) -> None:
+        """Chunks whose files vanished with their directories, and chunks past NVMe's TTL,
+        go."""
+        vanished = self.nvme.vanished_keys()
+        if vanished:
+            log.warning("%d nvme chunks vanished with their directories: forgotten",
+                        len(vanished))
+            self.drop([pol.Victim(k, "vanished") for k in vanished])
+        victims = pol.expired(self.nvme.index.values(), self.policy.tiers.nvme.ttl, wall,
+                              self._pinned)
+        if victims:
+            self.drop(victims)
+
+    def drop(self, victims: Iterable[pol.Victim]) -> None:
+        """Take chunks out of NVMe now; their files go (or move to G4) in a worker thread."""
+        gone: list[tuple[bytes, bool]] = []
+        for v in victims:
+            entry = self.nvme.index.get(v.key)
+            if entry is None or not self.nvme.forget(v.key):
+                continue
+            self.queue.discard(v.key)
+            if v.reason in EVICTION_REASONS:
+                self.m.evictions[("nvme", v.reason)].inc()
+                to_shared = self._shared is not None and self._shared.demotes(entry.hits)
+                gone.append((v.key, to_shared))
+            else:
+                gone.append((v.key, False))
+        self.removing += len(gone)
+        for item in gone:
+            self.removals.offer(item)
+
+    def _removed(self, gone: list[tuple[bytes, bool]], _: None) -> None:
+        self.removing -= len(gone)
+
+    def _remove_files(self, gone: list[tuple[bytes, bool]]) -> None:
+        """Remove forgotten chunks' files (a worker thread), passing some on to G4 first."""
+        for key, to_shared in gone:
+            try:
+                if to_shared and self._shared is not None:
+                    rec = read_nvme(self.nvme, key, self.m, indexed=False)
+                    if rec is not None:
+                        self._shared.upload(rec)
+                        self.m.demotions["nvme"].inc()
+                self.nvme.remove_file(key)
+            except Exception:  # one file must not keep the others of its batch
+                log.exception("removing the nvme file of %s failed", key.hex())
+
+    def close(self) -> None:
+        """Finish the writes and removals that wait, in this thread (call it once the
+        background pool is shut down, so no batch is running)."""
+        self.writes.close()
+        self.removals.close()
