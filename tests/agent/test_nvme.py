@@ -233,6 +233,64 @@ def test_nvme_directories_removed_while_running_are_made_again_and_their_chunks_
         assert all(c.get(k, verify=True) == data_for(k, 256 * KiB) for k in new)
 
 
+def test_chunks_with_large_headers_and_long_tenant_names_survive_a_restart(
+        tmp_path: Path) -> None:
+    nvme_dir = tmp_path / "nvme"
+    config = tmp_path / "agent.yaml"
+    config.write_text("maxMetaBytes: 16384\n")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(NO_PREFETCH)
+    agent = LocalAgent("--no-lock", "--config", str(config), "--policy", str(policy),
+                       "--nvme-dir", str(nvme_dir), "--nvme", "64Mi",
+                       workdir=tmp_path, dram="4Mi")
+    tenant = "t" * 253  # the longest name HELLO accepts
+    big = {os.urandom(16): (b"m" * 8000, ""), os.urandom(16): (b"n" * 4096, tenant)}
+    with agent:
+        for key, (meta, name) in big.items():
+            with KVPoolClient(agent.socket_path, tenant=name) as c:
+                assert c.put(key, data_for(key, 256 * KiB), meta=meta)
+        with KVPoolClient(agent.socket_path) as c:
+            fill(c, 24)  # pushes the first chunks down into NVMe
+            settle(c)
+            assert sorted(in_nvme(c, nvme_dir, list(big))) == sorted(big)
+        agent.stop(remove_arena=False)
+        agent.start()
+        # The start-up scan read their whole headers: indexed, not quarantined.
+        assert not list((nvme_dir / "quarantine").iterdir())
+        for key, (meta, name) in big.items():
+            with KVPoolClient(agent.socket_path, tenant=name) as c:
+                assert c.lookup_tiers([key]) == ["nvme"]
+                assert c.get_with_meta(key, verify=True) == (data_for(key, 256 * KiB), meta)
+
+
+def test_quarantine_is_cleaned_to_its_budget_and_taken_from_the_nvme_size(
+        tmp_path: Path) -> None:
+    nvme_dir = tmp_path / "nvme"
+    quarantine = nvme_dir / "quarantine"
+    quarantine.mkdir(parents=True)
+    for i in range(8):  # 8 MiB of old bad files; the budget of a 64 MiB tier is 4 MiB
+        bad = quarantine / f"bad-{i}.kvc"
+        bad.write_bytes(b"x" * MiB)
+        os.utime(bad, (1_000_000 + i, 1_000_000 + i))
+
+    def quarantined() -> int:
+        return sum(f.stat().st_size for f in quarantine.iterdir())
+
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as c:
+        assert quarantined() <= 4 * MiB
+        assert (quarantine / "bad-7.kvc").exists() and not (quarantine / "bad-0.kvc").exists()
+        assert c.stats()["tiers"]["nvme"]["capacity_bytes"] == 64 * MiB - quarantined()
+
+        keys = fill(c, 24)
+        settle(c)
+        bad = in_nvme(c, nvme_dir, keys)[0]
+        flip_last_byte(chunk_file(nvme_dir, bad))
+        assert c.get(bad) is None
+        assert (quarantine / chunk_file(nvme_dir, bad).name).exists()
+        assert quarantined() <= 4 * MiB
+        assert c.stats()["tiers"]["nvme"]["capacity_bytes"] == 64 * MiB - quarantined()
+
+
 @contextlib.contextmanager
 def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real, small file system. Tests run as root (here and in CI); if mounting is not

@@ -27,6 +27,8 @@ FORMAT_VERSION = 1
 # magic, version, flags, key, size, fingerprint id, checksum, meta len, tenant len, reserved
 _HEADER = struct.Struct("<4sHH16sQQQIHH")
 HEADER_BYTES = _HEADER.size
+MAX_TENANT_NAME_BYTES = 0xFFFF
+"""The header's tenant length field is 16 bits."""
 
 
 class IntegrityError(Exception):
@@ -57,6 +59,8 @@ class ChunkRecord:
 
 def encode_header(rec: ChunkRecord) -> bytes:
     tenant = rec.tenant.encode()
+    if len(tenant) > MAX_TENANT_NAME_BYTES:  # HELLO caps names far below; never a struct.error
+        raise ValueError(f"tenant name of {len(tenant)} bytes does not fit a chunk header")
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, rec.key, rec.size, rec.fingerprint_id,
                         rec.checksum, len(rec.meta), len(tenant), 0) + rec.meta + tenant
 
@@ -75,6 +79,15 @@ class Header:
     meta: bytes
     tenant: str
     data_offset: int
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """The whole header's length (fixed part, metadata, tenant name) from its fixed part:
+    how much a reader that wants only the header must read."""
+    if len(prefix) < HEADER_BYTES:
+        raise IntegrityError(f"truncated header ({len(prefix)} bytes)")
+    *_, meta_len, tenant_len, _ = _HEADER.unpack_from(prefix)
+    return int(HEADER_BYTES + meta_len + tenant_len)
 
 
 def decode_header(blob: bytes | memoryview) -> Header:

@@ -13,8 +13,11 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
+import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,9 @@ from .base import ChunkRecord, ChunkTier, IntegrityError
 log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
+QUARANTINE_SHARE = 1 / 16
+"""quarantine/ keeps bad files for inspection up to this share of the NVMe size (the
+oldest go first); what it holds is taken from the size chunks may use."""
 
 
 @dataclass(slots=True)
@@ -53,8 +59,13 @@ class NvmeTier(ChunkTier):
         self._unhealthy: str = ""
         self._subdirs: set[str] = set()
         """Fan-out directories known to exist (a mkdir per write costs a syscall)."""
+        self._quarantined: OrderedDict[str, int] = OrderedDict()
+        """Files in quarantine/ and their sizes, oldest first."""
+        self._quarantined_bytes = 0
+        self._qlock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True)
         self.quarantine.mkdir(exist_ok=True)
+        self._scan_quarantine()
         self.rebuild()
 
     # -- layout
@@ -80,7 +91,10 @@ class NvmeTier(ChunkTier):
                     continue
                 try:
                     with open(entry.path, "rb") as f:
-                        head = f.read(base.HEADER_BYTES + 4096 + 256)
+                        # The whole header, however long its metadata and tenant name:
+                        # a fixed-size read quarantined valid chunks with large ones.
+                        head = f.read(base.HEADER_BYTES)
+                        head += f.read(max(0, base.header_length(head) - len(head)))
                     h = base.decode_header(head)
                     size = entry.stat().st_size
                     if size != h.data_offset + h.size or entry.name != h.key.hex() + SUFFIX:
@@ -98,7 +112,12 @@ class NvmeTier(ChunkTier):
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The configured size less what quarantine/ holds: bad files take disk too."""
+        return max(0, self._capacity - self._quarantined_bytes)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return self._quarantined_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -240,9 +259,48 @@ class NvmeTier(ChunkTier):
                 self._quarantine(path)
 
     def _quarantine(self, path: Path) -> None:
+        """Move a bad file to quarantine/ (kept for inspection, within its budget)."""
         try:
+            size = _tree_bytes(path)
             os.replace(path, self.quarantine / path.name)
         except OSError as e:
             log.error("cannot quarantine %s: %s; deleting it", path, e)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            _remove_tree(path)
+            return
+        with self._qlock:
+            self._quarantined_bytes += size - self._quarantined.pop(path.name, 0)
+            self._quarantined[path.name] = size
+            self._trim_quarantine()
+
+    def _scan_quarantine(self) -> None:
+        with self._qlock:
+            found = sorted((e.stat(follow_symlinks=False).st_mtime, e.name,
+                            _tree_bytes(Path(e.path))) for e in os.scandir(self.quarantine))
+            self._quarantined = OrderedDict((name, size) for _, name, size in found)
+            self._quarantined_bytes = sum(self._quarantined.values())
+            self._trim_quarantine()
+
+    def _trim_quarantine(self) -> None:
+        """Delete the oldest quarantined files past `QUARANTINE_SHARE` of the capacity."""
+        budget = int(self._capacity * QUARANTINE_SHARE)
+        while self._quarantined and self._quarantined_bytes > budget:
+            name, size = self._quarantined.popitem(last=False)
+            self._quarantined_bytes -= size
+            _remove_tree(self.quarantine / name)
+            log.info("quarantine over %d bytes: deleted %s", budget, name)
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes a quarantined entry takes (a file, or a directory found where a chunk was)."""
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    return sum(f.lstat().st_size for f in path.rglob("*"))
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
