@@ -139,6 +139,8 @@ class FileSharedTier(SharedChunkTier):
         st = os.statvfs(self.root)  # raises when the mount is gone or hung (-> timeout)
         if not os.path.isdir(self.root):
             raise FileNotFoundError(errno.ENOENT, "shared directory is missing", str(self.root))
+        if st.f_flag & os.ST_RDONLY:  # before access(): it says EACCES for a read-only mount
+            raise OSError(errno.EROFS, "shared file system is mounted read-only", str(self.root))
         if not os.access(self.root, os.W_OK):
             raise PermissionError(errno.EACCES, "shared directory is not writable",
                                   str(self.root))
