@@ -127,6 +127,29 @@ def test_a_tenant_never_sees_another_tenants_chunks_in_any_tier(agent: TenantAge
     assert samples['kvpool_tier_chunks{pool="default",tenant="team-b",tier="dram"}'] == 1.0
 
 
+def test_a_tenants_stats_count_its_own_lookups_only(agent: TenantAgent) -> None:
+    """STATS shows a tenant its own space: another tenant's hits and misses never show in
+    it, while /metrics counts every tenant's lookups."""
+    key, data = chunk(7)
+    with KVPoolClient(agent.socket_of("team-a")) as a, \
+            KVPoolClient(agent.socket_of("team-b")) as b:
+        assert a.put(key, data)
+        for _ in range(50):
+            assert a.lookup([key]) == 1
+        assert a.lookup([chunk(8)[0]]) == 0
+        tiers_a = a.stats()["tiers"]
+        assert tiers_a["dram"]["hits"] >= 50 and tiers_a["dram"]["misses"] >= 1
+        tiers_b = b.stats()["tiers"]
+        assert {t: (row["hits"], row["misses"]) for t, row in tiers_b.items()} == \
+            dict.fromkeys(tiers_b, (0, 0)), tiers_b
+        assert b.lookup([key]) == 0  # team-b's own miss is counted in team-b's STATS
+        tiers_b = b.stats()["tiers"]
+        assert (tiers_b["dram"]["hits"], tiers_b["dram"]["misses"]) == (0, 1)
+        hits_a = a.stats()["tiers"]["dram"]["hits"]
+    samples = scrape(agent)
+    assert samples['kvpool_tier_hits_total{pool="default",tier="dram"}'] == hits_a
+
+
 def test_the_socket_decides_the_tenant_not_the_client(agent: TenantAgent) -> None:
     reply, fds = hello(agent.socket_of("team-a"), "team-b")
     assert not fds
