@@ -121,6 +121,9 @@ class AgentMetrics:
         latency = Histogram("kvpool_op_duration_seconds", "Request latency", [*p, "op"],
                             buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = {op: latency.labels(pool, op.name.lower()) for op in Op}
+        self.connections_refused = Counter(
+            "kvpool_connections_refused", "Clients refused: their space held its share of "
+            "the agent's file descriptors", p, registry=r).labels(pool)
         reloads = Counter("kvpool_policy_reloads", "Policy reloads", [*p, "result"], registry=r)
         self.policy_reloads = {res: reloads.labels(pool, res) for res in ("ok", "invalid")}
         self.shared_dropped = Counter("kvpool_shared_dropped_writes",

@@ -74,6 +74,8 @@ class ErrorCode(IntEnum):
     """An unexpected failure inside the agent; the message says what."""
     TENANT_MISMATCH = 14
     """HELLO named a tenant other than the one this socket serves (pools with tenants)."""
+    TOO_MANY_CONNECTIONS = 15
+    """The socket's space holds the most connections allowed (closes the connection)."""
 
 
 # --------------------------------------------------------------------------- requests

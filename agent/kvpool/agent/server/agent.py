@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
 from collections.abc import Iterator
 
+from .. import protocol as p
 from ..config import AgentConfig, ConfigError, load_policy
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
@@ -28,6 +31,28 @@ from .space import Space
 log = logging.getLogger("kvpool.agent")
 
 HOUSEKEEPING_INTERVAL = 0.5
+ACCEPT_BACKOFF = 0.05
+ACCEPT_BACKOFF_MAX = 1.0
+"""Seconds an accept loop waits after running out of file descriptors, doubling to the max:
+the pending client stays in the listen backlog and is accepted once fds are free again."""
+FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
+"""accept() errors that concern one client only: the next accept goes on at once."""
+RESERVED_FDS = 64
+"""File descriptors kept for the agent's own files (arena, journals, NVMe reads, HTTP);
+at most a quarter of the limit."""
+
+
+def connection_cap(fd_limit: int, spaces: int) -> int:
+    """Most connections one space may hold: an equal share of the descriptors left once the
+    agent's own are set aside, so one tenant's flood cannot take another tenant's."""
+    reserved = min(RESERVED_FDS, fd_limit // 4)
+    return max(1, (fd_limit - reserved) // spaces)
+
+
+def fd_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30
 
 
 class Agent:
@@ -44,6 +69,10 @@ class Agent:
         self.connections: dict[int, Connection] = {}
         self._next_cid = 1
         self.ready = False
+        self.accepting: dict[int, asyncio.Task[None]] = {}
+        """Accept loop of each space (by index); readiness needs every one alive."""
+        self.stalled: set[int] = set()
+        """Spaces whose accept loop is waiting for file descriptors."""
         self.started = False
         """Set once serving: a failure after that keeps the arena (a warm restart's)."""
         self.dispatcher = Dispatcher(config, self.metrics, self._clients_of)
@@ -83,15 +112,57 @@ class Agent:
         sock.setblocking(False)
         return sock
 
-    async def _accept_loop(self, space: Space, listener: socket.socket) -> None:
+    def serving(self) -> bool:
+        """Ready: started, and every space accepting (none dead, none out of descriptors)."""
+        return (self.ready and not self.stalled
+                and all(not t.done() for t in self.accepting.values()))
+
+    async def _accept_loop(self, index: int, space: Space, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        backoff = ACCEPT_BACKOFF
         while True:
-            sock, _ = await loop.sock_accept(listener)
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:
+                if e.errno in ACCEPT_RETRY:
+                    continue
+                if e.errno not in FD_EXHAUSTED:
+                    raise
+                if index not in self.stalled:
+                    log.warning("out of file descriptors (%s): not accepting clients%s for "
+                                "now; retrying", e.strerror,
+                                f" of tenant {space.tenant}" if space.isolated else "")
+                    self.stalled.add(index)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, ACCEPT_BACKOFF_MAX)
+                continue
+            if index in self.stalled:
+                self.stalled.discard(index)
+                log.info("accepting clients again")
+            backoff = ACCEPT_BACKOFF
+            cap = connection_cap(fd_limit(), len(self.spaces))
+            if self._clients_of(space) >= cap:
+                self._refuse(sock, cap)
+                continue
             sock.setblocking(False)
             cid, self._next_cid = self._next_cid, self._next_cid + 1
             conn = Connection(self.dispatcher, space, sock, cid)
             self.connections[cid] = conn
             conn.task = loop.create_task(self._run_connection(conn))
+
+    def _refuse(self, sock: socket.socket, cap: int) -> None:
+        """Answer a client over its space's share with an error (best effort) and close."""
+        self.metrics.connections_refused.inc()
+        try:
+            sock.setblocking(False)
+            sock.send(p.encode(p.ErrorReply(
+                rid=0, code=int(p.ErrorCode.TOO_MANY_CONNECTIONS),
+                message=f"this socket already serves {cap} connections, its share of the "
+                        "agent's file descriptors; close idle ones or retry later")))
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     async def _run_connection(self, conn: Connection) -> None:
         try:
@@ -149,9 +220,12 @@ class Agent:
                 loop.add_signal_handler(sig, stop.set)
         listeners = [(space, self._bind(space)) for space in self.spaces]
         runner = await serve_http(self.config.metrics_addr, self.metrics.registry,
-                                  lambda: self.ready)
-        tasks = [loop.create_task(self._accept_loop(space, listener))
-                 for space, listener in listeners]
+                                  self.serving)
+        self.accepting = {i: loop.create_task(self._accept_loop(i, space, listener))
+                          for i, (space, listener) in enumerate(listeners)}
+        for task in self.accepting.values():
+            task.add_done_callback(_report_stopped)
+        tasks = list(self.accepting.values())
         tasks.append(loop.create_task(self._housekeeping()))
         # The node label is what the webhook's node affinity schedules client pods by.
         labeler = NodeLabeler.from_config(self.config)
@@ -179,6 +253,11 @@ class Agent:
             for space in self.spaces:
                 space.close()
             log.info("kvpool agent stopped")
+
+
+def _report_stopped(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("an accept loop stopped: not ready", exc_info=task.exception())
 
 
 def run_agent(config: AgentConfig) -> None:
