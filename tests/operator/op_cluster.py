@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import re
 import socket
 import threading
 import time
@@ -138,8 +139,25 @@ class Fault:
         return _status_response(self.status, reason, message)
 
 
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAMED = {"services", "namespaces"}
+"""Kinds whose names must be DNS-1035 labels (no dots, at most 63 characters); every other
+kind the operator creates takes a DNS-1123 subdomain (at most 253)."""
+
+
+def name_problem(plural: str, name: str) -> str | None:
+    """Why the API server would refuse `name` for a new object of `plural`, or None."""
+    if plural in _LABEL_NAMED:
+        if len(name) > 63 or not _DNS_LABEL.match(name):
+            return "a DNS-1035 label must consist of lower case alphanumeric characters or '-'"
+    elif len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        return "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters"
+    return None
+
+
 class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator with uids, creation timestamps and spec generations.
+    """kmock's emulator with uids, creation timestamps, spec generations and name checks.
 
     A namespace put in `terminating` refuses new objects the way a namespace being
     deleted does (403, "... because it is being terminated"). Every resource request
@@ -230,6 +248,17 @@ class Emulator(kmock.KubernetesEmulator):
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
+                # The API server refuses names invalid for the kind (kmock takes any);
+                # an object with only a generateName (kopf's Events) gets one made.
+                name = meta.get("name")
+                problem = name_problem(request.resource.plural, str(name)) if name else None
+                if problem is not None:
+                    return _status_response(
+                        422,
+                        "Invalid",
+                        f"{request.resource.plural} {meta.get('name')!r} is invalid: "
+                        f"metadata.name: {problem}",
+                    )
                 meta.setdefault("uid", str(uuid.uuid4()))
                 if self.generations:
                     meta.setdefault("generation", 1)

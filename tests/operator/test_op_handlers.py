@@ -24,6 +24,8 @@ pytestmark = pytest.mark.kmock(cls=Emulator)
 
 POLICY_NAME = "llama-70b"
 POOL_NAME = "llama-70b"
+ROLE = Names(NAMESPACE, POOL_NAME).cluster_role
+"""The pool's ClusterRole and ClusterRoleBinding (kvpool-agent-inference-llama-70b-<hash>)."""
 
 
 def _pool(**spec_changes: Any) -> dict[str, Any]:
@@ -74,7 +76,7 @@ async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> N
         assert obj["metadata"]["ownerReferences"] == ds["metadata"]["ownerReferences"]
     role = await cluster.eventually(
         lambda: cluster.get(
-            "rbac.authorization.k8s.io/v1", "ClusterRole", "kvpool-agent-inference-llama-70b", None
+            "rbac.authorization.k8s.io/v1", "ClusterRole", ROLE, None
         ),
         "the ClusterRole",
     )
@@ -83,7 +85,7 @@ async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> N
         lambda: cluster.get(
             "rbac.authorization.k8s.io/v1",
             "ClusterRoleBinding",
-            "kvpool-agent-inference-llama-70b",
+            ROLE,
             None,
         ),
         "the ClusterRoleBinding",
@@ -125,7 +127,7 @@ async def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
         ("v1/configmaps", NAMESPACE, "kvpool-llama-70b"),
         ("v1/serviceaccounts", NAMESPACE, "kvpool-llama-70b"),
         ("v1/services", NAMESPACE, "kvpool-llama-70b-metrics"),
-        ("rbac.authorization.k8s.io/v1/clusterroles", None, "kvpool-agent-inference-llama-70b"),
+        ("rbac.authorization.k8s.io/v1/clusterroles", None, ROLE),
     ]
     versions = [len(cluster.emulator.objects[key].history) for key in children]
     settings = Settings(agent_image="ghcr.io/kvpool/kvpool:test", version="test")
@@ -397,7 +399,7 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
         return await cluster.pool(POOL_NAME) is None
 
     await cluster.eventually(gone, "the pool to be deleted")
-    key = ("rbac.authorization.k8s.io/v1/clusterroles", None, "kvpool-agent-inference-llama-70b")
+    key = ("rbac.authorization.k8s.io/v1/clusterroles", None, ROLE)
     assert cluster.emulator.objects[key].deleted
 
 
@@ -429,7 +431,7 @@ async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
         await cluster.get(
             "rbac.authorization.k8s.io/v1",
             "ClusterRoleBinding",
-            "kvpool-agent-inference-llama-70b",
+            ROLE,
             None,
         )
         is None

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.kmock(cls=Emulator)
 CHART = ROOT / "charts" / "kvpool"
 POOL = "llama-70b"
 CHILD = "kvpool-llama-70b"
-ROLE = "kvpool-agent-inference-llama-70b"
+ROLE = Names(NAMESPACE, POOL).cluster_role
 ACCESS_KEY = "AKIAKVPOOLLEAKCHECK7Q"
 SECRET_KEY = "kvpool-leak-check/s3cr3t+9f8e7d6c5b4a"
 RBAC = "rbac.authorization.k8s.io/v1"

@@ -18,7 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from kvpool.agent.config import DramTier, Model, TenantSpace, TierPolicy, explain, tenant_sizes
 from kvpool.agent.constants import HUGE_PAGE_BYTES, NODE_LABEL_PREFIX
-from kvpool.agent.units import ByteSize
+from kvpool.agent.units import ByteSize, format_size, parse_size
 
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"
@@ -213,7 +213,9 @@ class AgentSpec(Model):
     resources: Resources | None = Field(
         None,
         description="Agent container resources; unset: memory sized to the DRAM arena "
-        "plus 256Mi (or hugepages-2Mi with hugePages), cpu request 100m.",
+        "plus 256Mi (or hugepages-2Mi with hugePages), cpu request 100m. A memory limit "
+        "below the arena plus 256Mi (the arena is shared memory, charged to the pod), or a "
+        "hugepages-2Mi limit below a huge-page arena, is refused.",
     )
     metrics_port: int = Field(
         9400, ge=1024, le=65535, description="Port of /metrics, /healthz and /readyz."
@@ -371,6 +373,45 @@ class KVTierPolicy(Model):
 
 _M = TypeVar("_M", bound=Model)
 
+AGENT_OVERHEAD = 256 << 20
+"""Memory the agent needs beside its arena (Python, buffers, index)."""
+
+
+def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
+    """Why the agent's memory limits cannot hold its arena, or None.
+
+    The arena is shared memory (tmpfs), which counts against the pod's memory cgroup: a
+    limit below arena + overhead gets the agent OOM-killed once the arena fills. With huge
+    pages the arena counts against the hugepages-2Mi limit instead.
+    """
+    limits = (spec.agent.resources.limits if spec.agent.resources else None) or {}
+    dram = spec.tiers.effective_dram()
+    need = {"memory": AGENT_OVERHEAD if dram.huge_pages else dram.size + AGENT_OVERHEAD}
+    if dram.huge_pages:
+        need["hugepages-2Mi"] = dram.size
+    for resource, minimum in need.items():
+        value = limits.get(resource)
+        if value is None:
+            continue
+        try:
+            limit = parse_size(value)
+        except ValueError as e:
+            return f"spec.agent.resources.limits.{resource}: {e}"
+        if limit < minimum:
+            what = (
+                "the agent's overhead (256Mi)"
+                if resource == "memory" and dram.huge_pages
+                else "the DRAM arena (huge pages)"
+                if resource != "memory"
+                else f"the DRAM arena ({format_size(dram.size)}) plus the agent's overhead "
+                "(256Mi; the arena is shared memory, charged to the pod)"
+            )
+            return (
+                f"spec.agent.resources.limits.{resource}: {value} is below {what}: "
+                f"at least {format_size(minimum)} is needed"
+            )
+    return None
+
 
 def parse_pool(body: Any) -> KVCachePool:
     """A `KVCachePool` from its manifest; `InvalidSpec` names every bad field."""
@@ -401,6 +442,9 @@ def _parse(cls: type[_M], body: Any) -> _M:
                          tiers.nvme.size if tiers.nvme is not None else None, dram.huge_pages)
         except ValueError as e:
             raise InvalidSpec(f"KVCachePool {name}: spec.tenants: {e}") from e
+        problem = memory_limit_problem(obj.spec)
+        if problem is not None:
+            raise InvalidSpec(f"KVCachePool {name}: {problem}")
         shared = obj.spec.tiers.shared
         if shared is not None and shared.credentials_secret and not shared.url.startswith("s3://"):
             raise InvalidSpec(

@@ -36,6 +36,7 @@ from .render import (
     Names,
     Settings,
     checksum,
+    cluster_selector,
     policy_yaml,
     render,
     render_gc_job,
@@ -65,6 +66,7 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 POOL = (api.GROUP, api.VERSION, api.POOL_PLURAL)
 POLICY = (api.GROUP, api.VERSION, api.POLICY_PLURAL)
 FINALIZER = "kvpool.io/finalizer"
+RBAC = "rbac.authorization.k8s.io/v1"
 WEBHOOK_ID = "kvpool-inject"
 VALIDATE_POOL_ID = "kvpool-validate-pool"
 VALIDATE_POLICY_ID = "kvpool-validate-policy"
@@ -444,10 +446,11 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: 
             else:
                 collect_garbage(ctx, pool, body, logger)
                 logger.info("deleted the pool's chunks in %s", shared.url)
-        # Cluster-scoped objects cannot be owned by the pool: delete them here.
-        names = Names(ns, name)
+        # Cluster-scoped objects cannot be owned by the pool: delete them here, found by
+        # the pool's labels (namespace and name), never by a name another pool might share.
         for kind in ("ClusterRoleBinding", "ClusterRole"):
-            ctx.kube.delete("rbac.authorization.k8s.io/v1", kind, None, names.cluster_role)
+            for obj in ctx.kube.list(RBAC, kind, None, cluster_selector(ns, name)):
+                ctx.kube.delete(RBAC, kind, None, obj["metadata"]["name"])
     except KubeError as e:
         raise kopf.TemporaryError(
             str(e), delay=backoff(retry, ctx.retry_delay, ctx.retry_max)

@@ -3,8 +3,11 @@
 It speaks JSON to the API server through the `kubernetes` package's
 `ApiClient` (which handles kubeconfig, in-cluster tokens and TLS), with
 generic paths instead of one generated class per kind. `apply()` is
-create-or-merge-patch and changes nothing when the live object already holds
-every field the operator renders — so a second reconcile is a no-op.
+create-or-merge-patch with a three-way merge against what the operator applied
+last (kept in an annotation, as `kubectl apply` does): a field the operator no
+longer renders is removed, a field others set is left alone, and nothing is
+sent when the live object already holds every field the operator renders — so
+a second reconcile is a no-op.
 """
 
 from __future__ import annotations
@@ -79,6 +82,54 @@ def removals(live: Manifest, desired: Manifest) -> Manifest:
         else:
             node[path[-1]] = None
     return patch
+
+
+LAST_APPLIED = "kvpool.io/last-applied-configuration"
+"""Annotation holding what the operator last applied to an object (as `kubectl apply` keeps
+`kubectl.kubernetes.io/last-applied-configuration`): the base of the three-way merge."""
+
+
+def last_applied(live: Manifest) -> Manifest | None:
+    """What the operator last applied to `live`, if it recorded it."""
+    text = ((live.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def deletions(last: Mapping[str, Any], desired: Mapping[str, Any], live: Any) -> Manifest:
+    """A merge patch (of `None`s) removing what the operator applied before (`last`), no
+    longer renders (`desired`), and `live` still has: the three-way part of an apply.
+
+    Maps are compared key by key; a list or a value that changed is in `desired` and is
+    replaced whole by the patch. Fields the operator never set (server defaults, other
+    controllers' fields) are not in `last`, so they are left alone.
+    """
+    patch: Manifest = {}
+    if not isinstance(live, Mapping):
+        return patch
+    for key, before in last.items():
+        if key not in live:
+            continue
+        if key not in desired:
+            patch[key] = None
+        elif isinstance(before, Mapping) and isinstance(desired[key], Mapping):
+            nested = deletions(before, desired[key], live[key])
+            if nested:
+                patch[key] = nested
+    return patch
+
+
+def with_last_applied(obj: Manifest) -> Manifest:
+    """A copy of `obj` that records itself in the `LAST_APPLIED` annotation."""
+    desired = copy.deepcopy(obj)
+    record = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    desired["metadata"].setdefault("annotations", {})[LAST_APPLIED] = record
+    return desired
 
 
 def _merge(base: Manifest, extra: Manifest) -> Manifest:
@@ -293,20 +344,25 @@ class Kube:
         return True
 
     def apply(self, obj: Manifest) -> Applied:
-        """Create, or merge-patch the fields that differ; nothing if none differ."""
+        """Create, or three-way merge: patch the fields that differ and remove those the
+        operator set before (its `LAST_APPLIED` annotation) and no longer renders;
+        nothing if there is nothing to do."""
         meta = obj["metadata"]
         ident = (obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        desired = with_last_applied(obj)
         live = self.get(*ident)
         if live is None:
             try:
-                self.create(obj)
+                self.create(desired)
                 return Applied.CREATED
             except KubeError as e:
                 if e.status != 409:
                     raise
                 live = self.get(*ident) or {}
-        desired = copy.deepcopy(obj)
-        trim = removals(live, desired)
+        trim = removals(live, desired)  # objects applied before the annotation existed
+        previous = last_applied(live)
+        if previous is not None:
+            _merge(trim, deletions(previous, obj, live))
         if contains(live, desired) and not trim:
             return Applied.UNCHANGED
         self.patch(*ident, _merge(desired, trim))

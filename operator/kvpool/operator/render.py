@@ -55,8 +55,7 @@ CONFIG_CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
 POOL_LABEL = "kvpool.io/pool"
 POOL_NAMESPACE_LABEL = "kvpool.io/pool-namespace"
 MANAGED_BY = "kvpool-operator"
-AGENT_OVERHEAD = 256 << 20
-"""Memory the agent needs beside its arena (Python, buffers, index)."""
+AGENT_OVERHEAD = api.AGENT_OVERHEAD
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 SECRET_KEYS = (ACCESS_KEY_ENV, SECRET_KEY_ENV)
@@ -106,6 +105,24 @@ def dns_name(*parts: str, limit: int = 63) -> str:
     return f"{name[: limit - 9].rstrip('-.')}-{digest}"
 
 
+def dns_label(*parts: str, limit: int = 63) -> str:
+    """A DNS-1035 label (what a Service name must be: no dots) from `parts`.
+
+    A pool name may be a DNS subdomain (`cache.v1`); its dots become `-`, and then a hash
+    of the original name is appended, so `cache.v1` and `cache-v1` never share a name.
+    """
+    name = "-".join(p for p in parts if p)
+    if "." not in name:
+        return dns_name(name, limit=limit)
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name.replace('.', '-')[: limit - 9].rstrip('-')}-{digest}"
+
+
+def pool_hash(namespace: str, pool: str) -> str:
+    """A short hash of (namespace, pool): what makes a cluster-scoped name unique per pool."""
+    return hashlib.sha256(f"{namespace}/{pool}".encode()).hexdigest()[:8]
+
+
 @dataclass(frozen=True)
 class Names:
     """Names of everything rendered for one pool."""
@@ -124,12 +141,18 @@ class Names:
 
     @property
     def service(self) -> str:
-        return dns_name("kvpool", self.pool, "metrics")
+        """The metrics Service: a DNS-1035 label (no dots, at most 63 characters)."""
+        return dns_label("kvpool", self.pool, "metrics")
 
     @property
     def cluster_role(self) -> str:
-        """ClusterRole and ClusterRoleBinding (cluster-scoped: namespace in the name)."""
-        return dns_name("kvpool-agent", self.namespace, self.pool, limit=253)
+        """ClusterRole and ClusterRoleBinding. Cluster-scoped: the namespace is in the name,
+        and a hash of (namespace, pool), since `-` joins are ambiguous (pool `b-x` in
+        namespace `team` and pool `x` in namespace `team-b`)."""
+        return dns_name(
+            "kvpool-agent", self.namespace, self.pool, pool_hash(self.namespace, self.pool),
+            limit=253,
+        )
 
     def gc_job(self, uid: str | None) -> str:
         """The garbage-collection Job of one incarnation of the pool (uid: a re-created pool
@@ -167,19 +190,34 @@ def selector_labels(pool: api.KVCachePool) -> dict[str, str]:
     }
 
 
-def labels(pool: api.KVCachePool, settings: Settings) -> dict[str, str]:
+def pod_labels(pool: api.KVCachePool) -> dict[str, str]:
+    """Labels of the agent pods: no operator version, so that upgrading the operator alone
+    changes no pod template and restarts no agent."""
     return {
         **selector_labels(pool),
         "app.kubernetes.io/part-of": "kvpool",
         "app.kubernetes.io/managed-by": MANAGED_BY,
-        "app.kubernetes.io/version": settings.app_version(),
         POOL_LABEL: pool.metadata.name,
     }
+
+
+def labels(pool: api.KVCachePool, settings: Settings) -> dict[str, str]:
+    """Labels of the objects themselves: the pod labels and the operator's version."""
+    return {**pod_labels(pool), "app.kubernetes.io/version": settings.app_version()}
 
 
 def cluster_labels(pool: api.KVCachePool, settings: Settings) -> dict[str, str]:
     """Labels of cluster-scoped objects, which cannot have an owner in a namespace."""
     return {**labels(pool, settings), POOL_NAMESPACE_LABEL: pool.metadata.namespace}
+
+
+def cluster_selector(namespace: str, pool: str) -> dict[str, str]:
+    """The labels that select exactly one pool's cluster-scoped objects."""
+    return {
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        POOL_NAMESPACE_LABEL: namespace,
+        POOL_LABEL: pool,
+    }
 
 
 def owner_references(pool: api.KVCachePool) -> list[Manifest]:
@@ -482,7 +520,7 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
                 "metadata": {
-                    "labels": labels(pool, settings),
+                    "labels": pod_labels(pool),
                     "annotations": {
                         CONFIG_CHECKSUM_ANNOTATION: config_sum,
                         "kubectl.kubernetes.io/default-container": "agent",
