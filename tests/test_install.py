@@ -10,6 +10,7 @@ import base64
 import hashlib
 import os
 import subprocess
+import sys
 import venv
 import zipfile
 from pathlib import Path
@@ -86,3 +87,14 @@ def test_a_failed_install_shows_pips_output_and_its_exit_status(env: dict[str, s
     assert run.returncode != 0
     assert "kvpool-test-nowhere" in run.stderr and "ERROR" in run.stderr
     assert run.stderr.rstrip().endswith(f"failed (exit {run.returncode})")
+
+
+def test_pytest_starts_without_a_deprecation_warning() -> None:
+    """A fresh run of the suite's configuration (pyproject.toml) warns about nothing, e.g.
+    pytest-asyncio's "asyncio_default_fixture_loop_scope is unset"."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+         "-W", "error::DeprecationWarning", "tests/test_layout.py"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Deprecation" not in run.stdout + run.stderr
