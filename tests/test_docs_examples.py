@@ -6,15 +6,18 @@ blocks are run here, unless the line just above the fence is an HTML comment
 the network). Other languages (`yaml`, `text`, ...) are data or pictures and are not run.
 
 A `python` block runs in a fresh interpreter in an empty directory; an `sh` block runs in
-bash (`set -euo pipefail`) from the repository root, with the `kvpool` command of this
-interpreter first on PATH. Both run with `KVPOOL_SOCKET` set to a real agent started for
-this module, as in an inference pod the webhook has prepared.
+bash (`set -euo pipefail`) in a copy of the checkout's tracked files (what it writes never
+lands in the checkout), with the `kvpool` command of this interpreter first on PATH. Both run
+with `KVPOOL_SOCKET` set to a real agent started for this module, as in an inference pod the
+webhook has prepared. A block that would change the machine (install packages, drive a
+cluster) must be marked: the test refuses to run one that is not.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +35,10 @@ RUN = ("python", "sh")
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<reason>.*?)\s*-->\s*$")
+_CHANGES_THE_MACHINE = re.compile(
+    r"\b(pip3? (install|uninstall|wheel)|python3? -m pip|apt-get|apt|sudo|helm|kubectl|"
+    r"systemctl|docker|podman|buildah)\b")
+"""Commands a run block must not hold: they change this machine or need a cluster."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,12 @@ def test_every_block_names_its_language_and_every_skip_gives_a_reason() -> None:
     assert any(b.runs and b.language == "python" for b in found)
 
 
+def test_no_block_that_runs_installs_packages_or_drives_a_cluster() -> None:
+    """Such a block would change the machine the tests run on: mark it `not run`."""
+    assert [str(b) for b in all_blocks() if b.runs and _CHANGES_THE_MACHINE.search(b.code)] \
+        == []
+
+
 # --------------------------------------------------------------------------- running them
 
 
@@ -125,6 +138,20 @@ def agent() -> Iterator[LocalAgent]:
         yield a
 
 
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout's tracked files, where `sh` blocks run."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True,
+                            timeout=60, check=True).stdout.decode().split("\0")
+    root = tmp_path_factory.mktemp("checkout")
+    for name in filter(None, listed):
+        source = REPO_ROOT / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    return root
+
+
 def _env(agent: LocalAgent) -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     return {**os.environ, "KVPOOL_SOCKET": str(agent.socket_path),
@@ -132,13 +159,15 @@ def _env(agent: LocalAgent) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("block", [b for b in all_blocks() if b.runs], ids=str)
-def test_docs_example_runs(block: Block, agent: LocalAgent, tmp_path: Path) -> None:
+def test_docs_example_runs(block: Block, agent: LocalAgent, checkout: Path,
+                           tmp_path: Path) -> None:
+    assert not _CHANGES_THE_MACHINE.search(block.code), f"{block}: mark it `not run`"
     if block.language == "python":
         script = tmp_path / "example.py"
         script.write_text(block.code)
         argv, cwd = [sys.executable, str(script)], tmp_path
     else:
-        argv, cwd = ["bash", "-c", "set -euo pipefail\n" + block.code], REPO_ROOT
+        argv, cwd = ["bash", "-c", "set -euo pipefail\n" + block.code], checkout
     run = subprocess.run(argv, cwd=cwd, env=_env(agent), capture_output=True, text=True,
                          timeout=300, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, f"{block} failed:\n{block.code}\n{run.stdout}\n{run.stderr}"
