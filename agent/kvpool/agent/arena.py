@@ -23,6 +23,7 @@ import xxhash
 
 from .constants import PAGE_BYTES
 from .protocol import Extents
+from .units import human_size
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ class Arena:
             self.locked_bytes = self.size
         else:
             err = ctypes.get_errno()
-            self.lock_error = f"mlock of {self.size} bytes failed: {os.strerror(err)}"
+            self.lock_error = f"mlock of {human_size(self.size)} failed: {os.strerror(err)}"
             if err in (errno.EPERM, errno.ENOMEM):
                 self.lock_error += " (grant IPC_LOCK or raise RLIMIT_MEMLOCK)"
             log.warning("DRAM arena not locked: %s; continuing unlocked", self.lock_error)

@@ -23,6 +23,7 @@ from .. import protocol as p
 from ..config import AgentConfig, ConfigError, load_policy
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
+from ..units import human_size
 from .connection import Closed, Connection
 from .dispatch import Dispatcher
 from .http import serve_http
@@ -232,9 +233,9 @@ class Agent:
         self.ready = self.started = True
         labeler.start()
         for space in self.spaces:
-            log.info("kvpool agent serving pool %s%s on %s (DRAM %d bytes at %s, metrics %s)",
+            log.info("kvpool agent serving pool %s%s on %s (DRAM %s at %s, metrics %s)",
                      self.config.pool, f" tenant {space.tenant}" if space.isolated else "",
-                     space.config.socket_path, space.arena.size, space.arena.path,
+                     space.config.socket_path, human_size(space.arena.size), space.arena.path,
                      self.config.metrics_addr)
         try:
             await stop.wait()
