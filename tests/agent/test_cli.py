@@ -344,3 +344,22 @@ def test_cleanup_refuses_while_a_client_still_maps_the_arena(tmp_path: Path) -> 
     finally:
         c.close()
         a.stop()
+
+
+def test_gc_errors_name_the_flag_and_make_no_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir"
+    run = kvpool("gc", "--shared", f"file://{missing}", "--all", timeout=60)
+    assert run.returncode == 2
+    assert "--shared" in error_line(run) and not (tmp_path / "no").exists()
+    run = kvpool("gc", "--shared", "http://bucket/prefix", "--all", timeout=60)
+    assert run.returncode == 2 and "'--shared'" in error_line(run)
+    run = kvpool("gc", "--shared", f"file://{tmp_path}", "--ttl", "7x", timeout=60)
+    assert run.returncode == 2 and "'--ttl'" in error_line(run)
+
+
+def test_gc_on_an_unreachable_store_fails_in_one_line() -> None:
+    run = kvpool("gc", "--shared", "s3://bucket/prefix", "--all", "--endpoint-url",
+                 f"http://127.0.0.1:{free_port()}", timeout=120,
+                 env={**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"})
+    assert run.returncode == 1
+    assert "Could not connect" in error_line(run)

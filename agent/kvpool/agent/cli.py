@@ -89,12 +89,13 @@ _FLAG_FOR_FIELD: dict[tuple[str | int, ...], str] = {
 }
 
 
-def _flag_errors(err: ValidationError) -> str:
-    """A validation error of the merged flags, each problem naming its flag."""
+def _flag_errors(err: ValidationError,
+                 flag_for_field: dict[tuple[str | int, ...], str] = _FLAG_FOR_FIELD) -> str:
+    """A validation error of a model made from flags, each problem naming its flag."""
     problems = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        flag = "--tenant" if loc[:1] == ("tenants",) else _FLAG_FOR_FIELD.get(loc)
+        flag = "--tenant" if loc[:1] == ("tenants",) else flag_for_field.get(loc)
         msg = e["msg"].removeprefix("Value error, ")
         problems.append(f"invalid value for '{flag}': {msg}" if flag else msg)
     return "; ".join(problems)
@@ -415,13 +416,32 @@ def gc(
     """Delete a pool's expired (or all) chunk objects from its shared tier."""
     if (ttl is None) == (not all_objects):
         _fail("give exactly one of --ttl DURATION or --all")
+    from .config import SharedTier
     from .gc import run_gc
+    from .units import parse_duration
 
     try:
-        result = run_gc(shared, ttl, all_objects, endpoint_url,
+        ttl_seconds = parse_duration(ttl) if ttl is not None else None
+    except ValueError as e:
+        _fail(f"invalid value for '--ttl': {e}")
+    try:
+        SharedTier.model_validate({"url": shared, "endpoint_url": endpoint_url,
+                                   "addressing_style": addressing_style})
+    except ValidationError as e:
+        _fail(_flag_errors(e, {("url",): "--shared", ("endpoint_url",): "--endpoint-url",
+                               ("addressing_style",): "--addressing-style"}))
+    root = Path(shared.removeprefix("file://"))
+    if shared.startswith("file://") and not root.is_dir():
+        _fail(f"--shared {shared}: {root} is not a directory")  # never make one to empty it
+    # The tier's own log (e.g. "shared tier ... unhealthy") would repeat the error line.
+    logging.getLogger("kvpool").setLevel(logging.ERROR)
+    try:
+        result = run_gc(shared, ttl_seconds, all_objects, endpoint_url,
                         addressing_style=addressing_style, tenants=tenant or ())
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(str(e), 1)
     if as_json:
         typer.echo(json.dumps(result.to_json()))
     else:
