@@ -36,6 +36,7 @@ from .render import Settings, render
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain help, as the rest of `kvpool`: no `<bool>` type column
     help="The kvpool operator and its tools.",
 )
 
