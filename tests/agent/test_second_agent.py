@@ -55,7 +55,12 @@ def test_a_second_agent_on_the_same_arena_is_refused_and_changes_nothing(
         with contextlib.suppress(RuntimeError):
             second.start()
         assert second.proc is not None
-        assert second.proc.wait(timeout=60) != 0
+        try:
+            assert second.proc.wait(timeout=60) != 0
+        finally:
+            if second.proc.poll() is None:  # it started after all: end it, files untouched
+                second.proc.kill()
+                second.proc.wait(timeout=30)
         log = second.log()
         assert "another agent" in log and "nothing was changed" in log, log
         assert (first.arena_path.stat().st_size, journal.read_bytes()) == before

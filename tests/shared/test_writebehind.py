@@ -46,6 +46,36 @@ def test_full_queue_drops_the_oldest_and_counts_it(files: Backend) -> None:
     queue.close(drain_timeout=1)
 
 
+def test_queue_is_bounded_by_bytes_dropping_the_oldest(files: Backend) -> None:
+    tier = files.open()
+    # Room by count for all 10 chunks of 1 MiB, by bytes for 4.
+    queue = WriteBehindQueue(tier, depth=64, concurrency=2, metrics=files.metrics, start=False,
+                             max_bytes=4 << 20)
+    recs = [make_chunk(i, size=1 << 20) for i in range(10)]
+    for rec in recs:
+        queue.offer(rec)
+        assert queue.held_bytes <= 4 << 20
+    assert queue.queue_depth == 4
+    assert queue.stats().dropped == 6
+    assert counter(files.metrics, "kvpool_shared_dropped_writes_total") == 6
+    big = make_chunk(99, size=5 << 20)  # cannot fit even alone: dropped, nothing else goes
+    queue.offer(big)
+    assert queue.queue_depth == 4 and queue.stats().dropped == 7
+    queue.start()
+    assert queue.drain(timeout=30)
+    assert queue.held_bytes == 0
+    assert sorted(tier.keys()) == sorted(r.key for r in recs[-4:])  # the newest survive
+    queue.close(drain_timeout=1)
+
+
+def test_the_default_queue_is_bounded_by_bytes(files: Backend) -> None:
+    queue = WriteBehindQueue(files.open(), depth=1024, concurrency=1, start=False)
+    for i in range(300):  # 300 MiB offered, with room by count for 1,024 chunks
+        queue.offer(make_chunk(i, size=1 << 20))
+    assert queue.held_bytes <= 256 << 20
+    queue.close(drain_timeout=0)
+
+
 def test_a_key_already_pending_is_not_queued_twice(files: Backend) -> None:
     queue = WriteBehindQueue(files.open(), depth=4, concurrency=1, start=False)
     rec = make_chunk(1)

@@ -11,6 +11,11 @@ backoff and jitter, unless the tier turned unhealthy meanwhile.
 
 Pending writes are keyed by chunk key: offering a key that is already
 pending does not queue a second upload (objects are content-addressed).
+
+The queue holds copies of the chunks, so it is bounded by bytes as well as by count:
+pending and in-flight uploads together hold at most `max_bytes` (`DEFAULT_MAX_BYTES`
+unless told), the oldest pending going first; a chunk that cannot fit even alone
+beside the uploads in flight is dropped and counted.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+DEFAULT_MAX_BYTES = 256 << 20
+"""Chunk bytes the queue may hold (pending and in flight): a count alone allowed
+`depth` x the largest chunk (64 GiB with the defaults) of heap."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     pending: int
@@ -43,7 +53,8 @@ class QueueStats:
 class WriteBehindQueue:
     def __init__(self, tier: ChunkTier, depth: int, concurrency: int,
                  metrics: AgentMetrics | None = None, *, retries: int = 3,
-                 backoff_s: float = 0.1, max_backoff_s: float = 5.0, start: bool = True) -> None:
+                 backoff_s: float = 0.1, max_backoff_s: float = 5.0, start: bool = True,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if depth < 1 or concurrency < 1:
             raise ValueError("depth and concurrency must be at least 1")
         self.tier = tier
@@ -53,7 +64,10 @@ class WriteBehindQueue:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_bytes = max_bytes
         self._pending: OrderedDict[bytes, ChunkRecord] = OrderedDict()
+        self._pending_bytes = 0
+        self._in_flight_bytes = 0
         self._cond = threading.Condition()
         self._in_flight = 0
         self._closing = False
@@ -105,17 +119,38 @@ class WriteBehindQueue:
                 # Drop what waits too: it would only fail against a dead store.
                 self._count_dropped(len(self._pending) + 1)
                 self._pending.clear()
+                self._pending_bytes = 0
+            elif self._in_flight_bytes + rec.size > self.max_bytes:
+                self._count_dropped(1)  # no room even alone: keep what waits
             elif rec.key not in self._pending:
-                if len(self._pending) >= self.depth:
-                    self._pending.popitem(last=False)  # the oldest goes first
+                while self._pending and (
+                        len(self._pending) >= self.depth
+                        or self._held_bytes + rec.size > self.max_bytes):
+                    _, old = self._pending.popitem(last=False)  # the oldest goes first
+                    self._pending_bytes -= old.size
                     self._count_dropped(1)
                 self._pending[rec.key] = rec
+                self._pending_bytes += rec.size
                 self._cond.notify()
+
+    @property
+    def _held_bytes(self) -> int:
+        return self._pending_bytes + self._in_flight_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Chunk bytes the queue holds: pending and in flight."""
+        with self._cond:
+            return self._held_bytes
 
     def discard(self, key: bytes) -> bool:
         """Forget a pending upload (its chunk was deleted); False if none was pending."""
         with self._cond:
-            return self._pending.pop(key, None) is not None
+            rec = self._pending.pop(key, None)
+            if rec is None:
+                return False
+            self._pending_bytes -= rec.size
+            return True
 
     def drain(self, timeout: float) -> bool:
         """Wait until nothing is pending or in flight; False if `timeout` passed first."""
@@ -139,6 +174,7 @@ class WriteBehindQueue:
             self._closing = True
             left = len(self._pending)
             self._pending.clear()
+            self._pending_bytes = 0
             self._count_dropped(left)
             self._cond.notify_all()
         self._stop.set()
@@ -160,6 +196,7 @@ class WriteBehindQueue:
                 ok = False
             with self._cond:
                 self._in_flight -= 1
+                self._in_flight_bytes -= rec.size
                 if ok:
                     self.written += 1
                 else:
@@ -173,7 +210,9 @@ class WriteBehindQueue:
             if self._closing:
                 return None
             _, rec = self._pending.popitem(last=False)
+            self._pending_bytes -= rec.size
             self._in_flight += 1
+            self._in_flight_bytes += rec.size
             return rec
 
     def _upload(self, rec: ChunkRecord) -> bool:

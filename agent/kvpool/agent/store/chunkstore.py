@@ -404,6 +404,7 @@ class ChunkStore:
             self.abort(lease_id, owner)
         for lease_id in reads:
             self.dram.close_read(lease_id, owner)
+        self.dram.unfence(owner)
 
     # -- eviction and demotion
 
@@ -491,8 +492,7 @@ class ChunkStore:
     def expire(self, now: float | None = None) -> None:
         """Writes idle past their lease timeout, and chunks past their tier's TTL."""
         mono = time.monotonic()
-        for lease in self.dram.expired_writes(mono):
-            self.abort(lease.id, lease.owner)
+        self.dram.expire_writes(mono)  # their pages stay fenced until the writer disconnects
         wall = time.time() if now is None else now
         self._evict_dram(pol.expired(self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall,
                                      self.dram.protected))

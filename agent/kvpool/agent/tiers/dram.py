@@ -64,6 +64,8 @@ class DramTier:
     pins: set[bytes] = field(default_factory=set)
     held: dict[int, int] = field(default_factory=dict)
     """Open leases (read and write) per owner, for the per-client budget."""
+    fenced: dict[int, Extents] = field(default_factory=dict)
+    """Pages of expired write leases, per owner, kept from reuse until it disconnects."""
     _next_lease: int = 1
 
     def __post_init__(self) -> None:
@@ -178,3 +180,26 @@ class DramTier:
 
     def expired_writes(self, now: float) -> list[WriteLease]:
         return [w for w in self.writes.values() if w.deadline < now]
+
+    def expire_writes(self, now: float) -> int:
+        """End write leases idle past their deadline; returns how many.
+
+        Their pages are fenced, not freed: the writer may be slow, not gone (an engine
+        stalled by its GPU), still holding the mapping and a copy in flight, and pages
+        handed to another chunk now would get its late bytes. They are freed when the
+        writer's connection closes (`unfence`)."""
+        expired = self.expired_writes(now)
+        for lease in expired:
+            self.close_write(lease.id, lease.owner)
+            self.fenced.setdefault(lease.owner, []).extend(lease.extents)
+        return len(expired)
+
+    def unfence(self, owner: int) -> None:
+        """The owner's connection closed: the pages of its expired writes can be reused."""
+        extents = self.fenced.pop(owner, None)
+        if extents:
+            self.alloc.free(extents)
+
+    @property
+    def fenced_bytes(self) -> int:
+        return sum(n for extents in self.fenced.values() for _, n in extents)

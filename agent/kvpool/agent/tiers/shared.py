@@ -18,12 +18,13 @@ primitives that talk to the store and nothing else.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -31,6 +32,7 @@ from ..constants import CHUNK_SUFFIX as SUFFIX
 from ..constants import KEY_BYTES
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
+from .daemonpool import DaemonPool, PoolFull
 
 if TYPE_CHECKING:
     from ..config import SharedTier
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 LOOKUP_THREADS = 16
 """Presence checks in flight at once (HEADs for S3, stats for a mount)."""
+READ_THREADS = 4
+"""Object reads in flight at once, in the tier's own threads: a store that stalls ties up
+these, never the agent's NVMe reads; as many more may wait, the rest are refused."""
 _NEGATIVE_CACHE_MAX = 200_000
 """Entries before the negative cache is pruned; bounds its memory (~100 bytes each)."""
 
@@ -120,7 +125,10 @@ class SharedChunkTier(ChunkTier):
         self._absent: dict[bytes, float] = {}
         self._absent_lock = threading.Lock()
         self._usage = (0, 0)
-        self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvpool-shared")
+        self._pool = DaemonPool(LOOKUP_THREADS, "kvpool-shared")
+        self._reads = DaemonPool(READ_THREADS, "kvpool-shared-read", max_queued=READ_THREADS)
+        self._stalled = 0
+        """Reads that outlived the request timeout and have not returned yet."""
 
     # -- what a backend implements: raw store access, no health or metrics
 
@@ -175,6 +183,22 @@ class SharedChunkTier(ChunkTier):
                 log.info("shared tier %s healthy again (was: %s)", self.url, self._unhealthy)
             self._unhealthy = ""
 
+    def _read_stalled(self, fut: Future[bytes | None]) -> None:
+        with self._health_lock:
+            self._stalled += 1
+        if self.metrics is not None:
+            self.metrics.tier_errors[("shared", "timeout")].inc()
+        self._set_unhealthy(self._stall_reason())
+
+        def returned(_: Future[bytes | None]) -> None:
+            with self._health_lock:
+                self._stalled -= 1
+        fut.add_done_callback(returned)
+
+    def _stall_reason(self) -> str:
+        return (f"{self.scheme} reads stalled: {self._stalled} not answered within "
+                f"{self.request_timeout:g}s")
+
     def _check_available(self) -> None:
         reason = self._unhealthy
         if reason:
@@ -198,7 +222,10 @@ class SharedChunkTier(ChunkTier):
         except Exception as e:  # any failure of the store means "not serving"
             self._set_unhealthy(self._outage(e) or f"{self.scheme} error: {e}")
         else:
-            self._set_healthy()
+            if self._stalled:  # it answers a probe, but reads still hang in it
+                self._set_unhealthy(self._stall_reason())
+            else:
+                self._set_healthy()
         return self.healthy()
 
     # -- one store request: fail fast, measure, classify failures
@@ -261,7 +288,20 @@ class SharedChunkTier(ChunkTier):
         return found
 
     def read(self, key: bytes) -> ChunkRecord | None:
-        blob = self._request("get", "read", lambda: self._store_get(key))
+        """Runs in the tier's own read threads and waits at most the request timeout: a
+        read that outlives it turns the tier unhealthy (reads stalled) until it returns."""
+        self._check_available()
+        try:
+            fut = self._reads.submit(self._request, "get", "read",
+                                     lambda: self._store_get(key))
+        except (PoolFull, RuntimeError) as e:  # RuntimeError: closed
+            raise SharedStoreError(f"{self.scheme} read of {key.hex()} refused: {e}") from e
+        try:
+            blob = fut.result(timeout=self.request_timeout)
+        except TimeoutError:
+            self._read_stalled(fut)
+            raise OSError(errno.ETIMEDOUT, f"{self.scheme} read of {key.hex()} not answered "
+                          f"within {self.request_timeout:g}s") from None
         if blob is None:
             self._remember_absent(key)
             return None
@@ -283,7 +323,9 @@ class SharedChunkTier(ChunkTier):
         return [o.key for o in self.list_objects() if o.key is not None]
 
     def close(self) -> None:
+        """Bounded: calls stuck in the store are abandoned (daemon threads)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._reads.shutdown(wait=False, cancel_futures=True)
 
     # -- listing and bulk delete (gc)
 
