@@ -386,12 +386,21 @@ def bench(
     = False,
     out: Annotated[Path | None, typer.Option(
         metavar="DIR", help="Write bench.json and the PNG plots into this directory.")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        metavar="FILE",
+        help="Replay this Mooncake-format JSONL trace instead of the bundled one.")] = None,
 ) -> None:
-    """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU and
-    Belady), in one run on this machine."""
+    """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU,
+    Belady and libCacheSim), in one run on this machine."""
     from kvpool.bench.suite import run_bench
+    from kvpool.bench.trace import load_trace
 
-    run_bench(quick=quick, as_json=as_json, out=out)
+    if trace is not None:
+        try:  # a bad trace is a clear error before any part runs, not a traceback after
+            load_trace(trace, limit=1)
+        except (OSError, ValueError) as e:
+            _fail(str(e))
+    run_bench(quick=quick, as_json=as_json, out=out, trace_path=trace)
 
 
 @app.command()

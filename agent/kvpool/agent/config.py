@@ -54,6 +54,9 @@ class EvictionOrder(StrEnum):
     S3FIFO = "s3fifo"
     """S3-FIFO: new chunks wait in a small probation queue; only those hit again stay long.
     Keeps a prompt's unique tail from pushing out the shared prefixes that are reused."""
+    ADAPTIVE = "adaptive"
+    """S3-FIFO whose probation size tunes itself from ghost hits (ARC-style): long on
+    recency-driven workloads (chats), short on frequency-driven ones (shared prefixes)."""
 
 
 class OnEvict(StrEnum):
@@ -80,7 +83,7 @@ class TierRules(Model):
         0.95, ge=0, lt=1, description="Fraction of capacity background eviction frees down to."
     )
     eviction: EvictionOrder = Field(
-        EvictionOrder.S3FIFO, description="Order in which chunks are evicted."
+        EvictionOrder.ADAPTIVE, description="Order in which chunks are evicted."
     )
     on_evict: OnEvict = Field(
         OnEvict.DEMOTE, description="What eviction does with a chunk: demote or drop."

@@ -10,7 +10,9 @@ to evict is still decided by `policy.choose_victims`, which walks
 
 Orders (`EvictionOrder`):
 
-- `s3fifo` (default): S3-FIFO (Yang et al., SOSP 2023). New chunks enter a
+- `adaptive` (default): S3-FIFO whose probation size tunes itself from ghost
+  hits, with an LRU main queue (`AdaptiveQueue`).
+- `s3fifo`: S3-FIFO (Yang et al., SOSP 2023). New chunks enter a
   small probation FIFO; a chunk hit while there moves to the main FIFO, one
   that is not leaves first and is remembered in a ghost list, so it goes
   straight to main if it comes back. Main is a FIFO with reinsertion (a hit
@@ -71,6 +73,8 @@ class EvictionQueue(ABC):
 
 
 def new_queue(order: EvictionOrder) -> EvictionQueue:
+    if order is EvictionOrder.ADAPTIVE:
+        return AdaptiveQueue()
     if order is EvictionOrder.S3FIFO:
         return S3FifoQueue()
     return KeyedQueue(order)
@@ -161,17 +165,21 @@ class S3FifoQueue(EvictionQueue):
             return
         offered = self._offered.pop(key, None)
         if offered is not None:
-            if offered[1]:
-                self._remember(key)
+            self._left(key, small=offered[1])
             return
         entry = self.small.pop(key, None)
         if entry is not None:
             self.small_bytes -= entry.size
-            self._remember(key)
+            self._left(key, small=True)
             return
         entry = self.main.pop(key, None)
         if entry is not None:
             self.main_bytes -= entry.size
+            self._left(key, small=False)
+
+    def _left(self, key: bytes, *, small: bool) -> None:
+        if small:
+            self._remember(key)
 
     def _remember(self, key: bytes) -> None:
         """Left probation without a second look: a return goes straight to main."""
@@ -228,3 +236,71 @@ class S3FifoQueue(EvictionQueue):
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.freq
+
+
+
+ADAPT_MIN, ADAPT_MAX = 0.01, 0.99
+"""Bounds of the adaptive queue's probation share: each queue keeps at least a sliver."""
+ADAPT_START = 0.1
+"""Probation share an adaptive queue starts from (S3-FIFO's paper value)."""
+
+
+class AdaptiveQueue(S3FifoQueue):
+    """S3-FIFO whose probation share tunes itself from ghost hits, as ARC tunes its split.
+
+    Two ghost lists remember recent leavers: `ghost` the chunks that left
+    probation unhit, `main_ghost` those that left main. A chunk that comes
+    back after leaving probation says probation was too short to see its
+    reuse (a recency workload: a conversation resending its last turn
+    minutes later), so probation grows; one that comes back after leaving
+    main says main was too small for the reused set (a frequency workload:
+    shared prefixes), so probation shrinks. Each step is the returning
+    chunk's share of the bytes, scaled ARC-style by how much shorter its
+    ghost list is than the other, so the rarer signal moves the split as
+    much as the common one. Either way the returning chunk goes to main.
+
+    Main is LRU (a hit moves the chunk to main's far end) rather than
+    S3-FIFO's FIFO with reinsertion: a finished conversation's chunks, hit
+    a few times each, would otherwise go round main up to `MAX_FREQ` more
+    times after their last use. Measured on both bench workloads, see
+    docs/benchmarks.md. Each ghost list holds at most as many keys as the
+    queue holds chunks (at least 1024), as ARC's do.
+    """
+
+    def __init__(self, start: float = ADAPT_START) -> None:
+        super().__init__(small_fraction=start)
+        self.main_ghost: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, entry: Entry, *, tail: bool = False) -> None:
+        key = entry.key
+        if key not in self.freq:  # a re-add of a chunk still here is not a return
+            self._adapt(key, entry.size)
+        self.discard(key)
+        from_main = key in self.main_ghost  # the values are None: test membership
+        self.main_ghost.pop(key, None)
+        super().add(entry, tail=tail)  # a probation ghost or an earlier hit: main
+        if from_main and key in self.small:  # came back after leaving main: main again
+            self.small.pop(key)
+            self.small_bytes -= entry.size
+            self._push(entry, small=False)
+
+    def _adapt(self, key: bytes, size: int) -> None:
+        step = size / max(self.small_bytes + self.main_bytes, size, 1)
+        if key in self.ghost:
+            step *= max(1.0, len(self.main_ghost) / len(self.ghost))
+            self.small_fraction = min(ADAPT_MAX, self.small_fraction + step)
+        elif key in self.main_ghost:
+            step *= max(1.0, len(self.ghost) / len(self.main_ghost))
+            self.small_fraction = max(ADAPT_MIN, self.small_fraction - step)
+
+    def touched(self, entry: Entry) -> None:
+        if entry.key in self.main:
+            self.main.move_to_end(entry.key)  # main is LRU
+            return
+        super().touched(entry)
+
+    def _left(self, key: bytes, *, small: bool) -> None:
+        ghost = self.ghost if small else self.main_ghost
+        ghost[key] = None
+        while len(ghost) > max(1024, len(self.freq)):
+            ghost.popitem(last=False)

@@ -6,7 +6,8 @@ answer. That keeps every decision table-testable.
 
 Eviction orders (kept incrementally by `eviction.EvictionQueue`):
 
-- `s3fifo` (default): see `eviction.S3FifoQueue`.
+- `adaptive` (default): see `eviction.AdaptiveQueue`.
+- `s3fifo`: see `eviction.S3FifoQueue`.
 - `lru`: least recently used first.
 - `lfu`: fewest hits first, least recently used among equals.
 - `prefix`: least recently used *request* first and, within the

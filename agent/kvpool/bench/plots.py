@@ -59,4 +59,35 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
+
+    for section, name in (("trace", "hit_ratio_peers.png"),
+                          ("conversation", "hit_ratio_peers_conversation.png")):
+        caps = [c for c in result.get(section, {}).get("capacities", []) if "libcachesim" in c]
+        if caps:
+            written.append(_peers_plot(plt, result[section], caps, out / name, section))
     return written
+
+
+def _peers_plot(plt: Any, section: dict[str, Any], caps: list[dict[str, Any]], path: Path,
+                label: str) -> Path:
+    """The agent's orders (thick) among every libCacheSim online policy (thin, grey)."""
+    x = [c["fraction"] * 100 for c in caps]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(caps[0]["libcachesim"]):
+        ax.plot(x, [c["libcachesim"][name] for c in caps], "-", color="grey", lw=0.7,
+                alpha=0.6, label="libCacheSim online policies" if i == 0 else None)
+    ax.plot(x, [next(iter(c["libcachesim_best"].values())) for c in caps], "k--",
+            label="best libCacheSim policy at each capacity")
+    ax.plot(x, [c["peer_optimal"] for c in caps], "k-", lw=2, label="Belady MIN (offline)")
+    for name in caps[0]["peer_agent"]:
+        ax.plot(x, [c["peer_agent"][name] for c in caps], "o-", label=f"kvpool {name}")
+    ax.set_xlabel("capacity, % of distinct blocks")
+    ax.set_ylabel("prefix hit ratio (simulated)")
+    ax.set_title(f"{label}, {section['peer_requests']} requests: kvpool vs libCacheSim",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

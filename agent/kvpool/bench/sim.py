@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -214,3 +214,84 @@ def belady(trace: Trace, capacity: int) -> BeladyResult:
 def capacity_blocks(distinct: int, fraction: float) -> int:
     """Blocks a cache holds at `fraction` of the trace's distinct blocks (as `kvpool demo`)."""
     return max(1, round(distinct * fraction))
+
+
+@dataclass(frozen=True, slots=True)
+class TieredResult:
+    references: int
+    prefix_hits: int
+    """Leading blocks found in DRAM or NVMe."""
+    nvme_hits: int
+    """Of those, found in NVMe only (read up and promoted)."""
+    nvme_writes: int
+    """Blocks written to NVMe (demotions the NVMe tier admitted)."""
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.prefix_hits / self.references if self.references else 0.0
+
+
+def tiered_sim(trace: Trace, dram: int, nvme: int, order: EvictionOrder,
+               min_hits: int | None, *, min_seen: int = 1) -> TieredResult:
+    """DRAM (the agent's queue for `order`) over an LRU NVMe tier, one block per chunk.
+
+    A model of the store's default tier rules, for what NVMe admission costs
+    and saves: a chunk evicted from DRAM is demoted to NVMe if NVMe admits
+    it (every chunk when `min_hits` is None, as `admission: always`; else
+    only one hit at least `min_hits` times, as `admission: minHits`), unless
+    NVMe holds it already; with `min_seen` > 1, also only one whose block was
+    referenced at least `min_seen` times so far, hit or not (a doorkeeper:
+    a block seen once is not written, one that left DRAM unhit and came
+    back is); a leading block found only in NVMe is a hit,
+    promoted back into DRAM (counting as its first hit there). Everything
+    else is as `queue_sim`.
+    """
+    if dram < 1 or nvme < 0:
+        raise ValueError("dram must be >= 1 and nvme >= 0")
+    queue = new_queue(order)
+    cached: dict[bytes, _Chunk] = {}
+    lower: OrderedDict[bytes, None] = OrderedDict()
+    seen: Counter[bytes] = Counter()
+    refs = prefix_hits = nvme_hits = writes = 0
+
+    def insert(chunk: _Chunk, tail: bool) -> None:
+        nonlocal writes
+        if len(cached) >= dram:
+            with contextlib.closing(queue.candidates()) as walk:
+                victim = next(walk)
+                del cached[victim.key]
+                queue.discard(victim.key)
+            admitted = ((min_hits is None or victim.hits >= min_hits)
+                        and seen[victim.key] >= min_seen)
+            if nvme and admitted and victim.key not in lower:
+                lower[victim.key] = None
+                writes += 1
+                if len(lower) > nvme:
+                    lower.popitem(last=False)
+        cached[chunk.key] = chunk
+        queue.add(chunk, tail=tail)
+
+    for seq, blocks in enumerate(trace, start=1):
+        leading = True
+        last = len(blocks) - 1
+        for depth, b in enumerate(blocks):
+            refs += 1
+            key = b.to_bytes(16, "little")
+            seen[key] += 1
+            chunk = cached.get(key)
+            if chunk is not None:
+                if leading:
+                    prefix_hits += 1
+                    chunk.hits += 1
+                    chunk.last_seq, chunk.depth = seq, depth
+                    queue.touched(chunk)
+                continue
+            if leading and key in lower:
+                lower.move_to_end(key)
+                prefix_hits += 1
+                nvme_hits += 1
+                insert(_Chunk(key, seq, depth, hits=1), tail=depth == last)
+                continue
+            leading = False
+            insert(_Chunk(key, seq, depth), tail=depth == last)
+    return TieredResult(refs, prefix_hits, nvme_hits, writes)

@@ -7,7 +7,7 @@ MIN (`bench_replay`, `bench_trace`), scale (`bench_scale`), plots
 (`bench_plots`). `run_bench` runs them in order and returns one dict; with
 `--json` it is printed as the last line of stdout.
 
-Run it as `kvpool bench [--quick] [--json] [--out DIR]`.
+Run it as `kvpool bench [--quick] [--json] [--out DIR] [--trace FILE]`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .control import run_control
+from .conversation import conversation_trace
 from .data_path import run_data_path
-from .hit_ratio import run_trace
+from .hit_ratio import run_admission, run_trace
 from .scale import run_scale
 from .stats import MiB
 from .tiers import run_g3, run_g4
@@ -38,6 +39,8 @@ FULL_FRACTIONS = [0.05, 0.10, 0.20, 0.35]
 QUICK_FRACTIONS = [0.20]
 QUICK_TRACE_REQUESTS = 1000
 """--quick replays (and simulates) only the trace's first requests."""
+QUICK_PEER_REQUESTS = 300
+"""--quick runs libCacheSim's policies on this many requests only (CI stays fast)."""
 
 
 def _machine() -> dict[str, Any]:
@@ -50,7 +53,8 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def run_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any]:
+def run_bench(quick: bool, as_json: bool, out: Path | None,
+              trace_path: Path | None = None) -> dict[str, Any]:
     """Run every part; print the table (to stderr when as_json) and the JSON line."""
     console = Console(stderr=as_json)
     reps = 5 if quick else 15
@@ -69,10 +73,20 @@ def run_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any]:
     result["g3"] = {k: v for k, v in g3.items() if not k.startswith("rebuild")}
     part("G4 through agents vs boto3 on a local moto S3 server")
     result["g4"] = run_g4(16 * MiB, 3 if quick else 7)
-    part("trace replay vs LRU and Belady MIN")
-    trace = load_trace(limit=QUICK_TRACE_REQUESTS if quick else None)
-    result["trace"] = run_trace(trace, QUICK_FRACTIONS if quick else FULL_FRACTIONS)
+    part("trace replay vs LRU, Belady MIN and libCacheSim's online policies")
+    trace = load_trace(trace_path, limit=QUICK_TRACE_REQUESTS if quick else None)
+    fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
+    result["trace"] = run_trace(trace, fractions,
+                                peer_requests=QUICK_PEER_REQUESTS if quick else None)
+    result["meta"]["trace"] = str(trace_path) if trace_path else "bundled"
     result["meta"]["default_policy"] = result["trace"].pop("default_policy")  # a word
+    if not quick:
+        part("conversation workload (simulated) and NVMe admission filters")
+        chats = conversation_trace()
+        result["conversation"] = run_trace(chats, fractions, replay_orders=False)
+        result["conversation"].pop("default_policy")
+        result["admission"] = {"trace": run_admission(trace),
+                               "conversation": run_admission(chats)}
     part("scale: index memory and LOOKUP vs chunks indexed")
     counts = [10**4, 10**5] if quick else [10**4, 10**5, 10**6]
     scale = run_scale(counts)
@@ -145,6 +159,18 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                   f"{cap['lru']:.3f}", f"{cap['optimal']:.3f}", f"{cap['unbounded']:.3f}",
                   f"{closed:.0%}")
     console.print(t)
+    _print_peers(console, "trace", tr, default)
+    if "conversation" in r:
+        _print_peers(console, "conversation workload (simulated)", r["conversation"], default)
+    for workload, adm in r.get("admission", {}).items():
+        t = Table(title=f"NVMe admission, {workload} (DRAM {adm['dram_blocks']} blocks over "
+                        f"NVMe {adm['nvme_blocks']}, simulated)")
+        for col in ("filter", "hit ratio", "NVMe hits", "NVMe blocks written"):
+            t.add_column(col, justify="right")
+        for name, row in adm["filters"].items():
+            t.add_row(name, f"{row['hit_ratio']:.4f}", str(row["nvme_hits"]),
+                      str(row["nvme_writes"]))
+        console.print(t)
     s = r["scale"]
     console.print(
         f"scale: {s['bytes_per_chunk']:.0f} B of agent heap per chunk at "
@@ -152,3 +178,27 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
         f"{s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}; "
         f"G3 rebuild {s['g3_rebuild_s_1e5']:.2f}s for {s['g3_rebuild_measured_at']} files; "
         f"total {r['meta']['seconds']}s")
+
+
+def _print_peers(console: Console, title: str, tr: dict[str, Any], default: str) -> None:
+    """The agent's orders (simulated) beside every libCacheSim online policy, per capacity."""
+    caps = [c for c in tr["capacities"] if "libcachesim" in c]
+    if not caps:
+        return
+    t = Table(title=f"{title}: prefix hit ratio vs libCacheSim "
+                    f"(first {tr['peer_requests']} requests)")
+    t.add_column("policy")
+    for cap in caps:
+        t.add_column(f"{cap['fraction']:.0%}", justify="right")
+    for name in caps[0]["peer_agent"]:
+        t.add_row(f"kvpool {name}" + (" (default)" if name == default else ""),
+                  *(f"{c['peer_agent'][name]:.4f}" for c in caps))
+    for name in caps[0]["libcachesim"]:
+        t.add_row(name, *(f"{c['libcachesim'][name]:.4f}" for c in caps))
+    t.add_row("best online", *(f"{next(iter(c['libcachesim_best']))} "
+                               f"{next(iter(c['libcachesim_best'].values())):.4f}" for c in caps))
+    t.add_row(f"{default} - best", *(
+        f"{c['peer_agent'][default] - next(iter(c['libcachesim_best'].values())):+.4f}"
+        for c in caps))
+    t.add_row("Belady MIN", *(f"{c['peer_optimal']:.4f}" for c in caps))
+    console.print(t)
