@@ -94,9 +94,9 @@ def test_a_pool_without_tenants_is_one_space() -> None:
 
 @pytest.mark.parametrize(("tenants", "error"), [
     ("[{name: a}, {name: a}]", "tenant 'a' is listed twice"),
-    ("[{name: a, dram: 2Gi}]", "tenants ask for 2147483648 bytes of dram, more than"),
+    ("[{name: a, dram: 2Gi}]", "tenants ask for 2.0 GiB of dram, more than its 1.0 GiB"),
     ("[{name: a, dram: 1Gi}, {name: b}]", "tenants without a dram size get no dram"),
-    ("[{name: a, nvme: 11Gi}]", "bytes of nvme, more than"),
+    ("[{name: a, nvme: 11Gi}]", "tenants ask for 11.0 GiB of nvme, more than"),
     ("[{name: ../a}]", "tenants.0.name: String should match pattern"),
 ])
 def test_bad_tenants_are_named(tmp_path: Path, tenants: str, error: str) -> None:

@@ -261,7 +261,7 @@ def test_a_tenant_the_pool_does_not_list_is_rejected() -> None:
 
 @pytest.mark.parametrize(("tenants", "error"), [
     ([{"name": "a"}, {"name": "a"}], "spec.tenants: tenant 'a' is listed twice"),
-    ([{"name": "a", "dram": "1Ti"}], "spec.tenants: tenants ask for 1099511627776 bytes of dram"),
+    ([{"name": "a", "dram": "1Ti"}], "spec.tenants: tenants ask for 1.0 TiB of dram"),
     ([{"name": "a", "nvme": "1Gi"}], None),  # the example pool has NVMe: fine
 ])
 def test_pool_tenants_must_fit_the_tiers(tenants: list[dict[str, Any]], error: str | None) -> None:

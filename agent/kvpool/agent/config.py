@@ -21,7 +21,7 @@ from pydantic.alias_generators import to_camel
 from .constants import HUGE_PAGE_BYTES, PAGE_BYTES
 from .constants import TIER_ORDER as TIER_ORDER
 from .constants import TierName as TierName
-from .units import ByteSize, Duration
+from .units import ByteSize, Duration, human_size
 
 
 class Model(BaseModel):
@@ -310,12 +310,13 @@ def tenant_shares(total: int, sizes: list[int | None], page: int, tier: str) -> 
     """
     fixed = sum(s for s in sizes if s is not None)
     if fixed > total:
-        raise ValueError(f"tenants ask for {fixed} bytes of {tier}, more than its {total}")
+        raise ValueError(f"tenants ask for {human_size(fixed)} of {tier}, "
+                         f"more than its {human_size(total)}")
     unsized = sum(1 for s in sizes if s is None)
     share = (total - fixed) // unsized // page * page if unsized else 0
     if unsized and share == 0:
         raise ValueError(f"tenants without a {tier} size get no {tier}: "
-                         f"{total - fixed} bytes are left for {unsized} of them")
+                         f"{human_size(total - fixed)} is left for {unsized} of them")
     return [s if s is not None else share for s in sizes]
 
 
