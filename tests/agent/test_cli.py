@@ -20,6 +20,7 @@ from kvpool.bench.local import LocalAgent, free_port
 
 from ..support import REPO_ROOT
 from .conftest import wait_until
+from .test_tenants import TENANTS, TenantAgent
 
 
 def kvpool(*args: str, timeout: float = 300,
@@ -305,6 +306,21 @@ def test_cleanup_frees_the_arena_a_stopped_agent_left(tmp_path: Path) -> None:
         assert run.returncode == 0, run.stderr
         assert left_in_shm(a.arena_path) == []
         assert f"removed {a.arena_path} (16.0 MiB)" in run.stdout
+    finally:
+        a.stop()
+
+
+def test_cleanup_frees_every_tenants_arena(tmp_path: Path) -> None:
+    a = TenantAgent(tmp_path, "--no-lock", dram="32Mi").start()
+    a.stop(remove_arena=False)
+    try:
+        arenas = [a.arena_of(t) for t in TENANTS]
+        assert all(arena.exists() for arena in arenas)
+        run = kvpool("cleanup", "--socket", str(a.pool_socket), "--arena", str(a.arena_path),
+                     *(f"--tenant={t}" for t in TENANTS), timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert [left_in_shm(arena) for arena in arenas] == [[], []]
+        assert all(f"removed {arena} (16.0 MiB)" in run.stdout for arena in arenas)
     finally:
         a.stop()
 
