@@ -275,6 +275,23 @@ def test_stats_prints_sizes_for_people_and_no_python_structures(
         assert python_syntax not in run.stdout, run.stdout
 
 
+def test_stats_of_every_tier_prints_no_python_structures(tmp_path: Path) -> None:
+    shared = (tmp_path / "shared").as_uri()
+    with LocalAgent("--no-lock", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "64Mi",
+                    "--shared", shared, workdir=tmp_path, dram="16Mi") as a:
+        with KVPoolClient(a.socket_path) as c:
+            for i in range(8):  # more than DRAM holds: some go down to NVMe
+                c.put(bytes([i]) * 16, b"x" * (3 << 20))
+        run = kvpool("stats", "--socket", str(a.socket_path),
+                     env={**os.environ, "COLUMNS": "250"})
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    assert "nvme │ 64.0 MiB" in text and "shared │ unbounded" in text
+    assert shared in text and "uploads:" in text and "in flight" in text
+    for python_syntax in ("{", "}", "[", "]", "'"):
+        assert python_syntax not in run.stdout, run.stdout
+
+
 def test_human_size_is_one_format_for_every_size() -> None:
     cases = {0: "0 B", 100: "100 B", 1023: "1023 B", 1024: "1.0 KiB", 4096: "4.0 KiB",
              35136 * 1024: "34.3 MiB", 64 << 20: "64.0 MiB", (1 << 20) - 1: "1.0 MiB",

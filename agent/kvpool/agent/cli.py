@@ -308,14 +308,21 @@ def stats(
 
 
 def _tier_notes(t: dict[str, Any]) -> str:
-    """What a tier reports beyond the table's columns, in words."""
+    """What a tier reports beyond the table's columns, in words (never a Python repr)."""
     notes = []
+    if t.get("url"):
+        notes.append(str(t["url"]))
     if t.get("lock_error"):
         notes.append(f"not locked: {t['lock_error']}")
-    for field, words in (("inflight", "being demoted"), ("removing", "being removed"),
-                         ("queue", "queued for upload")):
-        if t.get(field):
-            notes.append(f"{t[field]} {words}")
+    if t.get("inflight"):
+        notes.append(f"{t['inflight']} being demoted")
+    if t.get("removing"):
+        notes.append(f"{t['removing']} being removed")
+    queue = t.get("queue")
+    if isinstance(queue, dict) and queue:
+        notes.append(f"uploads: {queue.get('pending', 0)} pending, "
+                     f"{queue.get('in_flight', 0)} in flight, {queue.get('written', 0)} "
+                     f"written, {queue.get('dropped', 0)} dropped")
     return "; ".join(notes)
 
 
