@@ -16,11 +16,11 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
+from . import checksums
 from .constants import PAGE_BYTES
 from .protocol import Extents
 from .units import human_size
@@ -271,14 +271,17 @@ class Arena:
             return self._pread(offset, nbytes)
         return b"".join(self._pread(o, n) for o, n in extents)
 
-    def checksum(self, extents: Extents, meta: bytes = b"") -> int:
-        h = xxhash.xxh3_64()
-        h.update(meta)
+    def checksum(self, extents: Extents, meta: bytes = b"", kind: int = checksums.XXH3) -> int:
+        """The chunk's checksum of kind `kind` (`kvpool.agent.checksums`) over its extents."""
+        return checksums.compute(kind, self._pieces(extents), meta)
+
+    def _pieces(self, extents: Extents) -> Iterator[memoryview]:
+        """The extents' bytes in order, in pieces valid until the next one is asked for."""
         piece = memoryview(self._piece)
         for offset, nbytes in extents:
             if self.huge_pages:
                 self.restore_size()
-                h.update(self.view[offset : offset + nbytes])
+                yield self.view[offset : offset + nbytes]
                 continue
             done = 0
             while done < nbytes:
@@ -289,9 +292,8 @@ class Arena:
                         raise OSError(errno.EIO,
                                       f"arena {self.path} reads short at {offset + done}")
                     continue
-                h.update(piece[:got])
+                yield piece[:got]
                 done += got
-        return int(h.intdigest())
 
     def close(self) -> None:
         if self._anchor is not None:

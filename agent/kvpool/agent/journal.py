@@ -41,6 +41,8 @@ class JournalEntry(msgspec.Struct, array_like=True):
     checksum: int
     meta: bytes
     tenant: str
+    checksum_kind: int = 0
+    """Absent in journals written before checksum kinds: XXH3."""
 
 
 _enc = msgspec.msgpack.Encoder()

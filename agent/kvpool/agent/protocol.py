@@ -18,6 +18,9 @@ from enum import IntEnum
 from typing import Any, Generic, TypeVar
 
 import msgspec
+import xxhash
+
+from . import checksums
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<I")
@@ -105,6 +108,8 @@ class Alloc(Request, tag=int(Op.ALLOC)):
 class Commit(Request, tag=int(Op.COMMIT)):
     lease: int
     checksum: int
+    checksum_kind: int = 0
+    """How `checksum` is defined (`kvpool.agent.checksums`): 0 XXH3-64, 1 WSUM."""
 
 
 class Abort(Request, tag=int(Op.ABORT)):
@@ -207,6 +212,8 @@ class AcquireReply(Reply, tag=int(Op.ACQUIRE)):
     extents: Extents
     meta: bytes
     tier: int
+    checksum_kind: int = 0
+    """The kind of `checksum`, as its COMMIT recorded it."""
 
 
 class ReleaseReply(Reply, tag=int(Op.RELEASE)):
@@ -223,6 +230,7 @@ class GetReply(Reply, tag=int(Op.GET)):
     checksum: int
     meta: bytes
     tier: int
+    checksum_kind: int = 0
 
 
 class DeleteReply(Reply, tag=int(Op.DELETE)):
@@ -280,16 +288,12 @@ def encode(msg: Request | Reply) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def checksum(data: Any, meta: bytes = b"") -> int:
-    """XXH3-64 over the chunk's metadata then its bytes: what COMMIT and PUT carry."""
-    import xxhash
-
-    if not meta:
+def checksum(data: Any, meta: bytes = b"", kind: int = checksums.XXH3) -> int:
+    """The chunk's checksum of kind `kind` over its metadata and bytes: what COMMIT and
+    PUT carry (PUT: always XXH3-64). Kinds are defined in `kvpool.agent.checksums`."""
+    if kind == checksums.XXH3 and not meta:
         return int(xxhash.xxh3_64_intdigest(data))
-    h = xxhash.xxh3_64()
-    h.update(meta)
-    h.update(data)
-    return int(h.intdigest())
+    return checksums.compute(kind, [data], meta)
 
 
 class ProtocolError(Exception):

@@ -20,6 +20,7 @@ beside the uploads in flight is dropped and counted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -112,8 +113,7 @@ class WriteBehindQueue:
         Pass `bytes` to avoid the copy.
         """
         if not isinstance(rec.data, bytes):
-            rec = ChunkRecord(rec.key, bytes(rec.data), rec.checksum, rec.meta, rec.tenant,
-                              rec.fingerprint_id)
+            rec = dataclasses.replace(rec, data=bytes(rec.data))
         with self._cond:
             if self._closing or not self.tier.healthy()[0]:
                 # Drop what waits too: it would only fail against a dead store.

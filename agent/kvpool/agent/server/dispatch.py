@@ -73,7 +73,7 @@ def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
 
 
 def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
-    c.store.commit(r.lease, r.checksum, c.id)
+    c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind)
     return p.CommitReply(r.rid)
 
 
@@ -99,9 +99,10 @@ def _unpin(c: Connection, r: p.Unpin) -> p.UnpinReply:
 
 async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
     g = await c.store.acquire(r.key, c.id)
-    return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier)
+    return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
+                          g.checksum_kind)
 
 
 async def _get(c: Connection, r: p.Get) -> p.GetReply:
-    data, digest, meta, tier = await c.store.get(r.key)
-    return p.GetReply(r.rid, data, digest, meta, tier)
+    data, digest, meta, tier, kind = await c.store.get(r.key)
+    return p.GetReply(r.rid, data, digest, meta, tier, kind)

@@ -43,6 +43,7 @@ from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .. import checksums
 from .. import policy as pol
 from ..config import AgentConfig, TierName, TierPolicy
 from ..constants import KEY_BYTES
@@ -76,6 +77,7 @@ class Granted:
     checksum: int = 0
     meta: bytes = b""
     tier: int = 2
+    checksum_kind: int = checksums.XXH3
 
 
 class ChunkStore:
@@ -235,7 +237,10 @@ class ChunkStore:
                                      self.config.write_lease_timeout)
         return Granted(lease.id, extents, size)
 
-    def commit(self, lease_id: int, checksum_: int, owner: int) -> None:
+    def commit(self, lease_id: int, checksum_: int, owner: int,
+               kind: int = checksums.XXH3) -> None:
+        if kind not in checksums.KINDS:  # checked first: the lease stays open to retry
+            raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {kind}")
         lease = self.dram.close_write(lease_id, owner)
         if lease is None:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
@@ -245,7 +250,7 @@ class ChunkStore:
             self.dram.alloc.free(lease.extents)
             return
         chunk = self._insert(lease.key, lease.extents, lease.size, checksum_ & (2**64 - 1),
-                             lease.meta, lease.tenant)
+                             lease.meta, lease.tenant, kind=kind)
         self._write_through(chunk)
 
     def abort(self, lease_id: int, owner: int) -> None:
@@ -256,20 +261,22 @@ class ChunkStore:
         self.dram.alloc.free(lease.extents)
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
-                tenant: str, hits: int = 0, evict: bool = True) -> DramChunk:
+                tenant: str, hits: int = 0, evict: bool = True,
+                kind: int = checksums.XXH3) -> DramChunk:
         """Make a chunk visible; `evict=False` leaves the watermark check to the caller.
 
         Journaled first: a chunk the journal cannot record is refused and its extents
         freed, so no client is told "failed" for a chunk that is stored."""
         if self.journal is not None:
             try:
-                self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant))
+                self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant,
+                                                 kind))
             except OSError as e:
                 self.dram.alloc.free(extents)
                 raise OpError(ErrorCode.NO_SPACE,
                               f"chunk not stored: the commit journal cannot record it ({e})"
                               ) from e
-        chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant)
+        chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant, kind)
         seq, depth, last = self.recent.get(key) or (self._next_seq(), 0, False)
         chunk.last_seq, chunk.depth, chunk.last_access = seq, depth, time.time()
         chunk.hits = hits
@@ -305,15 +312,16 @@ class ChunkStore:
         if transient:
             self._drop_dram(key)  # hidden now, freed at RELEASE
         self.m.read_bytes["dram"].inc(chunk.size)
-        return Granted(lease.id, chunk.extents, chunk.size, chunk.checksum, chunk.meta, tier)
+        return Granted(lease.id, chunk.extents, chunk.size, chunk.checksum, chunk.meta, tier,
+                       chunk.checksum_kind)
 
     def release(self, lease_id: int, owner: int) -> None:
         if not self.dram.close_read(lease_id, owner):
             raise OpError(ErrorCode.UNKNOWN_LEASE,
                           f"read lease {lease_id} is not open on this connection")
 
-    async def get(self, key: bytes) -> tuple[bytes, int, bytes, int]:
-        """(bytes, checksum, meta, tier) of a stored chunk."""
+    async def get(self, key: bytes) -> tuple[bytes, int, bytes, int, int]:
+        """(bytes, checksum, meta, tier, checksum kind) of a stored chunk."""
         check_key(key)
         chunk = self.dram.get(key)
         if chunk is not None:
@@ -324,7 +332,7 @@ class ChunkStore:
                 raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} failed its checksum")
             self._touch_read(chunk)
             self.m.read_bytes["dram"].inc(chunk.size)
-            return data, chunk.checksum, chunk.meta, 2
+            return data, chunk.checksum, chunk.meta, 2, chunk.checksum_kind
         loaded = await self.loads.load(key)
         if loaded is None:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
@@ -332,7 +340,7 @@ class ChunkStore:
         if pol.should_promote(self.policy, hits or 1) and self.dram.get(key) is None:
             with contextlib.suppress(OpError):  # DRAM all leased: serve without promoting
                 self._promote(rec, "promotion", source, hits)
-        return bytes(rec.data), rec.checksum, rec.meta, TIER_CODE[source]
+        return bytes(rec.data), rec.checksum, rec.meta, TIER_CODE[source], rec.checksum_kind
 
     def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int,
                  evict: bool = True) -> DramChunk:
@@ -341,7 +349,7 @@ class ChunkStore:
         extents = self._allocate(rec.size)
         self.dram.arena.write(extents, rec.data)
         chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
-                             hits, evict)
+                             hits, evict, rec.checksum_kind)
         (self.m.prefetches if why == "prefetch" else self.m.promotions)[source].inc()
         # DRAM and NVMe are exclusive: the NVMe copy goes, so they hold as many
         # distinct chunks as their capacities add up to. Eviction demotes it back.
@@ -442,7 +450,7 @@ class ChunkStore:
             rec = None
             if below is not None:
                 rec = ChunkRecord(chunk.key, self.dram.arena.read(chunk.extents), chunk.checksum,
-                                  chunk.meta, chunk.tenant)
+                                  chunk.meta, chunk.tenant, checksum_kind=chunk.checksum_kind)
                 if not rec.verify():
                     log.error("integrity failure in dram for %s: dropped", chunk.key.hex())
                     self.m.integrity_failures["dram"].inc()
@@ -465,7 +473,7 @@ class ChunkStore:
             return
         payload = data if data is not None else self.dram.arena.read(chunk.extents)
         self.shared.upload(ChunkRecord(chunk.key, payload, chunk.checksum, chunk.meta,
-                                       chunk.tenant))
+                                       chunk.tenant, checksum_kind=chunk.checksum_kind))
 
     def _check_watermark(self) -> None:
         rules = self.policy.tiers.dram
@@ -524,12 +532,14 @@ class ChunkStore:
                     or not self.dram.alloc.reserve(e.extents)):
                 dropped += 1
                 continue
-            if arena.checksum(e.extents, e.meta) != e.checksum:
+            if (e.checksum_kind not in checksums.KINDS
+                    or arena.checksum(e.extents, e.meta, e.checksum_kind) != e.checksum):
                 self.dram.alloc.free(e.extents)
                 self.m.integrity_failures["dram"].inc()
                 dropped += 1
                 continue
-            chunk = self.dram.insert(e.key, e.extents, e.size, e.checksum, e.meta, e.tenant)
+            chunk = self.dram.insert(e.key, e.extents, e.size, e.checksum, e.meta, e.tenant,
+                                     e.checksum_kind)
             chunk.last_seq = self._next_seq()
             chunk.last_access = time.time()
             self.dram_queue.add(chunk)

@@ -1,8 +1,9 @@
 """What every tier below DRAM implements, and the chunk format they store.
 
 G3 (NVMe files) and G4 (shared file system or S3 objects) hold chunks as
-self-describing blobs: a fixed header (magic, format version, key, size,
-fingerprint id, checksum, metadata and tenant lengths), then the metadata,
+self-describing blobs: a fixed header (magic, format version, flags = the
+checksum kind, key, size, fingerprint id, checksum, metadata and tenant
+lengths), then the metadata,
 the tenant name and the chunk bytes. Readers verify the checksum before
 returning anything: a mismatch is a miss (and a counted integrity failure),
 never data.
@@ -18,13 +19,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import xxhash
-
+from .. import checksums
 from ..config import TierName
 
 MAGIC = b"KVPC"
 FORMAT_VERSION = 1
-# magic, version, flags, key, size, fingerprint id, checksum, meta len, tenant len, reserved
+# magic, version, flags, key, size, fingerprint id, checksum, meta len, tenant len, reserved;
+# flags holds the checksum kind (0, XXH3, in every blob written before kinds existed)
 _HEADER = struct.Struct("<4sHH16sQQQIHH")
 HEADER_BYTES = _HEADER.size
 MAX_TENANT_NAME_BYTES = 0xFFFF
@@ -45,23 +46,24 @@ class ChunkRecord:
     meta: bytes = b""
     tenant: str = ""
     fingerprint_id: int = 0
+    checksum_kind: int = checksums.XXH3
 
     @property
     def size(self) -> int:
         return len(self.data)
 
     def verify(self) -> bool:
-        h = xxhash.xxh3_64()
-        h.update(self.meta)
-        h.update(self.data)
-        return int(h.intdigest()) == self.checksum
+        if self.checksum_kind not in checksums.KINDS:
+            return False
+        return checksums.compute(self.checksum_kind, [self.data], self.meta) == self.checksum
 
 
 def encode_header(rec: ChunkRecord) -> bytes:
     tenant = rec.tenant.encode()
     if len(tenant) > MAX_TENANT_NAME_BYTES:  # HELLO caps names far below; never a struct.error
         raise ValueError(f"tenant name of {len(tenant)} bytes does not fit a chunk header")
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, rec.key, rec.size, rec.fingerprint_id,
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, rec.checksum_kind, rec.key, rec.size,
+                        rec.fingerprint_id,
                         rec.checksum, len(rec.meta), len(tenant), 0) + rec.meta + tenant
 
 
@@ -79,6 +81,7 @@ class Header:
     meta: bytes
     tenant: str
     data_offset: int
+    checksum_kind: int = checksums.XXH3
 
 
 def header_length(prefix: bytes | memoryview) -> int:
@@ -94,7 +97,7 @@ def decode_header(blob: bytes | memoryview) -> Header:
     """Parse the header at the start of `blob` (which must hold at least the header)."""
     if len(blob) < HEADER_BYTES:
         raise IntegrityError(f"truncated header ({len(blob)} bytes)")
-    magic, version, _flags, key, size, fp, checksum, meta_len, tenant_len, _ = \
+    magic, version, kind, key, size, fp, checksum, meta_len, tenant_len, _ = \
         _HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise IntegrityError("not a kvpool chunk (bad magic)")
@@ -105,7 +108,7 @@ def decode_header(blob: bytes | memoryview) -> Header:
         raise IntegrityError("truncated header")
     meta = bytes(blob[HEADER_BYTES : HEADER_BYTES + meta_len])
     tenant = bytes(blob[HEADER_BYTES + meta_len : end]).decode(errors="replace")
-    return Header(bytes(key), size, fp, checksum, meta, tenant, end)
+    return Header(bytes(key), size, fp, checksum, meta, tenant, end, kind)
 
 
 def decode(blob: bytes | memoryview, expect_key: bytes | None = None) -> ChunkRecord:
@@ -116,7 +119,8 @@ def decode(blob: bytes | memoryview, expect_key: bytes | None = None) -> ChunkRe
     data = memoryview(blob)[h.data_offset :]
     if len(data) != h.size:
         raise IntegrityError(f"chunk is {len(data)} bytes, header says {h.size}")
-    rec = ChunkRecord(h.key, data, h.checksum, h.meta, h.tenant, h.fingerprint_id)
+    rec = ChunkRecord(h.key, data, h.checksum, h.meta, h.tenant, h.fingerprint_id,
+                      h.checksum_kind)
     if not rec.verify():
         raise IntegrityError(f"checksum mismatch for {h.key.hex()}")
     return rec

@@ -25,6 +25,7 @@ class DramChunk:
     checksum: int
     meta: bytes
     tenant: str
+    checksum_kind: int = 0
     readers: int = 0
     hits: int = 0
     last_seq: int = 0
@@ -90,7 +91,8 @@ class DramTier:
     def journal_entries(self) -> Iterator[JournalEntry]:
         """The commit journal's view of the visible chunks (what a compaction keeps)."""
         for c in self.chunks.values():
-            yield JournalEntry(c.key, c.extents, c.size, c.checksum, c.meta, c.tenant)
+            yield JournalEntry(c.key, c.extents, c.size, c.checksum, c.meta, c.tenant,
+                               c.checksum_kind)
 
     def read_verified(self, chunk: DramChunk) -> bytes | None:
         """A chunk's bytes from the arena, or None when they no longer match its checksum.
@@ -99,7 +101,8 @@ class DramTier:
         bytes the agent hands out by value are checked first: hashing costs a fraction of
         the copy it guards (docs/reliability.md, the trust model within a tenant)."""
         data = self.arena.read(chunk.extents)
-        return data if checksum(data, chunk.meta) == chunk.checksum else None
+        good = checksum(data, chunk.meta, chunk.checksum_kind) == chunk.checksum
+        return data if good else None
 
     def protected(self, key: bytes) -> bool:
         """Pinned or read right now: never evicted."""
@@ -107,8 +110,8 @@ class DramTier:
         return key in self.pins or (chunk is not None and chunk.readers > 0)
 
     def insert(self, key: bytes, extents: Extents, size: int, checksum: int, meta: bytes,
-               tenant: str) -> DramChunk:
-        chunk = DramChunk(key, extents, size, checksum, meta, tenant)
+               tenant: str, checksum_kind: int = 0) -> DramChunk:
+        chunk = DramChunk(key, extents, size, checksum, meta, tenant, checksum_kind)
         self.chunks[key] = chunk
         return chunk
 

@@ -1,0 +1,462 @@
+"""Tensors as chunk sources and destinations: copies between tensors and the arena.
+
+Imported only when a batch call meets a torch tensor (the light client never imports
+torch). A chunk may be one tensor or several *segments* (e.g. one slice per layer for
+K and V): the chunk's bytes are the segments' bytes in order, copied straight between
+each segment and the lease extents, with no packed intermediate copy.
+
+On CUDA the client's arena mapping is registered with CUDA once per mapping
+(`cudaHostRegister`, through `_cuda.cudart()`), so a copy between a GPU tensor
+and the arena is a DMA at the pinned-memory rate. Copies are issued on a stream the
+caller may pass (default: the device's current stream). A read lease is released,
+and a write committed, only after the copies that use it completed on that stream:
+the window records an event after its copies and waits for that event (not for the
+whole device). CPU tensors take the same path; their copies complete as issued.
+
+Writes carry the WSUM checksum kind (`kvpool.agent.checksums`), computed by torch
+from the source tensors on the same stream, so the put is not capped by CPU hashing;
+the agent verifies it like XXH3 wherever it verifies a chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from . import checksums
+from . import protocol as p
+
+Segments = list[torch.Tensor]
+_cuda: Any = torch.cuda  # its Event and cudart() are untyped
+_SUM_BLOCK_WORDS = 1 << 22
+"""Words one checksum step takes (16 MiB of chunk): bounds the int64 temporaries."""
+
+
+class Fence(Protocol):
+    """Marks the copies issued on a stream so far; `wait` returns once they completed."""
+
+    def wait(self) -> None: ...
+
+
+class CopyStream(Protocol):
+    """Where copies are issued. `issue()` is a context in which torch ops go to this
+    stream; `record()` fences what was issued so far."""
+
+    def issue(self) -> AbstractContextManager[object]: ...
+
+    def record(self) -> Fence: ...
+
+
+class Registrar(Protocol):
+    """Pins (and unpins) a host mapping for DMA; one call per mapping."""
+
+    def register(self, address: int, nbytes: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+class _Completed:
+    def wait(self) -> None:
+        return None
+
+
+class SyncStream:
+    """CPU tensors: every copy has completed when it returns."""
+
+    def issue(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def record(self) -> Fence:
+        return _Completed()
+
+
+class _CudaFence:
+    def __init__(self, stream: Any) -> None:
+        self.event = _cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class CudaStream:
+    """A `torch.cuda.Stream`: fences are CUDA events recorded on it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def issue(self) -> AbstractContextManager[object]:
+        return torch.cuda.stream(self.stream)
+
+    def record(self) -> Fence:
+        return _CudaFence(self.stream)
+
+
+class CudaRegistrar:
+    """`cudaHostRegister` / `cudaHostUnregister` through torch's CUDA runtime binding."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        err = _cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the arena mapping failed: error {err}")
+
+    def unregister(self, address: int) -> None:
+        err = _cuda.cudart().cudaHostUnregister(address)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostUnregister of the arena mapping failed: error {err}")
+
+
+def default_registrar() -> Registrar | None:
+    """CUDA's when this process has a GPU; None (nothing to pin) on a CPU-only host."""
+    return CudaRegistrar() if torch.cuda.is_available() else None
+
+
+def is_tensor(obj: object) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+def is_chunk(obj: object) -> bool:
+    """A tensor, or a list/tuple of tensors (segments), as a batch call accepts."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    return isinstance(obj, list | tuple) and bool(obj) and all(
+        isinstance(s, torch.Tensor) for s in obj)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def segments_of(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> Segments:
+    """The byte views (uint8, 1-D) of a chunk's segments, checked: contiguous, on a CPU
+    or CUDA device, all on one device."""
+    parts = [chunk] if isinstance(chunk, torch.Tensor) else list(chunk)
+    if not parts:
+        raise ValueError(f"{what} has no segments")
+    device = parts[0].device
+    out: Segments = []
+    for n, seg in enumerate(parts):
+        name = f"{what}, segment {n}" if len(parts) > 1 else what
+        if not isinstance(seg, torch.Tensor):
+            raise TypeError(f"{name} is a {type(seg).__name__}, not a tensor")
+        if seg.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on device {seg.device}; kvpool copies between the "
+                             "arena and CPU or CUDA tensors only")
+        if seg.device != device:
+            raise ValueError(f"{name} is on {seg.device}, segment 0 on {device}: the "
+                             "segments of a chunk share one device")
+        if not seg.is_contiguous():
+            raise ValueError(f"{name} is not contiguous (shape {tuple(seg.shape)}, stride "
+                             f"{seg.stride()}); pass .contiguous() or a contiguous slice")
+        out.append(seg.reshape(-1).view(torch.uint8))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One copy: `nbytes` between arena offset `arena` and segment `segment` at `at`."""
+
+    arena: int
+    segment: int
+    at: int
+    nbytes: int
+
+
+def plan_copies(extents: Sequence[tuple[int, int]], segment_bytes: Sequence[int],
+                size: int) -> list[Piece]:
+    """The copies that move `size` chunk bytes between the lease extents (in order) and
+    the segments (in order), each piece within one extent and one segment."""
+    pieces: list[Piece] = []
+    seg = at = 0
+    left = size
+    for offset, length in extents:
+        length = min(length, left)
+        while length > 0:
+            while seg < len(segment_bytes) and at == segment_bytes[seg]:
+                seg, at = seg + 1, 0
+            if seg == len(segment_bytes):
+                raise ValueError(f"chunk of {size} bytes does not fit in "
+                                 f"{sum(segment_bytes)} bytes of segments")
+            step = min(length, segment_bytes[seg] - at)
+            pieces.append(Piece(offset, seg, at, step))
+            offset, at, length, left = offset + step, at + step, length - step, left - step
+    if left:
+        raise ValueError(f"the lease extents hold {size - left} of the chunk's {size} bytes")
+    return pieces
+
+
+def device_of(chunks: Sequence[Segments]) -> torch.device | None:
+    """The one device of every segment of a call (None for no chunk)."""
+    devices = {s.device for segs in chunks for s in segs}
+    if len(devices) > 1:
+        raise ValueError(f"one call copies to or from one device; got {sorted(map(str, devices))}")
+    return next(iter(devices), None)
+
+
+def as_copy_stream(stream: object, device: torch.device | None) -> CopyStream:
+    """The caller's stream as a `CopyStream`: a torch.cuda.Stream, our protocol (tests'
+    stub streams), or None for the device's current stream (CPU: copies are synchronous)."""
+    if stream is None:
+        if device is not None and device.type == "cuda":
+            return CudaStream(torch.cuda.current_stream(device))
+        return SyncStream()
+    if hasattr(stream, "issue") and hasattr(stream, "record"):
+        return stream
+    if torch.cuda.is_available() and isinstance(stream, torch.cuda.Stream):
+        if device is not None and device.type == "cuda" and stream.device != device:
+            raise ValueError(f"stream is on {stream.device}, the tensors on {device}")
+        return CudaStream(stream)
+    raise TypeError(f"stream must be a torch.cuda.Stream or None, not {type(stream).__name__}")
+
+
+# --------------------------------------------------------------------------- checksum
+
+
+def wsum_aligned(segments: Segments) -> bool:
+    """WSUM on the device needs every segment but the last to end on a 4-byte word."""
+    return all(s.numel() % 4 == 0 for s in segments[:-1])
+
+
+class _Ramp:
+    """0, 1, 2, ... as int64 on a device, grown on demand (the weights of S1)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        ramp = self._by_device.get(device)
+        if ramp is None or ramp.numel() < n:
+            ramp = torch.arange(max(n, 1 << 16), dtype=torch.int64, device=device)
+            if device.type == "cuda":
+                # Made on whatever stream is current, read later on others: let it finish
+                # (once per device and size).
+                _cuda.synchronize(device)
+            self._by_device[device] = ramp
+        return ramp[:n]
+
+
+_ramp = _Ramp()
+
+
+def _words(seg: torch.Tensor) -> torch.Tensor:
+    """The bytes of `seg` (uint8, whole words only) as unsigned 32-bit values in int64."""
+    try:
+        return seg.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    except RuntimeError:  # a byte view not aligned to 4 bytes in its storage
+        b = seg.view(-1, 4).to(torch.int64)
+        return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+
+def wsum_partials(segments: Segments) -> tuple[torch.Tensor, list[int]]:
+    """The chunk's WSUM sums in steps, computed where the segments are (on the caller's
+    stream when issued inside it): [S0, S1 with step-local weights] per step as int64
+    (wrapping modulo 2^64, as the definition does), and each step's first word index.
+    `wsum_from_partials` finishes them on the host. Needs `wsum_aligned(segments)`."""
+    rows: list[torch.Tensor] = []
+    firsts: list[int] = []
+    word = 0
+    device = segments[0].device
+    for seg in segments:
+        nbytes = seg.numel()
+        whole = nbytes - nbytes % 4
+        for start in range(0, whole, 4 * _SUM_BLOCK_WORDS):
+            u = _words(seg[start : min(whole, start + 4 * _SUM_BLOCK_WORDS)])
+            rows.append(torch.stack([u.sum(), (u * _ramp.get(device, u.numel())).sum()]))
+            firsts.append(word)
+            word += u.numel()
+        if whole < nbytes:  # the chunk's last bytes (only the last segment may end mid-word)
+            tail = torch.zeros(4, dtype=torch.int64, device=device)
+            tail[: nbytes - whole] = seg[whole:].to(torch.int64)
+            last = tail[0] | (tail[1] << 8) | (tail[2] << 16) | (tail[3] << 24)
+            rows.append(torch.stack([last, torch.zeros_like(last)]))
+            firsts.append(word)
+            word += 1
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.int64, device=device), firsts
+    return torch.stack(rows), firsts
+
+
+def wsum_from_partials(size: int, partials: torch.Tensor, firsts: list[int],
+                       meta: bytes) -> int:
+    """The WSUM checksum from `wsum_partials`, read back once the copies' fence passed."""
+    s0 = s1 = 0
+    for (part_s0, part_s1), first in zip(partials.cpu().tolist(), firsts, strict=True):
+        part_s0 &= checksums.U64
+        s0 += part_s0
+        s1 += (part_s1 & checksums.U64) + first * part_s0
+    return checksums.wsum_finish(size, s0, s1, meta)
+
+
+# --------------------------------------------------------------------------- the arena
+
+
+class Connection(Protocol):
+    """What the device path needs of the client's connection to the agent."""
+
+    def rid(self) -> int: ...
+
+    def exchange(self, reqs: Sequence[p.Request]) -> list[p.Reply]: ...
+
+    def cast(self, *reqs: p.Request) -> None: ...
+
+
+ReadTarget = Callable[[int, int, bytes], Any]
+
+
+class DeviceArena:
+    """One arena mapping as seen by tensors: registered for DMA once, at creation, and
+    unregistered at `close` (before the mapping is unmapped)."""
+
+    def __init__(self, arena: memoryview, registrar: Registrar | None) -> None:
+        self.tensor = torch.frombuffer(arena, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        self.nbytes = self.tensor.numel()
+        self._registrar = registrar
+        if registrar is not None:
+            registrar.register(self.address, self.nbytes)
+
+    def close(self) -> None:
+        """Unregister and drop the tensor over the mapping (so it can be unmapped)."""
+        if self._registrar is not None:
+            registrar, self._registrar = self._registrar, None
+            registrar.unregister(self.address)
+        del self.tensor
+
+    def _copy(self, pieces: list[Piece], segments: Segments, to_arena: bool) -> None:
+        for c in pieces:
+            arena = self.tensor[c.arena : c.arena + c.nbytes]
+            seg = segments[c.segment][c.at : c.at + c.nbytes]
+            if to_arena:
+                arena.copy_(seg, non_blocking=True)
+            else:
+                seg.copy_(arena, non_blocking=True)
+
+    # -- batch windows (the same contract as the client's zero-copy windows)
+
+    def put_window(self, conn: Connection, keys: Sequence[bytes], chunks: Sequence[Segments],
+                   metas: Sequence[bytes], start: int, results: list[Any],
+                   stream: object) -> None:
+        """ALLOC each chunk, copy its segments into the extents and compute its WSUM on
+        the device, wait for the window's fence, then COMMIT: a write is committed only
+        after its copies completed."""
+        copier = as_copy_stream(stream, device_of(chunks))
+        sizes = [sum(s.numel() for s in segs) for segs in chunks]
+        replies = conn.exchange([p.Alloc(conn.rid(), k, n, m)
+                                 for k, n, m in zip(keys, sizes, metas, strict=True)])
+        leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
+        written: list[tuple[int, p.AllocReply, tuple[torch.Tensor, list[int]] | None]] = []
+        try:
+            with copier.issue():
+                for i, reply in enumerate(replies):
+                    if isinstance(reply, p.ErrorReply):
+                        results[start + i] = p.ProtocolError(reply.code, reply.message)
+                        continue
+                    assert isinstance(reply, p.AllocReply)
+                    if reply.exists:
+                        results[start + i] = False
+                        continue
+                    segs = chunks[i]
+                    self._copy(plan_copies(reply.extents, [s.numel() for s in segs], sizes[i]),
+                               segs, to_arena=True)
+                    partials = wsum_partials(segs) if wsum_aligned(segs) else None
+                    written.append((i, reply, partials))
+            copier.record().wait()
+            commits: list[tuple[int, p.Commit]] = []
+            for i, reply, partials in written:
+                if partials is None:  # segments cut mid-word: hash the arena bytes
+                    digest = checksums.xxh3(
+                        (self.tensor[o : o + n].numpy() for o, n in reply.extents),
+                        metas[i])
+                    kind = checksums.XXH3
+                else:
+                    digest = wsum_from_partials(sizes[i], *partials, metas[i])
+                    kind = checksums.WSUM
+                commits.append((i, p.Commit(conn.rid(), reply.lease, digest, kind)))
+        except BaseException:
+            conn.cast(*[p.Abort(conn.rid(), lease) for lease in leases])
+            raise
+        done = conn.exchange([c for _, c in commits])
+        for (i, _), reply in zip(commits, done, strict=True):
+            results[start + i] = (p.ProtocolError(reply.code, reply.message)
+                                  if isinstance(reply, p.ErrorReply) else True)
+
+    def get_window(self, conn: Connection, keys: Sequence[bytes], start: int,
+                   target: ReadTarget, sizes: list[int], verify: bool, stream: object,
+                   copy_buffer: Callable[[p.Extents, Any, int], memoryview]) -> None:
+        """ACQUIRE the window, copy each chunk into the tensor(s) or buffer `target` gives,
+        wait for the window's fence, then RELEASE: a lease ends only after the copies
+        that read it completed. A buffer (not a tensor) is copied by `copy_buffer`, the
+        way the client copies without tensors."""
+        replies = conn.exchange([p.Acquire(conn.rid(), k) for k in keys])
+        granted = [r for r in replies if isinstance(r, p.AcquireReply)]
+        issued: list[tuple[int, p.AcquireReply, Segments]] = []
+        copier: CopyStream | None = None
+        try:
+            for i, reply in enumerate(replies):
+                if isinstance(reply, p.ErrorReply):
+                    if reply.code != p.ErrorCode.NOT_FOUND:
+                        raise p.ProtocolError(reply.code, reply.message)
+                    continue
+                assert isinstance(reply, p.AcquireReply)
+                out = target(start + i, reply.size, reply.meta)
+                if out is None:
+                    continue
+                if not is_chunk(out):
+                    dst = copy_buffer(reply.extents, out, reply.size)
+                    if not verify or p.checksum(dst[: reply.size], reply.meta,
+                                                reply.checksum_kind) == reply.checksum:
+                        sizes[start + i] = reply.size
+                    continue
+                segs = segments_of(out, f"the destination of key {start + i}")
+                if copier is None:
+                    copier = as_copy_stream(stream, segs[0].device)
+                elif issued and segs[0].device != issued[0][2][0].device:
+                    raise ValueError(f"the destination of key {start + i} is on "
+                                     f"{segs[0].device}, an earlier one on "
+                                     f"{issued[0][2][0].device}: one call, one device")
+                with copier.issue():
+                    self._copy(plan_copies(reply.extents, [s.numel() for s in segs],
+                                           reply.size), segs, to_arena=False)
+                issued.append((i, reply, segs))
+            if copier is not None:
+                copier.record().wait()
+            for i, reply, segs in issued:
+                if verify and not self._verified(reply, segs):
+                    continue
+                sizes[start + i] = reply.size
+        finally:
+            conn.cast(*[p.Release(conn.rid(), r.lease) for r in granted])
+
+    def _verified(self, reply: p.AcquireReply, segs: Segments) -> bool:
+        """The destination's bytes match the chunk's checksum (read after the fence)."""
+        left, parts = reply.size, []
+        for s in segs:
+            take = min(left, s.numel())
+            if take:
+                parts.append(s[:take])
+            left -= take
+        if reply.checksum_kind == checksums.WSUM and wsum_aligned(parts):
+            return wsum_from_partials(reply.size, *wsum_partials(parts),
+                                      reply.meta) == reply.checksum
+        host = [s.cpu().numpy() for s in parts]
+        return checksums.compute(reply.checksum_kind, host, reply.meta) == reply.checksum
+
+
+def chunk_bytes(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> bytes:
+    """A chunk's bytes on the host (inline mode, which has no arena to copy into)."""
+    return b"".join(s.cpu().numpy().tobytes() for s in segments_of(chunk, what))
+
+
+def scatter(data: bytes, out: torch.Tensor | Sequence[torch.Tensor], what: str) -> None:
+    """Copy `data` into a chunk's segments in order (inline mode)."""
+    segs = segments_of(out, what)
+    pieces = plan_copies([(0, len(data))], [s.numel() for s in segs], len(data))
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+    for c in pieces:
+        assert src is not None
+        segs[c.segment][c.at : c.at + c.nbytes].copy_(src[c.arena : c.arena + c.nbytes])
+
