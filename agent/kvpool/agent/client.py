@@ -9,6 +9,11 @@ shared memory).
 
 The two modes are two transports behind one interface (`kvpool.agent.transport`).
 
+Batch calls also take torch tensors (on a GPU or the CPU), or a chunk as a list of
+tensor segments, and copy them straight to and from the arena on a stream the
+caller may pass (`kvpool.agent.gpu`, imported only when a tensor is passed: this
+module never imports torch).
+
 If the agent restarts, the client reconnects with backoff, maps the new
 arena, and retries the call that failed; leases never survive a reconnect,
 so a retried put or get starts over.
@@ -18,10 +23,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import protocol as p
 from .constants import ENV_SOCKET, ENV_TENANT, TIER_NAMES
@@ -34,7 +40,11 @@ from .transport import (
     ZeroCopyTransport,
     as_bytes_view,
     connect,
+    fits,
 )
+
+if TYPE_CHECKING:
+    from .gpu import DeviceArena, Registrar
 
 __all__ = ["BATCH_WINDOW", "AgentUnavailable", "Buffer", "KVPoolClient", "PutResult",
            "ReadTarget"]
@@ -60,7 +70,10 @@ class KVPoolClient:
         reconnect_timeout: float = 10.0,
         timeout: float = 30.0,
         batch_window: int = BATCH_WINDOW,
+        registrar: Registrar | None = None,
     ) -> None:
+        """`registrar` pins each arena mapping for DMA when tensors first use it; by
+        default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none."""
         path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
         if not path:
             raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
@@ -71,6 +84,7 @@ class KVPoolClient:
         self.reconnect_timeout = reconnect_timeout
         self.timeout = timeout
         self.batch_window = batch_window
+        self.registrar = registrar
         self._rid = itertools.count(1)
         self._transport: Transport | None = None
         self.hello: p.HelloReply | None = None
@@ -193,32 +207,53 @@ class KVPoolClient:
     # -- batches: one round trip for N reads, two for N writes (zero-copy)
 
     def get_many_into(self, keys: Sequence[bytes], target: ReadTarget, *,
-                      verify: bool = False) -> list[int]:
+                      verify: bool = False, stream: object = None) -> list[int]:
         """Copy each stored chunk into the buffer `target(index, size, meta)` gives for it.
 
         The ACQUIREs of a window go out in one write and their replies come back in
         order, so a batch costs one round trip (RELEASEs are not waited for). Returns
         the size read per key: 0 for a miss, a chunk `target` declined, or (with
         `verify`) a chunk that failed its checksum. Inline mode reads key by key.
+
+        `target` may also give a torch tensor or a list of tensor segments (filled in
+        order), on a GPU or the CPU. Their copies are issued on `stream` (a
+        `torch.cuda.Stream`; default the device's current stream); each window waits
+        for an event recorded after its copies before releasing its leases, so the
+        tensors hold the chunks when this returns.
         """
         sizes = [0] * len(keys)
         step = self._batch_step()
+        tensors = stream is not None or "torch" in sys.modules
         for start in range(0, len(keys), step):
             window = keys[start : start + step]
-            self._retrying(partial(_get_window, window, start, target, sizes, verify))
+            if tensors:
+                self._retrying(partial(self._tensor_get_window, window, start, target, sizes,
+                                       verify, stream))
+            else:
+                self._retrying(partial(_get_window, window, start, target, sizes, verify))
         return sizes
 
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
-                 metas: Sequence[bytes] | None = None) -> list[PutResult]:
+                 metas: Sequence[bytes] | None = None, *,
+                 stream: object = None) -> list[PutResult]:
         """Store each buffer under its key (with its metadata); one result per key.
 
         Zero-copy: the ALLOCs of a window go out in one write, the bytes are copied
         into the arena, then the COMMITs go out in one write: two round trips. A chunk
         the agent refuses (no space, too large) fails alone. Inline mode puts key by key.
+
+        A chunk may instead be a torch tensor or a list of tensor segments (its bytes
+        are theirs in order), on a GPU or the CPU: copied on `stream` straight into the
+        arena, checksummed where the tensors are (WSUM kind), and committed after an
+        event recorded after its copies completed. One call takes buffers or tensors.
         """
         metas = metas if metas is not None else [b""] * len(keys)
         if not len(keys) == len(data) == len(metas):
             raise ValueError("put_many needs as many buffers and metas as keys")
+        tensor_results = self._put_tensors(keys, data, metas, stream) \
+            if "torch" in sys.modules else None
+        if tensor_results is not None:
+            return tensor_results
         views = [as_bytes_view(d) for d in data]
         results: list[PutResult] = [False] * len(keys)
         step = self._batch_step()
@@ -227,6 +262,78 @@ class KVPoolClient:
             self._retrying(partial(_put_window, keys[start:end], views[start:end],
                                    metas[start:end], start, results))
         return results
+
+    # -- tensors (kvpool.agent.gpu, imported only here)
+
+    def _device(self, t: ZeroCopyTransport) -> DeviceArena:
+        """The transport's mapping as tensors see it: registered once per mapping."""
+        if t.device is None:
+            from . import gpu
+
+            registrar = self.registrar if self.registrar is not None \
+                else gpu.default_registrar()
+            t.device = gpu.DeviceArena(t.arena, registrar)
+        device: DeviceArena = t.device
+        return device
+
+    def _put_tensors(self, keys: Sequence[bytes], data: Sequence[Any], metas: Sequence[bytes],
+                     stream: object) -> list[PutResult] | None:
+        """put_many of tensor chunks; None if `data` holds no tensor."""
+        from . import gpu
+
+        is_tensor = [gpu.is_chunk(d) for d in data]
+        if not any(is_tensor):
+            return None
+        if not all(is_tensor):
+            raise TypeError("put_many takes buffers or tensors in one call, not both")
+        chunks = [gpu.segments_of(d, f"the chunk of key {i}") for i, d in enumerate(data)]
+        gpu.device_of(chunks)
+        results: list[PutResult] = [False] * len(keys)
+        step = self._batch_step()
+        for start in range(0, len(keys), step):
+            end = start + step
+            self._retrying(partial(self._tensor_put_window, keys[start:end], chunks[start:end],
+                                   metas[start:end], start, results, stream))
+        return results
+
+    def _tensor_put_window(self, keys: Sequence[bytes], chunks: Sequence[list[Any]],
+                           metas: Sequence[bytes], start: int, results: list[PutResult],
+                           stream: object, t: Transport) -> None:
+        from . import gpu
+
+        if isinstance(t, ZeroCopyTransport):
+            self._device(t).put_window(t.conn, keys, chunks, metas, start, results, stream)
+        else:  # inline: the bytes travel in the frame, from the host
+            views = [memoryview(gpu.chunk_bytes(c, f"the chunk of key {start + i}"))
+                     for i, c in enumerate(chunks)]
+            t.put_window(keys, views, metas, start, results)
+
+    def _tensor_get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
+                           sizes: list[int], verify: bool, stream: object,
+                           t: Transport) -> None:
+        from . import gpu
+
+        if isinstance(t, ZeroCopyTransport):
+            def copy_buffer(extents: p.Extents, out: Buffer, size: int) -> memoryview:
+                dst = fits(as_bytes_view(out), size)
+                t._copy_out(extents, dst)
+                return dst
+            self._device(t).get_window(t.conn, keys, start, target, sizes, verify, stream,
+                                       copy_buffer)
+            return
+        # Inline: the chunk arrives in the frame; tensors are filled from the host bytes.
+        staged: dict[int, tuple[Any, bytearray]] = {}
+
+        def staging(i: int, size: int, meta: bytes) -> Buffer | None:
+            out = target(i, size, meta)
+            if out is None or not gpu.is_chunk(out):
+                return out
+            staged[i] = (out, bytearray(size))
+            return staged[i][1]
+        t.get_window(keys, start, staging, sizes, verify)
+        for i, (out, buf) in staged.items():
+            if sizes[i]:
+                gpu.scatter(bytes(buf), out, f"the destination of key {i}")
 
     def _batch_step(self) -> int:
         limit = self.hello.max_leases if self.hello is not None else self.batch_window

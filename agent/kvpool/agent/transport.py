@@ -217,7 +217,7 @@ class InlineTransport(Transport):
                 return None
             raise
         assert isinstance(reply, p.GetReply)
-        if verify and p.checksum(reply.data, reply.meta) != reply.checksum:
+        if verify and p.checksum(reply.data, reply.meta, reply.checksum_kind) != reply.checksum:
             return None
         return reply.data, reply.meta
 
@@ -257,9 +257,15 @@ class ZeroCopyTransport(Transport):
         # MAP_POPULATE: fault the whole arena in now, not on first copy.
         self._mm = mmap.mmap(arena_fd, arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.arena = memoryview(self._mm)
+        self.device: Any = None
+        """The mapping as tensors see it (`kvpool.agent.gpu.DeviceArena`), made by the
+        client at the first tensor: registered with CUDA once per mapping."""
 
     def close(self) -> None:
         super().close()
+        if self.device is not None:  # unregistered before it is unmapped
+            self.device.close()
+            self.device = None
         self.arena.release()
         self._mm.close()
 
@@ -307,7 +313,7 @@ class ZeroCopyTransport(Transport):
                     arena[lease.extents[0][0] : lease.extents[0][0] + lease.size])
         finally:
             self.conn.cast(p.Release(self.conn.rid(), lease.lease))
-        if verify and p.checksum(data, lease.meta) != lease.checksum:
+        if verify and p.checksum(data, lease.meta, lease.checksum_kind) != lease.checksum:
             return None
         return data, lease.meta
 
@@ -319,7 +325,8 @@ class ZeroCopyTransport(Transport):
             self._copy_out(lease.extents, fits(dst, lease.size))
         finally:
             self.conn.cast(p.Release(self.conn.rid(), lease.lease))
-        if verify and p.checksum(dst[: lease.size], lease.meta) != lease.checksum:
+        if verify and (p.checksum(dst[: lease.size], lease.meta, lease.checksum_kind)
+                       != lease.checksum):
             return 0
         return lease.size
 
@@ -339,7 +346,8 @@ class ZeroCopyTransport(Transport):
                     continue
                 dst = fits(as_bytes_view(out), reply.size)
                 self._copy_out(reply.extents, dst)
-                if verify and p.checksum(dst[: reply.size], reply.meta) != reply.checksum:
+                if verify and (p.checksum(dst[: reply.size], reply.meta, reply.checksum_kind)
+                               != reply.checksum):
                     continue
                 sizes[start + i] = reply.size
         finally:
