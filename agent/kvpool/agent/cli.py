@@ -396,9 +396,17 @@ def bench(
     trace: Annotated[Path | None, typer.Option(
         metavar="FILE",
         help="Replay this Mooncake-format JSONL trace instead of the bundled one.")] = None,
+    gpu: Annotated[bool, typer.Option(
+        "--gpu", help="Only the GPU data path and time to first token (needs CUDA; where "
+        "there is none it says so and exits 0).")] = False,
 ) -> None:
     """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU,
     Belady and libCacheSim), in one run on this machine."""
+    if gpu:
+        from kvpool.bench.gpu import run_gpu_bench
+
+        run_gpu_bench(quick=quick, as_json=as_json, out=out)
+        return
     from kvpool.bench.suite import run_bench
     from kvpool.bench.trace import load_trace
 
