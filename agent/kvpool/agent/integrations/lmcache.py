@@ -14,6 +14,10 @@ the arena into it; a put copies the memory object's bytes into the arena.
 The memory object's shapes, dtypes and format travel with the chunk as its
 metadata (`ChunkMeta`), so partial chunks and any KV layout come back as they
 went in. A batch of N chunks costs one round trip to read and two to write.
+
+Data path: LMCache hands remote connectors memory objects in its own CPU buffer; kvpool
+copies them to and from the arena with XXH3 fused into the copy, the fastest path for
+host memory. The GPU <-> CPU-buffer copy is LMCache's own (docs/integrations.md).
 """
 
 from __future__ import annotations

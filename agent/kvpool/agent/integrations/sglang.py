@@ -13,6 +13,11 @@ to learn how many leading pages are stored. Pages are copied between those
 tensors and the agent's arena directly; a batch costs one round trip to read
 and two to write. The page's dtype and shape travel as the chunk's metadata
 and a page that does not fit the tensor it is read into is a miss.
+
+Data path: SGLang hands the backend host-memory pages (its host pool); kvpool copies them
+to and from the arena with XXH3 fused into the copy, the fastest path for host memory.
+The GPU <-> host copy is SGLang's own; a GPU tensor path is not reachable through
+`HiCacheStorage` (docs/integrations.md).
 """
 
 from __future__ import annotations
