@@ -20,12 +20,16 @@ CLIENT_MODULES = ["kvpool.agent.client", "kvpool.agent.keys"]
 """What an inference process imports to compute keys and talk to its agent."""
 LIGHT_KVPOOL_MODULES = {
     "kvpool", "kvpool.agent", "kvpool.agent.client", "kvpool.agent.transport",
-    "kvpool.agent.keys", "kvpool.agent.protocol", "kvpool.agent.constants",
+    "kvpool.agent.keys", "kvpool.agent.protocol", "kvpool.agent.checksums",
+    "kvpool.agent.constants",
 }
 """Every kvpool module the client may pull in (the server side, the operator, the tools
 and the pydantic config model are none of them)."""
 HEAVY = ["kopf", "kubernetes", "boto3", "botocore", "typer", "rich", "aiohttp",
          "prometheus_client", "pydantic", "yaml"]
+OPTIONAL = ["torch", "numpy"]
+"""Imported only when a call needs them: torch when a tensor is passed (kvpool.agent.gpu),
+numpy when a WSUM checksum is computed on the CPU (kvpool.agent.checksums)."""
 
 
 def _without_pythonpath() -> dict[str, str]:
@@ -43,6 +47,7 @@ def test_importing_the_client_and_keys_loads_no_server_module_and_no_heavy_depen
     assert {m for m in loaded if m.split(".")[0] == "kvpool"} <= LIGHT_KVPOOL_MODULES, (
         sorted(m for m in loaded if m.startswith("kvpool") and m not in LIGHT_KVPOOL_MODULES))
     assert not {m.split(".")[0] for m in loaded} & set(HEAVY)
+    assert not {m.split(".")[0] for m in loaded} & set(OPTIONAL)
 
 
 _ROUND_TRIP = textwrap.dedent("""

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -341,15 +339,7 @@ def test_buffers_and_tensors_in_one_put_are_refused(tclient: KVPoolClient) -> No
         tclient.put_many(keys_for(2), [b"x" * 16, torch.zeros(4)])
 
 
-# --------------------------------------------------------------------------- light client
-
-
-def test_importing_the_client_does_not_import_torch() -> None:
-    probe = ("import sys, kvpool.agent.client, kvpool.agent.integrations; "
-             "assert 'torch' not in sys.modules, 'torch was imported'")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         timeout=120, env=os.environ.copy())
-    assert run.returncode == 0, run.stderr
+# --------------------------------------------------------------------------- on a GPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
