@@ -47,6 +47,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvpool.agent import checksums
 from kvpool.agent import protocol as p
 from kvpool.agent.arena import MAX_EXTENTS, PAGE_BYTES
 from kvpool.agent.client import KVPoolClient
@@ -300,6 +301,8 @@ def argument_error(req: p.Request, limits: p.HelloReply) -> p.ErrorCode | None:
             if p.checksum(req.data, req.meta) != req.checksum:
                 return E.CHECKSUM_MISMATCH
             return None
+        case p.Commit():  # an unknown checksum kind is refused before the lease is looked at
+            return E.BAD_ARGUMENT if req.checksum_kind not in checksums.KINDS else None
         case p.Acquire() | p.Get() | p.Delete() | p.Pin() | p.Unpin():
             return E.BAD_KEY if bad(req.key) else None
     return None
@@ -485,6 +488,7 @@ lookup_keys = st.one_of(
 )
 versions = st.one_of(st.just(p.PROTOCOL_VERSION), st.integers(I64_MIN, U64))
 rids = st.one_of(st.integers(0, 1000), st.sampled_from([U64, I64_MIN, -1]))
+checksum_kinds = st.one_of(st.sampled_from([0, 1]), u64s)  # known kinds, and unknown ones
 
 FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
     # (kind, valid values, how many leading fields are required) per op, after tag and rid.
@@ -492,7 +496,7 @@ FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
                  ("str", st.text(max_size=20), 1), ("int", u64s, 1)],
     p.Op.LOOKUP: [("keys", lookup_keys, 1)],
     p.Op.ALLOC: [("bytes", keys, 2), ("int", sizes, 2), ("bytes", metas, 2)],
-    p.Op.COMMIT: [("int", lease_ids, 2), ("int", u64s, 2)],
+    p.Op.COMMIT: [("int", lease_ids, 2), ("int", u64s, 2), ("int", checksum_kinds, 2)],
     p.Op.ABORT: [("int", lease_ids, 1)],
     p.Op.ACQUIRE: [("bytes", keys, 1)],
     p.Op.RELEASE: [("int", lease_ids, 1)],
