@@ -264,6 +264,51 @@ def test_a_write_is_committed_only_after_its_copies_fence_completed(
         assert observer.lookup(keys) == 3
 
 
+def test_a_read_window_that_fails_midway_waits_for_its_issued_copies_before_releasing(
+        agent: LocalAgent, tclient: KVPoolClient) -> None:
+    keys = keys_for(2)
+    chunks = [chunk_segments(kv_cache(13), b) for b in range(2)]
+    assert tclient.put_many(keys, chunks) == [True] * 2
+    dests = [[torch.empty_like(s) for s in chunks[0]],
+             [torch.empty_like(s) for s in chunks[1][:-1]]]  # the second one too small
+
+    with KVPoolClient(agent.socket_path) as observer:
+        def leases_still_held() -> None:
+            assert observer.stats()["leases"]["read"] == 2
+
+        stream = StubStream(leases_still_held)
+        with pytest.raises(ValueError, match="does not fit"):
+            tclient.get_many_into(keys, lambda i, n, m: dests[i], stream=stream)
+        assert stream.waited == 1  # the first chunk's copies, before any RELEASE
+        wait_until(lambda: observer.stats()["leases"]["read"] == 0, what="the RELEASEs")
+
+
+class FirstFenceFails(StubStream):
+    """Recording the window's fence fails once (a CUDA error, say); the copies were issued."""
+
+    def record(self) -> StubStream:
+        if not self.issued or getattr(self, "failed", False):
+            return self
+        self.failed = True
+        raise RuntimeError("the device could not record the event")
+
+
+def test_a_write_window_that_fails_after_its_copies_waits_for_them_before_aborting(
+        agent: LocalAgent, tclient: KVPoolClient) -> None:
+    keys = keys_for(2)
+    chunks = [chunk_segments(kv_cache(14), b) for b in range(2)]
+    with KVPoolClient(agent.socket_path) as observer:
+        def leases_still_open() -> None:
+            assert observer.stats()["leases"]["write"] == 2
+
+        stream = FirstFenceFails(leases_still_open)
+        with pytest.raises(RuntimeError, match="could not record"):
+            tclient.put_many(keys, chunks, stream=stream)
+        assert stream.waited == 1  # the issued copies, before any ABORT
+        wait_until(lambda: observer.stats()["leases"]["write"] == 0, what="the ABORTs")
+        assert observer.lookup(keys) == 0  # nothing committed
+
+
 # --------------------------------------------------------------------------- registration
 
 

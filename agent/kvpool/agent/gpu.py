@@ -294,6 +294,13 @@ def wsum_from_partials(size: int, partials: torch.Tensor, firsts: list[int],
 # --------------------------------------------------------------------------- the arena
 
 
+def _settle(copier: CopyStream) -> None:
+    """Wait for the copies issued so far, on a path that is already failing: its own
+    error is the one to report."""
+    with contextlib.suppress(Exception):
+        copier.record().wait()
+
+
 class Connection(Protocol):
     """What the device path needs of the client's connection to the agent."""
 
@@ -349,6 +356,7 @@ class DeviceArena:
                                  for k, n, m in zip(keys, sizes, metas, strict=True)])
         leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
         written: list[tuple[int, p.AllocReply, tuple[torch.Tensor, list[int]] | None]] = []
+        fenced = False
         try:
             with copier.issue():
                 for i, reply in enumerate(replies):
@@ -360,11 +368,13 @@ class DeviceArena:
                         results[start + i] = False
                         continue
                     segs = chunks[i]
+                    written.append((i, reply, None))  # before its copies: fenced on failure
                     self._copy(plan_copies(reply.extents, [s.numel() for s in segs], sizes[i]),
                                segs, to_arena=True)
-                    partials = wsum_partials(segs) if wsum_aligned(segs) else None
-                    written.append((i, reply, partials))
+                    written[-1] = (i, reply, wsum_partials(segs) if wsum_aligned(segs)
+                                   else None)
             copier.record().wait()
+            fenced = True
             commits: list[tuple[int, p.Commit]] = []
             for i, reply, partials in written:
                 if partials is None:  # segments cut mid-word: hash the arena bytes
@@ -377,6 +387,8 @@ class DeviceArena:
                     kind = checksums.WSUM
                 commits.append((i, p.Commit(conn.rid(), reply.lease, digest, kind)))
         except BaseException:
+            if written and not fenced:
+                _settle(copier)  # no ABORT while a DMA may still write the lease's pages
             conn.cast(*[p.Abort(conn.rid(), lease) for lease in leases])
             raise
         done = conn.exchange([c for _, c in commits])
@@ -395,6 +407,7 @@ class DeviceArena:
         granted = [r for r in replies if isinstance(r, p.AcquireReply)]
         issued: list[tuple[int, p.AcquireReply, Segments]] = []
         copier: CopyStream | None = None
+        fenced = False
         try:
             for i, reply in enumerate(replies):
                 if isinstance(reply, p.ErrorReply):
@@ -418,17 +431,20 @@ class DeviceArena:
                     raise ValueError(f"the destination of key {start + i} is on "
                                      f"{segs[0].device}, an earlier one on "
                                      f"{issued[0][2][0].device}: one call, one device")
-                with copier.issue():
-                    self._copy(plan_copies(reply.extents, [s.numel() for s in segs],
-                                           reply.size), segs, to_arena=False)
+                pieces = plan_copies(reply.extents, [s.numel() for s in segs], reply.size)
                 issued.append((i, reply, segs))
+                with copier.issue():
+                    self._copy(pieces, segs, to_arena=False)
             if copier is not None:
                 copier.record().wait()
+            fenced = True
             for i, reply, segs in issued:
                 if verify and not self._verified(reply, segs):
                     continue
                 sizes[start + i] = reply.size
         finally:
+            if copier is not None and issued and not fenced:
+                _settle(copier)  # no RELEASE while a DMA may still read the lease's pages
             conn.cast(*[p.Release(conn.rid(), r.lease) for r in granted])
 
     def _verified(self, reply: p.AcquireReply, segs: Segments) -> bool:
