@@ -340,6 +340,25 @@ def test_the_arena_is_registered_once_per_mapping_and_again_after_an_agent_resta
         agent.stop()
 
 
+class Refusing(Recorder):
+    def register(self, address: int, nbytes: int) -> None:
+        super().register(address, nbytes)
+        raise RuntimeError("cudaHostRegister: out of locked memory")
+
+
+def test_a_mapping_that_cannot_be_registered_still_moves_tensors_and_says_why(
+        agent: LocalAgent, caplog: pytest.LogCaptureFixture) -> None:
+    refusing = Refusing()
+    segments = chunk_segments(kv_cache(15), 0)
+    with KVPoolClient(agent.socket_path, registrar=refusing) as c:
+        assert c.put_many(keys_for(1), [segments]) == [True]
+        out = [torch.empty_like(s) for s in segments]
+        assert c.get_many_into(keys_for(1), lambda i, n, m: out) != [0]
+    assert all(torch.equal(a, b) for a, b in zip(segments, out, strict=True))
+    assert [what for what, _ in refusing.calls] == ["register"]  # never unregistered
+    assert "not registered for DMA" in caplog.text
+
+
 # --------------------------------------------------------------------------- bad input
 
 

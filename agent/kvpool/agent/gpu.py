@@ -21,6 +21,7 @@ the agent verifies it like XXH3 wherever it verifies a chunk.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from . import checksums
 from . import protocol as p
 
 Segments = list[torch.Tensor]
+log = logging.getLogger(__name__)
 _cuda: Any = torch.cuda  # its Event and cudart() are untyped
 _SUM_BLOCK_WORDS = 1 << 22
 """Words one checksum step takes (16 MiB of chunk): bounds the int64 temporaries."""
@@ -324,7 +326,12 @@ class DeviceArena:
         self.nbytes = self.tensor.numel()
         self._registrar = registrar
         if registrar is not None:
-            registrar.register(self.address, self.nbytes)
+            try:
+                registrar.register(self.address, self.nbytes)
+            except Exception as e:  # e.g. the host's locked-memory limit: slower, not broken
+                log.warning("arena mapping not registered for DMA (%s): GPU copies go "
+                            "through pageable memory, several times slower", e)
+                self._registrar = None
 
     def close(self) -> None:
         """Unregister and drop the tensor over the mapping (so it can be unmapped)."""
