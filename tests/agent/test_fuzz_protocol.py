@@ -890,7 +890,8 @@ class AgentModel(RuleBasedStateMachine):
             c.arena[o : o + n] = data[pos : pos + n]
             pos += n
         # COMMIT trusts the client's checksum (the agent never reads zero-copy bytes);
-        # a wrong one is stored as sent and returned to readers, who verify.
+        # a wrong one is stored as sent: zero-copy readers get it and verify, an inline
+        # GET is verified by the agent (a miss, see `get`).
         digest = p.checksum(data, w.meta) if good else checksum
         self._call(i, p.Commit(self._rid(), lid, digest), p.CommitReply)
         if w.key not in self.visible:  # else another copy was committed first and wins
@@ -968,6 +969,13 @@ class AgentModel(RuleBasedStateMachine):
         req = p.Get(self._rid(), key)
         if key not in self.visible:
             self._call(i, req, E.NOT_FOUND)
+        elif self.visible[key].checksum != p.checksum(self.visible[key].data,
+                                                      self.visible[key].meta):
+            # The agent verifies what it hands out by value: bytes that do not match their
+            # checksum are a miss, never data, and the chunk is dropped (its pin stays, as
+            # for a chunk evicted; a reader's lease keeps its bytes until it releases).
+            self._call(i, req, E.NOT_FOUND)
+            del self.visible[key]
         else:
             chunk = self.visible[key]
             reply = self._call(i, req, p.GetReply)
