@@ -57,6 +57,7 @@ from .webhook import (
     admit_pool,
     check_pool,
     inject,
+    readiness_warning,
     requested_pool,
     spec_changed,
 )
@@ -232,6 +233,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 if result != "unchanged":
                     logger.info("%s %s %s", obj["kind"], obj["metadata"]["name"], result)
         except Problem as problem:
+            _sync_policies(ctx, ns, logger)
             metrics.failed(api.POOL_KIND, problem.reason)
             status = pool_status(
                 pool=pool,
@@ -262,7 +264,16 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
         except KubeError as e:
             metrics.failed(api.POOL_KIND, Reason.APPLY_FAILED)
             raise kopf.TemporaryError(f"cannot write the status: {e}", delay=delay) from e
+        _sync_policies(ctx, ns, logger)
     metrics.succeeded(api.POOL_KIND)
+
+
+def _sync_policies(ctx: Context, namespace: str, logger: Logger, gone: str | None = None) -> None:
+    try:
+        sync_policy_pools(ctx, namespace, gone)
+    except KubeError as e:
+        # The next reconcile of any pool or policy of the namespace fixes it.
+        logger.warning("cannot update the policies' status.pools: %s", e)
 
 
 def refresh_pool_status(
@@ -297,6 +308,41 @@ def _pools_using(ctx: Context, namespace: str, policy: str) -> list[dict[str, An
         if ((p.get("spec") or {}).get("policyRef") or {}).get("name") == policy
         and not (p.get("metadata") or {}).get("deletionTimestamp")
     ]
+
+
+def policy_pools(pools: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Policy name -> the sorted names of the live pools that reference it."""
+    out: dict[str, list[str]] = {}
+    for pool in pools:
+        meta = pool.get("metadata") or {}
+        ref = ((pool.get("spec") or {}).get("policyRef") or {}).get("name")
+        if ref and not meta.get("deletionTimestamp"):
+            out.setdefault(str(ref), []).append(str(meta.get("name")))
+    return {name: sorted(names) for name, names in out.items()}
+
+
+def sync_policy_pools(ctx: Context, namespace: str, gone: str | None = None) -> None:
+    """Make every KVTierPolicy of `namespace` list exactly the pools that reference it now
+    (`gone`: a pool being deleted, left out). Run by every pool reconcile and deletion, so
+    `status.pools` follows pools created, deleted and re-pointed within one reconcile."""
+    pools = [
+        p
+        for p in ctx.kube.list(api.API_VERSION, api.POOL_KIND, namespace)
+        if (p.get("metadata") or {}).get("name") != gone
+    ]
+    using = policy_pools(pools)
+    for policy in ctx.kube.list(api.API_VERSION, api.POLICY_KIND, namespace):
+        name = str((policy.get("metadata") or {}).get("name"))
+        want = using.get(name, [])
+        if ((policy.get("status") or {}).get("pools") or []) != want:
+            ctx.kube.patch(
+                api.API_VERSION,
+                api.POLICY_KIND,
+                namespace,
+                name,
+                {"status": {"pools": want}},
+                "status",
+            )
 
 
 def propagate_policy(
@@ -451,6 +497,7 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: 
         for kind in ("ClusterRoleBinding", "ClusterRole"):
             for obj in ctx.kube.list(RBAC, kind, None, cluster_selector(ns, name)):
                 ctx.kube.delete(RBAC, kind, None, obj["metadata"]["name"])
+        _sync_policies(ctx, ns, logger, gone=name)
     except KubeError as e:
         raise kopf.TemporaryError(
             str(e), delay=backoff(retry, ctx.retry_delay, ctx.retry_max)
@@ -556,9 +603,11 @@ def build_registry(
             annotations={api.POOL_ANNOTATION: kopf.PRESENT},
             registry=registry,
         )
-        def inject_pod(*, body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
+        def inject_pod(
+            *, body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any
+        ) -> None:
             # kopf passes the index under its id.
-            mutate_pod(body, patch, kwargs["pools_by_name"])
+            mutate_pod(body, patch, kwargs["pools_by_name"], warnings)
 
         @kopf.on.validate(
             *POOL, id=VALIDATE_POOL_ID, operations=["CREATE", "UPDATE"], registry=registry
@@ -589,8 +638,15 @@ def mutate_pod(
     body: Mapping[str, Any],
     patch: kopf.Patch,
     pools: Mapping[tuple[str, str], Any],
+    warnings: list[str] | None = None,
 ) -> None:
-    """The webhook's work: find the pool the pod names, and inject it (or reject the pod)."""
+    """The webhook's work: find the pool the pod names, and inject it (or reject the pod).
+
+    The pod's namespace is the admission request's (`NamespacedWebhookServer` puts it in
+    the body). `warnings` get what the user should know: the pool does not serve yet, or
+    why the pod is refused (also shown by `kubectl` on a refusal).
+    """
+    warnings = warnings if warnings is not None else []
     pool_name = requested_pool(body)
     if pool_name is None:
         return
@@ -601,7 +657,12 @@ def mutate_pod(
         pool = check_pool(pool_name, namespace, pool_body)
         inject(copy.deepcopy(dict(body)), pool)  # validates the tenant before the patch is built
     except Rejected as e:
+        warnings.append(str(e))
         raise kopf.AdmissionError(str(e), code=400) from e
+    assert pool_body is not None
+    warning = readiness_warning(pool_name, pool_body)
+    if warning is not None:
+        warnings.append(warning)
     patch.fns.append(lambda raw: inject(raw, pool))  # type: ignore[arg-type]
 
 
@@ -620,4 +681,5 @@ __all__ = [
     "propagate_policy",
     "reconcile_pool",
     "refresh_pool_status",
+    "sync_policy_pools",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import kopf
 
@@ -13,6 +15,7 @@ from . import metrics
 from .handlers import FINALIZER, Context, build_registry
 from .kube import Kube
 from .render import Settings
+from .webhook import with_request_namespace
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,20 @@ class OperatorOptions:
     retry_delay: float = 30.0
     retry_max: float = 300.0
     gc_poll: float = 10.0
+
+
+class NamespacedWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server, giving each admitted object the admission request's namespace
+    when its metadata has none (as for most controllers' pods): kopf passes handlers the
+    object only, not the request."""
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        async def with_namespace(request: Any, **kwargs: Any) -> Any:
+            with_request_namespace(request)
+            return await fn(request, **kwargs)
+
+        async for config in super().__call__(with_namespace):
+            yield config
 
 
 NAMESPACE_PATTERN_CHARS = frozenset("*?[!,")
@@ -65,13 +82,13 @@ def make_settings(options: OperatorOptions) -> kopf.OperatorSettings:
     settings.posting.level = logging.WARNING
     if options.webhook_port:
         if options.webhook_insecure:
-            settings.admission.server = kopf.WebhookServer(
+            settings.admission.server = NamespacedWebhookServer(
                 addr=options.webhook_addr, port=options.webhook_port, insecure=True
             )
         else:
             if options.webhook_cert_dir is None:
                 raise ValueError("the webhook needs a certificate directory")
-            settings.admission.server = kopf.WebhookServer(
+            settings.admission.server = NamespacedWebhookServer(
                 addr=options.webhook_addr,
                 port=options.webhook_port,
                 certfile=str(options.webhook_cert_dir / "tls.crt"),

@@ -167,8 +167,15 @@ def conditions(
     previous: Sequence[Mapping[str, Any]] = (),
     now: str | None = None,
     deleting: bool = False,
+    node_selector: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Ready, Progressing and Degraded for this observation."""
+    selector = ", ".join(f"{k}={v}" for k, v in sorted((node_selector or {}).items()))
+    no_nodes_message = (
+        f"no node matches nodeSelector {selector} (with the pool's tolerations)"
+        if selector
+        else "no schedulable node takes the agent (its tolerations match no tainted node)"
+    )
     now = now or now_rfc3339()
     prev = {str(c.get("type")): c for c in previous}
 
@@ -176,17 +183,28 @@ def conditions(
         return _condition(type_, status, reason, message, generation, prev, now)
 
     nodes = f"{rollout.ready}/{rollout.desired} agents ready, {rollout.updated} updated"
+    # What is happening, in words: never the previous spec's counts as if current.
+    if rollout.exists and not rollout.current_generation:
+        waiting: str | None = (
+            "rolling out: the DaemonSet controller has not yet taken up the new spec"
+        )
+    elif rollout.exists and not rollout.reported:
+        waiting = "waiting for the DaemonSet controller to report on the agents"
+    elif rollout.observed and rollout.desired > 0 and rollout.updated < rollout.desired:
+        waiting = (
+            f"rolling out: {rollout.updated}/{rollout.desired} agents updated, "
+            f"{rollout.ready} ready"
+        )
+    else:
+        waiting = None
     if problem is not None:
         ready = cond(READY, False, problem.reason, problem.message)
     elif not rollout.exists:
         ready = cond(READY, False, Reason.CREATING, "the agent DaemonSet is being created")
+    elif waiting is not None:
+        ready = cond(READY, False, Reason.AGENTS_NOT_READY, waiting)
     elif rollout.observed and rollout.desired == 0:
-        ready = cond(
-            READY,
-            False,
-            Reason.NO_NODES,
-            "no node matches the pool's nodeSelector and tolerations",
-        )
+        ready = cond(READY, False, Reason.NO_NODES, no_nodes_message)
     elif rollout.complete and rollout.desired > 0:
         ready = cond(READY, True, Reason.AGENTS_READY, nodes)
     else:
@@ -198,8 +216,15 @@ def conditions(
         progressing = cond(PROGRESSING, False, problem.reason, "blocked: " + problem.message)
     elif not rollout.exists:
         progressing = cond(PROGRESSING, True, Reason.CREATING, "creating the agent DaemonSet")
-    elif rollout.complete:
-        progressing = cond(PROGRESSING, False, Reason.ROLLOUT_COMPLETE, nodes)
+    elif waiting is not None:
+        progressing = cond(PROGRESSING, True, Reason.ROLLING_OUT, waiting)
+    elif rollout.complete or (rollout.observed and rollout.desired == 0):
+        progressing = cond(
+            PROGRESSING,
+            False,
+            Reason.ROLLOUT_COMPLETE,
+            nodes if rollout.desired else no_nodes_message,
+        )
     else:
         progressing = cond(PROGRESSING, True, Reason.ROLLING_OUT, nodes)
 
@@ -238,7 +263,15 @@ def pool_status(
     """The status to merge into the pool (keys left out are left as they are)."""
     rollout = Rollout.of(daemon_set)
     status: dict[str, Any] = {
-        "conditions": conditions(rollout, problem, generation, previous, now, deleting),
+        "conditions": conditions(
+            rollout,
+            problem,
+            generation,
+            previous,
+            now,
+            deleting,
+            node_selector=pool.spec.node_selector if pool is not None else None,
+        ),
         "nodes": {
             "desired": rollout.desired,
             "ready": rollout.ready,

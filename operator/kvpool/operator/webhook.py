@@ -7,7 +7,8 @@ turns the edit into the admission response's JSON patch.
 A pod of pool `<ns>/<name>` gets:
 
 - the pool's socket directory (a hostPath) mounted at the same path in every
-  container; in a pool with tenants, its tenant's socket directory
+  container (native sidecars, init containers with `restartPolicy: Always`,
+  included); in a pool with tenants, its tenant's socket directory
   (`<socketDir>/<ns>.<name>/tenants/<tenant>`) mounted there instead, so the
   pod reaches its own tenant's socket and no other (a tenant the pool does not
   list is rejected);
@@ -103,6 +104,46 @@ def host_socket_dir(pod: Mapping[str, Any], pool: api.KVCachePool) -> tuple[str,
     return tenant_socket_dir(pool, tenant), "Directory"
 
 
+def with_request_namespace(review: Mapping[str, Any]) -> None:
+    """Give the admitted object the namespace of the admission request, in place.
+
+    Most controllers create pods without `metadata.namespace` (the API server takes it
+    from the URL); the request's `namespace` is where the pod goes.
+    """
+    request = review.get("request") or {}
+    namespace = request.get("namespace")
+    obj = request.get("object")
+    if namespace and isinstance(obj, dict):
+        meta = obj.setdefault("metadata", {})
+        if isinstance(meta, dict) and not meta.get("namespace"):
+            meta["namespace"] = namespace
+
+
+def containers_of(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The containers that run beside the app: `containers` and native sidecars (init
+    containers with `restartPolicy: Always`, which run for the pod's whole life)."""
+    sidecars = [
+        c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"
+    ]
+    return [*(spec.get("containers") or []), *sidecars]
+
+
+def readiness_warning(pool_name: str, body: Mapping[str, Any]) -> str | None:
+    """An admission warning when the pool the pod joins does not serve yet."""
+    for c in (body.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready":
+            if c.get("status") == "True":
+                return None
+            return (
+                f"KVCachePool {pool_name!r} is not ready ({c.get('reason')}: "
+                f"{c.get('message')}): the pod waits for a node whose agent serves the pool"
+            )
+    return (
+        f"KVCachePool {pool_name!r} has no Ready condition yet: the pod waits for a node "
+        "whose agent serves the pool"
+    )
+
+
 def inject(pod: dict[str, Any], pool: api.KVCachePool) -> None:
     """Add the pool's socket, env and node affinity to `pod` (in place, idempotent)."""
     ns, name = pool.metadata.namespace, pool.metadata.name
@@ -113,7 +154,7 @@ def inject(pod: dict[str, Any], pool: api.KVCachePool) -> None:
 
     volumes = spec.setdefault("volumes", [])
     _upsert(volumes, {"name": SOCKET_VOLUME, "hostPath": {"path": host_dir, "type": host_dir_type}})
-    for container in spec.get("containers") or []:
+    for container in containers_of(spec):
         mounts = container.setdefault("volumeMounts", [])
         mounts[:] = [m for m in mounts if m.get("name") != SOCKET_VOLUME]
         mounts.append({"name": SOCKET_VOLUME, "mountPath": directory})

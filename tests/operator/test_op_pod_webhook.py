@@ -1,0 +1,142 @@
+"""The pod webhook, as the API server calls it: the namespace comes from the admission
+request, native sidecars are injected like containers, and warnings say what to expect."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import uuid
+from typing import Any
+
+import aiohttp
+import jsonpatch
+import pytest
+from op_cluster import NAMESPACE, Cluster, Emulator
+from op_support import example
+
+from kvpool.operator import api
+
+pytestmark = pytest.mark.kmock(cls=Emulator)
+
+SOCKET_DIR = "/run/kvpool/inference.small"
+
+
+def _review(pod: dict[str, Any], namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+            "object": pod,
+            "dryRun": False,
+        },
+    }
+
+
+async def _admit(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
+    async def post() -> dict[str, Any] | None:
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{cluster.webhook_url}/kvpool-inject",
+                    json=_review(pod, NAMESPACE),
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+                response: dict[str, Any] = (await resp.json())["response"]
+                return response
+        except aiohttp.ClientConnectorError:
+            return None
+
+    return await cluster.eventually(post, "the webhook's answer")
+
+
+def _pod(**spec: Any) -> dict[str, Any]:
+    """A pod as a ReplicaSet controller creates it: no metadata.namespace."""
+    pod = copy.deepcopy(example("pod.yaml", "Pod"))
+    pod["metadata"].pop("namespace", None)
+    pod["metadata"]["annotations"] = {"kvpool.io/pool": "small"}
+    pod["spec"].update(spec)
+    return pod
+
+
+async def _start_pool(cluster: Cluster) -> None:
+    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
+    body["metadata"]["namespace"] = NAMESPACE
+    await cluster.create(body)
+
+    async def indexed() -> bool:
+        pool = await cluster.pool("small")
+        return bool(pool and (pool.get("status") or {}).get("conditions"))
+
+    await cluster.eventually(indexed, "the pool reconciled")
+
+
+def _mutated(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+    assert response["allowed"] is True, response
+    ops = json.loads(base64.b64decode(response["patch"]))
+    result: dict[str, Any] = jsonpatch.apply_patch(copy.deepcopy(pod), ops)
+    return result
+
+
+async def test_a_pod_without_metadata_namespace_joins_the_pool_of_its_request(
+    cluster: Cluster,
+) -> None:
+    await _start_pool(cluster)
+    pod = _pod()
+    mutated = _mutated(pod, await _admit(cluster, pod))
+    env = {e["name"]: e["value"] for e in mutated["spec"]["containers"][0]["env"]}
+    assert env["KVPOOL_POOL"] == "inference.small"
+    assert "namespace" not in mutated["metadata"]  # the patch adds nothing but the pool's
+
+
+async def test_native_sidecars_get_the_socket_and_env_but_other_init_containers_do_not(
+    cluster: Cluster,
+) -> None:
+    await _start_pool(cluster)
+    sidecar = {"name": "cache-proxy", "image": "proxy:1", "restartPolicy": "Always"}
+    setup = {"name": "download", "image": "fetch:1"}
+    pod = _pod(initContainers=[setup, sidecar])
+    mutated = _mutated(pod, await _admit(cluster, pod))
+    setup_out, sidecar_out = mutated["spec"]["initContainers"]
+    assert {"name": "kvpool-socket", "mountPath": SOCKET_DIR} in sidecar_out["volumeMounts"]
+    assert "KVPOOL_SOCKET" in {e["name"] for e in sidecar_out["env"]}
+    assert "volumeMounts" not in setup_out and "env" not in setup_out
+
+
+async def test_a_pod_joining_a_pool_that_does_not_serve_yet_gets_a_warning(
+    cluster: Cluster,
+) -> None:
+    await _start_pool(cluster)  # no agent is ready on the emulator
+    response = await _admit(cluster, _pod())
+    assert response["allowed"] is True
+    (warning,) = response["warnings"]
+    assert "KVCachePool 'small'" in warning
+    assert "the pod waits for a node whose agent serves the pool" in warning
+
+
+async def test_a_pod_naming_an_unknown_pool_is_refused_with_a_warning(cluster: Cluster) -> None:
+    pod = _pod()
+    pod["metadata"]["annotations"]["kvpool.io/pool"] = "nope"
+    response = await _admit(cluster, pod)
+    assert response["allowed"] is False
+    assert "'nope' not found in namespace 'inference'" in response["status"]["message"]
+    assert any("not found" in w for w in response["warnings"])
+
+
+def test_a_ready_pool_gives_no_warning() -> None:
+    from kvpool.operator.webhook import readiness_warning
+
+    ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    assert readiness_warning("small", ready) is None
+    waiting = {"status": {"conditions": [{"type": "Ready", "status": "False",
+                                         "reason": "NoMatchingNodes", "message": "no node"}]}}
+    assert "NoMatchingNodes" in (readiness_warning("small", waiting) or "")
