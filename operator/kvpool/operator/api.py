@@ -319,6 +319,12 @@ class KVCachePoolStatus(Model):
     observed_generation: int | None = Field(
         None, description="metadata.generation of the last reconciled spec."
     )
+    applied_generation: int | None = Field(
+        None,
+        description="metadata.generation of the spec the agents run (tiers, capacity and "
+        "socket below describe it): behind observedGeneration while an invalid or "
+        "disallowed edit is refused.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Progressing, Degraded."
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -87,6 +87,10 @@ class Context:
     """Seconds between checks of a running garbage-collection Job."""
     connection: kopf.ConnectionInfo | None = None
     """Where kopf connects; None: the in-cluster or kubeconfig login."""
+    applied: dict[tuple[str, str], api.KVCachePool] = field(default_factory=dict)
+    """(namespace, name) -> the pool as last applied: what its agents run. The pod webhook
+    admits pods for it while an invalid edit of the pool is refused (in memory: an
+    operator restarted since knows only the stored spec)."""
 
 
 def backoff(retry: int, base: float, cap: float) -> float:
@@ -264,6 +268,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
         except KubeError as e:
             metrics.failed(api.POOL_KIND, Reason.APPLY_FAILED)
             raise kopf.TemporaryError(f"cannot write the status: {e}", delay=delay) from e
+        ctx.applied[(ns, name)] = pool
         _sync_policies(ctx, ns, logger)
     metrics.succeeded(api.POOL_KIND)
 
@@ -607,7 +612,8 @@ def build_registry(
             *, body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any
         ) -> None:
             # kopf passes the index under its id.
-            mutate_pod(body, patch, kwargs["pools_by_name"], warnings)
+            ctx = context(kwargs["memo"])
+            mutate_pod(body, patch, kwargs["pools_by_name"], warnings, ctx.applied)
 
         @kopf.on.validate(
             *POOL, id=VALIDATE_POOL_ID, operations=["CREATE", "UPDATE"], registry=registry
@@ -639,6 +645,7 @@ def mutate_pod(
     patch: kopf.Patch,
     pools: Mapping[tuple[str, str], Any],
     warnings: list[str] | None = None,
+    applied: Mapping[tuple[str, str], api.KVCachePool] | None = None,
 ) -> None:
     """The webhook's work: find the pool the pod names, and inject it (or reject the pod).
 
@@ -654,7 +661,17 @@ def mutate_pod(
     found = pools.get((namespace, pool_name))
     pool_body = next(iter(found), None) if found is not None else None
     try:
-        pool = check_pool(pool_name, namespace, pool_body)
+        try:
+            pool = check_pool(pool_name, namespace, pool_body)
+        except Rejected as e:
+            # An invalid edit stored past the validating webhook changes nothing that runs:
+            # pods join the pool as its agents run it.
+            deleting = (pool_body or {}).get("metadata", {}).get("deletionTimestamp")
+            last = (applied or {}).get((namespace, pool_name))
+            if pool_body is None or deleting or last is None:
+                raise
+            pool = last
+            warnings.append(f"{e}; the pod joins the pool as its agents run it")
         inject(copy.deepcopy(dict(body)), pool)  # validates the tenant before the patch is built
     except Rejected as e:
         warnings.append(str(e))

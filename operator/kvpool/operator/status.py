@@ -3,7 +3,10 @@
 Conditions (Kubernetes API conventions: `type`, `status`, CamelCase `reason`,
 `message`, `observedGeneration`, `lastTransitionTime`):
 
-- `Ready`: every desired node runs a ready agent of the current template.
+- `Ready`: every desired node runs a ready agent of the current template. An invalid
+  spec stored past the admission webhook changes nothing that runs: `Ready` keeps
+  following the agents of the last good spec (`status.appliedGeneration`), and
+  `Degraded`/`InvalidSpec` says why the edit is not applied.
 - `Progressing`: the agent DaemonSet is rolling out (or being created).
 - `Degraded`: something the user must fix — the reason says what.
 
@@ -197,7 +200,8 @@ def conditions(
         )
     else:
         waiting = None
-    if problem is not None:
+    if problem is not None and (problem.reason != Reason.INVALID_SPEC or not rollout.exists):
+        # An invalid edit leaves running agents as they are: Ready follows them.
         ready = cond(READY, False, problem.reason, problem.message)
     elif not rollout.exists:
         ready = cond(READY, False, Reason.CREATING, "the agent DaemonSet is being created")
@@ -281,6 +285,8 @@ def pool_status(
     }
     if generation is not None:
         status["observedGeneration"] = generation
+        if problem is None and pool is not None and not deleting:
+            status["appliedGeneration"] = generation
     if pool is not None:
         status["tiers"] = "+".join(pool.spec.tiers.served())
         status["capacity"] = capacity(pool, rollout.desired)
