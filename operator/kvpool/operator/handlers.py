@@ -237,7 +237,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 if result != "unchanged":
                     logger.info("%s %s %s", obj["kind"], obj["metadata"]["name"], result)
         except Problem as problem:
-            _sync_policies(ctx, ns, logger)
+            _sync_policies(ctx, body, logger)
             metrics.failed(api.POOL_KIND, problem.reason)
             status = pool_status(
                 pool=pool,
@@ -269,13 +269,17 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
             metrics.failed(api.POOL_KIND, Reason.APPLY_FAILED)
             raise kopf.TemporaryError(f"cannot write the status: {e}", delay=delay) from e
         ctx.applied[(ns, name)] = pool
-        _sync_policies(ctx, ns, logger)
+        _sync_policies(ctx, body, logger)
     metrics.succeeded(api.POOL_KIND)
 
 
-def _sync_policies(ctx: Context, namespace: str, logger: Logger, gone: str | None = None) -> None:
+def _sync_policies(
+    ctx: Context, body: Mapping[str, Any], logger: Logger, gone: bool = False
+) -> None:
+    meta = body["metadata"]
+    ref = ((body.get("spec") or {}).get("policyRef") or {}).get("name")
     try:
-        sync_policy_pools(ctx, namespace, gone)
+        sync_policy_pools(ctx, meta["namespace"], meta["name"], ref, gone)
     except KubeError as e:
         # The next reconcile of any pool or policy of the namespace fixes it.
         logger.warning("cannot update the policies' status.pools: %s", e)
@@ -326,17 +330,28 @@ def policy_pools(pools: list[dict[str, Any]]) -> dict[str, list[str]]:
     return {name: sorted(names) for name, names in out.items()}
 
 
-def sync_policy_pools(ctx: Context, namespace: str, gone: str | None = None) -> None:
-    """Make every KVTierPolicy of `namespace` list exactly the pools that reference it now
-    (`gone`: a pool being deleted, left out). Run by every pool reconcile and deletion, so
-    `status.pools` follows pools created, deleted and re-pointed within one reconcile."""
+def sync_policy_pools(
+    ctx: Context, namespace: str, pool: str, ref: str | None, gone: bool = False
+) -> None:
+    """Make every KVTierPolicy of `namespace` list exactly the pools that reference it now,
+    if `pool` (referencing policy `ref`; `gone`: being deleted) is listed wrongly anywhere.
+    Run by every pool reconcile and deletion, so `status.pools` follows pools created,
+    deleted and re-pointed within one reconcile; a pool listed rightly costs one list of
+    the namespace's policies."""
+    policies = ctx.kube.list(api.API_VERSION, api.POLICY_KIND, namespace)
+    if all(
+        (pool in ((p.get("status") or {}).get("pools") or []))
+        == (not gone and (p.get("metadata") or {}).get("name") == ref)
+        for p in policies
+    ):
+        return
     pools = [
         p
         for p in ctx.kube.list(api.API_VERSION, api.POOL_KIND, namespace)
-        if (p.get("metadata") or {}).get("name") != gone
+        if not (gone and (p.get("metadata") or {}).get("name") == pool)
     ]
     using = policy_pools(pools)
-    for policy in ctx.kube.list(api.API_VERSION, api.POLICY_KIND, namespace):
+    for policy in policies:
         name = str((policy.get("metadata") or {}).get("name"))
         want = using.get(name, [])
         if ((policy.get("status") or {}).get("pools") or []) != want:
@@ -502,7 +517,7 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: 
         for kind in ("ClusterRoleBinding", "ClusterRole"):
             for obj in ctx.kube.list(RBAC, kind, None, cluster_selector(ns, name)):
                 ctx.kube.delete(RBAC, kind, None, obj["metadata"]["name"])
-        _sync_policies(ctx, ns, logger, gone=name)
+        _sync_policies(ctx, body, logger, gone=True)
     except KubeError as e:
         raise kopf.TemporaryError(
             str(e), delay=backoff(retry, ctx.retry_delay, ctx.retry_max)
