@@ -220,3 +220,35 @@ def test_idle_write_lease_expires(tmp_path) -> None:
         assert used_bytes(c) > base
         raw.close()
         wait_until(lambda: used_bytes(c) == base, what="the expired lease's pages to be freed")
+
+
+def rss_bytes(agent: LocalAgent) -> int:
+    assert agent.proc is not None
+    with open(f"/proc/{agent.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_idle_connections_hold_no_memory_of_a_large_rejected_frame(agent, client) -> None:
+    """A connection's receive buffer grows for a large frame and goes back once the frame
+    is handled: idle connections, each after one rejected 32 MiB PUT, hold none of it."""
+    frames = 4
+    size = 32 << 20
+    before = rss_bytes(agent)
+    conns = [RawConn(agent.socket_path) for _ in range(frames)]
+    try:
+        for raw in conns:
+            data = b"\x01" * size
+            reply = raw.call(p.Put(1, b"bad key", data, p.checksum(data, b""), b""))
+            assert error_of(reply) == p.ErrorCode.BAD_KEY
+        # All of them idle now, still open: the buffers they grew are given back (within
+        # a housekeeping round).
+        wait_until(lambda: rss_bytes(agent) - before < size,
+                   f"{frames} idle connections to hold less than one frame's bytes")
+        for raw in conns:  # and each still works
+            assert isinstance(raw.call(p.Stats(2)), p.StatsReply)
+    finally:
+        for raw in conns:
+            raw.close()

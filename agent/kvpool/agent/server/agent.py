@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -17,7 +18,7 @@ import resource
 import signal
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .. import protocol as p
 from ..config import AgentConfig, ConfigError, load_policy
@@ -49,6 +50,25 @@ def connection_cap(fd_limit: int, spaces: int) -> int:
     agent's own are set aside, so one tenant's flood cannot take another tenant's."""
     reserved = min(RESERVED_FDS, fd_limit // 4)
     return max(1, (fd_limit - reserved) // spaces)
+
+
+def trim_memory() -> None:
+    """Hand freed heap pages back to the system (glibc keeps large freed blocks otherwise:
+    its mmap threshold rises to the largest block freed, so frames of many MiB come from
+    the heap). Elsewhere a no-op."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return fn
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def fd_limit() -> int:
@@ -184,6 +204,9 @@ class Agent:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             for space in self.spaces:
                 space.store.expire()
+            if self.dispatcher.memory_released:
+                self.dispatcher.memory_released = False
+                trim_memory()
             self._maybe_reload_policy()
             for space in self.spaces:
                 await space.store.probe_shared()

@@ -30,6 +30,9 @@ FRAME_TIMEOUT = 10.0
 """Longest a client may take to send the rest of a frame it started."""
 SEND_TIMEOUT = 10.0
 """Longest a reply may wait for a client to read; then the client is dropped."""
+RECEIVE_BUFFER = 64 * 1024
+"""What a connection's receive buffer holds between frames. It grows for a large frame
+and goes back to this once the frame is handled, so an idle connection holds no more."""
 
 
 class Closed(Exception):
@@ -46,7 +49,7 @@ class Connection:
         self.id = cid
         self.tenant = space.tenant
         self.hello = False
-        self.buf = bytearray(64 * 1024)
+        self.buf = bytearray(RECEIVE_BUFFER)
         self.start = 0
         self.end = 0
         self.task: asyncio.Task[None] | None = None
@@ -84,6 +87,9 @@ class Connection:
     async def read_frame(self) -> bytes:
         if self.end == self.start:
             self.start = self.end = 0
+            if len(self.buf) > RECEIVE_BUFFER:  # a large frame is done with: give it back
+                self.buf = bytearray(RECEIVE_BUFFER)
+                self.dispatcher.memory_released = True
         await self._fill(1, None)  # idle between frames: no limit
         await self._fill(p.HEADER.size, FRAME_TIMEOUT)  # inside a frame: the frame timeout
         (length,) = p.HEADER.unpack_from(self.buf, self.start)
@@ -94,7 +100,8 @@ class Connection:
             raise Closed("frame too large")
         self.start += p.HEADER.size
         await self._fill(length, FRAME_TIMEOUT)
-        body = bytes(self.buf[self.start : self.start + length])
+        with memoryview(self.buf) as view:  # one copy of the body, not two
+            body = bytes(view[self.start : self.start + length])
         self.start += length
         return body
 
@@ -111,45 +118,48 @@ class Connection:
         await self.send(p.encode(p.ErrorReply(rid=rid, code=int(code), message=message)))
 
     async def serve(self) -> None:
-        metrics = self.dispatcher.metrics
         while True:
-            body = await self.read_frame()
-            started = time.perf_counter()
-            try:
-                req = p.request_decoder.decode(body)
-            except msgspec.ValidationError as e:
-                tag = p.peek_tag(body)
-                if tag is not None and tag not in p.Op._value2member_map_:
-                    metrics.op_error(0, p.ErrorCode.UNKNOWN_OP)
-                    await self.send_error(0, p.ErrorCode.UNKNOWN_OP, f"unknown op {tag}")
-                    raise Closed("unknown op") from e
-                metrics.op_error(tag or 0, p.ErrorCode.BAD_FRAME)
-                await self.send_error(0, p.ErrorCode.BAD_FRAME, f"malformed request: {e}")
-                raise Closed("malformed frame") from e
-            except msgspec.DecodeError as e:
-                metrics.op_error(0, p.ErrorCode.BAD_FRAME)
-                await self.send_error(0, p.ErrorCode.BAD_FRAME, f"undecodable frame: {e}")
-                raise Closed("undecodable frame") from e
-            op = p.Op(type(req).__struct_config__.tag)
-            try:
-                if not self.hello and op is not p.Op.HELLO:
-                    raise OpError(p.ErrorCode.HELLO_REQUIRED, "send HELLO first")
-                if op is p.Op.HELLO:
-                    assert isinstance(req, p.Hello)
-                    await self._hello(req)
-                else:
-                    await self.send(p.encode(await self.dispatcher.dispatch(self, op, req)))
-                metrics.ops_ok[op].inc()
-            except OpError as e:
-                metrics.op_error(op, e.code)
-                await self.send_error(req.rid, e.code, e.message)
-            except Closed:
-                raise
-            except Exception as e:  # a bug must cost one request, not the agent
-                log.exception("internal error serving %s", op.name)
-                metrics.op_error(op, p.ErrorCode.INTERNAL)
-                await self.send_error(req.rid, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            metrics.latency[op].observe(time.perf_counter() - started)
+            # No frame outlives its handling: an idle connection holds none of its bytes.
+            await self._handle(await self.read_frame())
+
+    async def _handle(self, body: bytes) -> None:
+        metrics = self.dispatcher.metrics
+        started = time.perf_counter()
+        try:
+            req = p.request_decoder.decode(body)
+        except msgspec.ValidationError as e:
+            tag = p.peek_tag(body)
+            if tag is not None and tag not in p.Op._value2member_map_:
+                metrics.op_error(0, p.ErrorCode.UNKNOWN_OP)
+                await self.send_error(0, p.ErrorCode.UNKNOWN_OP, f"unknown op {tag}")
+                raise Closed("unknown op") from e
+            metrics.op_error(tag or 0, p.ErrorCode.BAD_FRAME)
+            await self.send_error(0, p.ErrorCode.BAD_FRAME, f"malformed request: {e}")
+            raise Closed("malformed frame") from e
+        except msgspec.DecodeError as e:
+            metrics.op_error(0, p.ErrorCode.BAD_FRAME)
+            await self.send_error(0, p.ErrorCode.BAD_FRAME, f"undecodable frame: {e}")
+            raise Closed("undecodable frame") from e
+        op = p.Op(type(req).__struct_config__.tag)
+        try:
+            if not self.hello and op is not p.Op.HELLO:
+                raise OpError(p.ErrorCode.HELLO_REQUIRED, "send HELLO first")
+            if op is p.Op.HELLO:
+                assert isinstance(req, p.Hello)
+                await self._hello(req)
+            else:
+                await self.send(p.encode(await self.dispatcher.dispatch(self, op, req)))
+            metrics.ops_ok[op].inc()
+        except OpError as e:
+            metrics.op_error(op, e.code)
+            await self.send_error(req.rid, e.code, e.message)
+        except Closed:
+            raise
+        except Exception as e:  # a bug must cost one request, not the agent
+            log.exception("internal error serving %s", op.name)
+            metrics.op_error(op, p.ErrorCode.INTERNAL)
+            await self.send_error(req.rid, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        metrics.latency[op].observe(time.perf_counter() - started)
 
     async def _hello(self, req: p.Hello) -> None:
         if req.version != p.PROTOCOL_VERSION:

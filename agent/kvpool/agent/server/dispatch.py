@@ -26,6 +26,8 @@ class Dispatcher:
                  clients: Callable[[Space], int]) -> None:
         self.metrics = metrics
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
+        self.memory_released = False
+        """A connection gave back a large receive buffer since the last `trim_memory`."""
         self._clients = clients
         """Connections a space has now (STATS reports them)."""
         self.handlers: dict[p.Op, Handler] = {
