@@ -82,3 +82,63 @@ def test_deleted_chunk_under_a_read_lease_stays_readable_until_release(tmp_path)
         assert c.stats()["tiers"]["dram"]["used_bytes"] == used  # bytes still being read
         raw.call(p.Release(2, lease.lease))
         assert c.stats()["tiers"]["dram"]["used_bytes"] == used - MiB
+
+
+def test_a_chunk_that_can_never_fit_is_refused_before_anything_is_evicted(tmp_path) -> None:
+    """A 40 MiB ALLOC on a 32 MiB arena (the default max chunk is 64 MiB) evicts nothing."""
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="32Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 20)
+        raw = RawConn(agent.socket_path)
+        try:
+            reply = raw.call(p.Alloc(1, os.urandom(16), 40 * MiB))
+        finally:
+            raw.close()
+        assert isinstance(reply, p.ErrorReply) and reply.code == p.ErrorCode.NO_SPACE, reply
+        assert "never fit" in reply.message
+        assert c.lookup(keys) == 20
+        assert scrape(agent)['kvpool_tier_evictions_total{pool="default",reason="capacity",'
+                             'tier="dram"}'] == 0
+
+
+def test_one_connections_uncommitted_allocs_cannot_flush_the_arena(tmp_path) -> None:
+    """4,096 one-byte ALLOCs never committed take at most half of a 16 MiB arena: the
+    chunks stored in the other half stay."""
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="16Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        keys = fill(c, 8)
+        raw = RawConn(agent.socket_path)
+        try:
+            replies: list[p.Reply] = []
+            for first in range(0, 4096, 256):  # pipelined, a window at a time
+                raw.send(b"".join(p.encode(p.Alloc(first + i + 2, os.urandom(16), 1))
+                                  for i in range(256)))
+                replies += [raw.reply() for _ in range(256)]
+            granted = [r for r in replies if isinstance(r, p.AllocReply)]
+            refused = [r for r in replies if isinstance(r, p.ErrorReply)]
+            assert len(granted) == 2048, len(granted)  # 8 MiB of 4 KiB pages
+            assert {r.code for r in refused} == {p.ErrorCode.NO_SPACE}
+            assert "uncommitted" in refused[0].message
+            assert c.lookup(keys) == 8
+        finally:
+            raw.close()
+
+
+def test_a_put_into_a_fragmented_arena_evicts_until_its_runs_join(tmp_path) -> None:
+    """Free pages split into more runs than one chunk may take (1,024 extents): the put
+    evicts on in LRU order until the freed pages join, instead of refusing."""
+    with LocalAgent(*capacity_only(tmp_path), workdir=tmp_path, dram="16Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        page = 4096
+        keys = [os.urandom(16) for _ in range(4096)]
+        for i in range(0, len(keys), 256):
+            window = keys[i : i + 256]
+            assert all(r is True for r in c.put_many(window, [k * (page // 16) for k in window]))
+        for k in keys[::2]:  # 2,048 one-page holes: 8 MiB free, in 2,048 runs
+            assert c.delete(k)
+        big = os.urandom(16)
+        data = big * (6 * MiB // 16)
+        assert c.put(big, data)
+        assert c.get(big) == data
+        assert scrape(agent)['kvpool_tier_evictions_total{pool="default",reason="capacity",'
+                             'tier="dram"}'] > 0

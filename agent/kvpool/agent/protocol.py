@@ -62,7 +62,8 @@ class ErrorCode(IntEnum):
     NOT_FOUND = 6
     """The key is in no tier (or failed its checksum, which is the same to a client)."""
     NO_SPACE = 7
-    """The arena cannot fit the chunk even after evicting everything evictable."""
+    """The arena cannot fit the chunk even after evicting everything evictable (then nothing
+    is evicted), or the connection's uncommitted writes hold half of the arena."""
     UNKNOWN_LEASE = 8
     """The lease id is not open on this connection (never granted, released, expired)."""
     CHECKSUM_MISMATCH = 9

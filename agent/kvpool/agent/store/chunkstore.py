@@ -65,6 +65,9 @@ from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot
 log = logging.getLogger(__name__)
 
 MAX_LEASES_PER_CLIENT = 4096
+UNCOMMITTED_SHARE = 2
+"""A connection's uncommitted writes take at most 1/this of the arena: ALLOCs never
+committed must not flush the arena (they cannot be evicted)."""
 RECENT_LOOKUPS = 1 << 16
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
 
@@ -96,6 +99,8 @@ class ChunkStore:
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
         """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
         self.counts = LookupCounts()
+        self.uncommitted: dict[int, int] = {}
+        """Arena bytes (whole pages) under each connection's open write leases."""
         self.dram_queue = new_queue(policy.tiers.dram.eviction)
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         """Background writes and deletes: demotions, file removals, shared deletes and probes."""
@@ -232,10 +237,30 @@ class ChunkStore:
         if self.contains(key):
             return None
         self._check_lease_budget(owner)
+        pages = self._pages(size)
+        self._check_fits(size)
+        held = self.uncommitted.get(owner, 0)
+        if held + pages > self.dram.capacity_bytes // UNCOMMITTED_SHARE:
+            raise OpError(ErrorCode.NO_SPACE,
+                          f"this connection's uncommitted writes hold {held} bytes of the "
+                          f"arena; at most {self.dram.capacity_bytes // UNCOMMITTED_SHARE} "
+                          "(half of it): commit or abort some first")
         extents = self._allocate(size)
         lease = self.dram.open_write(key, extents, size, meta, tenant, owner,
                                      self.config.write_lease_timeout)
+        self.uncommitted[owner] = held + pages
         return Granted(lease.id, extents, size)
+
+    def _pages(self, size: int) -> int:
+        """Arena bytes a chunk of `size` takes: whole pages."""
+        return self.dram.alloc.pages_for(size) * self.dram.alloc.page
+
+    def _write_closed(self, owner: int, size: int) -> None:
+        left = self.uncommitted.get(owner, 0) - self._pages(size)
+        if left > 0:
+            self.uncommitted[owner] = left
+        else:
+            self.uncommitted.pop(owner, None)
 
     def commit(self, lease_id: int, checksum_: int, owner: int,
                kind: int = checksums.XXH3) -> None:
@@ -245,6 +270,7 @@ class ChunkStore:
         if lease is None:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
                           f"write lease {lease_id} is not open on this connection")
+        self._write_closed(owner, lease.size)
         if self.contains(lease.key):
             # Another client stored the same key first: keep theirs.
             self.dram.alloc.free(lease.extents)
@@ -258,6 +284,7 @@ class ChunkStore:
         if lease is None:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
                           f"write lease {lease_id} is not open on this connection")
+        self._write_closed(owner, lease.size)
         self.dram.alloc.free(lease.extents)
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
@@ -426,7 +453,7 @@ class ChunkStore:
 
     def _footprint(self, chunk: pol.Entry) -> int:
         """Arena bytes a DRAM chunk frees: whole pages."""
-        return self.dram.alloc.pages_for(chunk.size) * self.dram.alloc.page
+        return self._pages(chunk.size)
 
     def _evict_dram_to(self, target: int, reason: str) -> None:
         with contextlib.closing(self.dram_queue.candidates()) as walk:
@@ -482,18 +509,44 @@ class ChunkStore:
             self._evict_dram_to(target, "watermark")
 
     def _allocate(self, size: int) -> Extents:
-        """Extents for a new chunk, evicting by policy as needed."""
-        extents = self.dram.alloc.alloc(size)
+        """Extents for a new chunk, evicting by policy as needed.
+
+        Nothing is evicted for a chunk that cannot fit even then (larger than the arena,
+        or more than its free and evictable bytes together). Where the free bytes would
+        do but are split into too many runs, more chunks go, in eviction order, until
+        their pages join into room enough."""
+        d = self.dram
+        extents = d.alloc.alloc(size)
         if extents is not None:
             return extents
-        need = self.dram.used_bytes + self.dram.alloc.pages_for(size) * self.dram.alloc.page \
-            - self.dram.capacity_bytes
-        self._evict_dram_to(self.dram.used_bytes - max(need, 0), "capacity")
-        extents = self.dram.alloc.alloc(size)
-        if extents is not None:
-            return extents
-        raise OpError(ErrorCode.NO_SPACE,
-                      f"no room for {size} bytes: the arena's chunks are all leased or pinned")
+        need = self._pages(size)
+        self._check_fits(size)
+        free = d.capacity_bytes - d.used_bytes
+        with contextlib.closing(self.dram_queue.candidates()) as walk:
+            victims = pol.choose_victims(
+                walk, tier="dram", policy=self.policy, used=d.used_bytes,
+                target=d.capacity_bytes - need, reason="capacity", protected=d.protected,
+                footprint=self._footprint)
+        evictable = sum(self._footprint(c) for v in victims if (c := d.get(v.key)) is not None)
+        if free + evictable < need:
+            raise OpError(ErrorCode.NO_SPACE,
+                          f"no room for {size} bytes: {free} free and {evictable} evictable; "
+                          "the rest is leased or pinned, or being written")
+        self._evict_dram(victims)
+        while (extents := d.alloc.alloc(size)) is None:
+            # The free pages are there, in too many runs: evict on to join them.
+            with contextlib.closing(self.dram_queue.candidates()) as walk:
+                more = pol.choose_victims(
+                    walk, tier="dram", policy=self.policy, used=d.used_bytes,
+                    target=d.used_bytes - need, reason="capacity", protected=d.protected,
+                    footprint=self._footprint)
+            if not more:
+                raise OpError(ErrorCode.NO_SPACE,
+                              f"no room for {size} bytes: {d.capacity_bytes - d.used_bytes} "
+                              "free, but in runs too small and too many for one chunk, and "
+                              "nothing left to evict")
+            self._evict_dram(more)
+        return extents
 
     # -- housekeeping
 
@@ -590,6 +643,12 @@ class ChunkStore:
         if len(meta) > self.config.max_meta_bytes:
             raise OpError(ErrorCode.BAD_ARGUMENT,
                           f"metadata of {len(meta)} bytes exceeds {self.config.max_meta_bytes}")
+
+    def _check_fits(self, size: int) -> None:
+        if self._pages(size) > self.dram.capacity_bytes:
+            raise OpError(ErrorCode.NO_SPACE,
+                          f"a chunk of {size} bytes can never fit: the arena holds "
+                          f"{self.dram.capacity_bytes}")
 
     def _check_lease_budget(self, owner: int) -> None:
         if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT:
