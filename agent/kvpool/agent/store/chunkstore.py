@@ -58,7 +58,7 @@ from ..tiers.nvme import NvmeTier
 from ..tiers.shared import SharedChunkTier
 from .demotion import IO_THREADS, Demotion
 from .errors import OpError, check_key
-from .loads import Loads
+from .loads import Loaded, Loads
 from .sharedlink import SharedLink
 from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot
 
@@ -68,6 +68,8 @@ MAX_LEASES_PER_CLIENT = 4096
 UNCOMMITTED_SHARE = 2
 """A connection's uncommitted writes take at most 1/this of the arena: ALLOCs never
 committed must not flush the arena (they cannot be evicted)."""
+RECENT_DELETES = 1 << 16
+"""Deletes remembered, so a read that was under way when its key was deleted is a miss."""
 RECENT_LOOKUPS = 1 << 16
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
 
@@ -99,6 +101,10 @@ class ChunkStore:
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
         """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
         self.counts = LookupCounts()
+        self.deletes = 0
+        """DELETEs so far: a read notes this before it waits, to learn of a delete meanwhile."""
+        self.deleted: OrderedDict[bytes, int] = OrderedDict()
+        """Recently deleted keys, with the `deletes` count of their delete."""
         self.uncommitted: dict[int, int] = {}
         """Arena bytes (whole pages) under each connection's open write leases."""
         self.dram_queue = new_queue(policy.tiers.dram.eviction)
@@ -221,6 +227,23 @@ class ChunkStore:
             self._spawn(self._prefetch(k))
         return count, bytes(tiers)
 
+    async def _load(self, key: bytes) -> Loaded | None:
+        """A chunk from below DRAM (`Loads.load`), unless its key was deleted while the
+        read was under way: a DELETE is final, whatever reads were in flight."""
+        mark = self.deletes
+        loaded = await self.loads.load(key)
+        if loaded is not None and self._deleted_since(key, mark):
+            return None
+        return loaded
+
+    def _deleted_since(self, key: bytes, mark: int) -> bool:
+        n = self.deleted.get(key)
+        if n is not None:
+            return n > mark
+        # Not remembered: deleted since only if deletes were forgotten since the mark.
+        oldest = next(iter(self.deleted.values()), mark + 1)
+        return len(self.deleted) >= RECENT_DELETES and oldest > mark
+
     def contains(self, key: bytes) -> bool:
         return self.dram.get(key) is not None or self._below(key)
 
@@ -321,7 +344,7 @@ class ChunkStore:
         chunk = self.dram.get(key)
         tier, transient = 2, False
         if chunk is None:
-            loaded = await self.loads.load(key)
+            loaded = await self._load(key)
             if loaded is None:
                 raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
             rec, source, hits = loaded
@@ -360,7 +383,7 @@ class ChunkStore:
             self._touch_read(chunk)
             self.m.read_bytes["dram"].inc(chunk.size)
             return data, chunk.checksum, chunk.meta, 2, chunk.checksum_kind
-        loaded = await self.loads.load(key)
+        loaded = await self._load(key)
         if loaded is None:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
         rec, source, hits = loaded
@@ -387,7 +410,7 @@ class ChunkStore:
     async def _prefetch(self, key: bytes) -> None:
         if self.dram.get(key) is not None:
             return
-        loaded = await self.loads.load(key)
+        loaded = await self._load(key)
         if loaded is not None and self.dram.get(key) is None:
             rec, source, hits = loaded
             with contextlib.suppress(OpError):  # no room can be made: prefetch is best effort
@@ -413,8 +436,13 @@ class ChunkStore:
 
     def delete(self, key: bytes) -> bool:
         check_key(key)
+        self.deletes += 1
+        self.deleted[key] = self.deletes
+        self.deleted.move_to_end(key)
+        while len(self.deleted) > RECENT_DELETES:
+            self.deleted.popitem(last=False)
         self.dram.pins.discard(key)
-        self.loads.ahead.drop(key)
+        self.loads.forget(key)
         existed = self._drop_dram(key)
         if self.nvme is not None and self.nvme.forget(key):
             existed = True

@@ -60,7 +60,7 @@ class Loads:
             if nvme.entry(key) is not None:
                 return await self._load_nvme(nvme, [key, *self._following(nvme, key)])
         shared = self._shared
-        if shared is None or not shared.healthy():
+        if shared is None or not shared.healthy() or shared.deleted(key):
             return None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Loaded | None] = loop.create_future()
@@ -77,7 +77,8 @@ class Loads:
             fut.exception()  # retrieved: waiting readers get it, nobody else must
             raise
         finally:
-            del self.loading[key]
+            if self.loading.get(key) is fut:
+                del self.loading[key]
 
     async def _load_nvme(self, nvme: Demotion, keys: list[bytes]) -> Loaded | None:
         """Read `keys` from NVMe in one worker-thread call; the first one's result, the
@@ -123,6 +124,13 @@ class Loads:
         return self.ahead.following(
             key, seq, depth, nvme.nvme.index,
             busy=lambda k: k in self.loading or k in nvme.inflight or self._in_dram(k))
+
+    def forget(self, key: bytes) -> None:
+        """A deleted key: a read of it already under way serves only those who asked
+        before (and they are told it was deleted: `ChunkStore` checks); later readers
+        start afresh. Its read-ahead copy goes."""
+        self.loading.pop(key, None)
+        self.ahead.drop(key)
 
     def read_nvme_many(self, keys: list[bytes]) -> list[ChunkRecord | None]:
         """Read chunks from NVMe (a worker thread), each verified; a failure is a miss."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from .. import policy as pol
@@ -29,6 +30,8 @@ SHARED_PROBE_KEYS = 256
 """Most keys past the local prefix one LOOKUP asks the shared tier about."""
 SHARED_PROBE_INTERVAL = 1.0
 """Seconds between health probes of an unhealthy shared tier."""
+PENDING_DELETES = 1 << 16
+"""Most deletes kept for a retry while the shared tier cannot take them (the oldest go)."""
 
 
 class SharedLink:
@@ -48,15 +51,28 @@ class SharedLink:
         """Threads that wait out presence checks, so a slow store cannot hold up the reads
         and writes of the local tiers."""
         self._next_probe = 0.0
+        self.pending_deletes: OrderedDict[bytes, None] = OrderedDict()
+        """Keys deleted here whose object the store has not confirmed gone: retried until it
+        has, and never read from the store meanwhile (another node must not bring the
+        chunk back through us, nor we through it)."""
+        self._retrying = False
 
     def healthy(self) -> bool:
         return self.tier.healthy()[0]
+
+    def deleted(self, key: bytes) -> bool:
+        """Deleted here, and the store's copy not yet confirmed gone."""
+        return key in self.pending_deletes
 
     async def prefix(self, keys: list[bytes]) -> int:
         """Leading keys the shared tier holds, answered within its lookup budget."""
         if not self.healthy():
             return 0
         keys = keys[:SHARED_PROBE_KEYS]
+        for i, k in enumerate(keys):
+            if k in self.pending_deletes:
+                keys = keys[:i]
+                break
         loop = asyncio.get_running_loop()
         found = await loop.run_in_executor(self._presence, self.tier.contains_many, keys)
         n = 0
@@ -80,6 +96,7 @@ class SharedLink:
 
     def upload(self, rec: ChunkRecord) -> None:
         assert self.uploads is not None
+        self.pending_deletes.pop(rec.key, None)  # written again: this copy is the one
         self.uploads.offer(rec)
         self.m.written_bytes["shared"].inc(rec.size)
 
@@ -88,22 +105,55 @@ class SharedLink:
 
     # -- deletes and probes
 
-    def delete(self, key: bytes) -> asyncio.Future[None]:
-        """Other nodes share the object: it goes too, in the background (best effort; an
-        upload already in flight may still land, with the same, correct bytes)."""
+    def delete(self, key: bytes) -> Coroutine[object, object, None]:
+        """Other nodes share the object: it goes too, in the background. Until the store
+        confirms it, the key is kept and retried (`retry_deletes`), and not read from the
+        store; an upload still queued is dropped."""
         if self.uploads is not None:
             self.uploads.discard(key)
-        return asyncio.get_running_loop().run_in_executor(self._background, self._delete, key)
+        self.pending_deletes[key] = None
+        self.pending_deletes.move_to_end(key)
+        while len(self.pending_deletes) > PENDING_DELETES:
+            old, _ = self.pending_deletes.popitem(last=False)
+            log.error("shared delete of %s given up: %d deletes wait for the store",
+                      old.hex(), PENDING_DELETES)
+        return self._delete_now([key])  # the caller runs it in the background
 
-    def _delete(self, key: bytes) -> None:
+    async def _delete_now(self, keys: list[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        done = await loop.run_in_executor(self._background, self._delete, keys)
+        for key in done:
+            self.pending_deletes.pop(key, None)
+
+    def _delete(self, keys: list[bytes]) -> list[bytes]:
+        """Delete objects (a worker thread); the keys the store confirmed gone."""
+        done: list[bytes] = []
+        for key in keys:
+            try:
+                self.tier.delete(key)
+            except OSError as e:
+                log.warning("shared delete of %s failed, to be retried: %s", key.hex(), e)
+                break  # the store is failing: the rest wait for the retry too
+            done.append(key)
+        return done
+
+    async def retry_deletes(self) -> None:
+        """Retry the deletes the store has not confirmed (housekeeping, while healthy)."""
+        if self._retrying or not self.pending_deletes or not self.healthy():
+            return
+        self._retrying = True
         try:
-            self.tier.delete(key)
-        except OSError as e:
-            log.warning("shared delete of %s failed: %s", key.hex(), e)
+            await self._delete_now(list(self.pending_deletes))
+        finally:
+            self._retrying = False
 
     async def probe(self) -> None:
-        """Ask an unhealthy shared tier, about once a second, whether it answers again."""
-        if self.healthy() or time.monotonic() < self._next_probe:
+        """Ask an unhealthy shared tier, about once a second, whether it answers again;
+        retry the deletes it has not confirmed once it does."""
+        if self.healthy():
+            await self.retry_deletes()
+            return
+        if time.monotonic() < self._next_probe:
             return
         self._next_probe = time.monotonic() + SHARED_PROBE_INTERVAL
         await asyncio.get_running_loop().run_in_executor(self._background, self.tier.probe)

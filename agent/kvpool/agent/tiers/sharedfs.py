@@ -112,6 +112,8 @@ class FileSharedTier(SharedChunkTier):
         try:
             os.unlink(self.path_of(key))
         except FileNotFoundError:
+            if not self.root.is_dir():
+                raise  # the mount is gone, not the object: nothing was deleted
             return False
         return True
 

@@ -1,0 +1,89 @@
+"""A DELETE is final: no read under way when it arrives, and no shared-tier outage, brings
+the chunk back. Real agents, real sockets, real NVMe files and a real shared directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import yaml
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.bench.local import LocalAgent
+
+from .conftest import RawConn, wait_until
+
+MiB = 1 << 20
+
+
+def data_of(key: bytes) -> bytes:
+    return key * (MiB // 16)
+
+
+def test_a_delete_racing_an_nvme_read_is_final(tmp_path: Path) -> None:
+    """Another connection's GET of an NVMe chunk is under way (a worker thread reads it)
+    when the DELETE arrives: the delete wins, the read's copy is not put back into DRAM."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("tiers:\n  dram: {eviction: lru, highWatermark: 1.0, lowWatermark: 0.99}\n"
+                      "prefetch: {enabled: false}\n")
+    with LocalAgent("--no-lock", "--policy", str(policy), "--nvme-dir", str(tmp_path / "nvme"),
+                    "--nvme", "256Mi", workdir=tmp_path, dram="4Mi") as agent, \
+            KVPoolClient(agent.socket_path) as c:
+        reader, deleter = RawConn(agent.socket_path), RawConn(agent.socket_path)
+        try:
+            for attempt in range(20):
+                key = os.urandom(16)
+                assert c.put(key, data_of(key))
+                for _ in range(4):  # a 4 MiB arena: the key goes down to NVMe
+                    filler = os.urandom(16)
+                    assert c.put(filler, data_of(filler))
+                wait_until(lambda: c.stats()["tiers"]["nvme"]["inflight"] == 0,
+                           "the demotions to land")
+                assert c.lookup_tiers([key]) == ["nvme"]
+                reader.send(p.encode(p.Get(1, key)))
+                deleter.send(p.encode(p.Delete(1, key)))
+                deleted = deleter.reply()
+                assert isinstance(deleted, p.DeleteReply) and deleted.existed
+                reader.reply()  # the bytes, or a miss: the read came first or second
+                assert c.lookup([key]) == 0, f"deleted key back after {attempt} attempts"
+                assert c.get(key) is None
+        finally:
+            reader.close()
+            deleter.close()
+
+
+def node(stack: ExitStack, root: Path, name: str, mount: Path) -> LocalAgent:
+    workdir = root / name
+    workdir.mkdir()
+    cfg = workdir / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"pool": "delete-test", "tiers": {"shared": {
+        "url": mount.as_uri(), "lookupBudget": "2s", "requestTimeout": "2s"}}}))
+    return stack.enter_context(
+        LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir, dram="16Mi"))
+
+
+def test_a_delete_during_a_shared_tier_outage_is_retried_until_the_object_is_gone(
+        tmp_path: Path) -> None:
+    """The shared directory is away when the DELETE comes: the agent answers it, keeps it,
+    and deletes the object once the directory is back; another node never serves it."""
+    mount = tmp_path / "mount"
+    away = tmp_path / "away"
+    key = os.urandom(16)
+    with ExitStack() as stack:
+        a, b = node(stack, tmp_path, "a", mount), node(stack, tmp_path, "b", mount)
+        with KVPoolClient(a.socket_path) as ca, KVPoolClient(b.socket_path) as cb:
+            assert ca.put(key, data_of(key))
+            wait_until(lambda: ca.stats()["tiers"]["shared"]["queue"]["written"] == 1,
+                       "the upload")
+            objects = list(mount.rglob("*.kvc"))
+            assert len(objects) == 1
+            shutil.move(mount, away)  # the mount goes away
+            assert ca.delete(key)
+            wait_until(lambda: not ca.stats()["tiers"]["shared"]["healthy"], "the outage")
+            shutil.move(away, mount)  # and comes back, with the object
+            wait_until(lambda: not list(mount.rglob("*.kvc")), "the retried delete")
+            assert ca.lookup([key]) == 0 and cb.lookup([key]) == 0
+            assert ca.get(key) is None and cb.get(key) is None
