@@ -468,6 +468,7 @@ class ChunkStore:
         for lease_id in reads:
             self.dram.close_read(lease_id, owner)
         self.dram.unfence(owner)
+        self.uncommitted.pop(owner, None)  # expired writes' fenced pages counted till now
 
     # -- eviction and demotion
 
