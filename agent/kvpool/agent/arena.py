@@ -48,6 +48,9 @@ class ExtentAllocator:
         self._by_start: dict[int, int] = {}
         self._by_end: dict[int, int] = {}
         self._by_size: list[tuple[int, int]] = []
+        self._starts: list[int] = []
+        """Free runs' starts, sorted: the run holding a page is found by bisection (a
+        warm restart reserves every journaled chunk; a scan per chunk was quadratic)."""
         if self.total_pages:
             self._add_run(0, self.total_pages)
 
@@ -129,10 +132,12 @@ class ExtentAllocator:
     # -- internals
 
     def _run_containing(self, page: int) -> tuple[int, int] | None:
-        for start, length in self._by_start.items():
-            if start <= page < start + length:
-                return start, length
-        return None
+        i = bisect.bisect_right(self._starts, page) - 1
+        if i < 0:
+            return None
+        start = self._starts[i]
+        length = self._by_start[start]
+        return (start, length) if page < start + length else None
 
     def _take(self, start: int, length: int, need: int) -> None:
         self._remove_run(start)
@@ -144,12 +149,14 @@ class ExtentAllocator:
         self._by_start[start] = length
         self._by_end[start + length] = start
         bisect.insort(self._by_size, (length, start))
+        bisect.insort(self._starts, start)
 
     def _remove_run(self, start: int) -> int:
         length = self._by_start.pop(start)
         del self._by_end[start + length]
         i = bisect.bisect_left(self._by_size, (length, start))
         del self._by_size[i]
+        del self._starts[bisect.bisect_left(self._starts, start)]
         return length
 
 

@@ -605,13 +605,24 @@ class ChunkStore:
         self.loads.close()
 
     def recover(self, entries: Iterable[JournalEntry]) -> tuple[int, int]:
-        """Re-admit journaled chunks whose arena bytes still verify; (kept, dropped)."""
+        """Re-admit journaled chunks whose arena bytes still verify; (kept, dropped).
+
+        Extents are reserved in arena order, so each reservation cuts the free run at the
+        end of what is reserved so far (a warm restart of a fragmented arena stays linear);
+        chunks are then admitted in journal order, which is their eviction order."""
         kept = dropped = 0
         live: list[JournalEntry] = []
         arena = self.dram.arena
-        for e in entries:
-            if (len(e.key) != KEY_BYTES or self.dram.get(e.key) is not None
-                    or not self.dram.alloc.reserve(e.extents)):
+        journaled = list(entries)
+        seen: set[bytes] = set()
+        reserved: set[int] = set()
+        for i in sorted(range(len(journaled)), key=lambda i: journaled[i].extents[:1]):
+            e = journaled[i]
+            if len(e.key) == KEY_BYTES and e.key not in seen and self.dram.alloc.reserve(e.extents):
+                seen.add(e.key)
+                reserved.add(i)
+        for i, e in enumerate(journaled):
+            if i not in reserved:
                 dropped += 1
                 continue
             if (e.checksum_kind not in checksums.KINDS
