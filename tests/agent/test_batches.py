@@ -231,7 +231,7 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         await _settle(store)
         index = store.nvme.nvme.index
         assert key in index and key in store.nvme.queue and not store.nvme.inflight
-        data, _, _, tier = await store.get(key)
+        data, _, _, tier, _ = await store.get(key)
         assert (data, tier) == (want, 3)
         await _settle(store)
         indexed = sorted(index)
@@ -281,7 +281,7 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
                 with pytest.raises(OpError):
                     await store.get(k)
                 continue
-            data, _, _, tier = await store.get(k)
+            data, _, _, tier, _ = await store.get(k)
             assert (data, tier) == (_data(k), 3)
         assert calls == [prompt]  # served from the read-ahead copies
         assert not list(store.loads.ahead) and store.loads.ahead.bytes == 0
