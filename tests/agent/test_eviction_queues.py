@@ -418,3 +418,35 @@ def test_adaptive_share_stays_within_its_bounds() -> None:
         if len(q) > 20:
             evicted(q, 1)
     assert ADAPT_MIN <= q.small_fraction <= ADAPT_MAX
+
+
+@pytest.mark.parametrize(
+    ("hit_depth", "new_depths", "in_main"),
+    [
+        # the request hit depths 0-1, then writes 2 and 3: both extend the hit prefix
+        pytest.param(1, [2, 3], "n2 n3", id="chunks-right-after-a-hit-prefix-join-main"),
+        # a gap (the chunk at depth 2 is not new, not hit): no extension
+        pytest.param(1, [3, 4], "", id="a-gap-breaks-the-chain"),
+        # a request with no hit starts at depth 0: probation, as in S3-FIFO
+        pytest.param(None, [0, 1], "", id="a-prompt-with-no-hit-waits-in-probation"),
+    ],
+)
+def test_adaptive_new_chunks_extending_a_hit_prefix_go_to_main(
+        hit_depth: int | None, new_depths: list[int], in_main: str) -> None:
+    q = AdaptiveQueue()
+    if hit_depth is not None:
+        hit = c("h", hits=1, depth=hit_depth)
+        q.add(hit)
+        q.touched(hit)
+    for d in new_depths:
+        q.add(c(f"n{d}", depth=d))
+    assert names(k for k in q.main if k != b"h") == in_main
+
+
+def test_adaptive_a_prompts_tail_extending_a_hit_prefix_still_waits_in_probation() -> None:
+    q = AdaptiveQueue()
+    hit = c("h", hits=1, depth=0)
+    q.add(hit)
+    q.touched(hit)
+    q.add(c("t", depth=1), tail=True)  # a partial last block: unique to this prompt
+    assert b"t" in q.small and b"t" not in q.main

@@ -259,6 +259,14 @@ class AdaptiveQueue(S3FifoQueue):
     ghost list is than the other, so the rarer signal moves the split as
     much as the common one. Either way the returning chunk goes to main.
 
+    A request-level signal, read from the chunks' depths: new chunks written
+    right after a hit prefix (the chunk at the depth before was just hit, or
+    is one of them) extend a prefix that is being reused, a conversation's
+    next turn, and join it in main instead of waiting in probation (a
+    prompt's tail still goes to probation's front). Without it, on a chat
+    workload a turn's new chunks aged in probation apart from the
+    conversation they continue, and the order fell 1-2 pt below LRU.
+
     Main is LRU (a hit moves the chunk to main's far end) rather than
     S3-FIFO's FIFO with reinsertion: a finished conversation's chunks, hit
     a few times each, would otherwise go round main up to `MAX_FREQ` more
@@ -270,6 +278,8 @@ class AdaptiveQueue(S3FifoQueue):
     def __init__(self, start: float = ADAPT_START) -> None:
         super().__init__(small_fraction=start)
         self.main_ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._chain = -1
+        """Depth of the last chunk hit or added in a run that extends a hit prefix, else -1."""
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         key = entry.key
@@ -279,7 +289,12 @@ class AdaptiveQueue(S3FifoQueue):
         from_main = key in self.main_ghost  # the values are None: test membership
         self.main_ghost.pop(key, None)
         super().add(entry, tail=tail)  # a probation ghost or an earlier hit: main
-        if from_main and key in self.small:  # came back after leaving main: main again
+        # A new chunk right after a hit prefix (the chunk before it was just hit, or is
+        # one of these) extends a prefix that is being reused: a conversation's next
+        # turn. It joins its prefix in main rather than waiting in probation.
+        extends = entry.depth > 0 and entry.depth == self._chain + 1
+        self._chain = entry.depth if extends else -1
+        if (from_main or (extends and not tail)) and key in self.small:
             self.small.pop(key)
             self.small_bytes -= entry.size
             self._push(entry, small=False)
@@ -294,6 +309,7 @@ class AdaptiveQueue(S3FifoQueue):
             self.small_fraction = max(ADAPT_MIN, self.small_fraction - step)
 
     def touched(self, entry: Entry) -> None:
+        self._chain = entry.depth
         if entry.key in self.main:
             self.main.move_to_end(entry.key)  # main is LRU
             return
