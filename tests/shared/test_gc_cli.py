@@ -34,7 +34,7 @@ def test_gc_all_with_path_style_addressing_empties_the_pool_prefix(
 def test_gc_names_a_bad_addressing_style() -> None:
     run = kvpool("gc", "--shared", "s3://bucket/p", "--all", "--addressing-style", "sideways")
     assert run.returncode == 2
-    assert "addressing_style" in run.stderr and "sideways" in run.stderr
+    assert "--addressing-style" in run.stderr and "'sideways'" in run.stderr
 
 
 def test_gc_all_with_tenants_empties_each_tenants_prefix_and_no_other(

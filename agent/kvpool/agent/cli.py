@@ -97,7 +97,12 @@ def _flag_errors(err: ValidationError,
         loc = tuple(e["loc"])
         flag = "--tenant" if loc[:1] == ("tenants",) else flag_for_field.get(loc)
         msg = e["msg"].removeprefix("Value error, ")
-        problems.append(f"invalid value for '{flag}': {msg}" if flag else msg)
+        given = e.get("input")
+        # Name what the user typed, unless the message already quotes it.
+        if flag and isinstance(given, str | int | float) and str(given) not in msg:
+            problems.append(f"invalid value {given!r} for '{flag}': {msg}")
+        else:
+            problems.append(f"invalid value for '{flag}': {msg}" if flag else msg)
     return "; ".join(problems)
 
 
