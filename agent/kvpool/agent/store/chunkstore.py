@@ -29,9 +29,7 @@ LOOKUPs (a chunk written next knows its depth), and this store's hit counts.
   local tier. The queue never blocks a client.
 - Each tier keeps its chunks in eviction order (`eviction.EvictionQueue`);
   `policy.choose_victims` decides, walking that order only as far as needed.
-- Every visible DRAM chunk is journaled, so a restarted agent finds it again; so is
-  every chunk on its way to NVMe, whose pages stay taken until its file has landed
-  (`_demoted`): an ALLOC, PUT or promotion needing them waits (`_room`).
+- Every visible DRAM chunk is journaled, so a restarted agent finds it again.
 """
 
 from __future__ import annotations

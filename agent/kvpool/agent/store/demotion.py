@@ -6,11 +6,9 @@ copy, and its arena pages and commit-journal entry stay: they are given back (`s
 only once the file is in place, so an agent killed meanwhile finds the chunk in DRAM
 again. NVMe room is made before a write, never after, and the demotions in flight are
 bounded (`DEMOTIONS_IN_FLIGHT`, `DEMOTION_BYTES_SHARE`): past the bound, writers wait
-for them to land.
-
-Chunks leave NVMe's index on the loop at once (so one watermark crossing cannot start a
-second eviction round while the files are still there); their files go (or move to G4
-first) in a worker thread.
+for them to land. Chunks leave NVMe's index on the loop
+at once (so one watermark crossing cannot start a second eviction round while the
+files are still there); their files go (or move to G4 first) in a worker thread.
 `Demotion` owns what that takes: the in-flight copies, NVMe's eviction order, and
 the two batch pipelines.
 """
