@@ -31,16 +31,11 @@ POOL = '{pool="default"}'
 POLICY = "prefetch:\n  enabled: false\n"
 
 
-WIDE_WATERMARK = POLICY + "tiers:\n  dram:\n    highWatermark: 0.9\n    lowWatermark: 0.2\n"
-
-
-def nvme_agent(tmp_path: Path, dram: str, nvme: str = "512Mi",
-               policy: str = POLICY) -> LocalAgent:
-    policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(policy)
-    return LocalAgent("--no-lock", "--policy", str(policy_file),
-                      "--nvme-dir", str(tmp_path / "nvme"), "--nvme", nvme,
-                      workdir=tmp_path, dram=dram)
+def nvme_agent(tmp_path: Path, dram: str, nvme: str = "512Mi") -> LocalAgent:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    return LocalAgent("--no-lock", "--policy", str(policy), "--nvme-dir", str(tmp_path / "nvme"),
+                      "--nvme", nvme, workdir=tmp_path, dram=dram)
 
 
 def big(key: bytes) -> bytes:
@@ -128,12 +123,11 @@ def test_sigkill_while_small_chunks_stream_into_nvme_loses_no_acknowledged_chunk
 
 def test_the_demotion_backlog_stays_within_its_bound_under_fast_small_chunk_writers(
         tmp_path: Path) -> None:
-    """Six writers of 4-32 KiB chunks through a 16 MiB DRAM tier whose watermark evicts
-    down to a fifth of it at each crossing (some 600 chunks at once): however far they
-    outrun NVMe, the demotions in flight (STATS and the metrics) never exceed their bound,
-    in chunks and in bytes; the writers are held back instead."""
-    agent = nvme_agent(tmp_path, "16Mi", policy=WIDE_WATERMARK)
-    arena = 16 * MiB
+    """Six writers of 4-32 KiB chunks through a 4 MiB DRAM tier: however far they outrun
+    NVMe, the demotions in flight (STATS and the metrics) never exceed their bound, in
+    chunks and in bytes; the writers are held back instead."""
+    agent = nvme_agent(tmp_path, "4Mi")
+    arena = 4 * MiB
     most_bytes = max(arena // DEMOTION_BYTES_SHARE, 32 << 10)
     logs = [tmp_path / f"writer-{i}.log" for i in range(6)]
     try:
@@ -142,7 +136,7 @@ def test_the_demotion_backlog_stays_within_its_bound_under_fast_small_chunk_writ
         seen = 0
         try:
             with KVPoolClient(agent.socket_path) as c:
-                for _ in range(2000):
+                for _ in range(400):
                     nvme = c.stats()["tiers"]["nvme"]
                     seen = max(seen, nvme["inflight"])
                     assert nvme["inflight"] <= DEMOTIONS_IN_FLIGHT, nvme

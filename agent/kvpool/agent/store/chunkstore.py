@@ -526,21 +526,16 @@ class ChunkStore:
                 walk, tier="dram", policy=self.policy, used=self.dram.used_bytes - self.demoting,
                 target=target, reason=reason, protected=self.dram.protected,
                 footprint=self._footprint)
-        self._evict_dram(self._admissible(victims))
+        while victims and not self._demotions_admit(victims):
+            victims = victims[: len(victims) // 2]
+        self._evict_dram(victims)
 
-    def _admissible(self, victims: list[pol.Victim]) -> list[pol.Victim]:
-        """The victims, in order, that can be demoted within the bound on demotions in
-        flight (the first one always, with none in flight: a chunk larger than the bound
-        must still get through)."""
+    def _demotions_admit(self, victims: list[pol.Victim]) -> bool:
+        """Whether demoting all these victims keeps the demotions in flight within bound."""
         if self.nvme is None:
-            return victims
-        n = size = 0
-        for i, v in enumerate(victims):
-            chunk = self.dram.get(v.key)
-            n, size = n + 1, size + (chunk.size if chunk is not None else 0)
-            if not self.nvme.admits(n, size, self.dram.capacity_bytes):
-                return victims[: max(i, 1 if self.nvme.pending == 0 else 0)]
-        return victims
+            return True
+        sizes = [c.size for v in victims if (c := self.dram.get(v.key)) is not None]
+        return self.nvme.admits(len(sizes), sum(sizes), self.dram.capacity_bytes)
 
     def _demoted(self, chunk: DramChunk, drop_journal: bool) -> None:
         """A demotion's write is done: its DRAM pages are free now (and its journal entry
@@ -624,8 +619,6 @@ class ChunkStore:
         after `DEMOTION_WAIT` seconds without room (NVMe stalled)."""
         deadline = time.monotonic() + DEMOTION_WAIT
         while (extents := self._allocate(size)) is None:
-            if self.nvme is None or self.nvme.pending == 0:
-                continue  # what it evicted was dropped, not demoted: evict on
             left = deadline - time.monotonic()
             if left <= 0:
                 raise OpError(ErrorCode.NO_SPACE,
@@ -663,10 +656,9 @@ class ChunkStore:
                           f"no room for {size} bytes: {free} free, {evictable} evictable and "
                           f"{self.demoting} being demoted; the rest is leased or pinned, or "
                           "being written")
-        admitted = self._admissible(victims)
-        self._evict_dram(admitted)
-        if len(admitted) < len(victims):
-            return None  # the rest once some of those in flight have landed
+        if not self._demotions_admit(victims):
+            return None
+        self._evict_dram(victims)
         while (extents := d.alloc.alloc(size)) is None:
             if self.demoting:
                 return None  # pages on their way to NVMe free up soon: wait for them
@@ -681,7 +673,7 @@ class ChunkStore:
                               f"no room for {size} bytes: {d.capacity_bytes - d.used_bytes} "
                               "free, but in runs too small and too many for one chunk, and "
                               "nothing left to evict")
-            self._evict_dram(self._admissible(more))
+            self._evict_dram(more)
         return extents
 
     # -- housekeeping
@@ -691,9 +683,8 @@ class ChunkStore:
         mono = time.monotonic()
         self.dram.expire_writes(mono)  # their pages stay fenced until the writer disconnects
         wall = time.time() if now is None else now
-        # Within the bound on demotions in flight: the rest go at a later sweep.
-        self._evict_dram(self._admissible(pol.expired(
-            self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall, self.dram.protected)))
+        self._evict_dram(pol.expired(self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall,
+                                     self.dram.protected))
         if self.nvme is not None:
             self.nvme.expire(wall)
 

@@ -113,9 +113,11 @@ class Demotion:
     # -- into NVMe
 
     def admits(self, chunks: int, nbytes: int, arena: int) -> bool:
-        """Whether `chunks` more demotions of `nbytes` stay within the bound."""
-        return (self.pending + chunks <= DEMOTIONS_IN_FLIGHT
-                and self.pending_bytes + nbytes <= arena // DEMOTION_BYTES_SHARE)
+        """Whether `chunks` more demotions of `nbytes` stay within the bound (always, with
+        none in flight: a chunk larger than the bound must still get through)."""
+        return self.pending == 0 or (
+            self.pending + chunks <= DEMOTIONS_IN_FLIGHT
+            and self.pending_bytes + nbytes <= arena // DEMOTION_BYTES_SHARE)
 
     def reserve(self, rec: ChunkRecord) -> bool:
         """Make room in NVMe for a chunk's file before it is written (evicting by policy);
