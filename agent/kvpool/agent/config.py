@@ -352,6 +352,59 @@ def tenant_sizes(tenants: list[TenantSpace], dram: int, nvme: int | None,
 # --------------------------------------------------------------------------- agent
 
 
+# --------------------------------------------------------------------------- KV events
+
+
+class EventsPayload(StrEnum):
+    """How each event is encoded inside a KVEventBatch (vLLM's format)."""
+
+    MAP = "map"      # {"type": "BlockStored", ...}: vLLM >= #42892, llm-d, Dynamo
+    ARRAY = "array"  # ["BlockStored", ...]: older vLLM, AIBrix, kthena
+
+
+class EventsTopic(StrEnum):
+    """Whose topic an event is published under; routers credit a pod, not a node."""
+
+    POD = "pod"    # kv@<engine pod>@<model>, one copy per registered engine pod (fan-out)
+    NODE = "node"  # kv@<node>@<pool>, once
+
+
+class EventsMedium(Model):
+    """The `medium` each tier is published as (router families name tiers differently)."""
+
+    dram: str = Field("CPU_PINNED", min_length=1, description="Medium of G2 (host DRAM).")
+    nvme: str = Field("DISK", min_length=1, description="Medium of G3 (local NVMe).")
+    shared: str = Field("SHARED", min_length=1, description="Medium of G4 (shared store).")
+
+
+class Events(Model):
+    """KV events for KV-aware routers: ZMQ PUB in vLLM's format (see docs/events.md)."""
+
+    enabled: bool = Field(False, description="Publish BlockStored/BlockRemoved events.")
+    port: int = Field(5557, ge=1024, le=65535, description="TCP port of the ZMQ PUB socket.")
+    replay_port: int | None = Field(
+        5558, ge=1024, le=65535,
+        description="TCP port of the ZMQ ROUTER replay socket; unset: no replay.",
+    )
+    replay_depth: int = Field(
+        10000, ge=0, le=1_000_000, description="Batches kept for replay to late subscribers."
+    )
+    queue_depth: int = Field(
+        65536, ge=1, le=1_000_000,
+        description="Events queued for publishing; beyond it events are dropped (and counted), "
+        "never waited for.",
+    )
+    payload: EventsPayload = Field(EventsPayload.MAP, description="Encoding of each event.")
+    topic: EventsTopic = Field(EventsTopic.POD, description="Topic mode.")
+    medium: EventsMedium = Field(default_factory=EventsMedium)
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> Self:
+        if self.replay_port is not None and self.replay_port == self.port:
+            raise ValueError(f"replayPort {self.replay_port} is the same as port")
+        return self
+
+
 class AgentConfig(Model):
     """One agent process: one pool on one node."""
 
@@ -383,6 +436,7 @@ class AgentConfig(Model):
         description="Tenants with a space of their own; unset: one space for the whole pool, "
         "where the tenant a client names is used for quotas and priorities only.",
     )
+    events: Events = Field(default_factory=Events, description="KV events for routers.")
 
     @model_validator(mode="after")
     def _tenants_fit(self) -> Self:
