@@ -59,6 +59,7 @@ def test_render_examples_as_a_new_user_prints_valid_manifests() -> None:
         "ConfigMap",
         "DaemonSet",
         "Service",
+        "Service",  # the example turns KV events on: their headless Service
     ]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33.0", strict=True)

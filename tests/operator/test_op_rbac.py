@@ -143,6 +143,7 @@ async def _pool_life(cluster: Cluster) -> None:
         ("v1", "ServiceAccount", CHILD, NAMESPACE),
         ("v1", "ConfigMap", CHILD, NAMESPACE),
         ("v1", "Service", f"{CHILD}-metrics", NAMESPACE),
+        ("v1", "Service", f"{CHILD}-events", NAMESPACE),
         ("apps/v1", "DaemonSet", CHILD, NAMESPACE),
         ("monitoring.coreos.com/v1", "PodMonitor", CHILD, NAMESPACE),
         (RBAC, "ClusterRole", ROLE, None),
@@ -212,6 +213,19 @@ async def _pool_life(cluster: Cluster) -> None:
         api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"agent": {"runAsUser": 65532}}}
     )
     await cluster.eventually(recreated, "the DaemonSet back")
+
+    # KV events turned off (last: it changes the agents' template, which the rollout steps
+    # above read): the operator deletes the pool's events Service.
+    events_service = Names(NAMESPACE, POOL).events_service
+    assert await cluster.get("v1", "Service", events_service) is not None
+    await cluster.patch(
+        api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"events": {"enabled": False}}}
+    )
+
+    async def events_off() -> bool:
+        return await cluster.get("v1", "Service", events_service) is None
+
+    await cluster.eventually(events_off, "the events Service deleted")
 
     # Deletion: the gc Job runs and succeeds, the cluster-scoped RBAC goes.
     pool = await cluster.pool(POOL)

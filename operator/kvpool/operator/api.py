@@ -16,7 +16,15 @@ from typing import Any, Literal, TypeVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvpool.agent.config import DramTier, Model, TenantSpace, TierPolicy, explain, tenant_sizes
+from kvpool.agent.config import (
+    DramTier,
+    Events,
+    Model,
+    TenantSpace,
+    TierPolicy,
+    explain,
+    tenant_sizes,
+)
 from kvpool.agent.constants import HUGE_PAGE_BYTES, NODE_LABEL_PREFIX
 from kvpool.agent.units import ByteSize, format_size, parse_size
 
@@ -67,6 +75,10 @@ _LENIENT = ConfigDict(
 
 class InvalidSpec(ValueError):
     """A custom resource's spec is invalid; the message names every bad field."""
+
+
+class PortConflict(InvalidSpec):
+    """Two ports of the agent container are the same (events ports, metrics port)."""
 
 
 # --------------------------------------------------------------------------- pool spec
@@ -260,6 +272,14 @@ class KVCachePoolSpec(Model):
         "read another's chunks. A pod's tenant (annotation kvpool.io/tenant, default its "
         "namespace) must be listed. Unset: one space for the pool.",
     )
+    events: Events = Field(
+        default_factory=Events,
+        description="KV events for KV-aware routers (llm-d, Dynamo): every agent publishes "
+        "the chunks entering and leaving its tiers on a ZMQ PUB socket in vLLM's KV-event "
+        "format, with a replay socket for late subscribers. Enabled: the ports are named "
+        "container ports of the agent (kv-events, kv-replay) and the headless Service "
+        "kvpool-<name>-events lists every agent's pod address (docs/events.md).",
+    )
     socket_dir: str = Field(
         "/run/kvpool",
         description="Host directory for agent sockets; the pool's socket is "
@@ -419,6 +439,22 @@ def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
     return None
 
 
+def port_conflict(spec: KVCachePoolSpec) -> str | None:
+    """Why the agent container's ports collide, or None: with events enabled, the PUB and
+    replay ports must differ from each other and from the metrics port."""
+    events = spec.events
+    if not events.enabled:
+        return None
+    metrics = spec.agent.metrics_port
+    for name, port in (("port", events.port), ("replayPort", events.replay_port)):
+        if port == metrics:
+            return (
+                f"spec.events.{name}: {port} is the agent's metrics port "
+                "(spec.agent.metricsPort); choose another port"
+            )
+    return None
+
+
 def parse_pool(body: Any) -> KVCachePool:
     """A `KVCachePool` from its manifest; `InvalidSpec` names every bad field."""
     return _parse(KVCachePool, body)
@@ -451,6 +487,9 @@ def _parse(cls: type[_M], body: Any) -> _M:
         problem = memory_limit_problem(obj.spec)
         if problem is not None:
             raise InvalidSpec(f"KVCachePool {name}: {problem}")
+        problem = port_conflict(obj.spec)
+        if problem is not None:
+            raise PortConflict(f"KVCachePool {name}: {problem}")
         shared = obj.spec.tiers.shared
         if shared is not None and shared.credentials_secret and not shared.url.startswith("s3://"):
             raise InvalidSpec(

@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 
-from kvpool.agent.config import TENANT_NAME_PATTERN, TenantPolicy, TierPolicy, TierRules
+from kvpool.agent.config import TENANT_NAME_PATTERN, Events, TenantPolicy, TierPolicy, TierRules
 from kvpool.agent.units import parse_duration, parse_size
 
 from . import api
@@ -49,6 +49,25 @@ _RULES: dict[type[BaseModel], list[Schema]] = {
         {
             "rule": "has(self.dram) || has(self.nvme) || has(self.shared)",
             "message": "at least one tier (dram, nvme or shared) is required",
+        }
+    ],
+    Events: [
+        {
+            "rule": "!has(self.replayPort) || !has(self.port) || self.replayPort != self.port",
+            "message": "replayPort must differ from port",
+            "fieldPath": ".replayPort",
+        }
+    ],
+    api.KVCachePoolSpec: [
+        {
+            # The agent container's ports must be distinct (as api.port_conflict checks).
+            "rule": "!has(self.events) || !has(self.events.enabled) || !self.events.enabled"
+            " || !has(self.agent) || !has(self.agent.metricsPort)"
+            " || ((!has(self.events.port) || self.events.port != self.agent.metricsPort)"
+            " && (!has(self.events.replayPort)"
+            " || self.events.replayPort != self.agent.metricsPort))",
+            "message": "events.port and events.replayPort must differ from agent.metricsPort",
+            "fieldPath": ".events",
         }
     ],
     api.SharedSpec: [
@@ -87,6 +106,23 @@ _FIELD_EXTRA: dict[tuple[type[BaseModel], str], Schema] = {
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["type"],
     },
+}
+
+# Descriptions that replace a field's own where the CRD means something else: the agent's
+# config documents its YAML, where a field can be left out; in a pool, the API server
+# fills in every default.
+_DESCRIPTIONS: dict[tuple[type[BaseModel], str], str] = {
+    (api.KVCachePoolSpec, "events"): (
+        "KV events for KV-aware routers (llm-d, Dynamo): every agent publishes the chunks "
+        "entering and leaving its tiers in vLLM's KV-event format (ZMQ PUB, and a ROUTER "
+        "socket for replay). Enabled: the agent container gets the named ports kv-events "
+        "and kv-replay, and the headless Service kvpool-<name>-events lists every ready "
+        "agent's address (docs/events.md)."
+    ),
+    (Events, "replay_port"): (
+        "TCP port of the ZMQ ROUTER replay socket, through which a late subscriber fetches "
+        "the buffered batches it missed."
+    ),
 }
 
 
@@ -204,7 +240,9 @@ def model_schema(cls: type[BaseModel]) -> Schema:
     for name, field in cls.model_fields.items():
         wire = field.alias or name
         schema = _type_schema(field.annotation, list(field.metadata))
-        if field.description:
+        if (cls, name) in _DESCRIPTIONS:
+            schema = {**schema, "description": _DESCRIPTIONS[(cls, name)]}
+        elif field.description:
             schema = {"description": field.description, **schema}
         if field.is_required():
             required.append(wire)

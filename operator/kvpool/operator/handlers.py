@@ -41,9 +41,11 @@ from .render import (
     render,
     render_gc_job,
     socket_path,
+    unrendered,
 )
 from .status import (
     DEGRADED,
+    INVALID_EDITS,
     Problem,
     Reason,
     changed,
@@ -195,6 +197,20 @@ def _remove_agents(kube: Kube, namespace: str, name: str, logger: Logger) -> Non
         raise Problem(Reason.APPLY_FAILED, f"cannot delete the agents: {e}") from e
 
 
+def _prune(kube: Kube, pool: api.KVCachePool, logger: Logger) -> None:
+    """Delete the pool's optional objects its spec no longer renders (events turned off):
+    only those the operator made for this pool, by their labels."""
+    ns, name = pool.metadata.namespace, pool.metadata.name
+    for api_version, kind, obj_name in unrendered(pool):
+        live = kube.get(api_version, kind, ns, obj_name)
+        labels = ((live or {}).get("metadata") or {}).get("labels") or {}
+        if labels.get("app.kubernetes.io/managed-by") == MANAGED_BY and (
+            labels.get(POOL_LABEL) == name
+        ):
+            kube.delete(api_version, kind, ns, obj_name)
+            logger.info("%s %s deleted", kind, obj_name)
+
+
 def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: int = 0) -> None:
     """Apply the pool's render and write its status; raise kopf errors on problems.
 
@@ -211,6 +227,8 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
         try:
             try:
                 pool = api.parse_pool(body)
+            except api.PortConflict as e:
+                raise Problem(Reason.PORT_CONFLICT, str(e)) from e
             except api.InvalidSpec as e:
                 raise Problem(Reason.INVALID_SPEC, str(e)) from e
             try:
@@ -236,6 +254,10 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                     ) from e
                 if result != "unchanged":
                     logger.info("%s %s %s", obj["kind"], obj["metadata"]["name"], result)
+            try:
+                _prune(ctx.kube, pool, logger)
+            except KubeError as e:
+                raise Problem(Reason.APPLY_FAILED, f"cannot delete what is off: {e}") from e
         except Problem as problem:
             _sync_policies(ctx, body, logger)
             metrics.failed(api.POOL_KIND, problem.reason)
@@ -250,7 +272,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 _write_status(ctx.kube, body, status)
             except KubeError as e:
                 logger.warning("cannot write the status: %s", e)
-            if problem.reason in (Reason.INVALID_SPEC, Reason.FORBIDDEN):
+            if problem.reason in (*INVALID_EDITS, Reason.FORBIDDEN):
                 # Nothing to retry until the spec is edited (which triggers an update).
                 raise kopf.PermanentError(str(problem)) from problem
             raise kopf.TemporaryError(str(problem), delay=delay) from problem

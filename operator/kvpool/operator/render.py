@@ -145,6 +145,11 @@ class Names:
         return dns_label("kvpool", self.pool, "metrics")
 
     @property
+    def events_service(self) -> str:
+        """The headless Service listing every agent's KV-events endpoints (DNS-1035)."""
+        return dns_label("kvpool", self.pool, "events")
+
+    @property
     def cluster_role(self) -> str:
         """ClusterRole and ClusterRoleBinding. Cluster-scoped: the namespace is in the name,
         and a hash of (namespace, pool), since `-` joins are ambiguous (pool `b-x` in
@@ -295,7 +300,27 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
         policy_file=Path(CONFIG_DIR) / POLICY_KEY,
         log_level=spec.agent.log_level.value,
         tenants=spec.tenants,
+        # Only when enabled: a disabled section means nothing to the agent, and every
+        # other pool's agent.yaml (and its config checksum, so its pods) stays as it was.
+        **({"events": spec.events} if spec.events.enabled else {}),
     )
+
+
+EVENTS_PORT_NAME = "kv-events"
+"""Container and Service port name of the agent's ZMQ PUB socket."""
+REPLAY_PORT_NAME = "kv-replay"
+"""Container and Service port name of the agent's ZMQ ROUTER replay socket."""
+
+
+def events_ports(pool: api.KVCachePool) -> list[tuple[str, int]]:
+    """(name, port) of the KV-events sockets the pool's agents listen on; none when off."""
+    events = pool.spec.events
+    if not events.enabled:
+        return []
+    ports = [(EVENTS_PORT_NAME, events.port)]
+    if events.replay_port is not None:
+        ports.append((REPLAY_PORT_NAME, events.replay_port))
+    return ports
 
 
 def _yaml(data: Any) -> str:
@@ -491,7 +516,13 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         "imagePullPolicy": agent.image_pull_policy,
         "command": ["kvpool", "agent", "--config", f"{CONFIG_DIR}/{AGENT_CONFIG_KEY}"],
         "env": env,
-        "ports": [{"name": "metrics", "containerPort": agent.metrics_port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "metrics", "containerPort": agent.metrics_port, "protocol": "TCP"},
+            *(
+                {"name": name, "containerPort": port, "protocol": "TCP"}
+                for name, port in events_ports(pool)
+            ),
+        ],
         "startupProbe": probe("/healthz", 5, 60),
         "livenessProbe": probe("/healthz", 10, 3),
         "readinessProbe": probe("/readyz", 5, 2),
@@ -588,6 +619,30 @@ def _service(pool: api.KVCachePool, settings: Settings) -> Manifest:
     }
 
 
+def _events_service(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    """The headless Service routers discover the agents' KV-events endpoints through.
+
+    Headless: its DNS name resolves to every ready agent pod's address (one per node), and
+    its EndpointSlices list them with the named ports, so a router or relay subscribes to
+    each agent, never to one picked by a load balancer (a SUB socket connected to one
+    agent would see only that node's chunks).
+    """
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, settings, names.events_service),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(pool),
+            "ports": [
+                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                for name, port in events_ports(pool)
+            ],
+        },
+    }
+
+
 def _pod_monitor(pool: api.KVCachePool, settings: Settings) -> Manifest:
     names = Names(pool.metadata.namespace, pool.metadata.name)
     return {
@@ -639,9 +694,21 @@ def render(
         _daemon_set(pool, settings, checksum(data[AGENT_CONFIG_KEY])),
         _service(pool, settings),
     ]
+    if pool.spec.events.enabled:
+        objects.append(_events_service(pool, settings))
     if settings.pod_monitor:
         objects.append(_pod_monitor(pool, settings))
     return objects
+
+
+def unrendered(pool: api.KVCachePool) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the pool's optional objects its spec does not render now:
+    what the reconcile deletes when a pool turns a feature off (a three-way merge prunes
+    fields of an object, never the object)."""
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    if pool.spec.events.enabled:
+        return []
+    return [("v1", "Service", names.events_service)]
 
 
 def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Manifest:

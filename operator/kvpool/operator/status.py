@@ -48,6 +48,8 @@ class Reason:
     SECRET_NOT_FOUND = "SecretNotFound"
     SECRET_KEY_MISSING = "SecretKeyMissing"
     INVALID_SPEC = "InvalidSpec"
+    PORT_CONFLICT = "PortConflict"
+    """Two ports of the agent collide (spec.events.port, replayPort, agent.metricsPort)."""
     FORBIDDEN = "Forbidden"
     """The operator policy does not allow what the pool asks for (image, root, ...)."""
     APPLY_FAILED = "ApplyFailed"
@@ -60,10 +62,14 @@ PROBLEM_REASONS = (
     Reason.SECRET_NOT_FOUND,
     Reason.SECRET_KEY_MISSING,
     Reason.INVALID_SPEC,
+    Reason.PORT_CONFLICT,
     Reason.FORBIDDEN,
     Reason.APPLY_FAILED,
     Reason.GC_FAILED,
 )
+
+INVALID_EDITS = (Reason.INVALID_SPEC, Reason.PORT_CONFLICT)
+"""Reasons of a spec the operator cannot render: running agents stay as they were."""
 
 
 @dataclass
@@ -200,7 +206,7 @@ def conditions(
         )
     else:
         waiting = None
-    if problem is not None and (problem.reason != Reason.INVALID_SPEC or not rollout.exists):
+    if problem is not None and (problem.reason not in INVALID_EDITS or not rollout.exists):
         # An invalid edit leaves running agents as they are: Ready follows them.
         ready = cond(READY, False, problem.reason, problem.message)
     elif not rollout.exists:
