@@ -11,10 +11,13 @@ and wait with bounded polling.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime
+import json
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -22,7 +25,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp
 import aiohttp.web
+import jsonpatch
 import kmock
 import kmock._internal.parsing as _kmock_parsing
 import kopf
@@ -378,6 +383,36 @@ class Cluster:
             await asyncio.sleep(interval)
         raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
+    async def admit(
+        self,
+        webhook: str,
+        review: dict[str, Any],
+        ssl_context: ssl.SSLContext | None = None,
+        until: Callable[[dict[str, Any]], bool] = lambda _: True,
+    ) -> dict[str, Any]:
+        """POST an AdmissionReview to one of the operator's webhooks, as the API server does,
+        and return its response; retried while the webhook server starts, and until `until`
+        accepts the answer (e.g. a pool the webhook learns of through its watch)."""
+
+        async def post() -> dict[str, Any] | None:
+            try:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(
+                        f"{self.webhook_url}/{webhook}",
+                        json=review,
+                        ssl=ssl_context if ssl_context is not None else True,
+                        timeout=aiohttp.ClientTimeout(total=10),
+                    ) as resp,
+                ):
+                    assert resp.status == 200, await resp.text()
+                    response: dict[str, Any] = (await resp.json())["response"]
+            except aiohttp.ClientConnectorError:
+                return None  # the webhook server is still starting
+            return response if until(response) else None
+
+        return await self.eventually(post, f"the answer of webhook {webhook}")
+
     def start(self, options: OperatorOptions) -> None:
         ready = threading.Event()
         url = str(self.emulator.url).rstrip("/")
@@ -413,6 +448,45 @@ class Cluster:
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, timeout)
             assert not self.thread.is_alive(), "the operator did not stop"
+
+
+def admission_review(
+    obj: dict[str, Any],
+    namespace: str,
+    operation: str = "CREATE",
+    old: dict[str, Any] | None = None,
+    username: str = "system:serviceaccount:kube-system:replicaset-controller",
+) -> dict[str, Any]:
+    """The AdmissionReview the API server sends for `obj` (a Pod or one of kvpool's kinds).
+    The namespace is the request's: a pod made by a controller has none in its metadata."""
+    if obj["kind"] == "Pod":
+        group, version, resource = "", "v1", "pods"
+    else:
+        plural = api.POOL_PLURAL if obj["kind"] == api.POOL_KIND else api.POLICY_PLURAL
+        group, version, resource = api.GROUP, api.VERSION, plural
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": group, "version": version, "kind": obj["kind"]},
+            "resource": {"group": group, "version": version, "resource": resource},
+            "namespace": namespace,
+            "operation": operation,
+            "userInfo": {"username": username},
+            "object": obj,
+            "oldObject": old,
+            "dryRun": False,
+        },
+    }
+
+
+def patched(obj: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+    """`obj` as a mutating webhook's allowed `response` (base64 JSON patch) leaves it."""
+    assert response["allowed"] is True, response
+    ops = json.loads(base64.b64decode(response["patch"]))
+    result: dict[str, Any] = jsonpatch.apply_patch(copy.deepcopy(obj), ops)
+    return result
 
 
 def client_for_tests(url: str) -> Kube:

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import base64
 import copy
-import json
 import logging
-import uuid
 from typing import Any
 
-import aiohttp
 import kubernetes_validate
 import pytest
 import yaml
-from op_cluster import NAMESPACE, Cluster, Emulator
+from op_cluster import NAMESPACE, Cluster, Emulator, admission_review, patched
 from op_support import example
 
 from kvpool.operator import api, metrics
@@ -438,59 +434,16 @@ async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
     )
 
 
-def _review(pod: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": pod["metadata"]["namespace"],
-            "operation": "CREATE",
-            "userInfo": {"username": "system:serviceaccount:inference:default"},
-            "object": pod,
-            "dryRun": False,
-        },
-    }
-
-
 async def _admit(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
-    """POST an AdmissionReview to the operator's webhook server, as the API server does."""
-
-    async def post() -> dict[str, Any] | None:
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(
-                    f"{cluster.webhook_url}/kvpool-inject",
-                    json=_review(pod),
-                    timeout=aiohttp.ClientTimeout(total=10),
-                ) as resp,
-            ):
-                assert resp.status == 200, await resp.text()
-                response: dict[str, Any] = (await resp.json())["response"]
-                return response
-        except aiohttp.ClientConnectorError:
-            return None  # the webhook server is still starting
-
-    return await cluster.eventually(post, "the webhook's answer")
-
-
-def _apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    import jsonpatch
-
-    result: dict[str, Any] = jsonpatch.apply_patch(doc, ops)
-    return result
+    review = admission_review(pod, pod["metadata"]["namespace"],
+                              username="system:serviceaccount:inference:default")
+    return await cluster.admit("kvpool-inject", review)
 
 
 async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None:
     await _start_pool(cluster)
     pod = example("pod.yaml", "Pod")
-    response = await _admit(cluster, pod)
-    assert response["allowed"] is True, response
-    ops = json.loads(base64.b64decode(response["patch"]))
-    mutated = _apply_json_patch(copy.deepcopy(pod), ops)
+    mutated = patched(pod, await _admit(cluster, pod))
     spec = mutated["spec"]
     assert {
         "name": "kvpool-socket",

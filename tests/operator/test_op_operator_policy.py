@@ -5,12 +5,10 @@ by the pool admission webhook, and, stored anyway, left without agents."""
 from __future__ import annotations
 
 import copy
-import uuid
 from typing import Any
 
-import aiohttp
 import pytest
-from op_cluster import Cluster, Emulator
+from op_cluster import Cluster, Emulator, admission_review
 from op_support import EXAMPLES, example
 from typer.testing import CliRunner
 
@@ -183,28 +181,6 @@ def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any] | None
     return None
 
 
-def _review(obj: dict[str, Any], operation: str, old: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": api.GROUP, "version": api.VERSION, "kind": obj["kind"]},
-            "resource": {
-                "group": api.GROUP,
-                "version": api.VERSION,
-                "resource": api.POOL_PLURAL if obj["kind"] == api.POOL_KIND else api.POLICY_PLURAL,
-            },
-            "namespace": obj["metadata"]["namespace"],
-            "operation": operation,
-            "userInfo": {"username": "alice"},
-            "object": obj,
-            "oldObject": old,
-            "dryRun": False,
-        },
-    }
-
-
 async def admit(
     cluster: Cluster,
     webhook: str,
@@ -212,25 +188,8 @@ async def admit(
     operation: str = "CREATE",
     old: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """POST an AdmissionReview to one of the operator's webhooks, as the API server does."""
-
-    async def post() -> dict[str, Any] | None:
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(
-                    f"{cluster.webhook_url}/{webhook}",
-                    json=_review(obj, operation, old),
-                    timeout=aiohttp.ClientTimeout(total=10),
-                ) as resp,
-            ):
-                assert resp.status == 200, await resp.text()
-                response: dict[str, Any] = (await resp.json())["response"]
-                return response
-        except aiohttp.ClientConnectorError:
-            return None  # the webhook server is still starting
-
-    return await cluster.eventually(post, "the webhook's answer")
+    review = admission_review(obj, obj["metadata"]["namespace"], operation, old, "alice")
+    return await cluster.admit(webhook, review)
 
 
 def _minimal(**spec: Any) -> dict[str, Any]:

@@ -3,16 +3,11 @@ request, native sidecars are injected like containers, and warnings say what to 
 
 from __future__ import annotations
 
-import base64
 import copy
-import json
-import uuid
 from typing import Any
 
-import aiohttp
-import jsonpatch
 import pytest
-from op_cluster import NAMESPACE, Cluster, Emulator
+from op_cluster import NAMESPACE, Cluster, Emulator, admission_review, patched
 from op_support import example
 
 from kvpool.operator import api
@@ -22,41 +17,8 @@ pytestmark = pytest.mark.kmock(cls=Emulator)
 SOCKET_DIR = "/run/kvpool/inference.small"
 
 
-def _review(pod: dict[str, Any], namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": namespace,
-            "operation": "CREATE",
-            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
-            "object": pod,
-            "dryRun": False,
-        },
-    }
-
-
 async def _admit(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
-    async def post() -> dict[str, Any] | None:
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(
-                    f"{cluster.webhook_url}/kvpool-inject",
-                    json=_review(pod, NAMESPACE),
-                    timeout=aiohttp.ClientTimeout(total=10),
-                ) as resp,
-            ):
-                assert resp.status == 200, await resp.text()
-                response: dict[str, Any] = (await resp.json())["response"]
-                return response
-        except aiohttp.ClientConnectorError:
-            return None
-
-    return await cluster.eventually(post, "the webhook's answer")
+    return await cluster.admit("kvpool-inject", admission_review(pod, NAMESPACE))
 
 
 def _pod(**spec: Any) -> dict[str, Any]:
@@ -80,19 +42,12 @@ async def _start_pool(cluster: Cluster) -> None:
     await cluster.eventually(indexed, "the pool reconciled")
 
 
-def _mutated(pod: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
-    assert response["allowed"] is True, response
-    ops = json.loads(base64.b64decode(response["patch"]))
-    result: dict[str, Any] = jsonpatch.apply_patch(copy.deepcopy(pod), ops)
-    return result
-
-
 async def test_a_pod_without_metadata_namespace_joins_the_pool_of_its_request(
     cluster: Cluster,
 ) -> None:
     await _start_pool(cluster)
     pod = _pod()
-    mutated = _mutated(pod, await _admit(cluster, pod))
+    mutated = patched(pod, await _admit(cluster, pod))
     env = {e["name"]: e["value"] for e in mutated["spec"]["containers"][0]["env"]}
     assert env["KVPOOL_POOL"] == "inference.small"
     assert "namespace" not in mutated["metadata"]  # the patch adds nothing but the pool's
@@ -105,7 +60,7 @@ async def test_native_sidecars_get_the_socket_and_env_but_other_init_containers_
     sidecar = {"name": "cache-proxy", "image": "proxy:1", "restartPolicy": "Always"}
     setup = {"name": "download", "image": "fetch:1"}
     pod = _pod(initContainers=[setup, sidecar])
-    mutated = _mutated(pod, await _admit(cluster, pod))
+    mutated = patched(pod, await _admit(cluster, pod))
     setup_out, sidecar_out = mutated["spec"]["initContainers"]
     assert {"name": "kvpool-socket", "mountPath": SOCKET_DIR} in sidecar_out["volumeMounts"]
     assert "KVPOOL_SOCKET" in {e["name"] for e in sidecar_out["env"]}

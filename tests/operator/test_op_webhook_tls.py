@@ -8,15 +8,14 @@ import datetime
 import ipaddress
 import json
 import ssl
-import uuid
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from op_cluster import (
     Cluster,
     Emulator,
+    admission_review,
     client_for_tests,
     declare_resources,
     free_port,
@@ -87,38 +86,9 @@ async def test_webhook_serves_https_with_the_given_certificate(kmock: Any, tmp_p
         context = ssl.create_default_context(cafile=str(ca))
         pod = example("pod.yaml", "Pod")
         pod["metadata"]["annotations"] = {"kvpool.io/pool": "small"}
-        review = {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": str(uuid.uuid4()),
-                "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                "resource": {"group": "", "version": "v1", "resource": "pods"},
-                "namespace": "inference",
-                "operation": "CREATE",
-                "userInfo": {"username": "test"},
-                "object": pod,
-            },
-        }
-
-        async def admitted() -> dict[str, Any] | None:
-            try:
-                async with (
-                    aiohttp.ClientSession() as session,
-                    session.post(
-                        f"{cluster.webhook_url}/kvpool-inject",
-                        json=review,
-                        ssl=context,
-                        timeout=aiohttp.ClientTimeout(total=10),
-                    ) as resp,
-                ):
-                    response: dict[str, Any] = (await resp.json())["response"]
-            except aiohttp.ClientConnectorError:
-                return None  # still starting
-            # The pool reaches the webhook's index through the watch: wait for it.
-            return response if response["allowed"] else None
-
-        response = await cluster.eventually(admitted, "an HTTPS admission of the pod")
+        # The pool reaches the webhook's index through the watch: wait for it.
+        response = await cluster.admit("kvpool-inject", admission_review(pod, "inference"),
+                                       ssl_context=context, until=lambda r: r["allowed"])
         ops = json.loads(base64.b64decode(response["patch"]))
         env_ops = [op for op in ops if op["path"].startswith("/spec/containers/0/env")]
         assert env_ops, ops
