@@ -156,12 +156,13 @@ def test_close_does_what_still_waits() -> None:
 # ---------------------------------------------------------------- the store's NVMe batches
 
 
-def _store(tmp_path: Path) -> ChunkStore:
+def _store(tmp_path: Path, arena_bytes: int = 1 << 20,
+           dram: dict[str, object] | None = None) -> ChunkStore:
     """A store on a 1 MiB arena over an NVMe directory: LRU, no prefetch, no server."""
     config = AgentConfig(socket_path=tmp_path / "agent.sock")
-    arena = Arena(tmp_path / "arena", 1 << 20, lock=False)
+    arena = Arena(tmp_path / "arena", arena_bytes, lock=False)
     policy = TierPolicy.model_validate({"prefetch": {"enabled": False},
-                                        "tiers": {"dram": {"eviction": "lru"}}})
+                                        "tiers": {"dram": {"eviction": "lru", **(dram or {})}}})
     return ChunkStore(config, DramTier(arena), NvmeTier(tmp_path / "nvme", 64 << 20),
                       AgentMetrics("test"), policy)
 
@@ -173,8 +174,8 @@ def _data(key: bytes, tag: bytes = b"") -> bytes:
 CHUNK = 256 << 10
 
 
-def _put(store: ChunkStore, key: bytes, data: bytes) -> None:
-    assert store.put(key, data, checksum(data, b""), b"", "")
+async def _put(store: ChunkStore, key: bytes, data: bytes) -> None:
+    assert await store.put(key, data, checksum(data, b""), b"", "")
 
 
 async def _settle(store: ChunkStore) -> None:
@@ -203,16 +204,20 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         tmp_path: Path, again: str) -> None:
     """Demoted, then (promoted from the in-flight copy, or deleted and written again with
     other bytes) and demoted again, all while the first write waits: the newest bytes end
-    up in NVMe, indexed, in the eviction order and on disk, and nothing else does."""
-    store = _store(tmp_path)
+    up in NVMe, indexed, in the eviction order and on disk, and nothing else does.
+
+    A chunk being demoted keeps its arena pages until its write lands, so the arena (2 MiB,
+    8 chunks) has room to spare: the watermark (60%, down to 50%) evicts one chunk at a
+    time past 4 while the writes wait."""
+    store = _store(tmp_path, 2 << 20, {"highWatermark": 0.6, "lowWatermark": 0.5})
     key = b"k" * 16
-    filler = [bytes([i]) * 16 for i in range(1, 9)]
+    filler = [bytes([i]) * 16 for i in range(1, 6)]
     gate = _hold_io(store)
 
     async def main() -> None:
-        _put(store, key, _data(key, b"old"))
-        for k in filler[:4]:  # a 1 MiB arena holds 4 chunks: the key is evicted
-            _put(store, k, _data(k))
+        await _put(store, key, _data(key, b"old"))
+        for k in filler[:4]:  # the fifth chunk crosses the watermark: the key is evicted
+            await _put(store, k, _data(k))
         assert store.nvme is not None
         assert key in store.nvme.inflight
         if again == "promoted":
@@ -222,10 +227,11 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         else:
             assert store.delete(key)
             want = _data(key, b"new")
-            _put(store, key, want)
+            await _put(store, key, want)
         assert store.dram.get(key) is not None
-        for k in filler[4:]:
-            _put(store, k, _data(k))
+        for k in filler[1:4]:  # read: the key is the least recently used again
+            await store.get(k)
+        await _put(store, filler[4], _data(filler[4]))
         assert key in store.nvme.inflight and store.dram.get(key) is None  # demoted again
         gate.set()
         await _settle(store)
@@ -265,7 +271,7 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
 
     async def main() -> None:
         for k in prompt + filler:  # the filler pushes the whole prompt down to NVMe
-            _put(store, k, _data(k))
+            await _put(store, k, _data(k))
         await _settle(store)
         count, tiers = await store.lookup(prompt)
         assert (count, tiers) == (6, b"\x03" * 6)
@@ -275,7 +281,7 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
         assert list(store.loads.ahead) == prompt[1:]
         assert store.delete(prompt[3])  # the read-ahead copy must not bring it back
         other = _data(prompt[4], b"other")  # already stored: refused, the copy is kept
-        assert not store.put(prompt[4], other, checksum(other, b""), b"", "")
+        assert not await store.put(prompt[4], other, checksum(other, b""), b"", "")
         for k in prompt[1:]:
             if k == prompt[3]:
                 with pytest.raises(OpError):
@@ -287,7 +293,7 @@ def test_one_nvme_read_takes_the_rest_of_the_prompt_and_never_serves_a_stale_chu
         assert not list(store.loads.ahead) and store.loads.ahead.bytes == 0
         await _settle(store)
         # Written again with other bytes and pushed down again: read afresh, new bytes.
-        _put(store, prompt[3], _data(prompt[3], b"new"))
+        await _put(store, prompt[3], _data(prompt[3], b"new"))
         for k in filler:
             await store.get(k)
         await _settle(store)

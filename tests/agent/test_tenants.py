@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
@@ -56,9 +57,13 @@ class TenantAgent(LocalAgent):
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[TenantAgent]:
     # DRAM fits 8 chunks per tenant, NVMe 16: the test pushes chunks down through every tier.
+    # A generous lookup budget: a shared-tier LOOKUP slowed by a loaded machine is a miss,
+    # which is right for an engine but not what these tests are about.
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"tiers": {"shared": {
+        "url": (tmp_path / "shared").as_uri(), "lookupBudget": "5s"}}}))
     with TenantAgent(tmp_path, "--no-lock", "--nvme-dir", str(tmp_path / "nvme"),
-                     "--nvme", str(2 * 16 * (CHUNK + 4096)),
-                     "--shared", (tmp_path / "shared").as_uri(),
+                     "--nvme", str(2 * 16 * (CHUNK + 4096)), "--config", str(cfg),
                      dram=str(2 * 8 * CHUNK)) as a:
         yield a
 
@@ -66,6 +71,12 @@ def agent(tmp_path: Path) -> Iterator[TenantAgent]:
 def chunk(i: int) -> tuple[bytes, bytes]:
     key = i.to_bytes(4, "little") * 4
     return key, bytes([i % 251 + 1]) * CHUNK
+
+
+def prefetched(agent: TenantAgent) -> float:
+    """Chunks loaded ahead into DRAM so far, from any tier."""
+    return sum(v for series, v in scrape(agent).items()
+               if series.startswith("kvpool_tier_prefetches_total{"))
 
 
 def hello(path: Path, tenant: str) -> tuple[p.Reply, list[int]]:
@@ -97,6 +108,11 @@ def test_a_tenant_never_sees_another_tenants_chunks_in_any_tier(agent: TenantAge
         # and each key is reported in the tier it is really in, not all as "shared".
         whole = a.lookup_tiers(keys)
         assert len(whole) == 40 and {"dram", "nvme", "shared"} == set(whole), whole
+        # That LOOKUP loads the first keys below DRAM ahead; the lookups below see them
+        # once those prefetches have landed (each into a full DRAM waits for the chunk
+        # it evicts to reach NVMe), not whichever of them a fast client outruns.
+        lookahead = 4  # prefetch.lookaheadChunks' default
+        wait_until(lambda: prefetched(agent) >= lookahead, "the LOOKUP's prefetches landed")
         tiers_a = [a.lookup_tiers([k]) for k in keys]
         assert all(len(t) == 1 for t in tiers_a)
         assert {"dram", "nvme", "shared"} == {t[0] for t in tiers_a}, tiers_a  # all hold some

@@ -37,8 +37,7 @@ class Dispatcher:
             p.Op.ABORT: _abort,
             p.Op.ACQUIRE: _acquire,
             p.Op.RELEASE: _release,
-            p.Op.PUT: lambda c, r: p.PutReply(r.rid, c.store.put(r.key, r.data, r.checksum,
-                                                                  r.meta, c.tenant)),
+            p.Op.PUT: _put,
             p.Op.GET: _get,
             p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, c.store.delete(r.key)),
             p.Op.PIN: _pin,
@@ -67,8 +66,12 @@ async def _lookup(c: Connection, r: p.Lookup) -> p.LookupReply:
     return p.LookupReply(r.rid, *await c.store.lookup(r.keys))
 
 
-def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
-    granted = c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
+async def _put(c: Connection, r: p.Put) -> p.PutReply:
+    return p.PutReply(r.rid, await c.store.put(r.key, r.data, r.checksum, r.meta, c.tenant))
+
+
+async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
+    granted = await c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
     if granted is None:
         return p.AllocReply(r.rid, 0, [], exists=True)
     return p.AllocReply(r.rid, granted.lease, granted.extents)

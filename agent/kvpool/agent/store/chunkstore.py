@@ -29,7 +29,9 @@ LOOKUPs (a chunk written next knows its depth), and this store's hit counts.
   local tier. The queue never blocks a client.
 - Each tier keeps its chunks in eviction order (`eviction.EvictionQueue`);
   `policy.choose_victims` decides, walking that order only as far as needed.
-- Every visible DRAM chunk is journaled, so a restarted agent finds it again.
+- Every visible DRAM chunk is journaled, so a restarted agent finds it again; so is
+  every chunk on its way to NVMe, whose pages stay taken until its file has landed
+  (`_demoted`): an ALLOC, PUT or promotion needing them waits (`_room`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ UNCOMMITTED_SHARE = 2
 committed must not flush the arena (they cannot be evicted)."""
 RECENT_DELETES = 1 << 16
 """Deletes remembered, so a read that was under way when its key was deleted is a miss."""
+DEMOTION_WAIT = 30.0
+"""Seconds an ALLOC or PUT waits for chunks on their way to NVMe to free its room before
+it answers NO_SPACE (only a stalled NVMe takes that long)."""
 RECENT_LOOKUPS = 1 << 16
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
 
@@ -95,7 +100,7 @@ class ChunkStore:
         self.policy = policy
         self.journal = journal
         if journal is not None:
-            journal.live_entries = self.dram.journal_entries  # what its compaction keeps
+            journal.live_entries = self._journal_live  # what its compaction keeps
         self.dram.pins.update(bytes.fromhex(k) for k in policy.pins)
         self.seq = 0
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
@@ -105,6 +110,10 @@ class ChunkStore:
         """DELETEs so far: a read notes this before it waits, to learn of a delete meanwhile."""
         self.deleted: OrderedDict[bytes, int] = OrderedDict()
         """Recently deleted keys, with the `deletes` count of their delete."""
+        self.demoting = 0
+        """Arena bytes (whole pages) of chunks on their way to NVMe: still held, soon free."""
+        self._room_waiters: list[asyncio.Future[None]] = []
+        """Allocations waiting for demotions to land (their pages to be freed)."""
         self.uncommitted: dict[int, int] = {}
         """Arena bytes (whole pages) under each connection's open write leases."""
         self.dram_queue = new_queue(policy.tiers.dram.eviction)
@@ -118,7 +127,8 @@ class ChunkStore:
         if nvme is not None:
             self.nvme = Demotion(nvme, self.io, metrics, policy,
                                  in_dram=lambda k: self.dram.get(k) is not None,
-                                 pinned=lambda k: k in self.dram.pins, shared=self.shared)
+                                 pinned=lambda k: k in self.dram.pins, shared=self.shared,
+                                 settled=self._demoted)
         self.loads = Loads(self.nvme, self.shared, metrics, position=self._position,
                            in_dram=lambda k: self.dram.get(k) is not None)
         self._background: set[asyncio.Task[None]] = set()
@@ -253,7 +263,8 @@ class ChunkStore:
 
     # -- zero-copy writes
 
-    def alloc(self, key: bytes, size: int, meta: bytes, tenant: str, owner: int) -> Granted | None:
+    async def alloc(self, key: bytes, size: int, meta: bytes, tenant: str,
+                    owner: int) -> Granted | None:
         """A write lease on fresh extents, or None when the key is already stored."""
         check_key(key)
         self._check_size(size, meta)
@@ -268,7 +279,11 @@ class ChunkStore:
                           f"this connection's uncommitted writes hold {held} bytes of the "
                           f"arena; at most {self.dram.capacity_bytes // UNCOMMITTED_SHARE} "
                           "(half of it): commit or abort some first")
-        extents = self._allocate(size)
+        extents = await self._room(size)
+        if self.contains(key):  # stored by another client while this one waited
+            self.dram.alloc.free(extents)
+            return None
+        held = self.uncommitted.get(owner, 0)
         lease = self.dram.open_write(key, extents, size, meta, tenant, owner,
                                      self.config.write_lease_timeout)
         self.uncommitted[owner] = held + pages
@@ -350,8 +365,8 @@ class ChunkStore:
             rec, source, hits = loaded
             # Leases are on arena bytes, so the chunk comes up into DRAM either way;
             # with promotion off it stays only for this lease.
-            chunk = self.dram.get(key) or self._promote(rec, "promotion", source, hits,
-                                                        evict=False)
+            chunk = self.dram.get(key) or await self._promote(rec, "promotion", source, hits,
+                                                              evict=False)
             tier, transient = TIER_CODE[source], not pol.should_promote(self.policy, hits or 1)
         self._touch_read(chunk)
         lease = self.dram.open_read(chunk, owner)
@@ -388,15 +403,28 @@ class ChunkStore:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
         rec, source, hits = loaded
         if pol.should_promote(self.policy, hits or 1) and self.dram.get(key) is None:
-            with contextlib.suppress(OpError):  # DRAM all leased: serve without promoting
-                self._promote(rec, "promotion", source, hits)
+            try:
+                await self._promote(rec, "promotion", source, hits)
+            except OpError as e:  # DRAM all leased: serve without promoting
+                if e.code == ErrorCode.NOT_FOUND:
+                    raise  # deleted while the promotion waited for room
         return bytes(rec.data), rec.checksum, rec.meta, TIER_CODE[source], rec.checksum_kind
 
-    def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int,
-                 evict: bool = True) -> DramChunk:
-        """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`)."""
+    async def _promote(self, rec: ChunkRecord, why: str, source: TierName, hits: int,
+                       evict: bool = True) -> DramChunk:
+        """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`), waiting
+        for room like a write (`_room`)."""
         self.loads.ahead.drop(rec.key)
-        extents = self._allocate(rec.size)
+        mark = self.deletes
+        extents = await self._room(rec.size)
+        if self._deleted_since(rec.key, mark):  # a DELETE is final, whatever waited
+            self.dram.alloc.free(extents)
+            raise OpError(ErrorCode.NOT_FOUND, f"{rec.key.hex()} was deleted")
+        if self.dram.get(rec.key) is not None:  # promoted by another read while this waited
+            self.dram.alloc.free(extents)
+            chunk = self.dram.get(rec.key)
+            assert chunk is not None
+            return chunk
         self.dram.arena.write(extents, rec.data)
         chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
                              hits, evict, rec.checksum_kind)
@@ -414,11 +442,12 @@ class ChunkStore:
         if loaded is not None and self.dram.get(key) is None:
             rec, source, hits = loaded
             with contextlib.suppress(OpError):  # no room can be made: prefetch is best effort
-                self._promote(rec, "prefetch", source, hits)
+                await self._promote(rec, "prefetch", source, hits)
 
     # -- inline writes
 
-    def put(self, key: bytes, data: bytes, checksum_: int, meta: bytes, tenant: str) -> bool:
+    async def put(self, key: bytes, data: bytes, checksum_: int, meta: bytes,
+                  tenant: str) -> bool:
         check_key(key)
         self._check_size(len(data), meta)
         if checksum(data, meta) != checksum_:
@@ -426,7 +455,10 @@ class ChunkStore:
                           "the PUT bytes do not match their checksum; nothing stored")
         if self.contains(key):
             return False
-        extents = self._allocate(len(data))
+        extents = await self._room(len(data))
+        if self.contains(key):  # stored by another client while this one waited
+            self.dram.alloc.free(extents)
+            return False
         self.dram.arena.write(extents, data)
         chunk = self._insert(key, extents, len(data), checksum_, meta, tenant)
         self._write_through(chunk, data)
@@ -443,7 +475,10 @@ class ChunkStore:
             self.deleted.popitem(last=False)
         self.dram.pins.discard(key)
         self.loads.forget(key)
+        demoting = self.nvme is not None and key in self.nvme.inflight
         existed = self._drop_dram(key)
+        if demoting and not existed and self.journal is not None:
+            self.journal.drop(key)  # journaled till its demotion lands: a delete is final
         if self.nvme is not None and self.nvme.forget(key):
             existed = True
         if self.shared is not None:
@@ -485,11 +520,51 @@ class ChunkStore:
         return self._pages(chunk.size)
 
     def _evict_dram_to(self, target: int, reason: str) -> None:
+        """Evict down to `target` (pages being demoted count as free already), as far as
+        the demotions in flight stay within their bound: a watermark is a soft target,
+        the next insert goes on."""
         with contextlib.closing(self.dram_queue.candidates()) as walk:
-            self._evict_dram(pol.choose_victims(
-                walk, tier="dram", policy=self.policy, used=self.dram.used_bytes,
+            victims = pol.choose_victims(
+                walk, tier="dram", policy=self.policy, used=self.dram.used_bytes - self.demoting,
                 target=target, reason=reason, protected=self.dram.protected,
-                footprint=self._footprint))
+                footprint=self._footprint)
+        self._evict_dram(self._admissible(victims))
+
+    def _admissible(self, victims: list[pol.Victim]) -> list[pol.Victim]:
+        """The victims, in order, that can be demoted within the bound on demotions in
+        flight (the first one always, with none in flight: a chunk larger than the bound
+        must still get through)."""
+        if self.nvme is None:
+            return victims
+        n = size = 0
+        for i, v in enumerate(victims):
+            chunk = self.dram.get(v.key)
+            n, size = n + 1, size + (chunk.size if chunk is not None else 0)
+            if not self.nvme.admits(n, size, self.dram.capacity_bytes):
+                return victims[: max(i, 1 if self.nvme.pending == 0 else 0)]
+        return victims
+
+    def _demoted(self, chunk: DramChunk, drop_journal: bool) -> None:
+        """A demotion's write is done: its DRAM pages are free now (and its journal entry
+        gone, unless a newer one speaks for the key), and waiting allocations retry."""
+        if drop_journal and self.journal is not None:
+            self.journal.drop(chunk.key)  # first: the pages are reused only once it is gone
+        self.dram.alloc.free(chunk.extents)
+        self.demoting -= self._pages(chunk.size)
+        waiters, self._room_waiters = self._room_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _journal_live(self) -> Iterable[JournalEntry]:
+        """What a journal compaction keeps: the visible DRAM chunks, and chunks on their
+        way to NVMe (still in the arena until their file lands)."""
+        yield from self.dram.journal_entries()
+        if self.nvme is not None:
+            for key, (_, c) in self.nvme.inflight.items():
+                if self.dram.get(key) is None:
+                    yield JournalEntry(c.key, c.extents, c.size, c.checksum, c.meta, c.tenant,
+                                       c.checksum_kind)
 
     def _evict_dram(self, victims: Iterable[pol.Victim]) -> None:
         rules = self.policy.tiers.dram
@@ -504,24 +579,32 @@ class ChunkStore:
                 elif self.shared is not None and self.shared.demotes(chunk.hits):
                     below = "shared"
             rec = None
-            if below is not None:
+            if below is not None and chunk.readers == 0:
                 rec = ChunkRecord(chunk.key, self.dram.arena.read(chunk.extents), chunk.checksum,
                                   chunk.meta, chunk.tenant, checksum_kind=chunk.checksum_kind)
                 if not rec.verify():
                     log.error("integrity failure in dram for %s: dropped", chunk.key.hex())
                     self.m.integrity_failures["dram"].inc()
                     rec = None
+            if below == "nvme" and rec is not None:
+                assert self.nvme is not None
+                if self.nvme.reserve(rec):
+                    # Out of the index, but its pages and journal entry stay until its
+                    # file has landed: a SIGKILL meanwhile finds it in DRAM again.
+                    self.dram.detach(v.key)
+                    self.dram_queue.discard(v.key)
+                    self.demoting += self._pages(chunk.size)
+                    self.m.evictions[("dram", v.reason)].inc()
+                    self.nvme.demote(rec, chunk)
+                    continue
+                rec = None  # no room can be made in NVMe: dropped, as if not admitted
             self._drop_dram(v.key)
             self.m.evictions[("dram", v.reason)].inc()
             if rec is None:
                 continue
-            if below == "nvme":
-                assert self.nvme is not None
-                self.nvme.demote(rec, chunk)
-            else:
-                assert self.shared is not None
-                self.shared.upload(rec)
-                self.m.demotions["dram"].inc()
+            assert self.shared is not None and below == "shared"
+            self.shared.upload(rec)
+            self.m.demotions["dram"].inc()
 
     def _write_through(self, chunk: DramChunk, data: bytes | None = None) -> None:
         """Offer a freshly committed chunk to G4 when its rules say write-through."""
@@ -537,13 +620,33 @@ class ChunkStore:
         if target is not None:
             self._evict_dram_to(target, "watermark")
 
-    def _allocate(self, size: int) -> Extents:
-        """Extents for a new chunk, evicting by policy as needed.
+    async def _room(self, size: int) -> Extents:
+        """Extents for a new chunk (`_allocate`), waiting while the room is held by chunks
+        on their way to NVMe: the writers are held back, never the heap grown. NO_SPACE
+        after `DEMOTION_WAIT` seconds without room (NVMe stalled)."""
+        deadline = time.monotonic() + DEMOTION_WAIT
+        while (extents := self._allocate(size)) is None:
+            if self.nvme is None or self.nvme.pending == 0:
+                continue  # what it evicted was dropped, not demoted: evict on
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OpError(ErrorCode.NO_SPACE,
+                              f"no room for {size} bytes: the arena is held by chunks being "
+                              f"demoted to nvme, and none landed for {DEMOTION_WAIT:g} s")
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._room_waiters.append(fut)
+            await asyncio.wait([fut], timeout=left)
+        return extents
+
+    def _allocate(self, size: int) -> Extents | None:
+        """Extents for a new chunk, evicting by policy as needed; None when room will be
+        there once demotions in flight land (the caller waits, `_room`).
 
         Nothing is evicted for a chunk that cannot fit even then (larger than the arena,
-        or more than its free and evictable bytes together). Where the free bytes would
-        do but are split into too many runs, more chunks go, in eviction order, until
-        their pages join into room enough."""
+        or more than its free, evictable and being-demoted bytes together), nor while
+        that would take the demotions in flight past their bound. Where the free bytes
+        would do but are split into too many runs, more chunks go, in eviction order,
+        until their pages join into room enough."""
         d = self.dram
         extents = d.alloc.alloc(size)
         if extents is not None:
@@ -553,16 +656,22 @@ class ChunkStore:
         free = d.capacity_bytes - d.used_bytes
         with contextlib.closing(self.dram_queue.candidates()) as walk:
             victims = pol.choose_victims(
-                walk, tier="dram", policy=self.policy, used=d.used_bytes,
+                walk, tier="dram", policy=self.policy, used=d.used_bytes - self.demoting,
                 target=d.capacity_bytes - need, reason="capacity", protected=d.protected,
                 footprint=self._footprint)
         evictable = sum(self._footprint(c) for v in victims if (c := d.get(v.key)) is not None)
-        if free + evictable < need:
+        if free + self.demoting + evictable < need:
             raise OpError(ErrorCode.NO_SPACE,
-                          f"no room for {size} bytes: {free} free and {evictable} evictable; "
-                          "the rest is leased or pinned, or being written")
-        self._evict_dram(victims)
+                          f"no room for {size} bytes: {free} free, {evictable} evictable and "
+                          f"{self.demoting} being demoted; the rest is leased or pinned, or "
+                          "being written")
+        admitted = self._admissible(victims)
+        self._evict_dram(admitted)
+        if len(admitted) < len(victims):
+            return None  # the rest once some of those in flight have landed
         while (extents := d.alloc.alloc(size)) is None:
+            if self.demoting:
+                return None  # pages on their way to NVMe free up soon: wait for them
             # The free pages are there, in too many runs: evict on to join them.
             with contextlib.closing(self.dram_queue.candidates()) as walk:
                 more = pol.choose_victims(
@@ -574,7 +683,7 @@ class ChunkStore:
                               f"no room for {size} bytes: {d.capacity_bytes - d.used_bytes} "
                               "free, but in runs too small and too many for one chunk, and "
                               "nothing left to evict")
-            self._evict_dram(more)
+            self._evict_dram(self._admissible(more))
         return extents
 
     # -- housekeeping
@@ -584,8 +693,9 @@ class ChunkStore:
         mono = time.monotonic()
         self.dram.expire_writes(mono)  # their pages stay fenced until the writer disconnects
         wall = time.time() if now is None else now
-        self._evict_dram(pol.expired(self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall,
-                                     self.dram.protected))
+        # Within the bound on demotions in flight: the rest go at a later sweep.
+        self._evict_dram(self._admissible(pol.expired(
+            self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall, self.dram.protected)))
         if self.nvme is not None:
             self.nvme.expire(wall)
 
@@ -654,13 +764,14 @@ class ChunkStore:
         d, c = self.dram, self.counts
         tiers = [TierSnapshot("dram", d.capacity_bytes, d.used_bytes, len(d.chunks),
                               c.hits["dram"], c.misses["dram"], True)]
-        demoting = removing = 0
+        demoting = demoting_bytes = removing = 0
         if self.nvme is not None:
             nvme = self.nvme.nvme
             ok, reason = nvme.healthy()
             tiers.append(TierSnapshot("nvme", nvme.capacity_bytes, nvme.used_bytes, nvme.chunks,
                                       c.hits["nvme"], c.misses["nvme"], ok, reason))
-            demoting, removing = len(self.nvme.inflight), self.nvme.removing
+            demoting, demoting_bytes = self.nvme.pending, self.nvme.pending_bytes
+            removing = self.nvme.removing
         url = ""
         queue = None
         if self.shared is not None:
@@ -672,7 +783,8 @@ class ChunkStore:
             url, queue = shared.url, self.shared.queue_stats()
         return StoreSnapshot(tiers, LookupCounts(dict(c.hits), dict(c.misses)), len(d.reads),
                              len(d.writes), len(d.pins), d.arena.locked_bytes,
-                             d.arena.lock_error or "", demoting, removing, url, queue)
+                             d.arena.lock_error or "", demoting, demoting_bytes, removing, url,
+                             queue)
 
     # -- checks
 

@@ -1,10 +1,16 @@
 """The NVMe side of the store: demotions into it, evictions and file removals out of it.
 
-A DRAM chunk evicted with `onEvict: demote` is copied out and verified, its arena
-space freed at once, and written to NVMe in a worker thread; until that write lands
-the chunk is served from the in-flight copy. Chunks leave NVMe's index on the loop
-at once (so one watermark crossing cannot start a second eviction round while the
-files are still there); their files go (or move to G4 first) in a worker thread.
+A DRAM chunk evicted with `onEvict: demote` is copied out and verified and written to
+NVMe in a worker thread; until that write lands the chunk is served from the in-flight
+copy, and its arena pages and commit-journal entry stay: they are given back (`settled`)
+only once the file is in place, so an agent killed meanwhile finds the chunk in DRAM
+again. NVMe room is made before a write, never after, and the demotions in flight are
+bounded (`DEMOTIONS_IN_FLIGHT`, `DEMOTION_BYTES_SHARE`): past the bound, writers wait
+for them to land.
+
+Chunks leave NVMe's index on the loop at once (so one watermark crossing cannot start a
+second eviction round while the files are still there); their files go (or move to G4
+first) in a worker thread.
 `Demotion` owns what that takes: the in-flight copies, NVMe's eviction order, and
 the two batch pipelines.
 """
@@ -24,7 +30,7 @@ from ..eviction import EvictionQueue, new_queue
 from ..metrics import EVICTION_REASONS, AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.dram import DramChunk
-from ..tiers.nvme import NvmeEntry, NvmeTier
+from ..tiers.nvme import NvmeEntry, NvmeTier, file_bytes
 from .sharedlink import SharedLink
 from .tierreads import read_nvme
 
@@ -36,11 +42,18 @@ and probes): file and object-store calls release the GIL, so they overlap."""
 
 WriteResult = list[tuple[str, OSError] | None]
 
+DEMOTIONS_IN_FLIGHT = 256
+"""Most chunks on their way from DRAM to NVMe at once (each holds its arena pages and a
+heap copy): past it, an allocation that would demote more waits for some to land."""
+DEMOTION_BYTES_SHARE = 2
+"""Chunks on their way to NVMe take at most 1/this of the arena (same rule)."""
+
 
 class Demotion:
     def __init__(self, nvme: NvmeTier, io: Executor, metrics: AgentMetrics, policy: TierPolicy,
                  *, in_dram: Callable[[bytes], bool], pinned: Callable[[bytes], bool],
-                 shared: SharedLink | None) -> None:
+                 shared: SharedLink | None,
+                 settled: Callable[[DramChunk, bool], None] = lambda c, j: None) -> None:
         self.nvme = nvme
         self.io = io
         self.m = metrics
@@ -48,12 +61,22 @@ class Demotion:
         self._in_dram = in_dram
         self._pinned = pinned
         self._shared = shared
+        self._settled = settled
+        """Called once per demotion when its write is done (landed, failed or superseded):
+        the DRAM chunk's pages can go, and its journal entry too when True."""
         self.queue: EvictionQueue = new_queue(policy.tiers.nvme.eviction)
         """NVMe's chunks in eviction order."""
         for entry in sorted(nvme.index.values(), key=lambda e: e.last_access):
             self.queue.add(entry)  # files found at start: the oldest go first
-        self.inflight: dict[bytes, ChunkRecord] = {}
-        """Chunks on their way from DRAM to NVMe: still served from here."""
+        self.inflight: dict[bytes, tuple[ChunkRecord, DramChunk]] = {}
+        """Chunks on their way from DRAM to NVMe (the newest demotion of each key): still
+        served from here."""
+        self.pending = 0
+        """Demotions whose write is not done yet (a key demoted twice counts twice)."""
+        self.pending_bytes = 0
+        """Their chunk bytes (each is held twice: in the arena and in its heap copy)."""
+        self.reserved = 0
+        """NVMe bytes (header and chunk) of the files being written: room made for them."""
         self.removing = 0
         """Chunks out of the NVMe index whose files a worker has yet to remove (or upload)."""
         self.writes: Batches[tuple[ChunkRecord, DramChunk], WriteResult] = Batches(
@@ -86,13 +109,40 @@ class Demotion:
 
     def copy_of(self, key: bytes) -> ChunkRecord | None:
         """The in-flight copy of a chunk being demoted."""
-        return self.inflight.get(key)
+        got = self.inflight.get(key)
+        return None if got is None else got[0]
 
     # -- into NVMe
 
+    def admits(self, chunks: int, nbytes: int, arena: int) -> bool:
+        """Whether `chunks` more demotions of `nbytes` stay within the bound."""
+        return (self.pending + chunks <= DEMOTIONS_IN_FLIGHT
+                and self.pending_bytes + nbytes <= arena // DEMOTION_BYTES_SHARE)
+
+    def reserve(self, rec: ChunkRecord) -> bool:
+        """Make room in NVMe for a chunk's file before it is written (evicting by policy);
+        False when that cannot be done (the rest is pinned or on its way in)."""
+        nvme = self.nvme
+        need = file_bytes(rec)
+        free = nvme.capacity_bytes - nvme.used_bytes - self.reserved
+        if free < need:
+            with contextlib.closing(self.queue.candidates()) as walk:
+                victims = pol.choose_victims(
+                    walk, tier="nvme", policy=self.policy, used=nvme.used_bytes,
+                    target=nvme.capacity_bytes - self.reserved - need, reason="capacity",
+                    protected=self._pinned)
+            self.drop(victims)
+            if nvme.capacity_bytes - nvme.used_bytes - self.reserved < need:
+                return False
+        self.reserved += need
+        return True
+
     def demote(self, rec: ChunkRecord, chunk: DramChunk) -> None:
-        """Write a verified copy of an evicted DRAM chunk to NVMe; served from here meanwhile."""
-        self.inflight[rec.key] = rec
+        """Write a verified copy of an evicted DRAM chunk to NVMe (room `reserve`d first);
+        served from here meanwhile. `chunk` keeps its arena pages until `settled`."""
+        self.inflight[rec.key] = (rec, chunk)
+        self.pending += 1
+        self.pending_bytes += rec.size
         self.writes.offer((rec, chunk))
 
     def forget(self, key: bytes) -> bool:
@@ -124,7 +174,16 @@ class Demotion:
         and join NVMe's eviction order, then NVMe makes room down to its watermark."""
         landed = False
         for (rec, chunk), failed in zip(batch, results, strict=True):
-            current = self.inflight.get(rec.key)
+            got = self.inflight.get(rec.key)
+            current = None if got is None else got[0]
+            self.pending -= 1
+            self.pending_bytes -= rec.size
+            self.reserved -= file_bytes(rec)
+            # The DRAM copy goes only now that the file is in place (or the write failed).
+            # Its journal entry goes with it unless a newer one speaks for the key: a
+            # newer demotion's, or DRAM's after a promotion or a rewrite (and a delete
+            # has dropped it already).
+            self._settled(chunk, current is rec and not self._in_dram(rec.key))
             if failed is not None:
                 kind, e = failed
                 log.warning("demotion of %s to nvme failed (%s): dropped", rec.key.hex(), e)

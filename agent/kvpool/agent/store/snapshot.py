@@ -52,7 +52,9 @@ class StoreSnapshot:
     locked_bytes: int
     lock_error: str
     demoting: int = 0
-    """Chunks on their way from DRAM to NVMe."""
+    """Chunks on their way from DRAM to NVMe (demotions whose write is not done)."""
+    demoting_bytes: int = 0
+    """Their chunk bytes (held in the arena and in a heap copy until the write is done)."""
     removing: int = 0
     """Chunks out of the NVMe index whose files are yet to be removed."""
     shared_url: str = ""
@@ -75,6 +77,7 @@ def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
             row["reason"] = t.reason
         if t.tier == "nvme":
             row["inflight"] = snap.demoting
+            row["inflight_bytes"] = snap.demoting_bytes
             row["removing"] = snap.removing
         if t.tier == "shared":
             q = snap.queue
@@ -110,6 +113,11 @@ def samples(snap: StoreSnapshot) -> Iterator[Sample]:
         yield Sample("kvpool_tier_chunks", "Chunks held in the tier", labels, t.chunks)
         yield Sample("kvpool_tier_healthy", "1 when the tier serves", labels,
                      1 if t.healthy else 0)
+    if any(t.tier == "nvme" for t in snap.tiers):
+        yield Sample("kvpool_nvme_demotions_in_flight", "Chunks on their way from DRAM to NVMe",
+                     {}, snap.demoting)
+        yield Sample("kvpool_nvme_demotions_in_flight_bytes",
+                     "Chunk bytes on their way from DRAM to NVMe", {}, snap.demoting_bytes)
     yield Sample("kvpool_leases", "Open leases", {"kind": "read"}, snap.read_leases)
     yield Sample("kvpool_leases", "Open leases", {"kind": "write"}, snap.write_leases)
     yield Sample("kvpool_dram_locked_bytes", "Arena bytes locked in RAM", {}, snap.locked_bytes)

@@ -126,6 +126,15 @@ class DramTier:
             self.alloc.free(chunk.extents)
         return chunk
 
+    def detach(self, key: bytes) -> DramChunk | None:
+        """Take an unread chunk out of the index keeping its pages: the caller frees them
+        (a chunk being demoted keeps its pages until its NVMe copy has landed)."""
+        chunk = self.chunks.get(key)
+        if chunk is None or chunk.readers:
+            return None
+        del self.chunks[key]
+        return chunk
+
     # -- leases
 
     def _lease_id(self) -> int:

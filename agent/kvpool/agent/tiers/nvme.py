@@ -46,6 +46,11 @@ class NvmeEntry:
     last_access: float = 0.0
 
 
+def file_bytes(rec: ChunkRecord) -> int:
+    """Bytes a chunk's file takes (header and chunk): what NVMe reserves before writing it."""
+    return len(base.encode_header(rec)) + rec.size
+
+
 class NvmeTier(ChunkTier):
     name = "nvme"
 
