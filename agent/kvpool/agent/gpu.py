@@ -31,6 +31,7 @@ import torch
 
 from . import checksums
 from . import protocol as p
+from .transport import acquired
 
 Segments = list[torch.Tensor]
 log = logging.getLogger(__name__)
@@ -416,15 +417,7 @@ class DeviceArena:
         copier: CopyStream | None = None
         fenced = False
         try:
-            for i, reply in enumerate(replies):
-                if isinstance(reply, p.ErrorReply):
-                    if reply.code != p.ErrorCode.NOT_FOUND:
-                        raise p.ProtocolError(reply.code, reply.message)
-                    continue
-                assert isinstance(reply, p.AcquireReply)
-                out = target(start + i, reply.size, reply.meta)
-                if out is None:
-                    continue
+            for i, reply, out in acquired(replies, start, target):
                 if not is_chunk(out):
                     dst = copy_buffer(reply.extents, out, reply.size)
                     if not verify or p.checksum(dst[: reply.size], reply.meta,

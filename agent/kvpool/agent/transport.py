@@ -16,7 +16,7 @@ import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import xxhash
 
@@ -26,6 +26,8 @@ Buffer = Any
 """Anything exporting the buffer protocol: bytes, bytearray, memoryview, numpy arrays."""
 
 Mode = Literal["zero_copy", "inline"]
+
+_Dst = TypeVar("_Dst")
 
 ReadTarget = Callable[[int, int, bytes], Buffer | None]
 """`target(index, size, meta)`: where `get_many_into` copies the chunk of `keys[index]`,
@@ -55,6 +57,23 @@ def fits(dst: memoryview, size: int) -> memoryview:
     if dst.nbytes < size:
         raise ValueError(f"chunk of {size} bytes does not fit in {dst.nbytes}")
     return dst
+
+
+def acquired(replies: Sequence[p.Reply], start: int,
+             target: Callable[[int, int, bytes], _Dst | None]
+             ) -> Iterator[tuple[int, p.AcquireReply, _Dst]]:
+    """The granted chunks among a window's ACQUIRE replies, each as (index in the window,
+    reply, the destination `target` gives it); one it gives no destination is skipped, a
+    miss too, and any other error raised."""
+    for i, reply in enumerate(replies):
+        if isinstance(reply, p.ErrorReply):
+            if reply.code != p.ErrorCode.NOT_FOUND:
+                raise p.ProtocolError(reply.code, reply.message)
+            continue
+        assert isinstance(reply, p.AcquireReply)
+        out = target(start + i, reply.size, reply.meta)
+        if out is not None:
+            yield i, reply, out
 
 
 def copy_and_checksum(arena: memoryview, extents: Sequence[tuple[int, int]], src: memoryview,
@@ -335,15 +354,7 @@ class ZeroCopyTransport(Transport):
         replies = self.conn.exchange([p.Acquire(self.conn.rid(), k) for k in keys])
         granted = [r for r in replies if isinstance(r, p.AcquireReply)]
         try:
-            for i, reply in enumerate(replies):
-                if isinstance(reply, p.ErrorReply):
-                    if reply.code != p.ErrorCode.NOT_FOUND:
-                        raise p.ProtocolError(reply.code, reply.message)
-                    continue
-                assert isinstance(reply, p.AcquireReply)
-                out = target(start + i, reply.size, reply.meta)
-                if out is None:
-                    continue
+            for i, reply, out in acquired(replies, start, target):
                 dst = fits(as_bytes_view(out), reply.size)
                 self._copy_out(reply.extents, dst)
                 if verify and (p.checksum(dst[: reply.size], reply.meta, reply.checksum_kind)
