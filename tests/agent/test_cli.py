@@ -181,10 +181,17 @@ def test_agent_with_a_bad_flag_value_names_that_flag() -> None:
     assert "'--metrics-addr'" in error_line(run)
 
 
-def test_unknown_flag_is_a_usage_error() -> None:
-    run = kvpool("agent", "--no-such-flag", timeout=60)
+@pytest.mark.parametrize(("args", "said"), [
+    (("agent", "--no-such-flag"), "No such option: --no-such-flag"),
+    (("demo", "--trace"), "Option '--trace' requires an argument"),
+    (("no-such-command",), "No such command 'no-such-command'"),
+    (("render", "--no-such-flag"), "No such option: --no-such-flag"),  # the operator's app
+])
+def test_click_usage_errors_are_one_line_like_every_other_error(
+        args: tuple[str, ...], said: str) -> None:
+    run = kvpool(*args, timeout=60)
     assert run.returncode == 2
-    assert "No such option: --no-such-flag" in run.stderr and "Traceback" not in run.stderr
+    assert error_line(run).startswith(f"error: {said}")
 
 
 def test_agent_that_cannot_make_its_socket_says_so_and_leaves_nothing(

@@ -12,20 +12,20 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
 
 from . import __version__
+from .commandline import USAGE, OneLineErrors
+from .commandline import fail as _fail
 from .config import AgentConfig, ConfigError, load_agent_config
 from .constants import ENV_SOCKET as SOCKET_ENV
 from .units import format_size, human_size
 
-USAGE = 2
-"""Exit status of a usage error, the same as click's own (an unknown flag, a missing value)."""
-
 app = typer.Typer(
+    cls=OneLineErrors,
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,  # plain help: `--socket PATH`, no `<bool>` type column
@@ -65,11 +65,6 @@ def _setup_logging(level: str) -> None:
         '"msg":"%(message)s"}',
         stream=sys.stderr,
     )
-
-
-def _fail(message: str, code: int = USAGE) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 # --------------------------------------------------------------------------- agent
@@ -502,5 +497,5 @@ _forward_to_operator("render", "Print the manifests the operator applies for a p
 
 
 def main() -> None:
-    """The `kvpool` command (click reports its own usage errors, exit status 2)."""
+    """The `kvpool` command: every error one line, `error: ...` (usage errors exit 2)."""
     app()

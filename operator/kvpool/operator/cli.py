@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from kvpool.agent.commandline import OneLineErrors, fail
 from kvpool.agent.constants import (
     ENV_AGENT_IMAGE,
     ENV_ALL_NAMESPACES,
@@ -34,16 +35,13 @@ from .operator_policy import DEFAULT_HOST_PATH_ROOTS, OperatorPolicy, normalize_
 from .render import Settings, render
 
 app = typer.Typer(
+    cls=OneLineErrors,
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,  # plain help, as the rest of `kvpool`: no `<bool>` type column
     help="The kvpool operator and its tools.",
 )
 
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
 
 
 # The operator policy: the same flags, environment and defaults for `kvpool operator` and
@@ -97,7 +95,7 @@ def operator_policy(
         try:
             normalize_host_path(root)
         except ValueError as e:
-            raise _fail(f"--host-path-root {root!r} {e}") from e
+            fail(f"--host-path-root {root!r} {e}")
     return OperatorPolicy(
         allowed_images=images,
         allow_root=allow_root,
@@ -128,12 +126,12 @@ def _load_documents(files: list[Path]) -> list[dict[str, Any]]:
             text = path.read_text() if str(path) != "-" else typer.get_text_stream("stdin").read()
             loaded = [d for d in yaml.safe_load_all(text) if d]
         except OSError as e:
-            raise _fail(f"{path}: cannot read: {e.strerror}") from e
+            fail(f"{path}: cannot read: {e.strerror}")
         except yaml.YAMLError as e:
-            raise _fail(f"{path}: not valid YAML: {e}") from e
+            fail(f"{path}: not valid YAML: {e}")
         for doc in loaded:
             if not isinstance(doc, dict):
-                raise _fail(f"{path}: every document must be a mapping")
+                fail(f"{path}: every document must be a mapping")
             docs.append(doc)
     return docs
 
@@ -167,7 +165,7 @@ def render_command(
             name = (d.get("metadata") or {}).get("name", "?")
             typer.echo(f"note: ignoring {d.get('kind')} {name}", err=True)
     if not pools:
-        raise _fail("no KVCachePool in the given files")
+        fail("no KVCachePool in the given files")
     settings = Settings(
         agent_image=agent_image,
         pod_monitor=pod_monitor,
@@ -188,14 +186,14 @@ def render_command(
             if ref is not None:
                 policy = by_name.get((pool.metadata.namespace, ref.name))
                 if policy is None:
-                    raise _fail(
+                    fail(
                         f"KVCachePool {pool.metadata.name} references KVTierPolicy "
                         f"{ref.name!r} in namespace {pool.metadata.namespace!r}: "
                         "pass it with another -f"
                     )
             out.extend(render(pool, policy, settings))
     except api.InvalidSpec as e:
-        raise _fail(str(e)) from e
+        fail(str(e))
     typer.echo("---\n".join(to_yaml(o) for o in out), nl=False)
 
 
@@ -263,11 +261,11 @@ def operator_command(
     """Run the operator (kopf, embedded): reconcile pools, serve the pod webhook."""
     namespaces = [n for item in namespace or [] for n in item.split()]
     if not namespaces and not all_namespaces:
-        raise _fail("give --namespace NS (repeatable) or --all-namespaces")
+        fail("give --namespace NS (repeatable) or --all-namespaces")
     if namespaces and all_namespaces:
-        raise _fail("--namespace and --all-namespaces exclude each other")
+        fail("--namespace and --all-namespaces exclude each other")
     if webhook_port and webhook_cert_dir is None:
-        raise _fail("the webhook needs --webhook-cert-dir (or --webhook-port 0 to disable it)")
+        fail("the webhook needs --webhook-cert-dir (or --webhook-port 0 to disable it)")
     from .run import OperatorOptions, run_operator
 
     options = OperatorOptions(
