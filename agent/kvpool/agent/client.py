@@ -71,9 +71,15 @@ class KVPoolClient:
         timeout: float = 30.0,
         batch_window: int = BATCH_WINDOW,
         registrar: Registrar | None = None,
+        local_lookup: bool = False,
     ) -> None:
         """`registrar` pins each arena mapping for DMA when tensors first use it; by
-        default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none."""
+        default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none.
+
+        `local_lookup` answers `lookup` from the DRAM index the agent publishes in shared
+        memory, without a round trip, where that index can say (docs/client.md): such a
+        LOOKUP does not refresh the chunks' place in the eviction order, count hits, or
+        trigger prefetch, as one over the socket does."""
         path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
         if not path:
             raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
@@ -85,6 +91,7 @@ class KVPoolClient:
         self.timeout = timeout
         self.batch_window = batch_window
         self.registrar = registrar
+        self.local_lookup = local_lookup
         self._rid = itertools.count(1)
         self._transport: Transport | None = None
         self.hello: p.HelloReply | None = None
@@ -176,11 +183,22 @@ class KVPoolClient:
         tiers: list[str] = []
         for start in range(0, max(len(keys), 1), p.MAX_LOOKUP_KEYS):
             window = keys[start : start + p.MAX_LOOKUP_KEYS]
-            found = self._retrying(partial(call, window))
+            found = self._local_lookup(window)
+            if found is None:
+                found = self._retrying(partial(call, window))
             tiers += found
             if len(found) < len(window):
                 break
         return tiers
+
+    def _local_lookup(self, window: Sequence[bytes]) -> list[str] | None:
+        """The window's answer from the shared-memory index, or None: ask the socket."""
+        t = self._transport
+        if not self.local_lookup or not isinstance(t, ZeroCopyTransport) or t.index is None \
+                or t.conn.closed:
+            return None
+        count = t.index.lookup(window)
+        return None if count is None else ["dram"] * count
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]) == 1

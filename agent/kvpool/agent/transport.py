@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 import xxhash
 
 from . import protocol as p
+from .lookupindex import IndexReader
 
 Buffer = Any
 """Anything exporting the buffer protocol: bytes, bytearray, memoryview, numpy arrays."""
@@ -271,8 +272,16 @@ class ZeroCopyTransport(Transport):
     """Chunk bytes through the agent's mapped DRAM arena; a batch window costs one
     round trip to read (ACQUIREs in one write) and two to write (ALLOCs, COMMITs)."""
 
-    def __init__(self, conn: Connection, arena_fd: int, arena_bytes: int) -> None:
+    def __init__(self, conn: Connection, arena_fd: int, arena_bytes: int,
+                 index_fd: int | None = None) -> None:
         super().__init__(conn)
+        self.index: IndexReader | None = None
+        """The agent's DRAM keys, mapped read-only (lookupindex.py), when it sent them."""
+        if index_fd is not None and IndexReader.usable():
+            try:
+                self.index = IndexReader(index_fd)
+            except (OSError, ValueError):
+                self.index = None  # LOOKUP goes over the socket, as with an older agent
         # MAP_POPULATE: fault the whole arena in now, not on first copy.
         self._mm = mmap.mmap(arena_fd, arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.arena = memoryview(self._mm)
@@ -287,6 +296,9 @@ class ZeroCopyTransport(Transport):
             self.device = None
         self.arena.release()
         self._mm.close()
+        if self.index is not None:
+            self.index.close()
+            self.index = None
 
     def window(self, batch_window: int, max_leases: int) -> int:
         # Never hold more leases at once than the agent grants one connection.
@@ -399,7 +411,8 @@ def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,
     try:
         sock.connect(path)
         sock.sendall(p.encode(hello))
-        msg, fds, _, _ = socket.recv_fds(sock, _HELLO_RECV, 1)
+        # The arena's fd, then the lookup index's (an older agent sends the first only).
+        msg, fds, _, _ = socket.recv_fds(sock, _HELLO_RECV, 2)
         frame = bytearray(msg)
         if len(frame) < p.HEADER.size:
             raise ConnectionError("agent closed the connection during HELLO")
@@ -418,7 +431,8 @@ def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,
         if mode == "inline":
             transport = InlineTransport(conn)
         elif fds:
-            transport = ZeroCopyTransport(conn, fds[0], reply.arena_bytes)
+            transport = ZeroCopyTransport(conn, fds[0], reply.arena_bytes,
+                                          fds[1] if len(fds) > 1 else None)
         else:
             raise ConnectionError("agent sent no arena fd with its HELLO reply")
     except BaseException:

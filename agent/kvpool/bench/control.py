@@ -2,6 +2,8 @@
 
 - LOOKUP: `KVPoolClient.lookup` of a 128-chunk prefix that is fully stored
   (the agent walks all 128 keys), one round trip each;
+- local LOOKUP: the same with `local_lookup=True`, answered by the client from
+  the DRAM index the agent publishes in shared memory (no round trip);
 - ACQUIRE/RELEASE: `KVPoolClient.get_into` of a 4 KiB chunk, which is an
   ACQUIRE round trip, a 4 KiB copy out of the arena and a RELEASE sent
   without waiting (its reply is read before the next call's): the read path
@@ -33,14 +35,15 @@ def _keys(n: int) -> list[bytes]:
 
 
 def sample(socket_path: str, op: str, keys: list[bytes], n: int) -> list[float]:
-    """n timed calls of `op` ("lookup" or "acquire") on one fresh client, in seconds."""
+    """n timed calls of `op` ("lookup", "lookup_local" or "acquire") on one fresh client,
+    in seconds."""
     out: list[float] = []
     buf = bytearray(SMALL_CHUNK)
     view = memoryview(buf)
-    with KVPoolClient(socket_path) as c:
+    with KVPoolClient(socket_path, local_lookup=op == "lookup_local") as c:
         for i in range(n + 20):  # 20 warm-up calls
             t0 = time.perf_counter()
-            if op == "lookup":
+            if op in ("lookup", "lookup_local"):
                 got = c.lookup(keys)
                 ok = got == len(keys)
             else:
@@ -103,7 +106,7 @@ def run_control(samples_1c: int, samples_8c: int) -> dict[str, Any]:
             for k in keys:
                 c.put(k, bytes(SMALL_CHUNK))
         out: dict[str, Any] = {}
-        for op in ("lookup", "acquire"):
+        for op in ("lookup", "lookup_local", "acquire"):
             one = sample(sock, op, keys, samples_1c)
             eight = concurrent(sock, op, keys, samples_8c, clients=8)
             out[f"{op}_p50_us_1c"] = _us(one, 50)

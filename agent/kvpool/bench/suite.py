@@ -127,7 +127,7 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
     t = Table(title=f"control path, µs (LOOKUP of {c['lookup_prefix_chunks']} chunks)")
     for col in ("op", "p50 1 client", "p99 1 client", "p50 8 clients", "p99 8 clients"):
         t.add_column(col, justify="right")
-    for op in ("lookup", "acquire"):
+    for op in ("lookup", "lookup_local", "acquire"):
         t.add_row(op, *(f"{c[f'{op}_{q}_us_{n}']:.0f}" for n in ("1c", "8c")
                         for q in ("p50", "p99")))
     console.print(t)

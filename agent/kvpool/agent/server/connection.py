@@ -236,7 +236,9 @@ class Connection:
         # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
         # the connection fresh, so one sendmsg carries it whole.
         await self.flush()  # replies before it keep their order
-        fds = array.array("i", [space.arena.client_fd()])
+        # The lookup index's fd follows it (lookupindex.py); a client that asks for one
+        # fd gets the arena's alone.
+        fds = array.array("i", [space.arena.client_fd(), space.index.fd])
         try:
             sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except BlockingIOError as e:

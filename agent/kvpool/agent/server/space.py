@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from ..arena import Arena
 from ..claim import SpaceClaim
 from ..config import AgentConfig, TierPolicy
+from ..constants import PAGE_BYTES
+from ..lookupindex import SharedIndex, slots_for
 from ..metrics import AgentMetrics, Sample
 from ..store import ChunkStore, open_journal, snapshot
 from ..tiers.dram import DramTier
@@ -36,8 +38,13 @@ class Space:
         journal, entries = open_journal(config)
         if not self.arena.reused:
             entries = []  # a new arena holds nothing the journal describes
-        self.store = ChunkStore(config, DramTier(self.arena), nvme, metrics, policy,
-                                journal, shared)
+        dram = DramTier(self.arena)
+        # The DRAM keys in shared memory, for clients that answer LOOKUP themselves; a
+        # chunk takes at least a page, so the arena's pages bound the keys it holds.
+        self.index = SharedIndex(slots_for(self.arena.size // PAGE_BYTES),
+                                 lower_tiers=nvme is not None or shared is not None)
+        dram.published = self.index
+        self.store = ChunkStore(config, dram, nvme, metrics, policy, journal, shared)
         kept, dropped = self.store.recover(entries)
         if kept or dropped:
             log.info("warm restart%s: %d chunks kept from the arena, %d dropped",
@@ -60,4 +67,5 @@ class Space:
         if self.store.journal is not None:
             self.store.journal.close()
         self.arena.close()
+        self.index.close()
         self.claim.release()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..arena import Arena, ExtentAllocator
 from ..journal import JournalEntry
+from ..lookupindex import SharedIndex
 from ..protocol import Extents, checksum
 
 
@@ -67,6 +68,8 @@ class DramTier:
     """Open leases (read and write) per owner, for the per-client budget."""
     fenced: dict[int, Extents] = field(default_factory=dict)
     """Pages of expired write leases, per owner, kept from reuse until it disconnects."""
+    published: SharedIndex | None = None
+    """The visible keys as clients read them from shared memory (`lookupindex`), if any."""
     _next_lease: int = 1
 
     def __post_init__(self) -> None:
@@ -113,6 +116,9 @@ class DramTier:
                tenant: str, checksum_kind: int = 0) -> DramChunk:
         chunk = DramChunk(key, extents, size, checksum, meta, tenant, checksum_kind)
         self.chunks[key] = chunk
+        if self.published is not None:
+            self.published.add(key)
+            self._tidy_published()
         return chunk
 
     def remove(self, key: bytes) -> DramChunk | None:
@@ -120,6 +126,9 @@ class DramTier:
         chunk = self.chunks.pop(key, None)
         if chunk is None:
             return None
+        if self.published is not None:
+            self.published.remove(key)
+            self._tidy_published()
         if chunk.readers:
             chunk.hidden = True
         else:
@@ -133,7 +142,15 @@ class DramTier:
         if chunk is None or chunk.readers:
             return None
         del self.chunks[key]
+        if self.published is not None:
+            self.published.remove(key)
+            self._tidy_published()
         return chunk
+
+    def _tidy_published(self) -> None:
+        assert self.published is not None
+        if self.published.crowded:
+            self.published.rebuild(self.chunks)
 
     # -- leases
 

@@ -1,0 +1,165 @@
+"""LOOKUP answered by the client from the DRAM index the agent publishes in shared memory."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.transport import ZeroCopyTransport
+from kvpool.bench.local import LocalAgent
+
+CHUNK = 4096
+ARENA = "1Mi"
+"""256 chunks of a page: the writer below evicts all the time."""
+
+
+@pytest.fixture(scope="module")
+def small_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("lookupidx"),
+                    dram=ARENA, start_timeout=60) as a:
+        yield a
+
+
+def _hello_fds(path: Path) -> list[int]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(str(path))
+        s.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION)))
+        _, fds, _, _ = socket.recv_fds(s, 65536, 4)
+    return fds
+
+
+def test_index_fd_is_read_only_and_cannot_be_resized(small_agent: LocalAgent) -> None:
+    fds = _hello_fds(small_agent.socket_path)
+    try:
+        assert len(fds) == 2, "HELLO carries the arena's fd and the lookup index's"
+        index = fds[1]
+        size = os.fstat(index).st_size
+        for attempt in (lambda: os.write(index, b"x"), lambda: os.pwrite(index, b"x", 64),
+                        lambda: os.ftruncate(index, size * 2),
+                        lambda: os.ftruncate(index, 0),
+                        lambda: mmap.mmap(index, size, flags=mmap.MAP_SHARED,
+                                          prot=mmap.PROT_READ | mmap.PROT_WRITE)):
+            with pytest.raises(PermissionError):
+                attempt()
+        # Reopening it writable through /proc gets past no seal either.
+        again = os.open(f"/proc/self/fd/{index}", os.O_RDWR)
+        try:
+            with pytest.raises(OSError) as e:
+                os.write(again, b"x")
+            assert e.value.errno == errno.EPERM
+        finally:
+            os.close(again)
+        assert os.fstat(index).st_size == size
+        mmap.mmap(index, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ).close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _key(i: int) -> bytes:
+    return b"lookup-idx-" + i.to_bytes(5, "little")
+
+
+class Writer(threading.Thread):
+    """Puts fresh keys, never one twice, so the arena evicts the oldest all the time: a
+    key's presence only ever goes from stored to evicted while the test reads."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.client = KVPoolClient(path)
+        self.stored: list[bytes] = []
+        self.next = 0
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    def put_some(self, n: int) -> None:
+        for _ in range(n):
+            key = _key(self.next)
+            self.next += 1
+            self.client.put(key, bytes(CHUNK))
+            with self.lock:
+                self.stored.append(key)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.put_some(8)
+        except BaseException as e:
+            self.error = e
+
+    def keys(self) -> list[bytes]:
+        with self.lock:
+            return list(self.stored)
+
+
+@pytest.fixture(scope="module")
+def writer(small_agent: LocalAgent) -> Iterator[Writer]:
+    w = Writer(small_agent.socket_path)
+    w.put_some(300)  # the arena is full: every later put evicts
+    w.start()
+    yield w
+    w.stop.set()
+    w.join(timeout=60)
+    w.client.close()
+    assert w.error is None, w.error
+
+
+@pytest.fixture(scope="module")
+def readers(small_agent: LocalAgent) -> Iterator[tuple[KVPoolClient, KVPoolClient]]:
+    with KVPoolClient(small_agent.socket_path, local_lookup=True) as local, \
+            KVPoolClient(small_agent.socket_path) as remote:
+        assert isinstance(local._transport, ZeroCopyTransport)
+        assert local._transport.index is not None, "the client mapped the agent's index"
+        yield local, remote
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(picks=st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), min_size=1,
+                     max_size=64),
+       stranger=st.none() | st.integers(0, 64))
+def test_local_lookup_equals_the_agents_answer_under_concurrent_puts_and_evictions(
+        writer: Writer, readers: tuple[KVPoolClient, KVPoolClient],
+        picks: list[tuple[bool, int]], stranger: int | None) -> None:
+    local, remote = readers
+    stored = writer.keys()
+    # Keys once stored, newest (likely still in DRAM) or oldest (evicted), in any order,
+    # with a never-stored key somewhere or not at all.
+    keys = [stored[-1 - i % 300] if newest else stored[i % len(stored)]
+            for newest, i in picks]
+    if stranger is not None:
+        keys.insert(min(stranger, len(keys)), b"never-stored-key")
+    before = local.lookup_tiers(keys)
+    agent = remote.lookup_tiers(keys)
+    after = local.lookup_tiers(keys)
+    # Presence only goes from stored to evicted meanwhile, so the agent's answer lies
+    # between the two local ones, and equals them when nothing changed in between.
+    assert len(before) >= len(agent) >= len(after)
+    assert set(before) <= {"dram"} and agent == ["dram"] * len(agent)
+    if before == after:
+        assert agent == before
+
+
+def test_local_lookup_asks_the_agent_where_a_lower_tier_may_go_on(tmp_path: Path) -> None:
+    with LocalAgent("--no-lock", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "16Mi",
+                    workdir=tmp_path, dram=ARENA, start_timeout=60) as agent, \
+            KVPoolClient(agent.socket_path, local_lookup=True) as local, \
+            KVPoolClient(agent.socket_path) as remote:
+        keys = [_key(i) for i in range(400)]  # more than DRAM holds: the oldest demote
+        local.put_many(keys, [bytes(CHUNK)] * len(keys))
+        assert remote.lookup_tiers(keys[:8]).count("nvme") > 0, "setup: some chunks demoted"
+        assert local.lookup_tiers(keys) == remote.lookup_tiers(keys)
+        assert local.lookup_tiers(keys[-4:]) == ["dram"] * 4
