@@ -50,6 +50,7 @@ AllowedImages = Annotated[
     list[str] | None,
     typer.Option(
         "--allowed-image",
+        metavar="IMAGE",
         envvar=ENV_ALLOWED_IMAGES,
         help="Image a pool's spec.agent.image may name: a repository (any tag or digest "
         "of it) or a prefix ending in '/' (repeatable; from env: space-separated). "
@@ -66,6 +67,7 @@ HostPathRoots = Annotated[
     list[str] | None,
     typer.Option(
         "--host-path-root",
+        metavar="DIR",
         envvar=ENV_HOST_PATH_ROOTS,
         help="Directory below which a pool's nvme.hostPath, file:// shared URL and socketDir "
         "may lie (repeatable; from env: space-separated). Default: "
@@ -108,7 +110,8 @@ def operator_policy(
 def crds_command(
     output_dir: Annotated[
         Path | None,
-        typer.Option("--output-dir", "-o", help="Write one file per CRD here instead of printing."),
+        typer.Option("--output-dir", "-o", metavar="DIR",
+                     help="Write one file per CRD here instead of printing."),
     ] = None,
 ) -> None:
     """Print the kvpool CRDs (multi-document YAML), built from the API models."""
@@ -141,12 +144,14 @@ def render_command(
     files: Annotated[
         list[Path],
         typer.Option(
-            "--filename", "-f", help="YAML with a KVCachePool (and its KVTierPolicy); repeatable."
+            "--filename", "-f", metavar="FILE",
+            help="YAML with a KVCachePool (and its KVTierPolicy); repeatable.",
         ),
     ],
     agent_image: Annotated[
         str,
-        typer.Option(envvar=ENV_AGENT_IMAGE, help="Agent image for pools that name none."),
+        typer.Option(metavar="IMAGE", envvar=ENV_AGENT_IMAGE,
+                     help="Agent image for pools that name none."),
     ] = "",
     pod_monitor: Annotated[
         bool, typer.Option(help="Also render a PodMonitor (Prometheus Operator).")
@@ -204,6 +209,7 @@ def operator_command(
         typer.Option(
             "--namespace",
             "-n",
+            metavar="NS",
             envvar=ENV_NAMESPACES,
             help="Namespace to watch (repeatable; glob patterns allowed). "
             "From env: space-separated.",
@@ -219,25 +225,30 @@ def operator_command(
         ),
     ] = False,
     metrics_port: Annotated[
-        int, typer.Option(envvar=ENV_METRICS_PORT, help="Port of /metrics (0: off).")
+        int,
+        typer.Option(metavar="PORT", envvar=ENV_METRICS_PORT, help="Port of /metrics (0: off)."),
     ] = 8080,
     liveness_port: Annotated[
-        int, typer.Option(envvar=ENV_LIVENESS_PORT, help="Port of /healthz (0: off).")
+        int,
+        typer.Option(metavar="PORT", envvar=ENV_LIVENESS_PORT, help="Port of /healthz (0: off)."),
     ] = 8081,
     webhook_port: Annotated[
         int,
-        typer.Option(envvar=ENV_WEBHOOK_PORT, help="HTTPS port of the webhook (0: off)."),
+        typer.Option(metavar="PORT", envvar=ENV_WEBHOOK_PORT,
+                     help="HTTPS port of the webhook (0: off)."),
     ] = 9443,
     webhook_cert_dir: Annotated[
         Path | None,
         typer.Option(
+            metavar="DIR",
             envvar=ENV_WEBHOOK_CERT_DIR,
             help="Directory with tls.crt and tls.key for the webhook.",
         ),
     ] = None,
     agent_image: Annotated[
         str,
-        typer.Option(envvar=ENV_AGENT_IMAGE, help="Agent image for pools that name none."),
+        typer.Option(metavar="IMAGE", envvar=ENV_AGENT_IMAGE,
+                     help="Agent image for pools that name none."),
     ] = "",
     pod_monitor: Annotated[
         bool,
@@ -249,6 +260,7 @@ def operator_command(
     resync_seconds: Annotated[
         float,
         typer.Option(
+            metavar="SECONDS",
             envvar=ENV_RESYNC_SECONDS,
             help="Re-reconcile every pool this often (drift repair, retries).",
         ),
