@@ -87,3 +87,29 @@ def test_a_delete_during_a_shared_tier_outage_is_retried_until_the_object_is_gon
             wait_until(lambda: not list(mount.rglob("*.kvc")), "the retried delete")
             assert ca.lookup([key]) == 0 and cb.lookup([key]) == 0
             assert ca.get(key) is None and cb.get(key) is None
+
+
+def test_a_delete_pending_at_an_agent_restart_is_retried_by_the_restarted_agent(
+        tmp_path: Path) -> None:
+    """The shared directory is away when the DELETE comes, and the agent is SIGKILLed
+    before it is back: the restarted agent still deletes the object (the pending delete
+    is in its commit journal), and never serves the chunk from the store meanwhile."""
+    mount = tmp_path / "mount"
+    away = tmp_path / "away"
+    key = os.urandom(16)
+    with ExitStack() as stack:
+        a = node(stack, tmp_path, "a", mount)
+        with KVPoolClient(a.socket_path, reconnect_timeout=0) as c:
+            assert c.put(key, data_of(key))
+            wait_until(lambda: c.stats()["tiers"]["shared"]["queue"]["written"] == 1,
+                       "the upload")
+            shutil.move(mount, away)  # the mount goes away
+            assert c.delete(key)
+            wait_until(lambda: not c.stats()["tiers"]["shared"]["healthy"], "the outage")
+        a.kill()
+        shutil.move(away, mount)  # back, with the object, while no agent runs
+        assert len(list(mount.rglob("*.kvc"))) == 1
+        a.start()
+        with KVPoolClient(a.socket_path) as c:
+            assert c.lookup([key]) == 0 and c.get(key) is None
+            wait_until(lambda: not list(mount.rglob("*.kvc")), "the retried delete")

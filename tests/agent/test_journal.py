@@ -16,6 +16,7 @@ import pytest
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.journal import Journal, JournalEntry, pending_shared_deletes, replay
 from kvpool.bench.local import LocalAgent
 
 from .conftest import RawConn
@@ -114,3 +115,25 @@ def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(tmp_path:
             assert all(c.get(key_of(i), verify=True) == data_of(i) for i in stored)
     finally:
         agent.stop()
+
+
+def test_pending_shared_deletes_are_replayed_and_kept_by_every_rewrite(tmp_path: Path) -> None:
+    """A shared-tier delete recorded and not yet confirmed is read back at start-up, and a
+    rewrite (compaction, or the one a warm restart does) keeps it beside the live chunks;
+    a confirmed one is gone."""
+    path = tmp_path / "arena.journal"
+    journal = Journal(path)
+    try:
+        entry = JournalEntry(key_of(9), [(0, 1)], PAGE, 1, b"", "")
+        journal.commit(entry)
+        for i in (1, 2, 3):
+            journal.shared_delete(key_of(i))
+        journal.shared_deleted(key_of(2))
+        assert pending_shared_deletes(path) == [key_of(1), key_of(3)]
+        journal.rewrite([entry], pending_shared_deletes(path))
+        assert pending_shared_deletes(path) == [key_of(1), key_of(3)]
+        assert [e.key for e in replay(path)] == [key_of(9)]
+        journal.shared_deleted(key_of(1))
+        assert pending_shared_deletes(path) == [key_of(3)]
+    finally:
+        journal.close()

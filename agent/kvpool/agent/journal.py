@@ -6,6 +6,10 @@ restarts (SIGKILL, rolling upgrade) replays it, re-verifies each chunk's
 checksum against the arena bytes, and serves what passes. A torn last record
 (the process died mid-append) fails its CRC and ends the replay there.
 
+It also records the shared-tier deletes not yet confirmed by the store (`shared_delete`,
+`shared_deleted`): a DELETE answered during a shared-tier outage is retried by the agent
+that restarts, so another node never serves the chunk once the store is back.
+
 The file is bounded by what the arena holds, not by how long the agent has run: once it
 holds more than twice as many records as live chunks (plus `COMPACT_FLOOR`), it is
 rewritten from the live chunks. An append that fails (the tmpfs is full) leaves the file
@@ -30,8 +34,12 @@ log = logging.getLogger(__name__)
 
 _RECORD = struct.Struct("<BII")  # kind, payload length, crc32 of payload
 COMMIT, DROP = 1, 2
+SHARED_DELETE, SHARED_DELETED = 3, 4
+"""A shared-tier delete to retry until the store confirms it; that confirmation (or the key
+written to the store again, which makes its copy the one to keep)."""
 COMPACT_FLOOR = 1024
-"""Records allowed beyond twice the live chunks before the journal is compacted."""
+"""Records allowed beyond twice the live chunks and pending deletes before the journal is
+compacted."""
 
 
 class JournalEntry(msgspec.Struct, array_like=True):
@@ -60,6 +68,10 @@ class Journal:
         """Chunks the records describe as live (commits less drops since the last rewrite)."""
         self.live_entries: Callable[[], Iterable[JournalEntry]] | None = None
         """What the arena holds now, for compaction; set by the store that owns the arena."""
+        self.live_deletes: Callable[[], Iterable[bytes]] = tuple
+        """The shared-tier deletes still pending, for compaction (set by the store)."""
+        self.deletes = 0
+        """Shared-tier deletes the records describe as pending."""
         self._compact_at = COMPACT_FLOOR
         self.compactions = 0
         self.stale = False
@@ -97,13 +109,34 @@ class Journal:
             self.stale = True
         self.live = max(0, self.live - 1)
 
+    def shared_delete(self, key: bytes) -> None:
+        """Record a shared-tier delete to retry until the store confirms it. Never raises:
+        the delete is answered and retried by this agent either way, only a restart
+        before the store confirms it would forget it."""
+        self._record_delete(SHARED_DELETE, key)
+        self.deletes += 1
+
+    def shared_deleted(self, key: bytes) -> None:
+        """Record a shared-tier delete as done (or superseded by a new upload)."""
+        self._record_delete(SHARED_DELETED, key)
+        self.deletes = max(0, self.deletes - 1)
+
+    def _record_delete(self, kind: int, key: bytes) -> None:
+        try:
+            self._maybe_compact()
+            self._append(kind, _enc.encode(key))
+        except OSError as e:
+            log.error("commit journal %s could not record a shared-tier delete of %s: %s",
+                      self.path, key.hex(), e)
+
     def _maybe_compact(self) -> None:
         if self.live_entries is None:
             return
-        if not self.stale and self.records < max(self._compact_at, 2 * self.live + COMPACT_FLOOR):
+        live = self.live + self.deletes
+        if not self.stale and self.records < max(self._compact_at, 2 * live + COMPACT_FLOOR):
             return
         try:
-            self.rewrite(list(self.live_entries()))
+            self.rewrite(list(self.live_entries()), list(self.live_deletes()))
         except OSError as e:
             # Retry after as many records again, not at every append (that would be quadratic).
             self._compact_at = 2 * self.records + COMPACT_FLOOR
@@ -111,14 +144,17 @@ class Journal:
             return
         self.compactions += 1
 
-    def rewrite(self, live: list[JournalEntry]) -> None:
-        """Replace the journal by one commit record per live chunk (compaction)."""
+    def rewrite(self, live: list[JournalEntry], deletes: list[bytes] | None = None) -> None:
+        """Replace the journal by one commit record per live chunk and one delete record
+        per pending shared-tier delete (compaction)."""
+        deletes = [] if deletes is None else deletes
         tmp = self.path.with_suffix(".journal.tmp")
         try:
             with open(tmp, "wb") as f:
-                for entry in live:
-                    payload = _enc.encode(entry)
-                    f.write(_RECORD.pack(COMMIT, len(payload), zlib.crc32(payload)) + payload)
+                for kind, payloads in ((COMMIT, map(_enc.encode, live)),
+                                       (SHARED_DELETE, map(_enc.encode, deletes))):
+                    for payload in payloads:
+                        f.write(_RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload)
             os.replace(tmp, self.path)
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -126,7 +162,8 @@ class Journal:
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self.size = os.fstat(self.fd).st_size
-        self.records = self.live = len(live)
+        self.records = len(live) + len(deletes)
+        self.live, self.deletes = len(live), len(deletes)
         self._compact_at = COMPACT_FLOOR
         self.stale = False
 
@@ -134,20 +171,26 @@ class Journal:
         os.close(self.fd)
 
 
-def replay(path: Path) -> Iterator[JournalEntry]:
-    """The chunks the journal says are live, in commit order."""
+def _records(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The journal's whole records (kind, payload), up to a torn tail."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return
-    live: dict[bytes, JournalEntry] = {}
     pos = 0
     while pos + _RECORD.size <= len(data):
         kind, length, crc = _RECORD.unpack_from(data, pos)
         payload = data[pos + _RECORD.size : pos + _RECORD.size + length]
         if len(payload) != length or zlib.crc32(payload) != crc:
-            break  # torn tail: the agent died while appending
+            return  # torn tail: the agent died while appending
         pos += _RECORD.size + length
+        yield kind, payload
+
+
+def replay(path: Path) -> Iterator[JournalEntry]:
+    """The chunks the journal says are live, in commit order."""
+    live: dict[bytes, JournalEntry] = {}
+    for kind, payload in _records(path):
         try:
             if kind == COMMIT:
                 entry = _dec_entry.decode(payload)
@@ -157,3 +200,19 @@ def replay(path: Path) -> Iterator[JournalEntry]:
         except msgspec.DecodeError:
             break
     yield from live.values()
+
+
+def pending_shared_deletes(path: Path) -> list[bytes]:
+    """The shared-tier deletes the journal says the store has not confirmed, oldest first."""
+    pending: dict[bytes, None] = {}
+    for kind, payload in _records(path):
+        try:
+            if kind == SHARED_DELETE:
+                key = _dec_key.decode(payload)
+                pending.pop(key, None)
+                pending[key] = None
+            elif kind == SHARED_DELETED:
+                pending.pop(_dec_key.decode(payload), None)
+        except msgspec.DecodeError:
+            break
+    return list(pending)

@@ -122,7 +122,7 @@ class ChunkStore:
         self.shared: SharedLink | None = None
         if shared is not None:
             self.shared = SharedLink(shared, config.tiers.shared, metrics, self.io,
-                                     lambda: self.policy)
+                                     lambda: self.policy, journal)
         self.nvme: Demotion | None = None
         if nvme is not None:
             self.nvme = Demotion(nvme, self.io, metrics, policy,
@@ -749,7 +749,8 @@ class ChunkStore:
             live.append(e)
             kept += 1
         if self.journal is not None:
-            self.journal.rewrite(live)
+            # The shared-tier deletes still pending stay recorded (read at start-up).
+            self.journal.rewrite(live, list(self.journal.live_deletes()))
         return kept, dropped
 
     def _spawn(self, work: Coroutine[object, object, None] | asyncio.Future[None]) -> None:

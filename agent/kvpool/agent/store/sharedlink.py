@@ -3,7 +3,8 @@
 Nothing here makes a client wait on the shared store except LOOKUP's presence
 check, and that within the tier's lookup budget, in threads of its own. Uploads
 go through the bounded write-behind queue; deletes and probes run in the store's
-background pool.
+background pool. A delete the store has not confirmed is kept in the commit journal
+as well as here, so an agent restarted meanwhile retries it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 from .. import policy as pol
 from ..config import SharedTier, TierPolicy
+from ..journal import Journal, pending_shared_deletes
 from ..metrics import AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.shared import SharedChunkTier
@@ -36,7 +38,8 @@ PENDING_DELETES = 1 << 16
 
 class SharedLink:
     def __init__(self, tier: SharedChunkTier, cfg: SharedTier | None, metrics: AgentMetrics,
-                 background: Executor, policy: Callable[[], TierPolicy]) -> None:
+                 background: Executor, policy: Callable[[], TierPolicy],
+                 journal: Journal | None = None) -> None:
         self.tier = tier
         self.m = metrics
         self._background = background
@@ -55,6 +58,14 @@ class SharedLink:
         """Keys deleted here whose object the store has not confirmed gone: retried until it
         has, and never read from the store meanwhile (another node must not bring the
         chunk back through us, nor we through it)."""
+        self._journal = journal
+        """Where the pending deletes are recorded too: an agent restarted before the store
+        confirms them retries them (from `retry_deletes`, once the store is healthy)."""
+        if journal is not None:
+            self.pending_deletes.update(
+                dict.fromkeys(pending_shared_deletes(journal.path)[-PENDING_DELETES:]))
+            journal.deletes = len(self.pending_deletes)
+            journal.live_deletes = lambda: list(self.pending_deletes)
         self._retrying = False
 
     def healthy(self) -> bool:
@@ -96,7 +107,7 @@ class SharedLink:
 
     def upload(self, rec: ChunkRecord) -> None:
         assert self.uploads is not None
-        self.pending_deletes.pop(rec.key, None)  # written again: this copy is the one
+        self._settle(rec.key)  # written again: this copy is the one
         self.uploads.offer(rec)
         self.m.written_bytes["shared"].inc(rec.size)
 
@@ -111,10 +122,13 @@ class SharedLink:
         store; an upload still queued is dropped."""
         if self.uploads is not None:
             self.uploads.discard(key)
+        if self._journal is not None:
+            self._journal.shared_delete(key)  # first: a restart from here on retries it
         self.pending_deletes[key] = None
         self.pending_deletes.move_to_end(key)
         while len(self.pending_deletes) > PENDING_DELETES:
-            old, _ = self.pending_deletes.popitem(last=False)
+            old = next(iter(self.pending_deletes))
+            self._settle(old)
             log.error("shared delete of %s given up: %d deletes wait for the store",
                       old.hex(), PENDING_DELETES)
         return self._delete_now([key])  # the caller runs it in the background
@@ -123,7 +137,15 @@ class SharedLink:
         loop = asyncio.get_running_loop()
         done = await loop.run_in_executor(self._background, self._delete, keys)
         for key in done:
-            self.pending_deletes.pop(key, None)
+            self._settle(key)
+
+    def _settle(self, key: bytes) -> None:
+        """A pending delete is over (confirmed, given up, or the key uploaded again)."""
+        if key not in self.pending_deletes:
+            return
+        del self.pending_deletes[key]
+        if self._journal is not None:
+            self._journal.shared_deleted(key)
 
     def _delete(self, keys: list[bytes]) -> list[bytes]:
         """Delete objects (a worker thread); the keys the store confirmed gone."""
