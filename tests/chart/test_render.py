@@ -320,9 +320,11 @@ def test_default_render_carries_the_operator_policy_with_the_operators_defaults(
         "KVPOOL_ALLOW_ROOT": "false",
         "KVPOOL_HOST_PATH_ROOTS": " ".join(DEFAULT_HOST_PATH_ROOTS),
         "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS": "false",
+        "KVPOOL_ALLOW_EVENTS": "true",
     }
     default = OperatorPolicy()
     assert not default.allow_root and not default.allow_tolerate_all_taints
+    assert default.allow_events
     assert env["KVPOOL_HOST_PATH_ROOTS"].split() == list(default.host_path_roots)
 
 
@@ -345,6 +347,7 @@ def test_operator_policy_values_reach_the_operator(render: Any) -> None:
                     "allowRoot": True,
                     "hostPathRoots": ["/scratch"],
                     "allowTolerateAllTaints": True,
+                    "allowEvents": False,
                 }
             }
         )
@@ -354,6 +357,7 @@ def test_operator_policy_values_reach_the_operator(render: Any) -> None:
         "KVPOOL_ALLOW_ROOT": "true",
         "KVPOOL_HOST_PATH_ROOTS": "/scratch",
         "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS": "true",
+        "KVPOOL_ALLOW_EVENTS": "false",
     }
 
 

@@ -129,6 +129,24 @@ def test_a_permissive_policy_allows_each_in_turn() -> None:
     assert problems(pool, policy, OPERATOR_IMAGE) == []
 
 
+def test_kv_events_are_allowed_by_default_and_refused_where_the_policy_says_so(
+    tmp_path: Any,
+) -> None:
+    pool = _pool(events={"enabled": True})
+    assert problems(pool, OperatorPolicy(), OPERATOR_IMAGE) == []
+    (found,) = problems(pool, OperatorPolicy(allow_events=False), OPERATOR_IMAGE)
+    assert found.startswith("spec.events.enabled: ") and "token ids" in found
+    # Events off ask nothing of the policy.
+    assert problems(_pool(events={"enabled": False}), OperatorPolicy(allow_events=False),
+                    OPERATOR_IMAGE) == []
+    # `kvpool render --no-allow-events` (env KVPOOL_ALLOW_EVENTS for the operator) refuses it.
+    path = tmp_path / "pool.yaml"
+    path.write_text((EXAMPLES / "pool-minimal.yaml").read_text() + "  events:\n    enabled: true\n")
+    assert runner.invoke(app, ["render", "-f", str(path)]).exit_code == 0
+    result = runner.invoke(app, ["render", "-f", str(path), "--no-allow-events"])
+    assert result.exit_code == 2 and "spec.events.enabled" in result.stderr
+
+
 def test_keyed_tolerations_and_the_default_image_pass_the_default_policy() -> None:
     pool = _pool(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}])
     assert problems(pool, OperatorPolicy(), OPERATOR_IMAGE) == []

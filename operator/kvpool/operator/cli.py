@@ -16,6 +16,7 @@ from kvpool.agent.commandline import OneLineErrors, fail
 from kvpool.agent.constants import (
     ENV_AGENT_IMAGE,
     ENV_ALL_NAMESPACES,
+    ENV_ALLOW_EVENTS,
     ENV_ALLOW_ROOT,
     ENV_ALLOW_TOLERATE_ALL_TAINTS,
     ENV_ALLOWED_IMAGES,
@@ -82,6 +83,14 @@ AllowTolerateAll = Annotated[
         help="Allow tolerations that match every taint (no key, operator Exists).",
     ),
 ]
+AllowEvents = Annotated[
+    bool,
+    typer.Option(
+        envvar=ENV_ALLOW_EVENTS,
+        help="Allow pools to publish KV events to routers (spec.events.enabled): an "
+        "unauthenticated port on every agent carrying the token ids of cached prefixes.",
+    ),
+]
 
 
 def operator_policy(
@@ -89,6 +98,7 @@ def operator_policy(
     allow_root: bool,
     host_path_roots: list[str] | None,
     allow_tolerate_all_taints: bool,
+    allow_events: bool,
 ) -> OperatorPolicy:
     """The policy from the flags; `typer.Exit` with an `error:` line for a bad root."""
     images = tuple(i for item in allowed_images or [] for i in item.split())
@@ -103,6 +113,7 @@ def operator_policy(
         allow_root=allow_root,
         host_path_roots=roots or DEFAULT_HOST_PATH_ROOTS,
         allow_tolerate_all_taints=allow_tolerate_all_taints,
+        allow_events=allow_events,
     )
 
 
@@ -160,6 +171,7 @@ def render_command(
     allow_root: AllowRoot = False,
     host_path_root: HostPathRoots = None,
     allow_tolerate_all_taints: AllowTolerateAll = False,
+    allow_events: AllowEvents = True,
 ) -> None:
     """Print the manifests the operator applies for a pool, as multi-document YAML."""
     docs = _load_documents(files)
@@ -175,7 +187,7 @@ def render_command(
         agent_image=agent_image,
         pod_monitor=pod_monitor,
         policy=operator_policy(
-            allowed_image, allow_root, host_path_root, allow_tolerate_all_taints
+            allowed_image, allow_root, host_path_root, allow_tolerate_all_taints, allow_events
         ),
     )
     out: list[dict[str, Any]] = []
@@ -269,6 +281,7 @@ def operator_command(
     allow_root: AllowRoot = False,
     host_path_root: HostPathRoots = None,
     allow_tolerate_all_taints: AllowTolerateAll = False,
+    allow_events: AllowEvents = True,
 ) -> None:
     """Run the operator (kopf, embedded): reconcile pools, serve the pod webhook."""
     namespaces = [n for item in namespace or [] for n in item.split()]
@@ -291,7 +304,11 @@ def operator_command(
             agent_image=agent_image,
             pod_monitor=pod_monitor,
             policy=operator_policy(
-                allowed_image, allow_root, host_path_root, allow_tolerate_all_taints
+                allowed_image,
+                allow_root,
+                host_path_root,
+                allow_tolerate_all_taints,
+                allow_events,
             ),
         ),
         resync_seconds=resync_seconds,

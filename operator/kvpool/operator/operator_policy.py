@@ -66,6 +66,10 @@ class OperatorPolicy:
     allow_tolerate_all_taints: bool = False
     """Whether a toleration without a key and with `operator: Exists` (one that matches
     every taint) is allowed."""
+    allow_events: bool = True
+    """Whether pools may publish KV events (`spec.events.enabled`): an unauthenticated port
+    on every agent from which anyone on the pod network reads the token ids of cached
+    prompt prefixes."""
 
 
 def image_repository(image: str) -> str:
@@ -151,6 +155,11 @@ def problems(pool: api.KVCachePool, policy: OperatorPolicy, default_image: str) 
                     f"spec.tolerations[{i}]: a toleration without a key matches every taint, "
                     "which is not allowed"
                 )
+    if spec.events.enabled and not policy.allow_events:
+        out.append(
+            "spec.events.enabled: publishing KV events (token ids of cached prefixes, on an "
+            "unauthenticated port of every agent) is not allowed"
+        )
     return out
 
 
