@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import protocol as p
 from .constants import ENV_SOCKET, ENV_TENANT, TIER_NAMES
+from .protocol import EngineBlocks
 from .transport import (
     Buffer,
     Mode,
@@ -46,8 +47,8 @@ from .transport import (
 if TYPE_CHECKING:
     from .gpu import DeviceArena, Registrar
 
-__all__ = ["BATCH_WINDOW", "AgentUnavailable", "Buffer", "KVPoolClient", "PutResult",
-           "ReadTarget"]
+__all__ = ["BATCH_WINDOW", "AgentUnavailable", "Buffer", "EngineBlocks", "KVPoolClient",
+           "PutResult", "ReadTarget"]
 
 T = TypeVar("T")
 
@@ -72,6 +73,10 @@ class KVPoolClient:
         batch_window: int = BATCH_WINDOW,
         registrar: Registrar | None = None,
         local_lookup: bool = False,
+        pod: str = "",
+        model: str = "",
+        block_size: int = 0,
+        chunk_tokens: int = 0,
     ) -> None:
         """`registrar` pins each arena mapping for DMA when tensors first use it; by
         default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none.
@@ -79,7 +84,12 @@ class KVPoolClient:
         `local_lookup` answers `lookup` from the DRAM index the agent publishes in shared
         memory, without a round trip, where that index can say (docs/client.md): such a
         LOOKUP does not refresh the chunks' place in the eviction order, count hits, or
-        trigger prefetch, as one over the socket does."""
+        trigger prefetch, as one over the socket does.
+
+        `pod`, `model` and `block_size` (tokens per engine block) name the engine for KV
+        events (docs/events.md): its pod's topic is `kv@<pod>@<model>`. `chunk_tokens`
+        (tokens per chunk key) lets the agent count the prefill tokens LOOKUPs serve.
+        All optional."""
         path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
         if not path:
             raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
@@ -92,6 +102,10 @@ class KVPoolClient:
         self.batch_window = batch_window
         self.registrar = registrar
         self.local_lookup = local_lookup
+        self.pod = pod
+        self.model = model
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
         self._rid = itertools.count(1)
         self._transport: Transport | None = None
         self.hello: p.HelloReply | None = None
@@ -100,7 +114,9 @@ class KVPoolClient:
     # -- connection
 
     def _connect(self) -> None:
-        hello = p.Hello(next(self._rid), p.PROTOCOL_VERSION, self.name, self.tenant)
+        hello = p.Hello(next(self._rid), p.PROTOCOL_VERSION, self.name, self.tenant,
+                        pod=self.pod, model=self.model, block_size=self.block_size,
+                        chunk_tokens=self.chunk_tokens)
         transport, reply = connect(self.socket_path, self.mode, hello, self.timeout, self._rid)
         self._drop_transport()
         self._transport = transport
@@ -203,10 +219,12 @@ class KVPoolClient:
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]) == 1
 
-    def put(self, key: bytes, data: Buffer, meta: bytes = b"") -> bool:
-        """Store a chunk; False if the key was already stored (deduplicated)."""
+    def put(self, key: bytes, data: Buffer, meta: bytes = b"", *,
+            blocks: EngineBlocks | None = None) -> bool:
+        """Store a chunk; False if the key was already stored (deduplicated). `blocks`:
+        the engine blocks it covers, for KV events (docs/events.md)."""
         src = as_bytes_view(data)
-        return self._retrying(lambda t: t.put(key, src, meta))
+        return self._retrying(lambda t: t.put(key, src, meta, blocks))
 
     def get(self, key: bytes, *, verify: bool = False) -> bytes | None:
         """The chunk's bytes, or None on a miss."""
@@ -253,7 +271,8 @@ class KVPoolClient:
 
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
                  metas: Sequence[bytes] | None = None, *,
-                 stream: object = None) -> list[PutResult]:
+                 stream: object = None,
+                 blocks: Sequence[EngineBlocks | None] | None = None) -> list[PutResult]:
         """Store each buffer under its key (with its metadata); one result per key.
 
         Zero-copy: the ALLOCs of a window go out in one write, the bytes are copied
@@ -264,11 +283,16 @@ class KVPoolClient:
         are theirs in order), on a GPU or the CPU: copied on `stream` straight into the
         arena, checksummed where the tensors are (WSUM kind), and committed after an
         event recorded after its copies completed. One call takes buffers or tensors.
+
+        `blocks`, one per key (or None), the engine blocks each chunk covers: what the
+        agent's KV events say of it (docs/events.md).
         """
         metas = metas if metas is not None else [b""] * len(keys)
         if not len(keys) == len(data) == len(metas):
             raise ValueError("put_many needs as many buffers and metas as keys")
-        tensor_results = self._put_tensors(keys, data, metas, stream) \
+        if blocks is not None and len(blocks) != len(keys):
+            raise ValueError("put_many needs as many blocks as keys")
+        tensor_results = self._put_tensors(keys, data, metas, stream, blocks) \
             if "torch" in sys.modules else None
         if tensor_results is not None:
             return tensor_results
@@ -278,7 +302,8 @@ class KVPoolClient:
         for start in range(0, len(keys), step):
             end = start + step
             self._retrying(partial(_put_window, keys[start:end], views[start:end],
-                                   metas[start:end], start, results))
+                                   metas[start:end], start, results,
+                                   blocks[start:end] if blocks is not None else None))
         return results
 
     # -- tensors (kvpool.agent.gpu, imported only here)
@@ -295,7 +320,8 @@ class KVPoolClient:
         return device
 
     def _put_tensors(self, keys: Sequence[bytes], data: Sequence[Any], metas: Sequence[bytes],
-                     stream: object) -> list[PutResult] | None:
+                     stream: object, blocks: Sequence[EngineBlocks | None] | None = None,
+                     ) -> list[PutResult] | None:
         """put_many of tensor chunks; None if `data` holds no tensor."""
         from . import gpu
 
@@ -311,20 +337,23 @@ class KVPoolClient:
         for start in range(0, len(keys), step):
             end = start + step
             self._retrying(partial(self._tensor_put_window, keys[start:end], chunks[start:end],
-                                   metas[start:end], start, results, stream))
+                                   metas[start:end], start, results, stream,
+                                   blocks[start:end] if blocks is not None else None))
         return results
 
     def _tensor_put_window(self, keys: Sequence[bytes], chunks: Sequence[list[Any]],
                            metas: Sequence[bytes], start: int, results: list[PutResult],
-                           stream: object, t: Transport) -> None:
+                           stream: object, blocks: Sequence[EngineBlocks | None] | None,
+                           t: Transport) -> None:
         from . import gpu
 
         if isinstance(t, ZeroCopyTransport):
-            self._device(t).put_window(t.conn, keys, chunks, metas, start, results, stream)
+            self._device(t).put_window(t.conn, keys, chunks, metas, start, results, stream,
+                                       blocks)
         else:  # inline: the bytes travel in the frame, from the host
             views = [memoryview(gpu.chunk_bytes(c, f"the chunk of key {start + i}"))
                      for i, c in enumerate(chunks)]
-            t.put_window(keys, views, metas, start, results)
+            t.put_window(keys, views, metas, start, results, blocks)
 
     def _tensor_get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                            sizes: list[int], verify: bool, stream: object,
@@ -384,5 +413,6 @@ def _get_window(keys: Sequence[bytes], start: int, target: ReadTarget, sizes: li
 
 
 def _put_window(keys: Sequence[bytes], views: Sequence[memoryview], metas: Sequence[bytes],
-                start: int, results: list[PutResult], t: Transport) -> None:
-    t.put_window(keys, views, metas, start, results)
+                start: int, results: list[PutResult],
+                blocks: Sequence[EngineBlocks | None] | None, t: Transport) -> None:
+    t.put_window(keys, views, metas, start, results, blocks)

@@ -394,6 +394,10 @@ class Events(Model):
         description="Events queued for publishing; beyond it events are dropped (and counted), "
         "never waited for.",
     )
+    address: str = Field(
+        "*", min_length=1,
+        description="Interface the PUB and replay sockets bind: `*` every one, or an address.",
+    )
     payload: EventsPayload = Field(EventsPayload.MAP, description="Encoding of each event.")
     topic: EventsTopic = Field(EventsTopic.POD, description="Topic mode.")
     medium: EventsMedium = Field(default_factory=EventsMedium)

@@ -354,7 +354,8 @@ class DeviceArena:
 
     def put_window(self, conn: Connection, keys: Sequence[bytes], chunks: Sequence[Segments],
                    metas: Sequence[bytes], start: int, results: list[Any],
-                   stream: object) -> None:
+                   stream: object, blocks: Sequence[p.EngineBlocks | None] | None = None,
+                   ) -> None:
         """ALLOC each chunk, copy its segments into the extents and compute its WSUM on
         the device, wait for the window's fence, then COMMIT: a write is committed only
         after its copies completed."""
@@ -383,7 +384,7 @@ class DeviceArena:
                                    else None)
             copier.record().wait()
             fenced = True
-            commits: list[tuple[int, p.Commit]] = []
+            commits: list[tuple[int, p.Commit | p.Put]] = []
             for i, reply, partials in written:
                 if partials is None:  # segments cut mid-word: hash the arena bytes
                     digest = checksums.xxh3(
@@ -393,7 +394,8 @@ class DeviceArena:
                 else:
                     digest = wsum_from_partials(sizes[i], *partials, metas[i])
                     kind = checksums.WSUM
-                commits.append((i, p.Commit(conn.rid(), reply.lease, digest, kind)))
+                commits.append((i, p.with_blocks(p.Commit(conn.rid(), reply.lease, digest, kind),
+                                                 blocks[i] if blocks is not None else None)))
         except BaseException:
             if written and not fenced:
                 _settle(copier)  # no ABORT while a DMA may still write the lease's pages

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .config import TIER_ORDER, TierName
+from .constants import TIER_CODES
 from .protocol import ErrorCode, Op
 
 EVICTION_REASONS = ("watermark", "capacity", "ttl", "quota")
@@ -135,12 +136,32 @@ class AgentMetrics:
         shared_lat = Histogram("kvpool_shared_request_duration_seconds",
                                "Shared store request latency", [*p, "op"], registry=r)
         self.shared_latency = {op: shared_lat.labels(pool, op) for op in SHARED_OPS}
+        self.events_published = Counter(
+            "kvpool_events_published", "KV events published to routers (each once, whatever "
+            "the topics it went to)", p, registry=r).labels(pool)
+        self.events_dropped = Counter(
+            "kvpool_events_dropped", "KV events dropped: the publishing queue was full", p,
+            registry=r).labels(pool)
+        tokens = Counter("kvpool_tokens", "Prefill tokens LOOKUPs asked for: hits by the tier "
+                         "holding them, misses (tier none)", [*p, "result", "tier"], registry=r)
+        self._token_hits = [(TIER_CODES[t], tokens.labels(pool, "hit", t)) for t in TIER_ORDER]
+        self._token_misses = tokens.labels(pool, "miss", "none")
         Gauge("kvpool_agent_info", "Agent build and placement", [*p, "version", "node"],
               registry=r).labels(pool, __version__, node).set(1)
 
     def op_error(self, op: Op | int, code: ErrorCode) -> None:
         name = op.name.lower() if isinstance(op, Op) else "unknown"
         self._ops.labels(self.pool, name, code.name.lower()).inc()
+
+    def lookup_tokens(self, tiers: bytes, missed: int, chunk_tokens: int) -> None:
+        """Count a LOOKUP's prefill tokens: `tiers` its reply's tier codes (one per hit
+        chunk), `missed` the chunks past the hit prefix."""
+        for code, counter in self._token_hits:
+            n = tiers.count(code)
+            if n:
+                counter.inc(n * chunk_tokens)
+        if missed:
+            self._token_misses.inc(missed * chunk_tokens)
 
     def add_state(self, sample: Sampler) -> None:
         """Serve what `sample` yields at every scrape (the stores' state and counts)."""

@@ -14,8 +14,9 @@ receives with the HELLO reply (SCM_RIGHTS). PUT/GET carry the bytes inline.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 import xxhash
@@ -82,6 +83,25 @@ class ErrorCode(IntEnum):
     """The socket's space holds the most connections allowed (closes the connection)."""
 
 
+class EngineBlocks(NamedTuple):
+    """The engine blocks a chunk covers, for KV events (docs/events.md): the engine's
+    block hashes in order, the token ids of those blocks, and the hash of the block
+    before the first (None: the prompt's first block, or unknown)."""
+
+    hashes: Sequence[int]
+    token_ids: Sequence[int] = ()
+    parent: int | None = None
+
+
+def with_blocks(req: Commit | Put, blocks: EngineBlocks | None) -> Commit | Put:
+    """`req` carrying what KV events say of its chunk (nothing when `blocks` is None)."""
+    if blocks is not None:
+        req.block_hashes = list(blocks.hashes)
+        req.token_ids = list(blocks.token_ids)
+        req.parent_block_hash = blocks.parent
+    return req
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -94,6 +114,15 @@ class Hello(Request, tag=int(Op.HELLO)):
     client: str = ""
     tenant: str = ""
     fingerprint_id: int = 0
+    # What KV-aware routers need (docs/events.md); all optional, older clients omit them.
+    pod: str = ""
+    """The engine pod this client serves: its events topic is kv@<pod>@<model>."""
+    model: str = ""
+    """The model the engine serves (the topic's second part)."""
+    block_size: int = 0
+    """Tokens per engine block (the events' block_size); 0: unknown."""
+    chunk_tokens: int = 0
+    """Tokens per chunk key (LOOKUP counts the prefill tokens it serves); 0: unknown."""
 
 
 class Lookup(Request, tag=int(Op.LOOKUP)):
@@ -111,6 +140,12 @@ class Commit(Request, tag=int(Op.COMMIT)):
     checksum: int
     checksum_kind: int = 0
     """How `checksum` is defined (`kvpool.agent.checksums`): 0 XXH3-64, 1 WSUM."""
+    block_hashes: list[int] = []
+    """The engine block hashes the chunk covers, in order (KV events); [] unknown."""
+    token_ids: list[int] = []
+    """The token ids the chunk covers (KV events); [] unknown."""
+    parent_block_hash: int | None = None
+    """The engine hash of the block before the chunk's first; None: first or unknown."""
 
 
 class Abort(Request, tag=int(Op.ABORT)):
@@ -130,6 +165,10 @@ class Put(Request, tag=int(Op.PUT)):
     data: bytes
     checksum: int
     meta: bytes = b""
+    block_hashes: list[int] = []
+    """As COMMIT's: what KV events say of the chunk."""
+    token_ids: list[int] = []
+    parent_block_hash: int | None = None
 
 
 class Get(Request, tag=int(Op.GET)):

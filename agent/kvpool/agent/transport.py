@@ -197,7 +197,8 @@ class Transport(ABC):
         """How many keys one window of a batch call holds."""
 
     @abstractmethod
-    def put(self, key: bytes, src: memoryview, meta: bytes) -> bool: ...
+    def put(self, key: bytes, src: memoryview, meta: bytes,
+            blocks: p.EngineBlocks | None = None) -> bool: ...
 
     @abstractmethod
     def get(self, key: bytes, verify: bool) -> tuple[bytes, bytes] | None: ...
@@ -211,7 +212,8 @@ class Transport(ABC):
 
     @abstractmethod
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                   metas: Sequence[bytes], start: int, results: list[PutResult]) -> None: ...
+                   metas: Sequence[bytes], start: int, results: list[PutResult],
+                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None: ...
 
     def close(self) -> None:
         self.conn.close()
@@ -223,9 +225,11 @@ class InlineTransport(Transport):
     def window(self, batch_window: int, max_leases: int) -> int:
         return 1  # one key per retried unit, as a plain put/get
 
-    def put(self, key: bytes, src: memoryview, meta: bytes) -> bool:
+    def put(self, key: bytes, src: memoryview, meta: bytes,
+            blocks: p.EngineBlocks | None = None) -> bool:
         digest = p.checksum(src, meta)
-        reply = self.conn.call(p.Put(self.conn.rid(), key, bytes(src), digest, meta))
+        reply = self.conn.call(p.with_blocks(p.Put(self.conn.rid(), key, bytes(src), digest,
+                                                   meta), blocks))
         assert isinstance(reply, p.PutReply)
         return reply.stored
 
@@ -260,10 +264,12 @@ class InlineTransport(Transport):
                 sizes[start + i] = len(got[0])
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                   metas: Sequence[bytes], start: int, results: list[PutResult]) -> None:
+                   metas: Sequence[bytes], start: int, results: list[PutResult],
+                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
         for i, (key, view, meta) in enumerate(zip(keys, views, metas, strict=True)):
             try:
-                results[start + i] = self.put(key, view, meta)
+                results[start + i] = self.put(key, view, meta,
+                                              blocks[i] if blocks is not None else None)
             except p.ProtocolError as e:
                 results[start + i] = e
 
@@ -320,7 +326,8 @@ class ZeroCopyTransport(Transport):
             dst[pos : pos + nbytes] = self.arena[offset : offset + nbytes]
             pos += nbytes
 
-    def put(self, key: bytes, src: memoryview, meta: bytes) -> bool:
+    def put(self, key: bytes, src: memoryview, meta: bytes,
+            blocks: p.EngineBlocks | None = None) -> bool:
         alloc = self.conn.call(p.Alloc(self.conn.rid(), key, src.nbytes, meta))
         assert isinstance(alloc, p.AllocReply)
         if alloc.exists:
@@ -330,7 +337,7 @@ class ZeroCopyTransport(Transport):
         except BaseException:
             self.conn.cast(p.Abort(self.conn.rid(), alloc.lease))
             raise
-        self.conn.call(p.Commit(self.conn.rid(), alloc.lease, digest))
+        self.conn.call(p.with_blocks(p.Commit(self.conn.rid(), alloc.lease, digest), blocks))
         return True
 
     def get(self, key: bytes, verify: bool) -> tuple[bytes, bytes] | None:
@@ -377,10 +384,11 @@ class ZeroCopyTransport(Transport):
             self.conn.cast(*[p.Release(self.conn.rid(), r.lease) for r in granted])
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                   metas: Sequence[bytes], start: int, results: list[PutResult]) -> None:
+                   metas: Sequence[bytes], start: int, results: list[PutResult],
+                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
         replies = self.conn.exchange([p.Alloc(self.conn.rid(), k, v.nbytes, m)
                                       for k, v, m in zip(keys, views, metas, strict=True)])
-        commits: list[tuple[int, p.Commit]] = []
+        commits: list[tuple[int, p.Commit | p.Put]] = []
         leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
         try:
             for i, reply in enumerate(replies):
@@ -392,7 +400,8 @@ class ZeroCopyTransport(Transport):
                     results[start + i] = False
                     continue
                 digest = copy_and_checksum(self.arena, reply.extents, views[i], metas[i])
-                commits.append((i, p.Commit(self.conn.rid(), reply.lease, digest)))
+                commits.append((i, p.with_blocks(p.Commit(self.conn.rid(), reply.lease, digest),
+                                                 blocks[i] if blocks is not None else None)))
         except BaseException:
             self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease in leases])
             raise

@@ -21,7 +21,8 @@ import stat
 from collections.abc import Callable, Iterator
 
 from .. import protocol as p
-from ..config import AgentConfig, ConfigError, load_policy
+from ..config import AgentConfig, ConfigError, EventsTopic, load_policy
+from ..events import Publisher, TierEvents, node_topic
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
 from ..units import human_size
@@ -98,6 +99,28 @@ class Agent:
         """Set once serving: a failure after that keeps the arena (a warm restart's)."""
         self.dispatcher = Dispatcher(config, self.metrics, self._clients_of)
         self.metrics.add_state(self._samples)
+        self.publisher: Publisher | None = None
+        if config.events.enabled:
+            self.publisher = self._publish_events()
+
+    def _publish_events(self) -> Publisher:
+        """Open the KV-event sockets and hand each space its tracker (docs/events.md)."""
+        ev = self.config.events
+        m = self.metrics
+        publisher = Publisher(
+            host=ev.address, port=ev.port, replay_port=ev.replay_port,
+            replay_depth=ev.replay_depth, queue_depth=ev.queue_depth, shape=ev.payload,
+            medium={"dram": ev.medium.dram, "nvme": ev.medium.nvme, "shared": ev.medium.shared},
+            published=m.events_published.inc, dropped=m.events_dropped.inc)
+        node = self.config.node_name or socket.gethostname()
+        for space in self.spaces:
+            topic = None
+            if ev.topic is EventsTopic.NODE:
+                topic = node_topic(node, self.config.pool, space.tenant)
+            space.attach_events(TierEvents(space.tenant, publisher, node_topic=topic))
+        log.info("KV events on %s (replay %s), %s topics, %s payload", publisher.endpoint,
+                 publisher.replay_endpoint or "off", ev.topic.value, ev.payload.value)
+        return publisher
 
     def _clients_of(self, space: Space) -> int:
         return sum(1 for c in self.connections.values() if c.space is space)
@@ -195,6 +218,7 @@ class Agent:
         finally:
             self.connections.pop(conn.id, None)
             conn.store.disconnect(conn.id)
+            conn.ended()
             conn.sock.close()
 
     # -- housekeeping
@@ -276,6 +300,8 @@ class Agent:
             await runner.cleanup()
             for space in self.spaces:
                 space.close()
+            if self.publisher is not None:
+                self.publisher.close()
             log.info("kvpool agent stopped")
 
 

@@ -52,6 +52,12 @@ class Connection:
         self.id = cid
         self.tenant = space.tenant
         self.hello = False
+        self.pod = ""
+        self.model = ""
+        """The engine pod and model its HELLO named (KV events' topic)."""
+        self.block_size = 0
+        self.chunk_tokens = 0
+        """Tokens per chunk key, when HELLO said: LOOKUP then counts prefill tokens."""
         self.buf = bytearray(RECEIVE_BUFFER)
         self.start = 0
         self.end = 0
@@ -59,6 +65,11 @@ class Connection:
         self.out: list[bytes] = []
         """Replies of the requests handled since the last send (see `serve`)."""
         self.out_bytes = 0
+
+    def ended(self) -> None:
+        """The connection is gone: its pod's topic ends with its pod's last connection."""
+        if self.hello and self.space.events is not None:
+            self.space.events.disconnected(self.pod, self.model)
 
     async def _fill(self, need: int, timeout: float | None) -> None:
         """Read until `need` bytes are buffered from self.start."""
@@ -225,7 +236,13 @@ class Connection:
                               f"the client claims {req.tenant!r}")
         else:
             self.tenant = req.tenant  # one space: the claim only picks quotas and priority
+        if req.block_size < 0 or req.chunk_tokens < 0:
+            raise OpError(p.ErrorCode.BAD_ARGUMENT, "block_size and chunk_tokens must be >= 0")
         self.hello = True
+        self.pod, self.model = req.pod, req.model
+        self.block_size, self.chunk_tokens = req.block_size, req.chunk_tokens
+        if space.events is not None:
+            space.events.connected(self.pod, self.model)
         cfg = space.config
         frame = p.encode(p.HelloReply(
             rid=req.rid, version=p.PROTOCOL_VERSION, agent_version=__version__, pool=cfg.pool,

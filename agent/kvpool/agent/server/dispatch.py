@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from .. import protocol as p
 from ..config import AgentConfig
+from ..events.tracker import identity
 from ..metrics import AgentMetrics
 from ..store import snapshot
 
@@ -63,7 +65,10 @@ class Dispatcher:
 
 
 async def _lookup(c: Connection, r: p.Lookup) -> p.LookupReply:
-    return p.LookupReply(r.rid, *await c.store.lookup(r.keys))
+    count, tiers = await c.store.lookup(r.keys)
+    if c.chunk_tokens:  # the prefill tokens served from the pool, per tier
+        c.dispatcher.metrics.lookup_tokens(tiers, len(r.keys) - count, c.chunk_tokens)
+    return p.LookupReply(r.rid, count, tiers)
 
 
 async def _put(c: Connection, r: p.Put) -> p.PutReply:
@@ -78,8 +83,23 @@ async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
 
 
 def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
-    c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind)
+    with _storing(c, r):
+        c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind)
     return p.CommitReply(r.rid)
+
+
+def _put(c: Connection, r: p.Put) -> p.PutReply:
+    with _storing(c, r):
+        return p.PutReply(r.rid, c.store.put(r.key, r.data, r.checksum, r.meta, c.tenant))
+
+
+def _storing(c: Connection, r: p.Commit | p.Put) -> contextlib.AbstractContextManager[None]:
+    """What KV events say of the chunk stored meanwhile: the blocks the client named."""
+    events = c.space.events
+    if events is None:
+        return contextlib.nullcontext()
+    return events.storing(identity(r.block_hashes, r.token_ids, r.parent_block_hash,
+                                   c.block_size, c.model))
 
 
 def _abort(c: Connection, r: p.Abort) -> p.AbortReply:

@@ -9,6 +9,7 @@ from ..arena import Arena
 from ..claim import SpaceClaim
 from ..config import AgentConfig, TierPolicy
 from ..constants import PAGE_BYTES
+from ..events import TierEvents
 from ..lookupindex import SharedIndex, slots_for
 from ..metrics import AgentMetrics, Sample
 from ..store import ChunkStore, open_journal, snapshot
@@ -45,10 +46,18 @@ class Space:
                                  lower_tiers=nvme is not None or shared is not None)
         dram.published = self.index
         self.store = ChunkStore(config, dram, nvme, metrics, policy, journal, shared)
+        self.events: TierEvents | None = None
+        """KV events of this space's chunks (`attach_events`); None: events are off."""
         kept, dropped = self.store.recover(entries)
         if kept or dropped:
             log.info("warm restart%s: %d chunks kept from the arena, %d dropped",
                      f" of tenant {tenant}" if self.isolated else "", kept, dropped)
+
+    def attach_events(self, events: TierEvents) -> None:
+        """Publish this space's tier changes from now on, starting from what it holds."""
+        self.events = events
+        self.store.observe(events)
+        events.start(self.store.held())
 
     @property
     def isolated(self) -> bool:

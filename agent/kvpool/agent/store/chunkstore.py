@@ -61,6 +61,7 @@ from ..tiers.shared import SharedChunkTier
 from .demotion import IO_THREADS, Demotion
 from .errors import OpError, check_key
 from .loads import Loaded, Loads
+from .observer import NO_OBSERVER, TierObserver
 from .sharedlink import SharedLink
 from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot
 
@@ -132,6 +133,22 @@ class ChunkStore:
         self.loads = Loads(self.nvme, self.shared, metrics, position=self._position,
                            in_dram=lambda k: self.dram.get(k) is not None)
         self._background: set[asyncio.Task[None]] = set()
+        self.observer: TierObserver = NO_OBSERVER
+        """Told of every chunk entering and leaving a tier (`observe`)."""
+
+    def observe(self, observer: TierObserver) -> None:
+        """Tell `observer` of chunks entering and leaving every tier from now on."""
+        self.observer = observer
+        if self.nvme is not None:
+            self.nvme.observer = observer
+
+    def held(self) -> Iterable[tuple[TierName, bytes]]:
+        """Every (tier, key) the local tiers hold now (what an observer starts from)."""
+        for key in self.dram.chunks:
+            yield "dram", key
+        if self.nvme is not None:
+            for key in self.nvme.nvme.index:
+                yield "nvme", key
 
     # -- policy
 
@@ -347,6 +364,7 @@ class ChunkStore:
         chunk.hits = hits
         self.dram_queue.add(chunk, tail=last)
         self.m.written_bytes["dram"].inc(size)
+        self.observer.stored("dram", key)
         if evict:
             self._check_watermark()
         return chunk
@@ -513,6 +531,7 @@ class ChunkStore:
         self.dram_queue.discard(key)
         if self.journal is not None:
             self.journal.drop(key)
+        self.observer.removed("dram", key)
         return True
 
     def _footprint(self, chunk: pol.Entry) -> int:
@@ -593,6 +612,7 @@ class ChunkStore:
                     # file has landed: a SIGKILL meanwhile finds it in DRAM again.
                     self.dram.detach(v.key)
                     self.dram_queue.discard(v.key)
+                    self.observer.removed("dram", v.key)
                     self.demoting += self._pages(chunk.size)
                     self.m.evictions[("dram", v.reason)].inc()
                     self.nvme.demote(rec, chunk)

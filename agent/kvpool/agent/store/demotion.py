@@ -31,6 +31,7 @@ from ..metrics import EVICTION_REASONS, AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.dram import DramChunk
 from ..tiers.nvme import NvmeEntry, NvmeTier, file_bytes
+from .observer import NO_OBSERVER, TierObserver
 from .sharedlink import SharedLink
 from .tierreads import read_nvme
 
@@ -64,6 +65,8 @@ class Demotion:
         self._settled = settled
         """Called once per demotion when its write is done (landed, failed or superseded):
         the DRAM chunk's pages can go, and its journal entry too when True."""
+        self.observer: TierObserver = NO_OBSERVER
+        """Told when a demotion lands on NVMe and when a chunk leaves it."""
         self.queue: EvictionQueue = new_queue(policy.tiers.nvme.eviction)
         """NVMe's chunks in eviction order."""
         for entry in sorted(nvme.index.values(), key=lambda e: e.last_access):
@@ -216,6 +219,7 @@ class Demotion:
             entry.last_seq, entry.depth = chunk.last_seq, chunk.depth
             entry.last_access = time.time()
             self.queue.add(entry)
+            self.observer.stored("nvme", rec.key)
             self.m.demotions["dram"].inc()
             self.m.written_bytes["nvme"].inc(rec.size)
             landed = True
@@ -256,6 +260,7 @@ class Demotion:
             if entry is None or not self.nvme.forget(v.key):
                 continue
             self.queue.discard(v.key)
+            self.observer.removed("nvme", v.key)
             if v.reason in EVICTION_REASONS:
                 self.m.evictions[("nvme", v.reason)].inc()
                 to_shared = self._shared is not None and self._shared.demotes(entry.hits)

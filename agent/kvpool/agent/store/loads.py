@@ -103,6 +103,8 @@ class Loads:
                         self.ahead.keep(k, rec, read_under)
                 else:
                     nvme.queue.discard(k)  # quarantined or gone: out of the order too
+                    if nvme.entry(k) is None:
+                        nvme.observer.removed("nvme", k)
                 fut.set_result(result)
                 if i == 0:
                     first = result

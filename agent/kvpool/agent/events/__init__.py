@@ -1,0 +1,14 @@
+"""KV events for routers: chunks entering and leaving tiers, published in vLLM's format.
+
+`wire` holds the payload structs and encoding, `publisher` the ZMQ PUB and replay
+sockets fed from a bounded queue, `tracker` the loop's side of one space (the
+store's observer). See docs/events.md.
+"""
+
+from __future__ import annotations
+
+from .publisher import Block, Publisher
+from .tracker import Identity, TierEvents, identity, node_topic, own_hash, pod_topic
+
+__all__ = ["Block", "Identity", "Publisher", "TierEvents", "identity", "node_topic", "own_hash",
+           "pod_topic"]

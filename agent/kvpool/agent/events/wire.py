@@ -1,0 +1,142 @@
+"""vLLM's KV-event wire format: the payload structs and their two shapes.
+
+A published message is three ZMQ frames: topic, sequence number (8 bytes,
+big-endian) and a MessagePack `KVEventBatch` = `[ts, events, data_parallel_rank]`.
+Each event is a map tagged by `"type"` (vLLM since #42892, SGLang, llm-d, Dynamo)
+or an array led by the tag (older vLLM, AIBrix, kthena); `EventsPayload` picks.
+Field names and order are vLLM's (`vllm/distributed/kv_events.py`).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+from ..config import EventsPayload
+
+SEQ = struct.Struct(">Q")
+"""The sequence-number frame of a published message."""
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay socket's end marker: sequence -1 with an empty payload."""
+
+
+# -- map shape: {"type": "BlockStored", ...}
+
+
+class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_MapEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class BlockRemoved(_MapEvent):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(_MapEvent):
+    pass
+
+
+# -- array shape: ["BlockStored", ...]
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
+ArrayEvent = ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared
+AnyEvent = MapEvent | ArrayEvent
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = 0
+
+
+class MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_map_decoder = msgspec.msgpack.Decoder(MapBatch)
+_array_decoder = msgspec.msgpack.Decoder(ArrayBatch)
+
+
+def stored(shape: EventsPayload, hashes: list[int], parent: int | None, tokens: list[int],
+           block_size: int, medium: str) -> bytes:
+    """One encoded BlockStored event (encoded once, sent under every topic it goes to)."""
+    cls = BlockStored if shape is EventsPayload.MAP else ArrayBlockStored
+    return _encoder.encode(cls(hashes, parent, tokens, block_size, None, medium))
+
+
+def removed(shape: EventsPayload, hashes: list[int], medium: str) -> bytes:
+    cls = BlockRemoved if shape is EventsPayload.MAP else ArrayBlockRemoved
+    return _encoder.encode(cls(hashes, medium))
+
+
+def cleared(shape: EventsPayload) -> bytes:
+    return _encoder.encode(AllBlocksCleared() if shape is EventsPayload.MAP
+                           else ArrayAllBlocksCleared())
+
+
+def batch(ts: float, events: list[bytes]) -> bytes:
+    """A KVEventBatch of events already encoded."""
+    return _encoder.encode(KVEventBatch(ts, [msgspec.Raw(e) for e in events], 0))
+
+
+def decode(payload: bytes, shape: EventsPayload) -> MapBatch | ArrayBatch:
+    """A batch as kvpool publishes it (for `kvpool events` and tests)."""
+    if shape is EventsPayload.MAP:
+        return _map_decoder.decode(payload)
+    return _array_decoder.decode(payload)
+
+
+def decode_any(payload: bytes) -> MapBatch | ArrayBatch:
+    """A batch of either shape: map first, then array."""
+    try:
+        return decode(payload, EventsPayload.MAP)
+    except msgspec.ValidationError:
+        return decode(payload, EventsPayload.ARRAY)
+
+
+def event_name(event: AnyEvent) -> str:
+    name: str = type(event).__struct_config__.tag  # type: ignore[assignment]
+    return name
