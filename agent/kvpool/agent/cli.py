@@ -307,6 +307,53 @@ def stats(
     _print_stats(data)
 
 
+@app.command()
+def events(
+    socket: Annotated[Path | None, typer.Option(
+        metavar="PATH", envvar=SOCKET_ENV,
+        help=f"The agent's socket: its STATS says where it publishes [env: {SOCKET_ENV}].",
+        show_envvar=False)] = None,
+    endpoint: Annotated[str | None, typer.Option(
+        metavar="tcp://HOST:PORT", help="The agent's PUB socket (instead of --socket).")]
+    = None,
+    topic: Annotated[str, typer.Option(
+        metavar="PREFIX", help="Only topics starting with this (e.g. kv@vllm-0@).")] = "",
+    count: Annotated[int | None, typer.Option(
+        min=1, metavar="N", help="Stop after N events.")] = None,
+    idle: Annotated[float | None, typer.Option(
+        min=0.1, metavar="SECONDS", help="Stop after this long without an event.")] = None,
+) -> None:
+    """Tail an agent's KV events, one line each (docs/events.md)."""
+    from .events import tail
+
+    if endpoint is None:
+        if socket is None:
+            _fail(f"give --endpoint tcp://HOST:PORT, or --socket PATH (or set {SOCKET_ENV})")
+        from .client import KVPoolClient
+
+        try:
+            with KVPoolClient(socket, mode="inline", reconnect_timeout=0) as c:
+                endpoint = tail.endpoint_of(c.stats())
+        except OSError as e:
+            _fail(f"cannot reach the agent at {socket}: {e.strerror or e}")
+        except ValueError as e:
+            _fail(str(e), 1)
+    elif not endpoint.startswith("tcp://"):
+        _fail(f"--endpoint {endpoint}: expected tcp://HOST:PORT")
+    seen = 0
+    try:
+        for line in tail.lines(endpoint, topic, idle):
+            typer.echo(line)
+            if not line.startswith("#"):
+                seen += 1
+                if count is not None and seen >= count:
+                    return
+    except ValueError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        return
+
+
 def _tier_notes(t: dict[str, Any]) -> str:
     """What a tier reports beyond the table's columns, in words (never a Python repr)."""
     notes = []

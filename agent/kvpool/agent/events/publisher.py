@@ -199,7 +199,10 @@ class Publisher:
     def _start(self, item: TopicStart) -> None:
         topic = item.topic.encode()
         self._topics.setdefault(item.space, {})[topic] = item.model
-        self._seq[topic] = 0
+        # A topic counts on from its start time (microseconds since the epoch), not from 0:
+        # a restarted agent's or pod's topic continues upward, so its subscribers see a
+        # gap and replay from where they stopped, which starts at AllBlocksCleared.
+        self._seq[topic] = max(time.time_ns() // 1000, self._seq.get(topic, 0))
         events = [wire.cleared(self.shape)]
         for tier, block, model in item.inventory:
             if item.model and model and model != item.model:

@@ -76,14 +76,15 @@ class TierEvents:
         self.held: dict[bytes, _Held] = {}
         self.pods: dict[tuple[str, str], int] = {}
         """Connections of each (pod, model) that said HELLO with a pod name."""
-        self._pending: Identity | None = None
+        self._pending: dict[bytes, Identity] = {}
+        """Identities of chunks being stored (a PUT may wait for room meanwhile)."""
 
     # -- what the store tells
 
     def stored(self, tier: TierName, key: bytes) -> None:
         h = self.held.get(key)
         if h is None:
-            h = self.held[key] = _Held(self._pending)
+            h = self.held[key] = _Held(self._pending.get(key))
         bit = _BIT[tier]
         if h.tiers & bit:
             return
@@ -102,14 +103,18 @@ class TierEvents:
                                     self._model(h)))
 
     @contextlib.contextmanager
-    def storing(self, ident: Identity | None) -> Iterator[None]:
-        """Chunks stored inside the block take this identity (the storing client's); a
-        chunk keeps the one it was first stored with while any tier holds it."""
-        self._pending = ident
+    def storing(self, key: bytes, ident: Identity | None) -> Iterator[None]:
+        """`key`, if stored inside the block, takes this identity (the storing client's);
+        a chunk keeps the one it was first stored with while any tier holds it."""
+        if ident is None:
+            yield
+            return
+        self._pending[key] = ident
         try:
             yield
         finally:
-            self._pending = None
+            if self._pending.get(key) is ident:
+                del self._pending[key]
 
     @staticmethod
     def _block(key: bytes, h: _Held) -> Block:

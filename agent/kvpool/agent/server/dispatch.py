@@ -28,6 +28,11 @@ class Dispatcher:
                  clients: Callable[[Space], int]) -> None:
         self.metrics = metrics
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
+        ev = config.events
+        self.events: dict[str, Any] | None = None if not ev.enabled else {
+            "address": ev.address, "port": ev.port, "replay_port": ev.replay_port,
+            "topic": ev.topic.value, "payload": ev.payload.value}
+        """Where KV events are published (STATS says it, for `kvpool events --socket`)."""
         self.memory_released = False
         """A connection gave back a large receive buffer since the last `trim_memory`."""
         self._clients = clients
@@ -60,6 +65,8 @@ class Dispatcher:
         if space.isolated:
             out["tenant"] = space.tenant
         out["clients"] = self._clients(space)
+        if self.events is not None:
+            out["events"] = self.events
         out["agent_version"] = __version__
         return out
 
@@ -72,7 +79,9 @@ async def _lookup(c: Connection, r: p.Lookup) -> p.LookupReply:
 
 
 async def _put(c: Connection, r: p.Put) -> p.PutReply:
-    return p.PutReply(r.rid, await c.store.put(r.key, r.data, r.checksum, r.meta, c.tenant))
+    with _storing(c, r.key, r):
+        return p.PutReply(r.rid, await c.store.put(r.key, r.data, r.checksum, r.meta,
+                                                   c.tenant))
 
 
 async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
@@ -83,23 +92,20 @@ async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
 
 
 def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
-    with _storing(c, r):
+    lease = c.store.dram.writes.get(r.lease)
+    with _storing(c, lease.key if lease is not None else b"", r):
         c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind)
     return p.CommitReply(r.rid)
 
 
-def _put(c: Connection, r: p.Put) -> p.PutReply:
-    with _storing(c, r):
-        return p.PutReply(r.rid, c.store.put(r.key, r.data, r.checksum, r.meta, c.tenant))
-
-
-def _storing(c: Connection, r: p.Commit | p.Put) -> contextlib.AbstractContextManager[None]:
-    """What KV events say of the chunk stored meanwhile: the blocks the client named."""
+def _storing(c: Connection, key: bytes,
+             r: p.Commit | p.Put) -> contextlib.AbstractContextManager[None]:
+    """What KV events say of `key` if it is stored meanwhile: the blocks the client named."""
     events = c.space.events
     if events is None:
         return contextlib.nullcontext()
-    return events.storing(identity(r.block_hashes, r.token_ids, r.parent_block_hash,
-                                   c.block_size, c.model))
+    return events.storing(key, identity(r.block_hashes, r.token_ids, r.parent_block_hash,
+                                        c.block_size, c.model))
 
 
 def _abort(c: Connection, r: p.Abort) -> p.AbortReply:

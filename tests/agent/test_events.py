@@ -1,0 +1,462 @@
+"""KV events: what a real agent publishes, decoded by code kvpool did not write.
+
+Two agents per module: one in `node` topic mode with the `map` payload and an NVMe
+tier (decoded with SGLang's own event classes, and mirrored under a random workload
+against STATS), one in `pod` mode with the `array` payload (fan-out per engine pod).
+The mirror is a plain pyzmq SUB + msgspec consumer written from vLLM's format
+(`vllm/distributed/kv_events.py`): structs of its own, no kvpool decoder.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvpool.agent.client import EngineBlocks, KVPoolClient
+from kvpool.bench.local import LocalAgent, free_port
+
+from .conftest import scrape, wait_until
+
+KiB = 1024
+CHUNK = 64 * KiB
+
+# -- vLLM's format, written from its source: map events tagged by "type", or arrays led by it
+
+
+class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class MapBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[MapStored | MapRemoved | MapCleared]
+    data_parallel_rank: int | None = None
+
+
+class ArrBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[ArrStored | ArrRemoved | ArrCleared]
+    data_parallel_rank: int | None = None
+
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class Mirror:
+    """A router's view of one topic: which block hashes each medium holds.
+
+    Applies batches in sequence order; on a gap (or its first batch) it asks the
+    replay socket for everything from the sequence it expected, and a replay that
+    does not start there must start with AllBlocksCleared (a restarted topic)."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, replay: str, topic: bytes,
+                 batch: type[MapBatch] | type[ArrBatch]) -> None:
+        self.ctx, self.endpoint, self.replay, self.topic = ctx, endpoint, replay, topic
+        self.decoder = msgspec.msgpack.Decoder(batch)
+        self.held: dict[str, set[int]] = {}
+        self.expected: int | None = None
+        self.gaps = 0
+        self.sub = self._subscribe()
+
+    def _subscribe(self) -> zmq.Socket[bytes]:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        return sub
+
+    def disconnect(self) -> None:
+        self.sub.close()
+
+    def reconnect(self) -> None:
+        self.sub = self._subscribe()
+
+    def apply(self, payload: bytes) -> list[Any]:
+        events: list[Any] = self.decoder.decode(payload).events
+        for e in events:
+            if isinstance(e, MapCleared | ArrCleared):
+                self.held.clear()
+            elif isinstance(e, MapStored | ArrStored):
+                self.held.setdefault(e.medium or "", set()).update(e.block_hashes)
+            else:
+                self.held.get(e.medium or "", set()).difference_update(e.block_hashes)
+        return events
+
+    def _replay(self) -> None:
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay)
+        start = self.expected or 0
+        dealer.send_multipart([b"", self.topic, start.to_bytes(8, "big")])
+        first = True
+        try:
+            while dealer.poll(30_000):
+                _, seq_b, payload = dealer.recv_multipart()
+                if seq_b == END_SEQ:
+                    return
+                seq = int.from_bytes(seq_b, "big")
+                events = self.apply(payload)
+                if first and self.expected is not None and seq != self.expected:
+                    assert isinstance(events[0], MapCleared | ArrCleared), \
+                        "a replay past a gap must restart the topic"
+                first = False
+                self.expected = seq + 1
+            raise AssertionError("replay did not end")
+        finally:
+            dealer.close()
+
+    def pump(self) -> None:
+        """Apply what has arrived, without waiting."""
+        while self.sub.poll(0):
+            _, seq_b, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_b, "big")
+            if self.expected is not None and seq < self.expected:
+                continue  # already applied from a replay
+            if seq != self.expected:
+                if self.expected is not None:
+                    self.gaps += 1
+                self._replay()
+                if seq < (self.expected or 0):
+                    continue
+            self.apply(payload)
+            self.expected = seq + 1
+
+    def count(self, medium: str) -> int:
+        """Block hashes credited to `medium`."""
+        return len(self.held.get(medium, ()))
+
+
+def _config(tmp: Path, topic: str, payload: str, *, policy: Path | None = None,
+            nvme: Path | None = None) -> tuple[Path, str, str]:
+    port, replay = free_port(), free_port()
+    lines = ["nodeName: n1", f"events: {{enabled: true, address: 127.0.0.1, port: {port}, "
+             f"replayPort: {replay}, topic: {topic}, payload: {payload}}}"]
+    if policy is not None:
+        lines.append(f"policyFile: {policy}")
+    if nvme is not None:
+        lines.append(f"tiers: {{nvme: {{path: {nvme}, size: 1Mi}}}}")
+    cfg = tmp / "config.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    return cfg, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+POLICY = "tiers: {dram: {eviction: lru}, nvme: {eviction: lru}}\n"
+POLICY_TTL = "tiers: {dram: {eviction: lru}, nvme: {eviction: lru, ttl: 1s}}\n"
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def node_agent(tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[LocalAgent, str, str, Path]]:
+    tmp = tmp_path_factory.mktemp("events-node")
+    policy = tmp / "policy.yaml"
+    policy.write_text(POLICY)
+    cfg, endpoint, replay = _config(tmp, "node", "map", policy=policy, nvme=tmp / "nvme")
+    with LocalAgent("--no-lock", "--config", str(cfg), workdir=_mkdir(tmp / "agent"),
+                    dram="2Mi") as a:
+        yield a, endpoint, replay, policy
+
+
+@pytest.fixture(scope="module")
+def pod_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalAgent, str, str]]:
+    tmp = tmp_path_factory.mktemp("events-pod")
+    cfg, endpoint, replay = _config(tmp, "pod", "array")
+    with LocalAgent("--no-lock", "--config", str(cfg), workdir=_mkdir(tmp / "agent"),
+                    dram="2Mi") as a:
+        yield a, endpoint, replay
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 4
+
+
+def blocks(i: int) -> EngineBlocks:
+    """Two engine blocks of 16 tokens per chunk, hashes derived from the chunk's number."""
+    return EngineBlocks([i * 1000 + 1, i * 1000 + 2], list(range(i, i + 32)), i * 1000)
+
+
+def recv(sock: zmq.Socket[bytes]) -> list[bytes]:
+    assert sock.poll(30_000), "no event published"
+    return sock.recv_multipart()
+
+
+def test_sglang_decodes_what_a_put_and_a_delete_publish(
+        node_agent: tuple[LocalAgent, str, str, Path], ctx: zmq.Context[Any]) -> None:
+    from sglang.srt.disaggregation.kv_events import (
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
+
+    agent, endpoint, _, _ = node_agent
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@n1@")
+    sub.connect(endpoint)
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    with KVPoolClient(agent.socket_path, pod="vllm-0", model="m", block_size=16) as c:
+        # A subscriber's connection completes in the background: probe until events flow.
+        wait_until(lambda: c.put(key(900_000 + int(time.monotonic_ns() % 10**6)), b"p")
+                   and sub.poll(100), "the subscription to take effect")
+        while sub.poll(200):
+            sub.recv_multipart()
+        c.put(key(1), b"x" * CHUNK, blocks=blocks(1))
+        topic, seq, payload = recv(sub)
+        stored = decoder.decode(payload).events
+        c.delete(key(1))
+        topic2, seq2, payload2 = recv(sub)
+        removed = decoder.decode(payload2).events
+    sub.close()
+    assert topic == topic2 == b"kv@n1@default"
+    assert int.from_bytes(seq2, "big") == int.from_bytes(seq, "big") + 1
+    assert stored == [BlockStored(block_hashes=[1001, 1002], parent_block_hash=1000,
+                                  token_ids=list(range(1, 33)), block_size=16, lora_id=None,
+                                  medium="CPU_PINNED")]
+    assert removed == [BlockRemoved(block_hashes=[1001, 1002], medium="CPU_PINNED")]
+
+
+def test_kvpool_events_tails_decoded_events_one_line_each(
+        node_agent: tuple[LocalAgent, str, str, Path]) -> None:
+    agent = node_agent[0]
+    cmd = [sys.executable, "-m", "kvpool.agent", "events", "--socket", str(agent.socket_path),
+           "--count", "3"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc, \
+            KVPoolClient(agent.socket_path, block_size=16) as c:
+        # The command subscribes when it has started: store chunks until it has seen three.
+        for i in range(3000, 5000):
+            c.put(key(i), b"e")
+            try:
+                out, err = proc.communicate(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            proc.kill()
+            raise AssertionError("kvpool events saw no three events")
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 3, out
+    for line in lines:
+        seq, topic, kind, medium, blocks, size = line.split(" ")
+        assert (topic, kind, medium, size) == ("kv@n1@default", "BlockStored",
+                                                "medium=CPU_PINNED", "block_size=16"), line
+        assert blocks.startswith("blocks=") and seq.isdigit()
+
+
+def test_pod_topics_fan_out_to_each_engine_pod_of_the_model_in_array_shape(
+        pod_agent: tuple[LocalAgent, str, str], ctx: zmq.Context[Any]) -> None:
+    agent, endpoint, replay = pod_agent
+    p0 = Mirror(ctx, endpoint, replay, b"kv@p0@m", ArrBatch)
+    p1 = Mirror(ctx, endpoint, replay, b"kv@p1@m", ArrBatch)
+    other = Mirror(ctx, endpoint, replay, b"kv@p2@other", ArrBatch)
+    with KVPoolClient(agent.socket_path, pod="p0", model="m", block_size=16) as c0, \
+            KVPoolClient(agent.socket_path, pod="p1", model="m") as c1, \
+            KVPoolClient(agent.socket_path, pod="p2", model="other") as c2:
+        c0.put(key(1), b"x" * CHUNK, blocks=blocks(1))
+        c2.put(key(2), b"y" * CHUNK)  # no blocks: kvpool's own key, model "other" only
+        c1.stats()
+        own = int.from_bytes(key(2)[:8], "big")
+
+        def seen() -> bool:
+            for m in (p0, p1, other):
+                m.pump()
+            return (p0.held.get("CPU_PINNED") == {1001, 1002}
+                    and p1.held.get("CPU_PINNED") == {1001, 1002}
+                    and other.held.get("CPU_PINNED") == {own})
+        wait_until(seen, "each pod's topic to hold its model's chunks")
+    for m in (p0, p1, other):
+        m.disconnect()
+
+
+def test_a_late_joiner_catches_up_through_replay(
+        pod_agent: tuple[LocalAgent, str, str], ctx: zmq.Context[Any]) -> None:
+    agent, endpoint, replay = pod_agent
+    with KVPoolClient(agent.socket_path, pod="late", model="m") as c:
+        for i in range(10, 15):
+            c.put(key(i), b"z" * CHUNK, blocks=blocks(i))
+        c.delete(key(10))
+        joiner = Mirror(ctx, endpoint, replay, b"kv@late@m", ArrBatch)
+        c.put(key(15), b"z" * CHUNK, blocks=blocks(15))  # the first it hears live
+        expect = {h for i in range(11, 16) for h in blocks(i).hashes}
+
+        def caught_up() -> bool:
+            joiner.pump()
+            return expect <= joiner.held.get("CPU_PINNED", set())
+        wait_until(caught_up, "the late joiner to hold every chunk stored before it joined")
+        assert not {h for h in blocks(10).hashes} & joiner.held["CPU_PINNED"]
+    joiner.disconnect()
+
+
+def _stats(c: KVPoolClient) -> dict[str, int] | None:
+    """Chunks per tier, once nothing is on its way between tiers."""
+    s = c.stats()
+    if s["tiers"].get("nvme", {}).get("inflight"):
+        return None
+    return {t: v["chunks"] for t, v in s["tiers"].items()}
+
+
+def _agrees(mirror: Mirror, c: KVPoolClient, hashes: dict[int, bytes]) -> bool:
+    """The mirror credits each tier with as many chunks as STATS counts (a chunk stored
+    with engine blocks is two hashes; other tests' chunks are one hash, their key's)."""
+    mirror.pump()
+    tiers = _stats(c)
+    return tiers is not None and all(
+        len({hashes.get(h, h) for h in mirror.held.get(medium, ())}) == tiers[tier]
+        for medium, tier in (("CPU_PINNED", "dram"), ("DISK", "nvme")))
+
+
+def _check_index(mirror: Mirror, c: KVPoolClient, hashes: dict[int, bytes]) -> None:
+    """Every chunk the mirror credits to a tier is in that tier (LOOKUP says)."""
+    for medium, tier in (("CPU_PINNED", "dram"), ("DISK", "nvme")):
+        # (chunks other tests of the module stored are counted, not looked up here)
+        keys = {hashes[h] for h in mirror.held.get(medium, ()) if h in hashes}
+        for k in keys:
+            assert c.lookup_tiers([k]) == [tier], (k.hex(), medium)
+
+
+def test_a_mirror_applying_every_event_ends_with_the_agents_index(
+        node_agent: tuple[LocalAgent, str, str, Path], ctx: zmq.Context[Any]) -> None:
+    """Random puts, reads, deletes, the evictions and demotions they cause, TTL expiries,
+    a quarantined NVMe file, a subscriber gap and an agent restart: the mirror's tiers
+    match STATS after each phase."""
+    agent, endpoint, replay, policy = node_agent
+    rng = random.Random(18)
+    mirror = Mirror(ctx, endpoint, replay, b"kv@n1@default", MapBatch)
+    hashes: dict[int, bytes] = {}
+    with KVPoolClient(agent.socket_path) as c:
+        def check(what: str) -> None:
+            wait_until(lambda: _agrees(mirror, c, hashes), f"the mirror to match STATS {what}")
+
+        def workload(n: int) -> None:
+            for _ in range(n):
+                i = rng.randrange(60)
+                op = rng.random()
+                if op < 0.55:
+                    if i % 2:
+                        c.put(key(i), bytes([i]) * CHUNK, blocks=blocks(i))
+                        hashes.update({h: key(i) for h in blocks(i).hashes})
+                    else:
+                        c.put(key(i), bytes([i]) * CHUNK)
+                        hashes[int.from_bytes(key(i)[:8], "big")] = key(i)
+                elif op < 0.85:
+                    c.get(key(i))  # a hit below DRAM promotes the chunk
+                else:
+                    c.delete(key(i))
+
+        workload(150)
+        check("after puts, reads, deletes, evictions and demotions")
+        assert mirror.count("DISK") > 0 and mirror.count("CPU_PINNED") > 0
+
+        nvme_key = next(hashes[h] for h in mirror.held["DISK"])
+        path = agent.workdir.parent / "nvme" / nvme_key.hex()[:2] / f"{nvme_key.hex()}.kvc"
+        with open(path, "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+        assert c.get(nvme_key) is None
+        check("after a quarantine")
+
+        fresh = iter(range(1000, 2000))
+
+        def heard_since(gaps: int) -> bool:
+            """Store a new chunk (a subscriber learns of what it missed only from a later
+            batch) until the mirror has seen a gap more than `gaps`."""
+            k = key(next(fresh))
+            c.put(k, b"n")
+            hashes[int.from_bytes(k[:8], "big")] = k
+            mirror.pump()
+            return mirror.gaps > gaps
+
+        mirror.disconnect()  # a subscriber that drops out misses batches: a gap
+        workload(40)
+        mirror.reconnect()
+        wait_until(lambda: heard_since(0), "the mirror to detect the gap")
+        check("after a gap")
+
+        policy.write_text(POLICY_TTL)  # reloaded in place: NVMe chunks now expire
+        wait_until(lambda: (_stats(c) or {}).get("nvme") == 0, "NVMe chunks to expire")
+        check("after TTL expiries")
+        policy.write_text(POLICY)
+        workload(60)
+        check("before the restart")
+        _check_index(mirror, c, hashes)
+
+        gaps = mirror.gaps
+        agent.stop(remove_arena=False)
+        agent.start()
+        workload(30)
+        # The restarted agent's topic counts on from its start time: a gap, whose replay
+        # starts with AllBlocksCleared and the inventory of what the agent kept.
+        wait_until(lambda: heard_since(gaps), "the mirror to detect the restart")
+        check("after an agent restart")
+        _check_index(mirror, c, hashes)
+    mirror.disconnect()
+    metrics = scrape(agent)
+    assert metrics['kvpool_events_published_total{pool="default"}'] > 0
+    assert metrics['kvpool_events_dropped_total{pool="default"}'] == 0
+
+
+def test_lookup_counts_prefill_tokens_per_tier(
+        node_agent: tuple[LocalAgent, str, str, Path]) -> None:
+    agent, _, _, _ = node_agent
+    series = 'kvpool_tokens_total{pool="default",result="%s",tier="%s"}'
+    before = scrape(agent)
+    with KVPoolClient(agent.socket_path, chunk_tokens=256) as c:
+        c.put(key(500), b"t" * 100)
+        c.put(key(501), b"t" * 100)
+        assert c.lookup([key(500), key(501), key(502), key(503), key(504)]) == 2
+    after = scrape(agent)
+    assert after[series % ("hit", "dram")] - before[series % ("hit", "dram")] == 512
+    assert after[series % ("miss", "none")] - before[series % ("miss", "none")] == 768
