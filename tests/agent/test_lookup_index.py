@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.lookupindex import IndexReader, SharedIndex
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
@@ -167,3 +168,38 @@ def test_local_lookup_asks_the_agent_where_a_lower_tier_may_go_on(tmp_path: Path
         assert found.count("nvme") >= len(keys) - 256
         assert len(remote.lookup_tiers(keys)) == len(keys)
         assert len(local.lookup_tiers(keys[-4:])) == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 23)), max_size=120))
+def test_the_table_answers_what_it_holds_through_tombstones_rebuilds_and_overflow(
+        ops: list[tuple[bool, int]]) -> None:
+    """The table alone, driven the way the DRAM tier drives it, against a set: 16 slots
+    for up to 24 keys, so tombstones pile up, rebuilds run and the table overflows."""
+    universe = [_key(i) for i in range(24)]
+    index = SharedIndex(16, lower_tiers=False)
+    reader = IndexReader(index.fd)
+    held: dict[bytes, None] = {}
+    try:
+        for add, i in ops:
+            key = universe[i]
+            if add and key not in held:
+                held[key] = None
+                if not index.add(key):
+                    index.rebuild(held)
+            elif not add and key in held:
+                del held[key]
+                index.remove(key)
+            if index.crowded:
+                index.rebuild(held)
+            for k in universe:
+                got = reader.lookup([k])
+                if index.overflowed:
+                    assert got is None, "an overflowed table sends every LOOKUP to the socket"
+                else:
+                    assert got == (1 if k in held else 0)
+        if not index.overflowed:
+            assert reader.lookup(list(held)) == len(held)
+    finally:
+        reader.close()
+        index.close()

@@ -141,28 +141,33 @@ class SharedIndex:
             i = (i + 1) & self.mask
         return None, free
 
-    def add(self, key: bytes) -> None:
-        """A chunk became visible in DRAM."""
+    def add(self, key: bytes) -> bool:
+        """A chunk became visible in DRAM. False when the table has no room for it short of
+        a `rebuild` (which drops the tombstones, or finds the table too small)."""
+        if self.overflowed:
+            self.live += 1  # the table is off (epoch odd) until a rebuild fits again
+            return True
         at, free = self._find(key)
         if at is not None:
-            return
-        if free is None or (self.live + self.dead + 1) > MAX_LOAD * self.slots:
-            self.overflowed = True
-            self._set_epoch(self.epoch | 1)  # clients ask the socket until a rebuild
-            self.live += 1
-            return
+            return True
+        if free is None:
+            return False
         _, state, _ = SLOT.unpack_from(self.view, HEADER_BYTES + free * SLOT_BYTES)
         if state == DEAD:
             self.dead -= 1
+        elif self.live + self.dead + 1 > MAX_LOAD * self.slots:
+            return False
         self._write_slot(free, LIVE, key)
         self.live += 1
+        return True
 
     def remove(self, key: bytes) -> None:
         """A chunk left DRAM (evicted, demoted, deleted)."""
+        if self.overflowed:
+            self.live -= 1
+            return
         at, _ = self._find(key)
         if at is None:
-            if self.overflowed:
-                self.live -= 1
             return
         self._write_slot(at, DEAD, key)
         self.live -= 1

@@ -117,7 +117,8 @@ class DramTier:
         chunk = DramChunk(key, extents, size, checksum, meta, tenant, checksum_kind)
         self.chunks[key] = chunk
         if self.published is not None:
-            self.published.add(key)
+            if not self.published.add(key):
+                self.published.rebuild(self.chunks)  # with this key: it is in self.chunks
             self._tidy_published()
         return chunk
 
