@@ -72,6 +72,7 @@ EXPECTED_ALERTS = {
     "KVPoolIntegrityFailures",
     "KVPoolEvictionThrash",
     "KVPoolWriteBehindDrops",
+    "KVPoolEventsDropped",
     "KVPoolHitRatioCollapse",
     "KVPoolOperatorReconcileErrors",
 }
@@ -253,6 +254,10 @@ EXPECTED_PANELS = {
     "DRAM locked bytes",
     "Agent up per node",
     "Operator reconcile errors",
+    "Tokens served from the pool",
+    "Token hit ratio",
+    "KV events per second",
+    "KV events dropped",
 }
 
 

@@ -179,6 +179,20 @@ AGENT_ALERTS: tuple[Alert, ...] = (
         ),
     ),
     Alert(
+        name="KVPoolEventsDropped",
+        expr="increase(kvpool_events_dropped_total[5m]) > 0",
+        for_="10m",
+        severity="warning",
+        summary="kvpool is dropping KV events meant for routers.",
+        description=(
+            "The agent of pool {{ $labels.pool }} on node {{ $labels.node }} dropped "
+            "{{ $value | humanize }} KV events in the last 5 minutes and has kept dropping "
+            "them for 10 minutes (its publishing queue is full). KV-aware routers miss "
+            "chunks entering and leaving its tiers, so they route on a stale view of the "
+            "node until its next AllBlocksCleared."
+        ),
+    ),
+    Alert(
         name="KVPoolHitRatioCollapse",
         expr=(
             f"{HIT_RATIO}\n"

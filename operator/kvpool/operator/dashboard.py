@@ -27,6 +27,8 @@ SEL = 'namespace=~"$namespace", pool=~"$pool", node=~"$node"'
 """Label matchers every agent query applies."""
 RI = "$__rate_interval"
 _TTL = 'reason="ttl"'
+_HIT = 'result="hit"'
+_MISS = 'result="miss"'
 
 
 def _rate(metric: str, extra: str = "") -> str:
@@ -360,6 +362,75 @@ ROWS: tuple[Row, ...] = (
                         "{{op}} p99 (s)",
                     ),
                 ),
+                width=8,
+            ),
+        ),
+    ),
+    Row(
+        "Value and KV events",
+        (
+            Panel(
+                "Tokens served from the pool",
+                "Prefill tokens per second that lookups found in the pool, by the tier that "
+                "holds them: tokens the engines load instead of recomputing. Missed tokens "
+                "(tier none) are those past the cached prefix, which the engines compute.",
+                (
+                    _q(
+                        "sum by (pool, tier) "
+                        f"({_rate('kvpool_tokens_total', _HIT)})",
+                        "{{pool}} from {{tier}}",
+                    ),
+                    _q(
+                        "sum by (pool) "
+                        f"({_rate('kvpool_tokens_total', _MISS)})",
+                        "{{pool}} missed",
+                    ),
+                ),
+                unit="short",
+                width=8,
+            ),
+            Panel(
+                "Token hit ratio",
+                "Prefill tokens served from the pool over all prefill tokens looked up: the "
+                "share of prefill compute the pool saves.",
+                (
+                    _q(
+                        "sum by (pool) "
+                        f"({_rate('kvpool_tokens_total', _HIT)})"
+                        f" / sum by (pool) ({_rate('kvpool_tokens_total')})",
+                        "{{pool}}",
+                    ),
+                ),
+                unit="percentunit",
+                width=8,
+                extra={"min": 0, "max": 1},
+            ),
+            Panel(
+                "KV events per second",
+                "KV events (BlockStored, BlockRemoved, AllBlocksCleared) each agent "
+                "published to routers per second, counted once whatever the topics they "
+                "went to; 0 where the pool's spec.events is off.",
+                (
+                    _q(
+                        f"sum by (pool, node) ({_rate('kvpool_events_published_total')})",
+                        "{{pool}} on {{node}}",
+                    ),
+                ),
+                unit="ops",
+                width=8,
+            ),
+            Panel(
+                "KV events dropped",
+                "KV events per second each agent dropped because its publishing queue was "
+                "full: routers then see a stale view of the node (alert "
+                "KVPoolEventsDropped).",
+                (
+                    _q(
+                        f"sum by (pool, node) ({_rate('kvpool_events_dropped_total')})",
+                        "{{pool}} on {{node}}",
+                    ),
+                ),
+                unit="ops",
                 width=8,
             ),
         ),
