@@ -57,6 +57,8 @@ VARIABLES = {
 
 
 CHUNK = 256 * 1024
+CHUNK_TOKENS = 16
+"""Tokens per chunk the load's client announces at HELLO: the agent counts prefill tokens."""
 LOAD_SECONDS = 120.0
 """Upper bound of the load thread's life; it stops earlier when the module's tests end."""
 
@@ -116,7 +118,13 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
     workdir = tmp_path_factory.mktemp("agent")
     (workdir / "nvme").mkdir()
     (workdir / "shared").mkdir()
-    args = ["--no-lock", "--pool", POOL, "--nvme-dir", str(workdir / "nvme"), "--nvme", "64Mi",
+    # KV events on (topic node: the load's client names no engine pod), so the events
+    # panels show events published under load.
+    config = workdir / "agent.yaml"
+    config.write_text(yaml.safe_dump({"events": {
+        "enabled": True, "port": free_port(), "replayPort": free_port(), "topic": "node"}}))
+    args = ["--config", str(config), "--no-lock", "--pool", POOL,
+            "--nvme-dir", str(workdir / "nvme"), "--nvme", "64Mi",
             "--shared", (workdir / "shared").as_uri()]
     with LocalAgent(*args, workdir=workdir, dram="16Mi") as a:
         yield a
@@ -229,7 +237,7 @@ class Load:
         deadline = time.monotonic() + LOAD_SECONDS
         data = os.urandom(CHUNK)
         try:
-            with KVPoolClient(self.socket_path) as c:
+            with KVPoolClient(self.socket_path, chunk_tokens=CHUNK_TOKENS) as c:
                 keys: list[bytes] = []
                 while not self.stop.is_set() and time.monotonic() < deadline:
                     # Extend a prefix by a chunk, look the prefix up (hits) plus a fresh key
@@ -324,6 +332,33 @@ def test_load_shows_as_hits_traffic_and_latency(loaded: Prometheus) -> None:
         _wait(lambda e=expr: value(e) > 0, 45, f"{counter} of the {tier} tier to rise")
     shared_up = substitute(f'kvpool_tier_healthy{{{dashboard.SEL}, tier="shared"}}')
     assert value(shared_up) == 1
+
+
+def test_load_shows_tokens_served_and_events_published(loaded: Prometheus) -> None:
+    """The value and events panels under load: prefill tokens served from DRAM, a token hit
+    ratio between the all-hit and all-miss ends, events published and none dropped."""
+    by_title: dict[str, list[str]] = {}
+    for title, expr in dashboard.panel_queries():
+        by_title.setdefault(title, []).append(expr)
+
+    def samples(expr: str) -> dict[str, float]:
+        return {
+            str(s["metric"].get("tier", "")): float(s["value"][1])
+            for s in loaded.query(substitute(expr))
+        }
+
+    def total(expr: str) -> float:
+        return sum(samples(expr).values())  # NaN (0/0) stays NaN: compares false
+
+    served, missed = by_title["Tokens served from the pool"]
+    _wait(lambda: samples(served).get("dram", 0) > 0, 45, "tokens served from DRAM")
+    _wait(lambda: total(missed) > 0, 45, "missed tokens")
+    (ratio,) = by_title["Token hit ratio"]
+    _wait(lambda: 0 < total(ratio) < 1, 45, "a token hit ratio")
+    (published,) = by_title["KV events per second"]
+    _wait(lambda: total(published) > 0, 45, "KV events published")
+    (dropped,) = by_title["KV events dropped"]
+    assert samples(dropped) == {"": 0.0}
 
 
 # ----------------------------------------------------------------------------- alerts
