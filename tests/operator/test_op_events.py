@@ -5,6 +5,7 @@ and off and refusing a port conflict while the agents keep running."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -125,6 +126,15 @@ def test_an_events_port_on_the_metrics_port_is_refused_everywhere(
     with pytest.raises(api.PortConflict, match=field) as refused:
         admit_pool(body, render.Settings())
     assert "metricsPort" in str(refused.value)
+
+
+def test_events_bound_to_one_address_are_refused_for_a_pool() -> None:
+    """The agent pod's address is not known before it starts: a pool's agents bind every
+    interface of their pod, or the Service reaches nothing."""
+    with pytest.raises(api.PortConflict, match=re.escape("spec.events.address: '10.0.0.5'")):
+        admit_pool(_pool(enabled=True, address="10.0.0.5"), render.Settings())
+    for address in ("*", "0.0.0.0", "::"):
+        admit_pool(_pool(enabled=True, address=address), render.Settings())
 
 
 def test_a_port_conflict_of_disabled_events_is_no_conflict() -> None:

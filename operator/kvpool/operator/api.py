@@ -439,12 +439,23 @@ def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
     return None
 
 
+ALL_INTERFACES = ("*", "0.0.0.0", "::", "[::]")
+"""Bind addresses that reach every interface of the agent pod, so its Service reaches it."""
+
+
 def port_conflict(spec: KVCachePoolSpec) -> str | None:
-    """Why the agent container's ports collide, or None: with events enabled, the PUB and
-    replay ports must differ from each other and from the metrics port."""
+    """Why the agent container's ports collide or are out of reach, or None: with events
+    enabled, the PUB and replay ports must differ from the metrics port, and bind every
+    interface of the agent pod."""
     events = spec.events
     if not events.enabled:
         return None
+    if events.address not in ALL_INTERFACES:
+        return (
+            f"spec.events.address: {events.address!r} would leave the events ports out of "
+            "reach: routers connect to the agent pod's address, which is not known before the "
+            "pod starts; use '*' (every interface of the agent pod)"
+        )
     metrics = spec.agent.metrics_port
     for name, port in (("port", events.port), ("replayPort", events.replay_port)):
         if port == metrics:
