@@ -41,6 +41,7 @@ from .transport import (
     ZeroCopyTransport,
     as_bytes_view,
     connect,
+    copy_out,
     fits,
 )
 
@@ -226,16 +227,18 @@ class KVPoolClient:
         src = as_bytes_view(data)
         return self._retrying(lambda t: t.put(key, src, meta, blocks))
 
-    def get(self, key: bytes, *, verify: bool = False) -> bytes | None:
-        """The chunk's bytes, or None on a miss."""
+    def get(self, key: bytes, *, verify: bool = True) -> bytes | None:
+        """The chunk's bytes, or None on a miss (or, with `verify`, a chunk whose bytes
+        fail its checksum: checked in the copy's own pass, it costs a read next to
+        nothing; docs/client.md)."""
         got = self.get_with_meta(key, verify=verify)
         return None if got is None else got[0]
 
-    def get_with_meta(self, key: bytes, *, verify: bool = False) -> tuple[bytes, bytes] | None:
+    def get_with_meta(self, key: bytes, *, verify: bool = True) -> tuple[bytes, bytes] | None:
         """The chunk's bytes and metadata, or None on a miss."""
         return self._retrying(lambda t: t.get(key, verify))
 
-    def get_into(self, key: bytes, out: Buffer, *, verify: bool = False) -> int:
+    def get_into(self, key: bytes, out: Buffer, *, verify: bool = True) -> int:
         """Copy the chunk into `out`; returns its size, or 0 on a miss."""
         dst = as_bytes_view(out)
         return self._retrying(lambda t: t.get_into(key, dst, verify))
@@ -243,13 +246,18 @@ class KVPoolClient:
     # -- batches: one round trip for N reads, two for N writes (zero-copy)
 
     def get_many_into(self, keys: Sequence[bytes], target: ReadTarget, *,
-                      verify: bool = False, stream: object = None) -> list[int]:
+                      verify: bool | None = None, stream: object = None) -> list[int]:
         """Copy each stored chunk into the buffer `target(index, size, meta)` gives for it.
 
         The ACQUIREs of a window go out in one write and their replies come back in
         order, so a batch costs one round trip (RELEASEs are not waited for). Returns
-        the size read per key: 0 for a miss, a chunk `target` declined, or (with
-        `verify`) a chunk that failed its checksum. Inline mode reads key by key.
+        the size read per key: 0 for a miss, a chunk `target` declined, or a chunk that
+        failed its checksum. Inline mode reads key by key.
+
+        `verify`: True checks every chunk against its checksum; None (the default) checks
+        the chunks copied into buffers (in the copy's own pass, nearly free) but not those
+        copied into tensors (that would take a pass of its own over device memory);
+        False checks none.
 
         `target` may also give a torch tensor or a list of tensor segments (filled in
         order), on a GPU or the CPU. Their copies are issued on `stream` (a
@@ -266,7 +274,8 @@ class KVPoolClient:
                 self._retrying(partial(self._tensor_get_window, window, start, target, sizes,
                                        verify, stream))
             else:
-                self._retrying(partial(_get_window, window, start, target, sizes, verify))
+                self._retrying(partial(_get_window, window, start, target, sizes,
+                                       verify is not False))
         return sizes
 
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
@@ -356,15 +365,14 @@ class KVPoolClient:
             t.put_window(keys, views, metas, start, results, blocks)
 
     def _tensor_get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
-                           sizes: list[int], verify: bool, stream: object,
+                           sizes: list[int], verify: bool | None, stream: object,
                            t: Transport) -> None:
         from . import gpu
 
         if isinstance(t, ZeroCopyTransport):
-            def copy_buffer(extents: p.Extents, out: Buffer, size: int) -> memoryview:
-                dst = fits(as_bytes_view(out), size)
-                t._copy_out(extents, dst)
-                return dst
+            def copy_buffer(reply: p.AcquireReply, out: Buffer, verify: bool) -> bool:
+                dst = fits(as_bytes_view(out), reply.size)
+                return copy_out(t.arena, reply.extents, dst, reply if verify else None)
             self._device(t).get_window(t.conn, keys, start, target, sizes, verify, stream,
                                        copy_buffer)
             return
@@ -377,7 +385,7 @@ class KVPoolClient:
                 return out
             staged[i] = (out, bytearray(size))
             return staged[i][1]
-        t.get_window(keys, start, staging, sizes, verify)
+        t.get_window(keys, start, staging, sizes, verify is not False)
         for i, (out, buf) in staged.items():
             if sizes[i]:
                 gpu.scatter(bytes(buf), out, f"the destination of key {i}")

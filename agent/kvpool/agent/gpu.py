@@ -407,12 +407,13 @@ class DeviceArena:
                                   if isinstance(reply, p.ErrorReply) else True)
 
     def get_window(self, conn: Connection, keys: Sequence[bytes], start: int,
-                   target: ReadTarget, sizes: list[int], verify: bool, stream: object,
-                   copy_buffer: Callable[[p.Extents, Any, int], memoryview]) -> None:
+                   target: ReadTarget, sizes: list[int], verify: bool | None, stream: object,
+                   copy_buffer: Callable[[p.AcquireReply, Any, bool], bool]) -> None:
         """ACQUIRE the window, copy each chunk into the tensor(s) or buffer `target` gives,
         wait for the window's fence, then RELEASE: a lease ends only after the copies
-        that read it completed. A buffer (not a tensor) is copied by `copy_buffer`, the
-        way the client copies without tensors."""
+        that read it completed. A buffer (not a tensor) is copied by `copy_buffer`, the way
+        the client copies without tensors, and verified unless `verify` is False; a tensor
+        is verified only if `verify` is True (`KVPoolClient.get_many_into`)."""
         replies = conn.exchange([p.Acquire(conn.rid(), k) for k in keys])
         granted = [r for r in replies if isinstance(r, p.AcquireReply)]
         issued: list[tuple[int, p.AcquireReply, Segments]] = []
@@ -421,9 +422,7 @@ class DeviceArena:
         try:
             for i, reply, out in acquired(replies, start, target):
                 if not is_chunk(out):
-                    dst = copy_buffer(reply.extents, out, reply.size)
-                    if not verify or p.checksum(dst[: reply.size], reply.meta,
-                                                reply.checksum_kind) == reply.checksum:
+                    if copy_buffer(reply, out, verify is not False):
                         sizes[start + i] = reply.size
                     continue
                 segs = segments_of(out, f"the destination of key {start + i}")

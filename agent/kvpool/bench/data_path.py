@@ -14,7 +14,9 @@ Buffers are pre-faulted; one process, one thread:
 - G2 put: `KVPoolClient.put` of a new key (ALLOC, copy into the arena with
   the checksum computed per 1 MiB block as it is copied, COMMIT);
 - G2 get: `KVPoolClient.get_into` of that key into a pre-faulted buffer
-  (ACQUIRE, copy out of the arena, pipelined RELEASE);
+  (ACQUIRE, copy out of the arena, pipelined RELEASE); `get_verified_gbps` the
+  same with `verify=True` (XXH3 per 1 MiB block as it is copied), and
+  `get_verified_vs_get` what verifying costs a read;
 - inline: the same calls with `mode="inline"` (the bytes ride in the frames);
 - Redis: redis-py `SET` / `GET` of the same bytes over a Unix socket to a
   `redis-server` started here without persistence.
@@ -99,9 +101,10 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, inline: KVPoolClient,
                 raise RuntimeError("bench key already stored")
         return call
 
-    def get(client: KVPoolClient, salt: bytes) -> Callable[[int], object]:
+    def get(client: KVPoolClient, salt: bytes, verify: bool = False) -> Callable[[int], object]:
         def call(i: int) -> None:
-            if client.get_into(bench_key(i, salt), out) != nbytes or out[:64] != data[:64]:
+            got = client.get_into(bench_key(i, salt), out, verify=verify)
+            if got != nbytes or out[:64] != data[:64]:
                 raise RuntimeError("bench chunk missing or read back wrong")
         return call
 
@@ -115,7 +118,7 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, inline: KVPoolClient,
 
     ops: dict[str, Callable[[int], object]] = {
         "memcpy": copy, "xxh3": lambda _: checksum(s), "copy_xxh3": copy_and_hash,
-        "put": put(zc, b"g2"), "get": get(zc, b"g2"),
+        "put": put(zc, b"g2"), "get": get(zc, b"g2"), "get_verified": get(zc, b"g2", True),
         "inline_put": put(inline, b"inline"), "inline_get": get(inline, b"inline"),
         "redis_put": lambda i: rds.set(bench_key(i, b"redis"), data), "redis_get": redis_get,
     }
@@ -148,7 +151,8 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
             t = timed(ops, reps, warmup=2, after=clean)
             g2[label] = throughput(nbytes, {
                 "put_gbps": t["put"], "get_gbps": t["get"], "memcpy_gbps": t["memcpy"],
-                "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"]})
+                "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"],
+                "get_verified_gbps": t["get_verified"]})
             inline[label] = throughput(nbytes, {"put_gbps": t["inline_put"],
                                                 "get_gbps": t["inline_get"]})
             peer[label] = throughput(nbytes, {"put_gbps": t["redis_put"],
@@ -158,4 +162,7 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
                 g2[label][f"{op}_vs_memcpy"] = round(g2[label][f"{op}_gbps"] / memcpy, 3)
                 peer[label][f"kvpool_{op}_vs_redis"] = round(
                     g2[label][f"{op}_gbps"] / peer[label][f"{op}_gbps"], 3)
+            # What verify=True costs a zero-copy read (hashed in the same pass as the copy).
+            g2[label]["get_verified_vs_get"] = round(
+                g2[label]["get_verified_gbps"] / g2[label]["get_gbps"], 3)
     return {"g2": g2, "inline": inline, "redis": peer}
