@@ -20,6 +20,8 @@ from kvpool.agent.lookupindex import IndexReader, SharedIndex
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
+from .conftest import scrape
+
 CHUNK = 4096
 ARENA = "1Mi"
 """256 chunks of a page: the writer below evicts all the time."""
@@ -67,6 +69,26 @@ def test_index_fd_is_read_only_and_cannot_be_resized(small_agent: LocalAgent) ->
     finally:
         for fd in fds:
             os.close(fd)
+
+
+LOOKUPS = 'kvpool_lookups_total{pool="default"}'
+
+
+def test_local_lookup_is_on_by_the_environment_and_never_reaches_the_agent(
+        small_agent: LocalAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = b"env-local-lookup"
+    with KVPoolClient(small_agent.socket_path) as c:
+        assert c.put(key, bytes(CHUNK)) or c.contains(key)
+    before = scrape(small_agent)[LOOKUPS]
+    monkeypatch.setenv("KVPOOL_LOCAL_LOOKUP", "1")
+    with KVPoolClient(small_agent.socket_path) as local:
+        assert local.lookup_tiers([key]) == ["dram"]
+        assert local.lookup([key, b"never-stored-key"]) == 1
+    assert scrape(small_agent)[LOOKUPS] == before, "answered without asking the agent"
+    monkeypatch.delenv("KVPOOL_LOCAL_LOOKUP")
+    with KVPoolClient(small_agent.socket_path) as remote:
+        assert remote.lookup([key]) == 1
+    assert scrape(small_agent)[LOOKUPS] == before + 1
 
 
 def _key(i: int) -> bytes:

@@ -30,7 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import protocol as p
-from .constants import ENV_SOCKET, ENV_TENANT, TIER_NAMES
+from .constants import ENV_LOCAL_LOOKUP, ENV_SOCKET, ENV_TENANT, TIER_NAMES
 from .protocol import EngineBlocks
 from .transport import (
     Buffer,
@@ -73,7 +73,7 @@ class KVPoolClient:
         timeout: float = 30.0,
         batch_window: int = BATCH_WINDOW,
         registrar: Registrar | None = None,
-        local_lookup: bool = False,
+        local_lookup: bool | None = None,
         pod: str = "",
         model: str = "",
         block_size: int = 0,
@@ -102,6 +102,8 @@ class KVPoolClient:
         self.timeout = timeout
         self.batch_window = batch_window
         self.registrar = registrar
+        if local_lookup is None:
+            local_lookup = os.environ.get(ENV_LOCAL_LOOKUP, "") in ("1", "true", "yes")
         self.local_lookup = local_lookup
         self.pod = pod
         self.model = model
