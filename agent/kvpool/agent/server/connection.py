@@ -151,9 +151,21 @@ class Connection:
         await self.send(frames)
 
     async def send(self, frame: bytes) -> None:
+        # Most replies fit the socket's buffer: one non-blocking send, no task. Only the
+        # rest of a reply the client is slow to read waits, under the send timeout (in
+        # Python 3.11 `wait_for` wraps its awaitable in a task: too dear for every reply).
+        try:
+            sent = self.sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            raise Closed(f"send failed: {e}") from e
+        if sent == len(frame):
+            return
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(loop.sock_sendall(self.sock, frame), SEND_TIMEOUT)
+            await asyncio.wait_for(loop.sock_sendall(self.sock, memoryview(frame)[sent:]),
+                                   SEND_TIMEOUT)
         except TimeoutError as e:
             raise Closed("client does not read its replies") from e
         except OSError as e:
