@@ -39,6 +39,7 @@ def test_demo_json_reports_all_three_tiers_and_hit_ratios() -> None:
     assert report["block_hit_ratio"] <= report["unbounded_hit_ratio"] <= 1
     assert report["bytes_read"] > 0 and report["bytes_written"] > 0
     assert report["block_bytes"] == 16 * 1024
+    assert report["events_published"] > 0  # the demo publishes KV events by default
     tiers = report["tiers"]
     assert set(tiers) == {"dram", "nvme", "shared"}
     assert tiers["dram"]["capacity_bytes"] > 0 and tiers["dram"]["hits"] > 0

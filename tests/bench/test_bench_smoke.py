@@ -54,6 +54,8 @@ def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> No
         assert {"put_gbps", "get_gbps"} <= set(result["inline"][size])
         assert {"put_gbps", "get_gbps"} <= set(result["redis"][size])
     assert set(CONTROL) <= set(result["control"])
+    assert {"put_gbps_events_off", "put_gbps_events_on",
+            "events_on_vs_off"} <= set(result["events"]["sizes"]["64KiB"])
     assert {"write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps"} <= set(result["g3"])
     assert {"put_gbps", "get_gbps", "boto3_put_gbps", "boto3_get_gbps",  # through agents
             "tier_put_gbps", "tier_get_gbps"} <= set(result["g4"])  # the tier in process

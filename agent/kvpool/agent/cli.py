@@ -419,13 +419,16 @@ def demo(
             "a temporary directory"))] = "",
     requests: Annotated[int | None, typer.Option(
         metavar="N", help=_with_default("Replay only the first N requests.", "all"))] = None,
+    events: Annotated[bool, typer.Option(
+        "--events/--no-events", help="Publish KV events (on a free port it prints, for "
+        "`kvpool events --endpoint`) and count them live.")] = True,
 ) -> None:
     """Start a local agent and replay a real request trace through it."""
     from kvpool.bench.demo import DemoError, run_demo
 
     try:
         run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram, nvme=nvme,
-                 shared=shared, requests=requests)
+                 shared=shared, requests=requests, events=events)
     except DemoError as e:
         _fail(str(e))
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from kvpool.agent.tiers.base import HEADER_BYTES
 from kvpool.agent.units import human_size, parse_size
 
 from . import sim
-from .local import LocalAgent
+from .local import LocalAgent, free_port
 from .replay import ReplayResult, replay
 from .trace import TraceRequest, bundled_trace_path, distinct_blocks, load_trace
 
@@ -75,7 +76,7 @@ def _shared_url(shared: str, tmp: Path) -> str:
 
 
 def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvme: str,
-             shared: str, requests: int | None) -> None:
+             shared: str, requests: int | None, events: bool = True) -> None:
     """Raises DemoError, naming the flag, when a flag's value or the trace cannot be used."""
     console = Console(stderr=as_json)
     bb = _flag("--block-bytes", parse_size, block_bytes)
@@ -102,7 +103,16 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         if shared_url != "none":
             tiers += ["--shared", shared_url]
             console.print(f"shared tier {shared_url}")
-        result, stats = _replay(tiers, dram_bytes, reqs, bb, console, as_json)
+        if events:
+            port, replay_port = free_port(), free_port()
+            config = tmp / "events.yaml"
+            config.write_text(f"events: {{enabled: true, address: 127.0.0.1, port: {port}, "
+                              f"replayPort: {replay_port}, topic: node}}\n")
+            tiers += ["--config", str(config)]
+            console.print(f"KV events on tcp://127.0.0.1:{port}: in another terminal, "
+                          f"kvpool events --endpoint tcp://127.0.0.1:{port}")
+        result, stats, published = _replay(tiers, dram_bytes, reqs, bb, console, as_json,
+                                           events)
     finally:
         remove_in_background(tmp)
     local_hits = sum(n for t, n in result.hits_by_tier.items() if t in ("dram", "nvme"))
@@ -117,6 +127,7 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         "bytes_written": result.bytes_written,
         "block_bytes": bb,
         "wrong_bytes": result.wrong_bytes,
+        "events_published": published,
         "seconds": round(result.seconds, 3),
         "requests_per_second": round(result.requests / result.seconds, 1),
         "read_gbps": round(result.bytes_read / result.seconds / 1e9, 4),
@@ -145,6 +156,7 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
         f"{report['lru_hit_ratio']:.3f}; unbounded cache: {report['unbounded_hit_ratio']:.3f}); "
         f"{report['requests_per_second']} requests/s, read {report['read_gbps']} GB/s, "
         f"write {report['write_gbps']} GB/s; wrong bytes: {result.wrong_bytes}"
+        + (f"; KV events published: {published}" if events else "")
     )
     if as_json:
         print(json.dumps(report))
@@ -165,19 +177,33 @@ def remove_in_background(path: Path) -> None:
 
 
 def _replay(tier_args: list[str], dram_bytes: int, reqs: list[TraceRequest], block_bytes: int,
-            console: Console, as_json: bool) -> tuple[ReplayResult, dict[str, Any]]:
-    """Replay through a fresh agent with a progress bar; (result, the agent's stats)."""
+            console: Console, as_json: bool, events: bool
+            ) -> tuple[ReplayResult, dict[str, Any], int]:
+    """Replay through a fresh agent with a progress bar (and the events it published so
+    far); (result, the agent's stats, events published)."""
     with LocalAgent(*tier_args, dram=str(dram_bytes), start_timeout=60) as agent, \
             KVPoolClient(agent.socket_path) as client:
-        progress = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("hit ratio {task.fields[ratio]:.3f}"),
-                            TimeElapsedColumn(), console=console, transient=as_json)
+        columns = [TextColumn("replaying"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("hit ratio {task.fields[ratio]:.3f}")]
+        if events:
+            columns.append(TextColumn("events {task.fields[events]}"))
+        progress = Progress(*columns, TimeElapsedColumn(), console=console, transient=as_json)
         with progress:
-            task = progress.add_task("replay", total=len(reqs), ratio=0.0)
+            task = progress.add_task("replay", total=len(reqs), ratio=0.0, events=0)
 
             def tick(r: ReplayResult) -> None:
                 if r.requests % 25 == 0 or r.requests == len(reqs):
-                    progress.update(task, completed=r.requests, ratio=r.block_hit_ratio)
+                    progress.update(task, completed=r.requests, ratio=r.block_hit_ratio,
+                                    events=published(agent) if events else 0)
 
             result = replay(client, reqs, block_bytes, on_request=tick)
-        return result, client.stats()
+        return result, client.stats(), published(agent) if events else 0
+
+
+def published(agent: LocalAgent) -> int:
+    """The agent's kvpool_events_published_total, from its /metrics."""
+    with urllib.request.urlopen(f"{agent.metrics_url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvpool_events_published_total"):
+                return int(float(line.rpartition(" ")[2]))
+    return 0

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+KiB = 1024
 MiB = 1 << 20
 
 

@@ -27,14 +27,18 @@ from rich.table import Table
 from .control import run_control
 from .conversation import conversation_trace
 from .data_path import run_data_path
+from .events import run_events
 from .hit_ratio import run_admission, run_trace
 from .scale import run_scale
-from .stats import MiB
+from .stats import KiB, MiB
 from .tiers import run_g3, run_g4
 from .trace import load_trace
 
 FULL_SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [1 * MiB, 16 * MiB]
+FULL_EVENT_SIZES = [64 * KiB, 1 * MiB, 16 * MiB]
+QUICK_EVENT_SIZES = [64 * KiB]
+"""Chunk sizes of the events part: the cost is per chunk, so small chunks are the worst."""
 FULL_FRACTIONS = [0.05, 0.10, 0.20, 0.35]
 QUICK_FRACTIONS = [0.20]
 QUICK_TRACE_REQUESTS = 1000
@@ -66,6 +70,8 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
 
     part("G2 data path vs memcpy and Redis")
     result.update(run_data_path(QUICK_SIZES if quick else FULL_SIZES, reps))
+    part("KV events: put throughput with events on vs off")
+    result["events"] = run_events(QUICK_EVENT_SIZES if quick else FULL_EVENT_SIZES, reps)
     part("control path latency (1 and 8 client processes)")
     result["control"] = run_control(2000 if quick else 10000, 300 if quick else 2000)
     part("G3 tier vs raw file I/O")
@@ -122,6 +128,14 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                   f"{il['put_gbps']:.2f}", f"{il['get_gbps']:.2f}",
                   f"{rd['put_gbps']:.2f} ({rd['kvpool_put_vs_redis']:.0f}x)",
                   f"{rd['get_gbps']:.2f} ({rd['kvpool_get_vs_redis']:.0f}x)")
+    console.print(t)
+    t = Table(title="KV events: G2 put_many GB/s with events off and on (a subscriber "
+                    "decoding every event), median of reps")
+    for col in ("size", "events off", "events on", "on / off"):
+        t.add_column(col, justify="right")
+    for size, ev in r["events"]["sizes"].items():
+        t.add_row(size, f"{ev['put_gbps_events_off']:.3f}", f"{ev['put_gbps_events_on']:.3f}",
+                  f"{ev['events_on_vs_off']:.3f}")
     console.print(t)
     c = r["control"]
     t = Table(title=f"control path, µs (LOOKUP of {c['lookup_prefix_chunks']} chunks)")

@@ -7,8 +7,9 @@ store's observer). See docs/events.md.
 
 from __future__ import annotations
 
-from .publisher import Block, Publisher
-from .tracker import Identity, TierEvents, identity, node_topic, own_hash, pod_topic
+from .identity import Identity, identity, own_hash
+from .publisher import Publisher
+from .tracker import TierEvents, node_topic, pod_topic
 
-__all__ = ["Block", "Identity", "Publisher", "TierEvents", "identity", "node_topic", "own_hash",
+__all__ = ["Identity", "Publisher", "TierEvents", "identity", "node_topic", "own_hash",
            "pod_topic"]

@@ -11,6 +11,7 @@ non-empty, or on a replay request.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -24,23 +25,16 @@ import zmq
 
 from ..config import ConfigError, EventsPayload, TierName
 from . import wire
+from .identity import Identity, block_of, model_of
 
 log = logging.getLogger("kvpool.agent.events")
 
 DRAIN = 4096
 """Most queue items one batch takes: bounds a batch's size and the replay's memory."""
+WAKE_DELAY = 0.002
+"""Seconds the loop lets events gather before it wakes the publisher thread."""
 SEND_HWM = 100_000
 """Messages the PUB socket queues per subscriber before dropping (ZMQ's high-water mark)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """What an event says of a chunk: its engine blocks (or kvpool's own key)."""
-
-    hashes: list[int]
-    parent: int | None
-    tokens: list[int]
-    block_size: int
 
 
 @dataclass(slots=True)
@@ -50,9 +44,9 @@ class Change:
     space: str
     stored: bool
     tier: TierName
-    block: Block
-    model: str
-    """The model of the client that stored it ("" unknown: every topic of the space)."""
+    key: bytes
+    identity: Identity | None
+    """What its storing client said of it (model, blocks); None: nothing."""
 
 
 @dataclass(slots=True)
@@ -64,7 +58,7 @@ class TopicStart:
     topic: str
     model: str
     """The pod's model ("" in node mode: every chunk goes to the topic)."""
-    inventory: list[tuple[TierName, Block, str]] = field(default_factory=list)
+    inventory: list[tuple[TierName, bytes, Identity | None]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -86,6 +80,8 @@ class Publisher:
         self._published = published
         self._dropped = dropped
         self._queue: collections.deque[Item] = collections.deque()
+        self._wake_due = False
+        """A wake-up of the thread is scheduled on the loop (`offer`)."""
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._stopping = False
         self._ctx = zmq.Context()
@@ -124,8 +120,21 @@ class Publisher:
             self._dropped(1)
             return
         q.append(item)
-        if len(q) == 1:
-            os.eventfd_write(self._wake, 1)
+        if len(q) == 1 and not self._wake_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # at start, before the loop runs
+                os.eventfd_write(self._wake, 1)
+                return
+            # One wake-up per WAKE_DELAY, not one per event: the thread then takes the GIL
+            # once for the lot, and a put that stores a window of chunks is not
+            # interrupted once per chunk.
+            self._wake_due = True
+            loop.call_later(WAKE_DELAY, self._wake_now)
+
+    def _wake_now(self) -> None:
+        self._wake_due = False
+        os.eventfd_write(self._wake, 1)
 
     def close(self) -> None:
         """Publish what is queued, then stop the thread and close the sockets."""
@@ -177,10 +186,11 @@ class Publisher:
                 topics = self._topics.get(item.space)
                 if not topics:
                     continue
-                payload = self._encode(item.stored, item.tier, item.block)
+                payload = self._encode(item.stored, item.tier, item.key, item.identity)
+                chunk_model = model_of(item.identity)
                 sent = False
                 for topic, model in topics.items():
-                    if model and item.model and model != item.model:
+                    if model and chunk_model and model != chunk_model:
                         continue
                     pending.setdefault(topic, []).append(payload)
                     sent = True
@@ -204,20 +214,22 @@ class Publisher:
         # gap and replay from where they stopped, which starts at AllBlocksCleared.
         self._seq[topic] = max(time.time_ns() // 1000, self._seq.get(topic, 0))
         events = [wire.cleared(self.shape)]
-        for tier, block, model in item.inventory:
+        for tier, key, ident in item.inventory:
+            model = model_of(ident)
             if item.model and model and model != item.model:
                 continue
-            events.append(self._encode(True, tier, block))
+            events.append(self._encode(True, tier, key, ident))
         for i in range(0, len(events), DRAIN):
             self._send(topic, events[i : i + DRAIN])
         self._published(len(events))
 
-    def _encode(self, stored: bool, tier: TierName, block: Block) -> bytes:
+    def _encode(self, stored: bool, tier: TierName, key: bytes,
+                ident: Identity | None) -> bytes:
         medium = self.medium[tier]
+        hashes, parent, tokens, block_size = block_of(key, ident)
         if stored:
-            return wire.stored(self.shape, block.hashes, block.parent, block.tokens,
-                               block.block_size, medium)
-        return wire.removed(self.shape, block.hashes, medium)
+            return wire.stored(self.shape, hashes, parent, tokens, block_size, medium)
+        return wire.removed(self.shape, hashes, medium)
 
     def _flush(self, pending: dict[bytes, list[bytes]]) -> None:
         for topic, events in pending.items():

@@ -12,27 +12,13 @@ overtaken by a delete), and its removal must not be published.
 from __future__ import annotations
 
 import contextlib
-from array import array
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from ..config import TIER_ORDER, TierName
-from ..protocol import ErrorCode
-from ..store.errors import OpError
-from .publisher import Block, Change, Publisher, TopicEnd, TopicStart
+from .identity import Identity
+from .publisher import Change, Publisher, TopicEnd, TopicStart
 
 _BIT: dict[TierName, int] = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """What a client said of a chunk it stored, packed (about 4 bytes per token)."""
-
-    hashes: array[int]
-    parent: int | None
-    tokens: array[int]
-    block_size: int
-    model: str
 
 
 class _Held:
@@ -41,28 +27,6 @@ class _Held:
     def __init__(self, identity: Identity | None) -> None:
         self.tiers = 0
         self.identity = identity
-
-
-def own_hash(key: bytes) -> int:
-    """kvpool's stand-in for an engine block hash: the key's first 8 bytes, unsigned."""
-    return int.from_bytes(key[:8], "big")
-
-
-def identity(hashes: list[int], tokens: list[int], parent: int | None, block_size: int,
-             model: str) -> Identity | None:
-    """A chunk's identity from a PUT/COMMIT and its client's HELLO; None when neither
-    says anything. Raises `OpError` (BAD_ARGUMENT) for values no event can carry."""
-    if not (hashes or block_size or model):
-        return None
-    try:
-        packed = array("Q", hashes) if min(hashes, default=0) >= 0 else array("q", hashes)
-        toks = array("L", tokens)
-    except OverflowError as e:
-        raise OpError(ErrorCode.BAD_ARGUMENT,
-                      f"block hashes must fit 64 bits and token ids 32 bits: {e}") from None
-    if parent is not None and not -(1 << 63) <= parent < 1 << 64:
-        raise OpError(ErrorCode.BAD_ARGUMENT, "parent_block_hash must fit 64 bits")
-    return Identity(packed, parent, toks, block_size, model)
 
 
 class TierEvents:
@@ -89,7 +53,7 @@ class TierEvents:
         if h.tiers & bit:
             return
         h.tiers |= bit
-        self.publisher.offer(Change(self.space, True, tier, self._block(key, h), self._model(h)))
+        self.publisher.offer(Change(self.space, True, tier, key, h.identity))
 
     def removed(self, tier: TierName, key: bytes) -> None:
         h = self.held.get(key)
@@ -99,8 +63,7 @@ class TierEvents:
         h.tiers &= ~bit
         if not h.tiers:
             del self.held[key]
-        self.publisher.offer(Change(self.space, False, tier, self._block(key, h),
-                                    self._model(h)))
+        self.publisher.offer(Change(self.space, False, tier, key, h.identity))
 
     @contextlib.contextmanager
     def storing(self, key: bytes, ident: Identity | None) -> Iterator[None]:
@@ -116,20 +79,6 @@ class TierEvents:
             if self._pending.get(key) is ident:
                 del self._pending[key]
 
-    @staticmethod
-    def _block(key: bytes, h: _Held) -> Block:
-        ident = h.identity
-        if ident is None:
-            return Block([own_hash(key)], None, [], 0)
-        if not ident.hashes:  # kvpool's own key: one block for the whole chunk
-            return Block([own_hash(key)], None, [], ident.block_size)
-        return Block(ident.hashes.tolist(), ident.parent, ident.tokens.tolist(),
-                     ident.block_size)
-
-    @staticmethod
-    def _model(h: _Held) -> str:
-        return h.identity.model if h.identity is not None else ""
-
     # -- topics
 
     def start(self, held: Iterable[tuple[TierName, bytes]]) -> None:
@@ -144,12 +93,11 @@ class TierEvents:
             self.publisher.offer(TopicStart(self.space, self.node_topic, "",
                                             self._inventory()))
 
-    def _inventory(self) -> list[tuple[TierName, Block, str]]:
-        out: list[tuple[TierName, Block, str]] = []
+    def _inventory(self) -> list[tuple[TierName, bytes, Identity | None]]:
+        out: list[tuple[TierName, bytes, Identity | None]] = []
         for tier in TIER_ORDER:
             bit = _BIT[tier]
-            out += [(tier, self._block(k, h), self._model(h))
-                    for k, h in self.held.items() if h.tiers & bit]
+            out += [(tier, k, h.identity) for k, h in self.held.items() if h.tiers & bit]
         return out
 
     def connected(self, pod: str, model: str) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from .. import protocol as p
 from ..config import AgentConfig
-from ..events.tracker import identity
+from ..events.identity import identity
 from ..metrics import AgentMetrics
 from ..store import snapshot
 
