@@ -71,7 +71,8 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
     part("G2 data path vs memcpy and Redis")
     result.update(run_data_path(QUICK_SIZES if quick else FULL_SIZES, reps))
     part("KV events: put throughput with events on vs off")
-    result["events"] = run_events(QUICK_EVENT_SIZES if quick else FULL_EVENT_SIZES, reps)
+    result["events"] = run_events(QUICK_EVENT_SIZES if quick else FULL_EVENT_SIZES,
+                                  3 if quick else reps)
     part("control path latency (1 and 8 client processes)")
     result["control"] = run_control(2000 if quick else 10000, 300 if quick else 2000)
     part("G3 tier vs raw file I/O")
@@ -130,7 +131,7 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                   f"{rd['get_gbps']:.2f} ({rd['kvpool_get_vs_redis']:.0f}x)")
     console.print(t)
     t = Table(title="KV events: G2 put_many GB/s with events off and on (a subscriber "
-                    "decoding every event), median of reps")
+                    "receiving every message), median of reps")
     for col in ("size", "events off", "events on", "on / off"):
         t.add_column(col, justify="right")
     for size, ev in r["events"]["sizes"].items():
