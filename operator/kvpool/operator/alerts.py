@@ -14,13 +14,14 @@ and `job="kvpool-agent"` (the chart's PodMonitor adds the last three).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from kvpool.agent.constants import AGENT_JOB
+
+from .generated import print_or_write
 
 RUNBOOK_BASE_URL = "https://github.com/kvpool/kvpool/blob/main/docs/runbook.md"
 """Where `docs/runbook.md` is published; the chart's `prometheusRule.runbookBaseURL`
@@ -266,14 +267,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvpool.operator.alerts [FILE]`: print the rule file, or write FILE."""
-    args = sys.argv[1:] if argv is None else argv
-    text = render()
-    if args:
-        with open(args[0], "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return 0
+    return print_or_write(render, argv)
 
 
 if __name__ == "__main__":

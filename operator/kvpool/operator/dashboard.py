@@ -14,11 +14,12 @@ template variables `$namespace`, `$pool` and `$node` filter them. Counters are r
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.agent.constants import AGENT_JOB
+
+from .generated import print_or_write
 
 DASHBOARD_UID = "kvpool-overview"
 DASHBOARD_TITLE = "kvpool / Tiered KV-cache"
@@ -626,14 +627,7 @@ def panel_queries() -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvpool.operator.dashboard [FILE]`: print the dashboard, or write FILE."""
-    args = sys.argv[1:] if argv is None else argv
-    text = render()
-    if args:
-        with open(args[0], "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return 0
+    return print_or_write(render, argv)
 
 
 if __name__ == "__main__":
