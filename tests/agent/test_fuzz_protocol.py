@@ -490,17 +490,31 @@ versions = st.one_of(st.just(p.PROTOCOL_VERSION), st.integers(I64_MIN, U64))
 rids = st.one_of(st.integers(0, 1000), st.sampled_from([U64, I64_MIN, -1]))
 checksum_kinds = st.one_of(st.sampled_from([0, 1]), u64s)  # known kinds, and unknown ones
 
+
+
+def engine_blocks(required: int) -> list[tuple[str, st.SearchStrategy[Any], int]]:
+    """COMMIT's and PUT's trailing KV-event fields: block hashes, token ids, parent hash."""
+    hashes = st.lists(st.integers(0, U64), max_size=4)
+    return [("ints", hashes, required),
+            ("ints", st.lists(st.integers(0, 2**32 - 1), max_size=4), required),
+            ("optint", st.none() | st.integers(0, U64), required)]
+
+
 FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
     # (kind, valid values, how many leading fields are required) per op, after tag and rid.
     p.Op.HELLO: [("int", versions, 1), ("str", st.text(max_size=20), 1),
-                 ("str", st.text(max_size=20), 1), ("int", u64s, 1)],
+                 ("str", st.text(max_size=20), 1), ("int", u64s, 1),
+                 ("str", st.text(max_size=20), 1), ("str", st.text(max_size=20), 1),
+                 ("int", st.integers(0, 4096), 1), ("int", st.integers(0, 4096), 1)],
     p.Op.LOOKUP: [("keys", lookup_keys, 1)],
     p.Op.ALLOC: [("bytes", keys, 2), ("int", sizes, 2), ("bytes", metas, 2)],
-    p.Op.COMMIT: [("int", lease_ids, 2), ("int", u64s, 2), ("int", checksum_kinds, 2)],
+    p.Op.COMMIT: [("int", lease_ids, 2), ("int", u64s, 2), ("int", checksum_kinds, 2),
+                  *engine_blocks(2)],
     p.Op.ABORT: [("int", lease_ids, 1)],
     p.Op.ACQUIRE: [("bytes", keys, 1)],
     p.Op.RELEASE: [("int", lease_ids, 1)],
-    p.Op.PUT: [("bytes", keys, 3), ("bytes", datas, 3), ("int", u64s, 3), ("bytes", metas, 3)],
+    p.Op.PUT: [("bytes", keys, 3), ("bytes", datas, 3), ("int", u64s, 3), ("bytes", metas, 3),
+               *engine_blocks(3)],
     p.Op.GET: [("bytes", keys, 1)],
     p.Op.DELETE: [("bytes", keys, 1)],
     p.Op.PIN: [("bytes", keys, 1)],
@@ -520,6 +534,10 @@ WRONG_TYPE: dict[str, st.SearchStrategy[Any]] = {
     "bytes": st.one_of(st.none(), st.booleans(), st.integers(0, 99), st.floats(),
                        st.text(max_size=16), st.lists(st.binary(max_size=2), max_size=2)),
     "str": st.one_of(st.none(), st.booleans(), st.integers(0, 99), st.binary(max_size=4)),
+    "ints": st.one_of(st.none(), st.integers(0, 9), st.binary(max_size=4),
+                      st.lists(st.text(max_size=2), min_size=1, max_size=2)),
+    "optint": st.one_of(st.booleans(), st.floats(), st.text(max_size=4), st.binary(max_size=4),
+                        st.lists(st.integers(0, 9), max_size=2)),
     "keys": st.one_of(st.none(), st.integers(0, 99), st.binary(max_size=16),
                       st.lists(st.one_of(st.integers(0, 9), st.text(max_size=2)),
                                min_size=1, max_size=3)),
@@ -547,7 +565,7 @@ def request_bodies(draw: st.DrawFn) -> tuple[bytes, bool]:
         else:
             values.append(draw(valid))
     if op is p.Op.PUT and n >= 3 and well_typed and draw(st.booleans()):
-        values[4] = p.checksum(values[3], values[5] if n == 4 else b"")
+        values[4] = p.checksum(values[3], values[5] if n >= 4 else b"")
     if n == len(fields):
         # Trailing fields a newer client may add: ignored (docs: "Versioning").
         values += draw(st.lists(msgpack_values, max_size=2))
