@@ -289,6 +289,12 @@ class Demotion:
 
     def close(self) -> None:
         """Finish the writes and removals that wait, in this thread (call it once the
-        background pool is shut down, so no batch is running)."""
+        background pool is shut down, so no batch is running). A chunk whose file has
+        landed by now gives its DRAM journal entry back, as a landed demotion does while
+        the agent runs: the next start finds it in NVMe, not in DRAM as well."""
         self.writes.close()
         self.removals.close()
+        for key, (_, chunk) in list(self.inflight.items()):
+            if key in self.nvme.index and not self._in_dram(key):
+                self._settled(chunk, True)
+        self.inflight.clear()
