@@ -145,21 +145,16 @@ class NvmeTier(ChunkTier):
         has already taken out of the index, to pass it on to the shared tier)."""
         path = self.path_of(key)
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
+            # Unbuffered: each block is read straight into the chunk's buffer.
+            with open(path, "rb", buffering=0) as f:
+                return base.read_chunk_file(f, expect_key=key)
         except FileNotFoundError:
             self.forget(key)
             return None
-        except OSError:
-            # An unreadable file (EIO, a directory in its place): out of the index, or
-            # LOOKUP would keep answering nvme for a chunk no read returns, and a fresh
-            # PUT of the key would be refused as a duplicate.
-            self.forget(key)
-            self._set_aside(key, path)
-            raise
-        try:
-            return base.decode(blob, expect_key=key)
-        except IntegrityError:
+        except (OSError, IntegrityError):
+            # An unreadable file (EIO, a directory in its place) or a bad one: out of the
+            # index, or LOOKUP would keep answering nvme for a chunk no read returns, and
+            # a fresh PUT of the key would be refused as a duplicate.
             self.forget(key)
             self._set_aside(key, path)
             raise
