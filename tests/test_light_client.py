@@ -21,7 +21,7 @@ CLIENT_MODULES = ["kvpool.agent.client", "kvpool.agent.keys"]
 LIGHT_KVPOOL_MODULES = {
     "kvpool", "kvpool.agent", "kvpool.agent.client", "kvpool.agent.transport",
     "kvpool.agent.keys", "kvpool.agent.protocol", "kvpool.agent.checksums",
-    "kvpool.agent.constants",
+    "kvpool.agent.constants", "kvpool.agent.lookupindex",
 }
 """Every kvpool module the client may pull in (the server side, the operator, the tools
 and the pydantic config model are none of them)."""

@@ -60,8 +60,6 @@ def replay(
     for req in trace:
         keys = block_keys(fingerprint, req.blocks)
         tiers = client.lookup_tiers(keys)
-        for tier in tiers:
-            res.hits_by_tier[tier] = res.hits_by_tier.get(tier, 0) + 1
         if len(buf) < len(tiers) * block_bytes:
             buf = bytearray(len(tiers) * block_bytes)
         view = memoryview(buf)
@@ -78,6 +76,10 @@ def replay(
                 res.wrong_bytes += 1
             res.bytes_read += n
             hits += 1
+        # A hit counts for the tier LOOKUP found it in, once it has been read: a chunk
+        # evicted between the two is a miss, in the per-tier counts as in `hit_blocks`.
+        for tier in tiers[:hits]:
+            res.hits_by_tier[tier] = res.hits_by_tier.get(tier, 0) + 1
         misses = keys[hits:]
         stored = client.put_many(misses, [block_payload(k, block_bytes) for k in misses])
         res.bytes_written += block_bytes * sum(1 for r in stored if r is True)
