@@ -12,16 +12,20 @@ prefetch). The controller itself needs a device KV pool and does not run here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import zmq
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
 
 from kvpool.agent.integrations.sglang import KVPoolHiCacheStorage
 from kvpool.bench.local import LocalAgent
 
-from ..agent.conftest import scrape
+from ..agent.conftest import scrape, wait_until
+from ..agent.test_events import MapBatch, Mirror, _config
 
 LAYERS, PAGE, HEADS, HEAD_DIM = 2, 8, 2, 16
 EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.agent.integrations.sglang",
@@ -100,3 +104,41 @@ def test_page_read_into_a_tensor_of_another_dtype_is_a_miss(
     target = dummy_page(torch.float16)
     assert b.get(hashes[0], target) is None
     assert not torch.any(target)
+
+
+def test_backed_up_pages_are_published_under_sglangs_own_block_hashes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page SGLang backs up is announced, in the engine pod's topic for its model, under
+    the block hash SGLang's own KV events give that page (`hash_str_to_int64` of its page
+    hash): a router sees one page whichever of the two announced it."""
+    monkeypatch.setenv("POD_NAME", "engine-0")
+    cfg, endpoint, replay = _config(tmp_path, "pod", "map")
+    (tmp_path / "agent").mkdir()
+    ctx: zmq.Context[object] = zmq.Context()
+    with LocalAgent("--no-lock", "--config", str(cfg), workdir=tmp_path / "agent",
+                    dram="8Mi") as events_agent:
+        mirror = Mirror(ctx, endpoint, replay, b"kv@engine-0@org/model-a", MapBatch)
+        store = backend(events_agent)
+        try:
+            nudges = iter(range(1, 500))
+
+            def heard() -> bool:
+                # A subscriber hears only what is published once it is connected: back up
+                # one more page until it has, then replay fills in the rest.
+                n = next(nudges)
+                store.batch_set(get_hash_str([n] * PAGE, None, page_size=PAGE), pages(1))
+                mirror.pump()
+                return bool(mirror.held.get("CPU_PINNED"))
+            wait_until(heard, "the engine pod's topic to hear a backed-up page")
+            hashes = get_hash_str(TOKENS, None, page_size=PAGE)
+            assert store.batch_set(hashes, pages(4))
+            expected = {hash_str_to_int64(h) for h in hashes}
+
+            def published() -> bool:
+                mirror.pump()
+                return expected <= mirror.held.get("CPU_PINNED", set())
+            wait_until(published, "the backed-up pages' block hashes")
+        finally:
+            store.close()
+            mirror.disconnect()
+            ctx.destroy(linger=0)

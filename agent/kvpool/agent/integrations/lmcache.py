@@ -39,6 +39,7 @@ from .. import protocol as p
 from ..client import KVPoolClient
 from ..constants import ENV_SOCKET
 from ..keys import domain_key
+from . import engine_pod, fits_64_bits
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,10 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.local_cpu_backend = local_cpu_backend
         extra = (config.extra_config if config is not None else None) or {}
         socket_path = extra.get("kvpool.socket") or os.environ.get(ENV_SOCKET)
-        self.client = KVPoolClient(socket_path, name="lmcache")
+        chunk_tokens = int(getattr(local_cpu_backend.config, "chunk_size", 0) or 0)
+        self.client = KVPoolClient(socket_path, name="lmcache", pod=engine_pod(),
+                                   model=getattr(local_cpu_backend.metadata, "model_name", "")
+                                   or "", block_size=chunk_tokens, chunk_tokens=chunk_tokens)
         self.tenant = self.client.tenant
         # LMCache calls from its event-loop thread (get/put) and from the
         # engine's thread (exists_sync, batched_contains); one connection, one lock.
@@ -229,8 +233,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         """Store the memory objects' bytes; LMCache drops its references afterwards."""
         data = [obj.byte_array for obj in memory_objs]
         metas = [encode_meta(obj) for obj in memory_objs]
+        # LMCache names a chunk by its chunk hash (one hash per chunk of chunk_size tokens):
+        # KV events carry it as the chunk's block hash where it fits one.
+        blocks = [p.EngineBlocks([k.chunk_hash]) if fits_64_bits(k.chunk_hash) else None
+                  for k in keys]
         with self._lock:
-            results = self.client.put_many(self._keys(keys), data, metas)
+            results = self.client.put_many(self._keys(keys), data, metas, blocks=blocks)
         refused = [(k, r) for k, r in zip(keys, results, strict=True)
                    if isinstance(r, p.ProtocolError)]
         if refused:

@@ -30,11 +30,13 @@ from typing import Any
 import msgspec
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from .. import protocol as p
 from ..client import KVPoolClient
 from ..constants import ENV_SOCKET
 from ..keys import domain_key
+from . import engine_pod
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                  kwargs: dict[str, Any] | None = None) -> None:
         extra = storage_config.extra_config or {}
         socket_path = extra.get("socket_path") or os.environ.get(ENV_SOCKET)
-        self.client = KVPoolClient(socket_path, name="sglang")
+        page_tokens = storage_config.logical_page_size or 0
+        self.client = KVPoolClient(socket_path, name="sglang", pod=engine_pod(),
+                                   model=storage_config.model_name or "",
+                                   block_size=page_tokens, chunk_tokens=page_tokens)
         self.space = namespace(storage_config)
         self.tenant = self.client.tenant
         # SGLang's prefetch and backup threads share the backend.
@@ -146,8 +151,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages = [v.contiguous() for v in values]
         metas = [msgspec.msgpack.encode(PageMeta(_META_SCHEME, _dtype_name(v), list(v.shape)))
                  for v in pages]
+        # SGLang's own KV events publish a page as hash_str_to_int64 of its page hash, the
+        # key it gives storage: the same block hash, so routers see one page, not two.
+        blocks = [p.EngineBlocks([hash_str_to_int64(k)]) for k in keys]
         with self._lock:
-            results = self.client.put_many(self._keys(keys), [_bytes_of(v) for v in pages], metas)
+            results = self.client.put_many(self._keys(keys), [_bytes_of(v) for v in pages], metas,
+                                           blocks=blocks)
         refused = [r for r in results if isinstance(r, p.ProtocolError)]
         if refused:
             log.warning("kvpool refused %d of %d pages: %s", len(refused), len(keys), refused[0])
