@@ -6,9 +6,9 @@ vLLM pod would be)::
     python lmcache_engine.py store|retrieve CONFIG MODEL RESULT
 
 `store` writes the KV of `TOKENS` (made from a fixed seed) through
-`LMCacheEngine.store`; `retrieve` asks `LMCacheEngine.retrieve` for the same
-tokens into a zeroed KV buffer and saves what came back to RESULT, with the
-retrieved-token count.
+`LMCacheEngine.store` and saves the chunks' LMCache hashes to RESULT;
+`retrieve` asks `LMCacheEngine.retrieve` for the same tokens into a zeroed
+KV buffer and saves what came back to RESULT, with the retrieved-token count.
 
 No GPU here: the serving engine's "GPU" KV buffer is a CPU tensor, and
 `CPUBufferConnector` moves chunks between it and LMCache's memory objects,
@@ -87,11 +87,14 @@ def remote_backend(engine: Any) -> Any:
     return next(b for name, b in backends.items() if name.startswith("RemoteBackend"))
 
 
-def store(config_path: str, model: str) -> None:
+def store(config_path: str, model: str, result_path: str) -> None:
     engine = build_engine(config_path, model, expected_kv())
     remote = remote_backend(engine)
     assert remote.connection is not None, "the kvpool plugin did not load"
     engine.store(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
+    # The chunk hashes LMCache names the stored chunks by (what KV events carry).
+    hashes = [r[2].chunk_hash for r in engine.token_database.process_tokens(TOKENS)]
+    torch.save({"chunk_hashes": hashes}, result_path)
     # Remote puts run as tasks on LMCache's event loop, and batched ones are
     # not tracked in `put_tasks`: a no-op queued behind them on the same loop
     # returns once they have run (the connector's batched_put never yields).
@@ -111,7 +114,7 @@ def retrieve(config_path: str, model: str, result_path: str) -> None:
 def main(argv: list[str]) -> int:
     op, config_path, model = argv[:3]
     if op == "store":
-        store(config_path, model)
+        store(config_path, model, argv[3])
     else:
         retrieve(config_path, model, argv[3])
     return 0

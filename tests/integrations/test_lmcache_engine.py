@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import scrape, wait_until
+from ..agent.test_events import MapBatch, Mirror, _config
 from . import lmcache_engine as engine
 
 ENGINE = Path(engine.__file__)
@@ -39,17 +41,16 @@ extra_config:
 """
 
 
-def run_engine(agent: LocalAgent, workdir: Path, op: str, model: str) -> dict[str, object]:
+def run_engine(agent: LocalAgent, workdir: Path, op: str, model: str,
+               **env_extra: str) -> dict[str, object]:
     config = workdir / "lmcache.yaml"
     config.write_text(CONFIG)
     result = workdir / f"{op}-{model.replace('/', '_')}.pt"
-    env = dict(os.environ, KVPOOL_SOCKET=str(agent.socket_path))
+    env = dict(os.environ, KVPOOL_SOCKET=str(agent.socket_path), **env_extra)
     proc = subprocess.run(
         [sys.executable, str(ENGINE), op, str(config), model, str(result)],
         env=env, capture_output=True, text=True, timeout=240, cwd=workdir)
     assert proc.returncode == 0, f"{op} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    if op == "store":
-        return {}
     loaded: dict[str, object] = torch.load(result)
     return loaded
 
@@ -112,3 +113,31 @@ def test_chunks_demoted_to_nvme_come_back_equal(tmp_path: Path) -> None:
         assert got["retrieved"] == len(engine.TOKENS)
         assert torch.equal(got["kv"], engine.expected_kv())  # type: ignore[arg-type]
         assert scrape(agent)['kvpool_tier_hits_total{pool="default",tier="nvme"}'] >= CHUNKS
+
+
+def test_stored_chunks_are_published_under_lmcaches_chunk_hashes(tmp_path: Path) -> None:
+    """KV events of the chunks an LMCache engine stores carry LMCache's own chunk hashes
+    (what the connector tells the agent), not kvpool's keys."""
+    cfg, endpoint, replay = _config(tmp_path, "node", "map")
+    (tmp_path / "agent").mkdir()
+    ctx: zmq.Context[object] = zmq.Context()
+    with LocalAgent("--no-lock", "--config", str(cfg), workdir=tmp_path / "agent",
+                    dram="32Mi") as agent:
+        mirror = Mirror(ctx, endpoint, replay, b"kv@n1@default", MapBatch)
+        try:
+            stored = run_engine(agent, tmp_path, "store", "org/model-a", POD_NAME="engine-0")
+            expected = set(stored["chunk_hashes"])  # type: ignore[call-overload]
+            assert len(expected) == CHUNKS
+            nudge = iter(range(1, 1000))
+
+            def published() -> bool:
+                # A subscriber hears only what is published once it is connected: a put of
+                # our own makes one event it hears, and the replay brings the engine's.
+                with KVPoolClient(agent.socket_path) as c:
+                    c.put(next(nudge).to_bytes(16, "big"), b"n")
+                mirror.pump()
+                return expected <= mirror.held.get("CPU_PINNED", set())
+            wait_until(published, "the engine's chunk hashes in the events")
+        finally:
+            mirror.disconnect()
+            ctx.destroy(linger=0)
