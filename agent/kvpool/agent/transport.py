@@ -87,19 +87,22 @@ def copy_and_checksum(arena: memoryview, extents: Sequence[tuple[int, int]], src
     memory and a put costs about one copy (XXH3's streaming digest equals the
     one-shot digest of meta then data).
     """
-    h = xxhash.xxh3_64()
-    h.update(meta)
+    h = xxhash.xxh3_64(meta)
+    for offset, pos, step in _blocks(extents):
+        block = src[pos : pos + step]
+        arena[offset : offset + step] = block
+        h.update(block)
+    return int(h.intdigest())
+
+
+def _blocks(extents: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+    """(arena offset, offset in the chunk, length) of each block of at most COPY_BLOCK
+    bytes of a chunk laid out in `extents`, in chunk order."""
     pos = 0
     for offset, nbytes in extents:
-        end = pos + nbytes
-        while pos < end:
-            step = min(COPY_BLOCK, end - pos)
-            block = src[pos : pos + step]
-            arena[offset : offset + step] = block
-            h.update(block)
-            offset += step
-            pos += step
-    return int(h.intdigest())
+        for skip in range(0, nbytes, COPY_BLOCK):
+            yield offset + skip, pos + skip, min(COPY_BLOCK, nbytes - skip)
+        pos += nbytes
 
 
 def copy_out(arena: memoryview, extents: Sequence[tuple[int, int]], dst: memoryview,
@@ -119,16 +122,10 @@ def copy_out(arena: memoryview, extents: Sequence[tuple[int, int]], dst: memoryv
         return check is None or p.checksum(dst[: check.size], check.meta,
                                            check.checksum_kind) == check.checksum
     h = xxhash.xxh3_64(check.meta)
-    pos = 0
-    for offset, nbytes in extents:
-        end = pos + nbytes
-        while pos < end:
-            step = min(COPY_BLOCK, end - pos)
-            block = dst[pos : pos + step]
-            block[:] = arena[offset : offset + step]
-            h.update(block)
-            offset += step
-            pos += step
+    for offset, pos, step in _blocks(extents):
+        block = dst[pos : pos + step]
+        block[:] = arena[offset : offset + step]
+        h.update(block)
     return int(h.intdigest()) == check.checksum
 
 
