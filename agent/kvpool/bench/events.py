@@ -13,10 +13,9 @@ are the worst case: the cost is per chunk, not per byte.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from kvpool.agent.client import KVPoolClient
 from . import demo
 from .data_path import payload
 from .local import LocalAgent, free_port
-from .stats import size_label, throughput, timed
+from .stats import child_server, size_label, throughput, timed
 
 
 def window(nbytes: int) -> int:
@@ -44,21 +43,11 @@ while True:
 """
 
 
-@contextlib.contextmanager
-def _subscriber(endpoint: str) -> Iterator[None]:
+def _subscriber(endpoint: str) -> contextlib.AbstractContextManager[object]:
     """A subscriber receiving everything published at `endpoint` (in a process of its own,
     not decoding: a router's decoding runs on its own machine, not the agent's)."""
-    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, endpoint],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return child_server([sys.executable, "-c", _RECEIVER, endpoint], lambda: True,
+                        "the events subscriber")
 
 
 def _round(nbytes: int, c_off: KVPoolClient, c_on: KVPoolClient
