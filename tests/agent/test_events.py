@@ -9,6 +9,7 @@ The mirror is a plain pyzmq SUB + msgspec consumer written from vLLM's format
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import sys
@@ -197,25 +198,32 @@ def ctx() -> Iterator[zmq.Context[Any]]:
     c.destroy(linger=0)
 
 
+@contextlib.contextmanager
+def events_agent(tmp: Path, topic: str, payload: str, dram: str, *, policy: Path | None = None,
+                 nvme: Path | None = None) -> Iterator[tuple[LocalAgent, str, str]]:
+    """An agent publishing KV events on 127.0.0.1 (its config and work dir in `tmp`), with
+    its PUB and replay endpoints."""
+    cfg, endpoint, replay = _config(tmp, topic, payload, policy=policy, nvme=nvme)
+    with LocalAgent("--no-lock", "--config", str(cfg), workdir=_mkdir(tmp / "agent"),
+                    dram=dram) as a:
+        yield a, endpoint, replay
+
+
 @pytest.fixture(scope="module")
 def node_agent(tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[tuple[LocalAgent, str, str, Path]]:
     tmp = tmp_path_factory.mktemp("events-node")
     policy = tmp / "policy.yaml"
     policy.write_text(POLICY)
-    cfg, endpoint, replay = _config(tmp, "node", "map", policy=policy, nvme=tmp / "nvme")
-    with LocalAgent("--no-lock", "--config", str(cfg), workdir=_mkdir(tmp / "agent"),
-                    dram="2Mi") as a:
+    with events_agent(tmp, "node", "map", "2Mi", policy=policy, nvme=tmp / "nvme") as (
+            a, endpoint, replay):
         yield a, endpoint, replay, policy
 
 
 @pytest.fixture(scope="module")
 def pod_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalAgent, str, str]]:
-    tmp = tmp_path_factory.mktemp("events-pod")
-    cfg, endpoint, replay = _config(tmp, "pod", "array")
-    with LocalAgent("--no-lock", "--config", str(cfg), workdir=_mkdir(tmp / "agent"),
-                    dram="2Mi") as a:
-        yield a, endpoint, replay
+    with events_agent(tmp_path_factory.mktemp("events-pod"), "pod", "array", "2Mi") as agent:
+        yield agent
 
 
 def key(i: int) -> bytes:

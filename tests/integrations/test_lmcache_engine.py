@@ -20,7 +20,7 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import scrape, wait_until
-from ..agent.test_events import MapBatch, Mirror, _config
+from ..agent.test_events import MapBatch, Mirror, events_agent
 from . import lmcache_engine as engine
 
 ENGINE = Path(engine.__file__)
@@ -118,11 +118,8 @@ def test_chunks_demoted_to_nvme_come_back_equal(tmp_path: Path) -> None:
 def test_stored_chunks_are_published_under_lmcaches_chunk_hashes(tmp_path: Path) -> None:
     """KV events of the chunks an LMCache engine stores carry LMCache's own chunk hashes
     (what the connector tells the agent), not kvpool's keys."""
-    cfg, endpoint, replay = _config(tmp_path, "node", "map")
-    (tmp_path / "agent").mkdir()
     ctx: zmq.Context[object] = zmq.Context()
-    with LocalAgent("--no-lock", "--config", str(cfg), workdir=tmp_path / "agent",
-                    dram="32Mi") as agent:
+    with events_agent(tmp_path, "node", "map", "32Mi") as (agent, endpoint, replay):
         mirror = Mirror(ctx, endpoint, replay, b"kv@n1@default", MapBatch)
         try:
             stored = run_engine(agent, tmp_path, "store", "org/model-a", POD_NAME="engine-0")

@@ -25,7 +25,7 @@ from kvpool.agent.integrations.sglang import KVPoolHiCacheStorage
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import scrape, wait_until
-from ..agent.test_events import MapBatch, Mirror, _config
+from ..agent.test_events import MapBatch, Mirror, events_agent
 
 LAYERS, PAGE, HEADS, HEAD_DIM = 2, 8, 2, 16
 EXTRA = {"backend_name": "kvpool", "module_path": "kvpool.agent.integrations.sglang",
@@ -112,13 +112,10 @@ def test_backed_up_pages_are_published_under_sglangs_own_block_hashes(
     the block hash SGLang's own KV events give that page (`hash_str_to_int64` of its page
     hash): a router sees one page whichever of the two announced it."""
     monkeypatch.setenv("POD_NAME", "engine-0")
-    cfg, endpoint, replay = _config(tmp_path, "pod", "map")
-    (tmp_path / "agent").mkdir()
     ctx: zmq.Context[object] = zmq.Context()
-    with LocalAgent("--no-lock", "--config", str(cfg), workdir=tmp_path / "agent",
-                    dram="8Mi") as events_agent:
+    with events_agent(tmp_path, "pod", "map", "8Mi") as (agent, endpoint, replay):
         mirror = Mirror(ctx, endpoint, replay, b"kv@engine-0@org/model-a", MapBatch)
-        store = backend(events_agent)
+        store = backend(agent)
         try:
             nudges = iter(range(1, 500))
 
