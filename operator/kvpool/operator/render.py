@@ -599,45 +599,38 @@ def _rbac(pool: api.KVCachePool, settings: Settings) -> list[Manifest]:
 
 
 def _service(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    """The headless Service of the agents' metrics port (what Prometheus discovers)."""
     names = Names(pool.metadata.namespace, pool.metadata.name)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(pool, settings, names.service),
-        "spec": {
-            "clusterIP": "None",
-            "selector": selector_labels(pool),
-            "ports": [
-                {
-                    "name": "metrics",
-                    "port": pool.spec.agent.metrics_port,
-                    "targetPort": "metrics",
-                    "protocol": "TCP",
-                }
-            ],
-        },
-    }
+    return _headless_service(pool, settings, names.service,
+                             [("metrics", pool.spec.agent.metrics_port)])
 
 
 def _events_service(pool: api.KVCachePool, settings: Settings) -> Manifest:
     """The headless Service routers discover the agents' KV-events endpoints through.
 
-    Headless: its DNS name resolves to every ready agent pod's address (one per node), and
-    its EndpointSlices list them with the named ports, so a router or relay subscribes to
-    each agent, never to one picked by a load balancer (a SUB socket connected to one
-    agent would see only that node's chunks).
+    Its EndpointSlices list every agent with the named ports, so a router or relay
+    subscribes to each agent, never to one picked by a load balancer (a SUB socket
+    connected to one agent would see only that node's chunks).
     """
     names = Names(pool.metadata.namespace, pool.metadata.name)
+    return _headless_service(pool, settings, names.events_service, events_ports(pool))
+
+
+def _headless_service(pool: api.KVCachePool, settings: Settings, name: str,
+                      ports: list[tuple[str, int]]) -> Manifest:
+    """A Service without a cluster IP over the pool's agents: its DNS name resolves to every
+    ready agent pod (one per node), each port aimed at the agent container's port of the
+    same name."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(pool, settings, names.events_service),
+        "metadata": _meta(pool, settings, name),
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(pool),
             "ports": [
-                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
-                for name, port in events_ports(pool)
+                {"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+                for port_name, port in ports
             ],
         },
     }
