@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.tiers.base import HEADER_BYTES
 from kvpool.bench.local import LocalAgent
 
 from .conftest import scrape, wait_until
@@ -296,8 +297,11 @@ def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real, small file system. Tests run as root (here and in CI); if mounting is not
     permitted this fails loudly rather than skip a test of a real full disk."""
     where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                   check=True, capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.fail(f"this test needs a real {size} tmpfs (run it as root): mount said "
+                    f"{mounted.stderr.strip() or mounted.returncode}")
     try:
         yield where
     finally:
@@ -435,3 +439,44 @@ def test_bursts_of_demotions_and_promotions_leave_the_index_and_the_disk_alike(
         assert set(tiers.values()) == {"dram", "nvme"}  # nothing lost on the way
         assert scrape(agent)[DEMOTED] >= len(in_nvme_index)
         assert all(c.get(k) == data_for(k, size) for k in keys)
+
+
+
+FILE = 16 * KiB
+"""One chunk file (header and chunk) in whole tmpfs pages: a file system of exactly NVMe's
+size then holds exactly NVMe's size of them, and going over it is ENOSPC, not rounding."""
+ALWAYS_FULL = ("tiers: {dram: {eviction: lru},"
+               " nvme: {eviction: lru, highWatermark: 1.0, lowWatermark: 0.99}}\n")
+"""NVMe kept full: each demotion makes its own room by evicting the oldest file."""
+
+
+def test_demotions_never_overrun_an_nvme_filesystem_of_exactly_its_size(tmp_path: Path) -> None:
+    """Room made in NVMe by evicting a chunk is free on disk only once a worker thread has
+    removed its file. Bursts of demotions through a 1 MiB DRAM tier into a 1 MiB NVMe tier
+    on a file system of exactly 1 MiB: no demotion finds the disk full, so no acknowledged
+    chunk that fits is lost. Before, a demotion's file was written while the files it
+    replaced were still there: ENOSPC, and the acknowledged chunk was dropped."""
+    size, capacity = FILE - HEADER_BYTES, 1 * MiB  # the default tenant's header: no name
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(NO_PREFETCH + ALWAYS_FULL)
+    with small_tmpfs(tmp_path / "nvme", str(capacity)) as nvme_dir, \
+            LocalAgent("--no-lock", "--policy", str(policy_file), "--nvme-dir", str(nvme_dir),
+                       "--nvme", str(capacity), workdir=tmp_path, dram="1Mi") as agent, \
+            KVPoolClient(agent.socket_path, mode="zero_copy") as c:
+        keys: list[bytes] = []
+        for _ in range(40):  # 10 MiB, in bursts of 16 chunks
+            burst = [os.urandom(16) for _ in range(16)]
+            assert c.put_many(burst, [data_for(k, size) for k in burst]) == [True] * 16
+            keys += burst
+        settle(c)
+        nvme = c.stats()["tiers"]["nvme"]
+        assert nvme["used_bytes"] == nvme["chunks"] * FILE  # whole pages, as sized
+        errors = {s: n for s, n in scrape(agent).items()
+                  if s.startswith("kvpool_tier_errors_total") and 'tier="nvme"' in s and n}
+        assert not errors, f"NVMe errors {errors}; the log ends:\n{agent.log()[-1500:]}"
+        # LRU in both tiers: NVMe holds the newest demotions, down to its low watermark at
+        # least (and DRAM newer chunks still).
+        newest = keys[-int(capacity * 0.99) // FILE:]
+        lost = [k for k in newest if tier_of(c, k) is None]
+        assert not lost, f"{len(lost)} of the newest {len(newest)} acknowledged chunks lost"
+        assert all(c.get(k, verify=True) == data_for(k, size) for k in newest)

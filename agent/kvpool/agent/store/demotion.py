@@ -10,7 +10,9 @@ for them to land.
 
 Chunks leave NVMe's index on the loop at once (so one watermark crossing cannot start a
 second eviction round while the files are still there); their files go (or move to G4
-first) in a worker thread.
+first) in a worker thread. A demotion whose room in the index is made but still held on
+disk by such files waits (`parked`, still in flight) until they are gone, so the files on
+disk never take more than NVMe's size either.
 `Demotion` owns what that takes: the in-flight copies, NVMe's eviction order, and
 the two batch pipelines.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 
@@ -82,6 +85,14 @@ class Demotion:
         """NVMe bytes (header and chunk) of the files being written: room made for them."""
         self.removing = 0
         """Chunks out of the NVMe index whose files a worker has yet to remove (or upload)."""
+        self.removing_bytes = 0
+        """Their files' bytes: still on disk, so no new file takes their room yet."""
+        self.writing = 0
+        """File bytes of the demotions handed to a worker to write (on disk soon)."""
+        self.parked: deque[tuple[ChunkRecord, DramChunk]] = deque()
+        """Demotions whose room is made in NVMe's index but still held on disk by files
+        being removed: written once those are gone (`_unpark`), so the files on disk never
+        take more than NVMe's size."""
         self.writes: Batches[tuple[ChunkRecord, DramChunk], WriteResult] = Batches(
             io, self._write_files, self._written, weight=lambda d: d[0].size,
             key=lambda d: d[0].key, concurrency=IO_THREADS)
@@ -89,7 +100,7 @@ class Demotion:
         run side by side, but two demotions of one key (demoted, promoted from the in-flight
         copy or deleted and written again, demoted again) land in the order they were
         made, so the file holds the newest bytes."""
-        self.removals: Batches[tuple[bytes, bool], None] = Batches(
+        self.removals: Batches[tuple[bytes, bool, int], None] = Batches(
             io, self._remove_files, self._removed)
         """Files of chunks out of the NVMe index, removed a batch per executor call."""
 
@@ -146,7 +157,23 @@ class Demotion:
         self.inflight[rec.key] = (rec, chunk)
         self.pending += 1
         self.pending_bytes += rec.size
-        self.writes.offer((rec, chunk))
+        self.parked.append((rec, chunk))
+        self._unpark()
+
+    def _unpark(self) -> None:
+        """Hand parked demotions to the writers, in order, while the disk has their room
+        (or when nothing is being removed or written that could make more: the capacity
+        shrank under them, by quarantined files, and waiting would not help)."""
+        nvme = self.nvme
+        while self.parked:
+            rec, chunk = self.parked[0]
+            need = file_bytes(rec)
+            on_disk = nvme.used_bytes + self.removing_bytes + self.writing
+            if on_disk + need > nvme.capacity_bytes and (self.removing_bytes or self.writing):
+                return
+            self.parked.popleft()
+            self.writing += need
+            self.writes.offer((rec, chunk))
 
     def forget(self, key: bytes) -> bool:
         """A deleted key: its in-flight copy goes and its file with it. Whether any was held."""
@@ -182,6 +209,7 @@ class Demotion:
             self.pending -= 1
             self.pending_bytes -= rec.size
             self.reserved -= file_bytes(rec)
+            self.writing -= file_bytes(rec)
             # The DRAM copy goes only now that the file is in place (or the write failed).
             # Its journal entry goes with it unless a newer one speaks for the key: a
             # newer demotion's, or DRAM's after a promotion or a rewrite (and a delete
@@ -225,6 +253,7 @@ class Demotion:
             landed = True
         if landed:
             self.evict_to_watermark()
+        self._unpark()  # a failed write gave its room back
 
     # -- out of NVMe
 
@@ -254,7 +283,7 @@ class Demotion:
 
     def drop(self, victims: Iterable[pol.Victim]) -> None:
         """Take chunks out of NVMe now; their files go (or move to G4) in a worker thread."""
-        gone: list[tuple[bytes, bool]] = []
+        gone: list[tuple[bytes, bool, int]] = []
         for v in victims:
             entry = self.nvme.index.get(v.key)
             if entry is None or not self.nvme.forget(v.key):
@@ -264,19 +293,22 @@ class Demotion:
             if v.reason in EVICTION_REASONS:
                 self.m.evictions[("nvme", v.reason)].inc()
                 to_shared = self._shared is not None and self._shared.demotes(entry.hits)
-                gone.append((v.key, to_shared))
+                gone.append((v.key, to_shared, entry.size))
             else:
-                gone.append((v.key, False))
+                gone.append((v.key, False, entry.size))
         self.removing += len(gone)
+        self.removing_bytes += sum(size for _, _, size in gone)
         for item in gone:
             self.removals.offer(item)
 
-    def _removed(self, gone: list[tuple[bytes, bool]], _: None) -> None:
+    def _removed(self, gone: list[tuple[bytes, bool, int]], _: None) -> None:
         self.removing -= len(gone)
+        self.removing_bytes -= sum(size for _, _, size in gone)
+        self._unpark()
 
-    def _remove_files(self, gone: list[tuple[bytes, bool]]) -> None:
+    def _remove_files(self, gone: list[tuple[bytes, bool, int]]) -> None:
         """Remove forgotten chunks' files (a worker thread), passing some on to G4 first."""
-        for key, to_shared in gone:
+        for key, to_shared, _ in gone:
             try:
                 if to_shared and self._shared is not None:
                     rec = read_nvme(self.nvme, key, self.m, indexed=False)
@@ -292,8 +324,10 @@ class Demotion:
         background pool is shut down, so no batch is running). A chunk whose file has
         landed by now gives its DRAM journal entry back, as a landed demotion does while
         the agent runs: the next start finds it in NVMe, not in DRAM as well."""
+        self.removals.close()  # first: the parked demotions' room is on disk once they ran
+        self.writes.waiting.extend(self.parked)
+        self.parked.clear()
         self.writes.close()
-        self.removals.close()
         for key, (_, chunk) in list(self.inflight.items()):
             if key in self.nvme.index and not self._in_dram(key):
                 self._settled(chunk, True)
