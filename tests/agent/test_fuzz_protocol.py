@@ -85,7 +85,9 @@ STATE_ERRORS: dict[p.Op, set[p.ErrorCode]] = {
     # The errors an op with valid arguments may still get, from docs/protocol.md: they
     # depend on what is stored, leased and free, which these tests do not predict.
     p.Op.HELLO: set(), p.Op.LOOKUP: set(), p.Op.ALLOC: {E.NO_SPACE, E.TOO_MANY_LEASES},
-    p.Op.COMMIT: {E.UNKNOWN_LEASE}, p.Op.ABORT: {E.UNKNOWN_LEASE},
+    # COMMIT of a spare lease (put-ahead) names its key and metadata: BAD_KEY or
+    # BAD_ARGUMENT for them, or for a key other than its ALLOC's, depend on the lease.
+    p.Op.COMMIT: {E.UNKNOWN_LEASE, E.BAD_KEY, E.BAD_ARGUMENT}, p.Op.ABORT: {E.UNKNOWN_LEASE},
     p.Op.ACQUIRE: {E.NOT_FOUND, E.TOO_MANY_LEASES, E.NO_SPACE},
     p.Op.RELEASE: {E.UNKNOWN_LEASE}, p.Op.PUT: {E.NO_SPACE}, p.Op.GET: {E.NOT_FOUND},
     p.Op.DELETE: set(), p.Op.PIN: {E.NOT_FOUND}, p.Op.UNPIN: set(), p.Op.STATS: set(),
@@ -301,8 +303,12 @@ def argument_error(req: p.Request, limits: p.HelloReply) -> p.ErrorCode | None:
             if p.checksum(req.data, req.meta) != req.checksum:
                 return E.CHECKSUM_MISMATCH
             return None
-        case p.Commit():  # an unknown checksum kind is refused before the lease is looked at
-            return E.BAD_ARGUMENT if req.checksum_kind not in checksums.KINDS else None
+        case p.Commit():  # refused before the lease is looked at: an unknown checksum
+            # kind, a spare asked for of a size no chunk may have
+            if req.checksum_kind not in checksums.KINDS \
+                    or not 0 <= req.next_size <= limits.max_chunk_bytes:
+                return E.BAD_ARGUMENT
+            return None
         case p.Acquire() | p.Get() | p.Delete() | p.Pin() | p.Unpin():
             return E.BAD_KEY if bad(req.key) else None
     return None
@@ -348,6 +354,14 @@ def check_reply(req: p.Request, reply: p.Reply, hello: bool, limits: p.HelloRepl
                 assert reply.lease > 0 and 1 <= len(reply.extents) <= MAX_EXTENTS
                 assert sum(n for _, n in reply.extents) == req.size
                 assert in_arena(reply.extents, limits)
+        case p.CommitReply():
+            assert isinstance(req, p.Commit)
+            if reply.spare:  # the put-ahead lease it asked for
+                assert req.next_size > 0 and 1 <= len(reply.spare_extents) <= MAX_EXTENTS
+                assert sum(n for _, n in reply.spare_extents) == req.next_size
+                assert in_arena(reply.spare_extents, limits)
+            else:
+                assert reply.spare_extents == []
         case p.AcquireReply():
             assert 0 < reply.size <= limits.max_chunk_bytes and reply.lease > 0
             assert sum(n for _, n in reply.extents) == reply.size
@@ -509,7 +523,8 @@ FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
     p.Op.LOOKUP: [("keys", lookup_keys, 1)],
     p.Op.ALLOC: [("bytes", keys, 2), ("int", sizes, 2), ("bytes", metas, 2)],
     p.Op.COMMIT: [("int", lease_ids, 2), ("int", u64s, 2), ("int", checksum_kinds, 2),
-                  *engine_blocks(2)],
+                  *engine_blocks(2), ("int", sizes, 2), ("bytes", keys, 2),
+                  ("bytes", metas, 2)],
     p.Op.ABORT: [("int", lease_ids, 1)],
     p.Op.ACQUIRE: [("bytes", keys, 1)],
     p.Op.RELEASE: [("int", lease_ids, 1)],

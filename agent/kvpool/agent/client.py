@@ -30,7 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import protocol as p
-from .constants import ENV_LOCAL_LOOKUP, ENV_SOCKET, ENV_TENANT, TIER_NAMES
+from .constants import ENV_LOCAL_LOOKUP, ENV_PUT_AHEAD, ENV_SOCKET, ENV_TENANT, TIER_NAMES
 from .protocol import EngineBlocks
 from .transport import (
     Buffer,
@@ -78,6 +78,7 @@ class KVPoolClient:
         model: str = "",
         block_size: int = 0,
         chunk_tokens: int = 0,
+        put_ahead: bool | None = None,
     ) -> None:
         """`registrar` pins each arena mapping for DMA when tensors first use it; by
         default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none.
@@ -90,7 +91,12 @@ class KVPoolClient:
         `pod`, `model` and `block_size` (tokens per engine block) name the engine for KV
         events (docs/events.md): its pod's topic is `kv@<pod>@<model>`. `chunk_tokens`
         (tokens per chunk key) lets the agent count the prefill tokens LOOKUPs serve.
-        All optional."""
+        All optional.
+
+        `put_ahead`: each `put`'s COMMIT asks for the next put's write lease of its size, so
+        the next put of that size needs one round trip, not two; the connection holds one
+        spare lease per size (at most `protocol.MAX_SPARE_LEASES` sizes) in the arena
+        meanwhile (docs/client.md). None reads `$KVPOOL_PUT_AHEAD`."""
         path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
         if not path:
             raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
@@ -105,6 +111,9 @@ class KVPoolClient:
         if local_lookup is None:
             local_lookup = os.environ.get(ENV_LOCAL_LOOKUP, "") in ("1", "true", "yes")
         self.local_lookup = local_lookup
+        if put_ahead is None:
+            put_ahead = os.environ.get(ENV_PUT_AHEAD, "") in ("1", "true", "yes")
+        self.put_ahead = put_ahead
         self.pod = pod
         self.model = model
         self.block_size = block_size
@@ -122,6 +131,8 @@ class KVPoolClient:
                         chunk_tokens=self.chunk_tokens)
         transport, reply = connect(self.socket_path, self.mode, hello, self.timeout, self._rid)
         self._drop_transport()
+        if isinstance(transport, ZeroCopyTransport):
+            transport.put_ahead = self.put_ahead
         self._transport = transport
         self.hello = reply
 
@@ -225,7 +236,8 @@ class KVPoolClient:
     def put(self, key: bytes, data: Buffer, meta: bytes = b"", *,
             blocks: EngineBlocks | None = None) -> bool:
         """Store a chunk; False if the key was already stored (deduplicated). `blocks`:
-        the engine blocks it covers, for KV events (docs/events.md)."""
+        the engine blocks it covers, for KV events (docs/events.md). It returns once the
+        agent has answered its COMMIT: never for a chunk the agent has not stored."""
         src = as_bytes_view(data)
         return self._retrying(lambda t: t.put(key, src, meta, blocks))
 

@@ -26,6 +26,9 @@ from . import checksums
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<I")
 MAX_LOOKUP_KEYS = 8192
+MAX_SPARE_LEASES = 4
+"""Spare write leases (COMMIT's `next_size`) one connection holds at most: one per chunk
+size, for this many sizes."""
 MAX_TENANT_BYTES = 253
 """The longest tenant name a HELLO may claim (UTF-8 bytes): every chunk record (journal,
 NVMe header, shared object) carries it, so it must stay small."""
@@ -146,6 +149,15 @@ class Commit(Request, tag=int(Op.COMMIT)):
     """The token ids the chunk covers (KV events); [] unknown."""
     parent_block_hash: int | None = None
     """The engine hash of the block before the chunk's first; None: first or unknown."""
+    # Put-ahead (docs/protocol.md#put-ahead); older clients omit these, older agents ignore them.
+    next_size: int = 0
+    """Ask for a spare write lease of this many bytes in the reply: the connection's next
+    put of that size needs no ALLOC round trip. 0: none."""
+    key: bytes = b""
+    """The chunk's key when `lease` is a spare (granted without one); else empty or the
+    lease's own key."""
+    meta: bytes = b""
+    """The chunk's metadata when `lease` is a spare (ignored otherwise)."""
 
 
 class Abort(Request, tag=int(Op.ABORT)):
@@ -238,7 +250,12 @@ class AllocReply(Reply, tag=int(Op.ALLOC)):
 
 
 class CommitReply(Reply, tag=int(Op.COMMIT)):
-    pass
+    stored: bool = True
+    """False when a spare lease's key was already stored (deduplicated; nothing changed)."""
+    spare: int = 0
+    """The spare write lease COMMIT's `next_size` asked for; 0: none granted (put with ALLOC)."""
+    spare_extents: Extents = []
+    """Where the spare lease's chunk goes in the arena."""
 
 
 class AbortReply(Reply, tag=int(Op.ABORT)):

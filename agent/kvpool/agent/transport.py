@@ -322,6 +322,11 @@ class ZeroCopyTransport(Transport):
         self.device: Any = None
         """The mapping as tensors see it (`kvpool.agent.gpu.DeviceArena`), made by the
         client at the first tensor: registered with CUDA once per mapping."""
+        self.put_ahead = False
+        """Each put's COMMIT asks for the next put's lease of its size (put-ahead)."""
+        self.spares: dict[int, tuple[int, p.Extents]] = {}
+        """Chunk size -> a spare write lease for it (id, extents), oldest first: the next
+        put of that size copies into it and COMMITs, with no ALLOC round trip."""
 
     def close(self) -> None:
         super().close()
@@ -336,7 +341,7 @@ class ZeroCopyTransport(Transport):
 
     def window(self, batch_window: int, max_leases: int) -> int:
         # Never hold more leases at once than the agent grants one connection.
-        return max(1, min(batch_window, max_leases))
+        return max(1, min(batch_window, max_leases - len(self.spares)))
 
     def _acquire(self, key: bytes) -> p.AcquireReply | None:
         try:
@@ -350,17 +355,48 @@ class ZeroCopyTransport(Transport):
 
     def put(self, key: bytes, src: memoryview, meta: bytes,
             blocks: p.EngineBlocks | None = None) -> bool:
+        spare = self.spares.pop(src.nbytes, None)
+        if spare is not None:
+            try:
+                # The key and metadata ride on the COMMIT; a duplicate is learnt there.
+                return self._write(spare, src, meta, blocks, key)
+            except p.ProtocolError as e:
+                if e.code != p.ErrorCode.UNKNOWN_LEASE:
+                    raise
+                # The spare is gone (never, unless the agent dropped it): put as before.
         alloc = self.conn.call(p.Alloc(self.conn.rid(), key, src.nbytes, meta))
         assert isinstance(alloc, p.AllocReply)
         if alloc.exists:
             return False
+        return self._write((alloc.lease, alloc.extents), src, meta, blocks)
+
+    def _write(self, lease: tuple[int, p.Extents], src: memoryview, meta: bytes,
+               blocks: p.EngineBlocks | None, key: bytes = b"") -> bool:
+        """Copy `src` into a write lease's extents and COMMIT it (naming `key` and `meta`
+        for a spare); whether it was stored. With put-ahead the COMMIT also asks for the
+        next put's lease of this size, kept in `spares`."""
+        lease_id, extents = lease
         try:
-            digest = copy_and_checksum(self.arena, alloc.extents, src, meta)
+            digest = copy_and_checksum(self.arena, extents, src, meta)
         except BaseException:
-            self.conn.cast(p.Abort(self.conn.rid(), alloc.lease))
+            self.conn.cast(p.Abort(self.conn.rid(), lease_id))
             raise
-        self.conn.call(p.with_blocks(p.Commit(self.conn.rid(), alloc.lease, digest), blocks))
-        return True
+        size = src.nbytes if self.put_ahead else 0
+        if size and size not in self.spares and len(self.spares) >= p.MAX_SPARE_LEASES:
+            oldest = next(iter(self.spares))  # room for this size's: the oldest size goes
+            self.conn.cast(p.Abort(self.conn.rid(), self.spares.pop(oldest)[0]))
+        commit = p.Commit(self.conn.rid(), lease_id, digest, next_size=size, key=key,
+                          meta=meta if key else b"")
+        try:
+            reply = self.conn.call(p.with_blocks(commit, blocks))
+        except p.ProtocolError as e:
+            if key and e.code != p.ErrorCode.UNKNOWN_LEASE:  # a refused spare stays open
+                self.conn.cast(p.Abort(self.conn.rid(), lease_id))
+            raise
+        assert isinstance(reply, p.CommitReply)
+        if reply.spare:
+            self.spares[size] = (reply.spare, reply.spare_extents)
+        return reply.stored
 
     def get(self, key: bytes, verify: bool) -> tuple[bytes, bytes] | None:
         lease = self._acquire(key)
@@ -403,6 +439,10 @@ class ZeroCopyTransport(Transport):
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],
                    blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+        # Spares count against the connection's uncommitted bytes: a window gets the
+        # budget it had without put-ahead.
+        self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease, _ in self.spares.values()])
+        self.spares.clear()
         replies = self.conn.exchange([p.Alloc(self.conn.rid(), k, v.nbytes, m)
                                       for k, v, m in zip(keys, views, metas, strict=True)])
         commits: list[tuple[int, p.Commit | p.Put]] = []

@@ -13,6 +13,8 @@ Buffers are pre-faulted; one process, one thread:
   costs without its two round trips (ALLOC, COMMIT);
 - G2 put: `KVPoolClient.put` of a new key (ALLOC, copy into the arena with
   the checksum computed per 1 MiB block as it is copied, COMMIT);
+- G2 put ahead: the same with `put_ahead=True` (one round trip: the previous put's
+  COMMIT handed out this put's lease; docs/protocol.md#put-ahead);
 - G2 get: `KVPoolClient.get_into` of that key into a pre-faulted buffer
   (ACQUIRE, copy out of the arena, pipelined RELEASE); `get_verified_gbps` the
   same with `verify=True` (XXH3 per 1 MiB block as it is copied), and
@@ -84,8 +86,9 @@ def redis_server() -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _round(nbytes: int, data: bytes, zc: KVPoolClient, inline: KVPoolClient,
-           rds: Any) -> tuple[dict[str, Callable[[int], object]], Callable[[int], object]]:
+def _round(nbytes: int, data: bytes, zc: KVPoolClient, ahead: KVPoolClient,
+           inline: KVPoolClient, rds: Any,
+           ) -> tuple[dict[str, Callable[[int], object]], Callable[[int], object]]:
     """The operations one round times, in turn, and the clean-up after a round."""
     src, dst = prefaulted(nbytes, 1), prefaulted(nbytes, 2)
     s, d = memoryview(src), memoryview(dst)
@@ -118,13 +121,15 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, inline: KVPoolClient,
 
     ops: dict[str, Callable[[int], object]] = {
         "memcpy": copy, "xxh3": lambda _: checksum(s), "copy_xxh3": copy_and_hash,
-        "put": put(zc, b"g2"), "get": get(zc, b"g2"), "get_verified": get(zc, b"g2", True),
+        "put": put(zc, b"g2"), "put_ahead": put(ahead, b"ahead"), "get": get(zc, b"g2"),
+        "get_verified": get(zc, b"g2", True),
         "inline_put": put(inline, b"inline"), "inline_get": get(inline, b"inline"),
         "redis_put": lambda i: rds.set(bench_key(i, b"redis"), data), "redis_get": redis_get,
     }
 
     def clean(i: int) -> None:
         zc.delete(bench_key(i, b"g2"))
+        zc.delete(bench_key(i, b"ahead"))
         inline.delete(bench_key(i, b"inline"))
         rds.delete(bench_key(i, b"redis"))
 
@@ -142,15 +147,17 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
     with LocalAgent("--no-lock", dram=str(dram), start_timeout=60) as agent, \
             redis_server() as rsock, \
             KVPoolClient(agent.socket_path) as zc, \
+            KVPoolClient(agent.socket_path, put_ahead=True) as ahead, \
             KVPoolClient(agent.socket_path, mode="inline") as ic, \
             contextlib.closing(redis.Redis(unix_socket_path=str(rsock))) as rds:
         rds.ping()
         for nbytes in sizes:
             label = size_label(nbytes)
-            ops, clean = _round(nbytes, payload(nbytes), zc, ic, rds)
+            ops, clean = _round(nbytes, payload(nbytes), zc, ahead, ic, rds)
             t = timed(ops, reps, warmup=2, after=clean)
             g2[label] = throughput(nbytes, {
-                "put_gbps": t["put"], "get_gbps": t["get"], "memcpy_gbps": t["memcpy"],
+                "put_gbps": t["put"], "put_ahead_gbps": t["put_ahead"], "get_gbps": t["get"],
+                "memcpy_gbps": t["memcpy"],
                 "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"],
                 "get_verified_gbps": t["get_verified"]})
             inline[label] = throughput(nbytes, {"put_gbps": t["inline_put"],
@@ -158,6 +165,7 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
             peer[label] = throughput(nbytes, {"put_gbps": t["redis_put"],
                                               "get_gbps": t["redis_get"]})
             memcpy = g2[label]["memcpy_gbps"]
+            g2[label]["put_ahead_vs_memcpy"] = round(g2[label]["put_ahead_gbps"] / memcpy, 3)
             for op in ("put", "get"):
                 g2[label][f"{op}_vs_memcpy"] = round(g2[label][f"{op}_gbps"] / memcpy, 3)
                 peer[label][f"kvpool_{op}_vs_redis"] = round(

@@ -118,13 +118,14 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
 
 def _print_tables(console: Console, r: dict[str, Any]) -> None:
     t = Table(title="data path, GB/s (median of reps; ratio in brackets)")
-    for col in ("size", "memcpy", "G2 put", "G2 get", "inline put", "inline get",
-                "Redis put", "Redis get"):
+    for col in ("size", "memcpy", "G2 put", "G2 put ahead", "G2 get", "inline put",
+                "inline get", "Redis put", "Redis get"):
         t.add_column(col, justify="right")
     for size, g2 in r["g2"].items():
         il, rd = r["inline"][size], r["redis"][size]
         t.add_row(size, f"{g2['memcpy_gbps']:.2f}",
                   f"{g2['put_gbps']:.2f} ({g2['put_vs_memcpy']:.2f}x memcpy)",
+                  f"{g2['put_ahead_gbps']:.2f} ({g2['put_ahead_vs_memcpy']:.2f}x)",
                   f"{g2['get_gbps']:.2f} ({g2['get_vs_memcpy']:.2f}x memcpy)",
                   f"{il['put_gbps']:.2f}", f"{il['get_gbps']:.2f}",
                   f"{rd['put_gbps']:.2f} ({rd['kvpool_put_vs_redis']:.0f}x)",

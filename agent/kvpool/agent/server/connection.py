@@ -65,6 +65,8 @@ class Connection:
         self.out: list[bytes] = []
         """Replies of the requests handled since the last send (see `serve`)."""
         self.out_bytes = 0
+        self.spares: set[int] = set()
+        """Spare write leases (put-ahead) granted to this connection and still open."""
 
     def ended(self) -> None:
         """The connection is gone: its pod's topic ends with its pod's last connection."""

@@ -12,7 +12,7 @@ from .. import protocol as p
 from ..config import AgentConfig
 from ..events.identity import identity
 from ..metrics import AgentMetrics
-from ..store import snapshot
+from ..store import OpError, snapshot
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -92,10 +92,22 @@ async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
 
 
 def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
+    if not 0 <= r.next_size <= c.store.config.max_chunk_bytes:  # before: the lease stays open
+        raise OpError(p.ErrorCode.BAD_ARGUMENT,
+                      f"next_size {r.next_size} is outside 0..{c.store.config.max_chunk_bytes}")
     lease = c.store.dram.writes.get(r.lease)
-    with _storing(c, lease.key if lease is not None else b"", r):
-        c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind)
-    return p.CommitReply(r.rid)
+    with _storing(c, (lease.key or r.key) if lease is not None else b"", r):
+        stored = c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind, r.key, r.meta)
+    c.spares.discard(r.lease)
+    reply = p.CommitReply(r.rid, stored)
+    # The next put's lease, granted only after this one's chunk is in (best effort: none
+    # when the connection holds its most spares or the arena has no room now).
+    if r.next_size and len(c.spares) < p.MAX_SPARE_LEASES:
+        spare = c.store.spare(r.next_size, c.tenant, c.id)
+        if spare is not None:
+            c.spares.add(spare.lease)
+            reply.spare, reply.spare_extents = spare.lease, spare.extents
+    return reply
 
 
 def _storing(c: Connection, key: bytes,
@@ -110,6 +122,7 @@ def _storing(c: Connection, key: bytes,
 
 def _abort(c: Connection, r: p.Abort) -> p.AbortReply:
     c.store.abort(r.lease, c.id)
+    c.spares.discard(r.lease)
     return p.AbortReply(r.rid)
 
 

@@ -71,6 +71,8 @@ MAX_LEASES_PER_CLIENT = 4096
 UNCOMMITTED_SHARE = 2
 """A connection's uncommitted writes take at most 1/this of the arena: ALLOCs never
 committed must not flush the arena (they cannot be evicted)."""
+SPARE_SHARE = 8
+"""A spare write lease (put-ahead) takes at most 1/this of the arena."""
 RECENT_DELETES = 1 << 16
 """Deletes remembered, so a read that was under way when its key was deleted is a miss."""
 DEMOTION_WAIT = 30.0
@@ -318,21 +320,56 @@ class ChunkStore:
             self.uncommitted.pop(owner, None)
 
     def commit(self, lease_id: int, checksum_: int, owner: int,
-               kind: int = checksums.XXH3) -> None:
+               kind: int = checksums.XXH3, key: bytes = b"", meta: bytes = b"") -> bool:
+        """Make a write lease's chunk visible; False when its key was stored meanwhile
+        (theirs is kept). A spare lease (`spare`) takes its `key` and `meta` here."""
         if kind not in checksums.KINDS:  # checked first: the lease stays open to retry
             raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {kind}")
+        open_ = self.dram.writes.get(lease_id)
+        if open_ is not None and open_.owner == owner:
+            if not open_.key:  # a spare: the chunk is named now, checked before it closes
+                check_key(key)
+                self._check_size(open_.size, meta)
+            elif key and key != open_.key:
+                raise OpError(ErrorCode.BAD_ARGUMENT,
+                              f"write lease {lease_id} is for another key")
         lease = self.dram.close_write(lease_id, owner)
         if lease is None:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
                           f"write lease {lease_id} is not open on this connection")
         self._write_closed(owner, lease.size)
-        if self.contains(lease.key):
+        key, meta = (lease.key, lease.meta) if lease.key else (key, meta)
+        if self.contains(key):
             # Another client stored the same key first: keep theirs.
             self.dram.alloc.free(lease.extents)
-            return
-        chunk = self._insert(lease.key, lease.extents, lease.size, checksum_ & (2**64 - 1),
-                             lease.meta, lease.tenant, kind=kind)
+            return False
+        chunk = self._insert(key, lease.extents, lease.size, checksum_ & (2**64 - 1),
+                             meta, lease.tenant, kind=kind)
         self._write_through(chunk)
+        return True
+
+    def spare(self, size: int, tenant: str, owner: int) -> Granted | None:
+        """A keyless write lease for the connection's next put of `size` bytes (put-ahead,
+        docs/protocol.md): its key and metadata come with its COMMIT. None when it does not
+        fit now without waiting, or would take more than 1/SPARE_SHARE of the arena or
+        the connection's budget: that put ALLOCs instead."""
+        self._check_size(size, b"")
+        pages = self._pages(size)
+        held = self.uncommitted.get(owner, 0)
+        if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT \
+                or pages > self.dram.capacity_bytes // SPARE_SHARE \
+                or held + pages > self.dram.capacity_bytes // UNCOMMITTED_SHARE:
+            return None
+        try:
+            extents = self._allocate(size)
+        except OpError:
+            return None
+        if extents is None:  # room only once demotions land: not worth a wait
+            return None
+        lease = self.dram.open_write(b"", extents, size, b"", tenant, owner,
+                                     self.config.write_lease_timeout)
+        self.uncommitted[owner] = held + pages
+        return Granted(lease.id, extents, size)
 
     def abort(self, lease_id: int, owner: int) -> None:
         lease = self.dram.close_write(lease_id, owner)

@@ -209,7 +209,9 @@ class DramTier:
         )
 
     def expired_writes(self, now: float) -> list[WriteLease]:
-        return [w for w in self.writes.values() if w.deadline < now]
+        # A spare (keyless, put-ahead) never expires: fenced, its pages would stay taken
+        # until its connection closes anyway, one more at each idle spell; it stays usable.
+        return [w for w in self.writes.values() if w.deadline < now and w.key]
 
     def expire_writes(self, now: float) -> int:
         """End write leases idle past their deadline; returns how many.
