@@ -138,6 +138,19 @@ class SharedChunkTier(ChunkTier):
     @abstractmethod
     def _store_get(self, key: bytes) -> bytes | None: ...
 
+    def _store_read(self, key: bytes) -> ChunkRecord | IntegrityError | None:
+        """The verified chunk of `key`; None when absent; an IntegrityError (returned, not
+        raised: a corrupt object is not a failed request) when it fails its checks. By
+        default the whole object and then `base.decode`; a backend that can hash while it
+        reads overrides this (file://: `base.read_chunk_file`)."""
+        blob = self._store_get(key)
+        if blob is None:
+            return None
+        try:
+            return base.decode(blob, expect_key=key)
+        except IntegrityError as e:
+            return e
+
     @abstractmethod
     def _store_put(self, rec: ChunkRecord) -> None: ...
 
@@ -183,14 +196,14 @@ class SharedChunkTier(ChunkTier):
                 log.info("shared tier %s healthy again (was: %s)", self.url, self._unhealthy)
             self._unhealthy = ""
 
-    def _read_stalled(self, fut: Future[bytes | None]) -> None:
+    def _read_stalled(self, fut: Future[ChunkRecord | IntegrityError | None]) -> None:
         with self._health_lock:
             self._stalled += 1
         if self.metrics is not None:
             self.metrics.tier_errors[("shared", "timeout")].inc()
         self._set_unhealthy(self._stall_reason())
 
-        def returned(_: Future[bytes | None]) -> None:
+        def returned(_: Future[ChunkRecord | IntegrityError | None]) -> None:
             with self._health_lock:
                 self._stalled -= 1
         fut.add_done_callback(returned)
@@ -293,23 +306,22 @@ class SharedChunkTier(ChunkTier):
         self._check_available()
         try:
             fut = self._reads.submit(self._request, "get", "read",
-                                     lambda: self._store_get(key))
+                                     lambda: self._store_read(key))
         except (PoolFull, RuntimeError) as e:  # RuntimeError: closed
             raise SharedStoreError(f"{self.scheme} read of {key.hex()} refused: {e}") from e
         try:
-            blob = fut.result(timeout=self.request_timeout)
+            got = fut.result(timeout=self.request_timeout)
         except TimeoutError:
             self._read_stalled(fut)
             raise OSError(errno.ETIMEDOUT, f"{self.scheme} read of {key.hex()} not answered "
                           f"within {self.request_timeout:g}s") from None
-        if blob is None:
+        if got is None:
             self._remember_absent(key)
             return None
-        try:
-            return base.decode(blob, expect_key=key)
-        except IntegrityError as e:
-            self._bad_object(key, e)
-            raise
+        if isinstance(got, IntegrityError):
+            self._bad_object(key, got)
+            raise got
+        return got
 
     def write(self, rec: ChunkRecord) -> None:
         self._request("put", "write", lambda: self._store_put(rec))
