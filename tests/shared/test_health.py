@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ def test_missing_directory_turns_the_tier_unhealthy_until_it_returns(
         tier.write(kept)
         assert tier.probe() == (True, "")
 
-        shutil.rmtree(root)  # the mount went away
+        root.rename(tmp_path / "away")  # the mount went away
         with pytest.raises(OSError):
             tier.write(make_chunk(2))
         ok, reason = tier.healthy()
@@ -39,7 +38,7 @@ def test_missing_directory_turns_the_tier_unhealthy_until_it_returns(
         assert counter(metrics, "kvpool_shared_dropped_writes_total") == 1
         assert tier.probe()[0] is False
 
-        root.mkdir()  # mounted again
+        (tmp_path / "away").rename(root)  # mounted again
         assert tier.probe() == (True, "")
         tier.write(make_chunk(4))
         assert tier.contains(make_chunk(4).key)

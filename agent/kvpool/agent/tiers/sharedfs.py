@@ -7,6 +7,13 @@ Writes go to a uniquely named temporary file in the target directory and are
 renamed into place: `rename` is atomic on POSIX file systems (NFS included),
 so a reader on any node sees a whole chunk or none. The temporary name holds
 a random id, not a pid, because pids repeat across nodes.
+
+The store identifies itself by a marker file in its root (`STORE_MARKER`),
+written when it is first initialised: an unmounted network file system leaves
+an empty mount point, which would otherwise pass for an empty store (a delete
+retried against it would count as done, every read as a plain miss). Once an
+agent has seen the marker, a root without it is the mount gone, and the tier
+is unhealthy until the marker is back.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +37,13 @@ if TYPE_CHECKING:
     from ..metrics import AgentMetrics
 
 TMP_MARK = ".tmp-"
+STORE_MARKER = ".kvpool-store"
+"""In the store's root: this directory is a kvpool store (never listed as a chunk)."""
+MARKER_RECHECK = 0.5
+"""Seconds a marker seen stands for the store being there, for a read that misses: one
+stat of the marker per miss would double a lookup's stats."""
+_MARKER_TEXT = (b"A kvpool shared chunk store. Do not delete: without this file, agents take\n"
+                b"the mount for absent.\n")
 
 # Errors that say the mount as a whole is unusable, not that one file is bad.
 _OUTAGE_ERRNOS = {
@@ -62,11 +77,43 @@ class FileSharedTier(SharedChunkTier):
     def __init__(self, cfg: SharedTier, metrics: AgentMetrics | None = None) -> None:
         super().__init__(cfg, metrics)
         self.root = root_of(cfg.url)
+        self.marker = self.root / STORE_MARKER
+        self._marker_seen = 0.0
+        """When `_mount_absent` last found the marker (monotonic seconds)."""
+        self._marked = False
+        """This agent has seen the store's marker (or written it): from now on a root
+        without it is an absent mount, not an empty store."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._mark()
         except OSError as e:
             # Start unhealthy rather than crash: the mount may appear later.
             self._set_unhealthy(self._outage(e) or f"file error: {e}")
+
+    def _mark(self) -> None:
+        """Find the store's marker, or initialise the store by writing it (a root this
+        agent has never seen marked: a new store, or one from before markers)."""
+        if not os.path.exists(self.marker):
+            try:
+                with open(self.marker, "xb") as f:
+                    f.write(_MARKER_TEXT)
+            except FileExistsError:
+                pass  # another node initialised it meanwhile
+        self._marked = True
+
+    def _mount_absent(self, *, seen_lately: bool = False) -> bool:
+        """The root is there but not the store: its marker, seen before, is gone. With
+        `seen_lately`, a marker seen in the last `MARKER_RECHECK` seconds still counts
+        (a miss then costs no second stat)."""
+        if not self._marked:
+            return False
+        now = time.monotonic()
+        if seen_lately and now - self._marker_seen < MARKER_RECHECK:
+            return False
+        if os.path.exists(self.marker):
+            self._marker_seen = now
+            return False
+        return True
 
     def path_of(self, key: bytes) -> Path:
         name = object_name(key)
@@ -78,6 +125,8 @@ class FileSharedTier(SharedChunkTier):
         try:
             os.stat(self.path_of(key))
         except FileNotFoundError:
+            if self._mount_absent(seen_lately=True):
+                raise  # not a miss: the store is gone (an empty mount point)
             return False
         return True
 
@@ -86,6 +135,8 @@ class FileSharedTier(SharedChunkTier):
             with open(self.path_of(key), "rb") as f:
                 return f.read()
         except FileNotFoundError:
+            if self._mount_absent(seen_lately=True):
+                raise  # not a miss: the store is gone (an empty mount point)
             return None
 
     def _store_read(self, key: bytes) -> ChunkRecord | base.IntegrityError | None:
@@ -95,12 +146,16 @@ class FileSharedTier(SharedChunkTier):
             with open(self.path_of(key), "rb", buffering=0) as f:
                 return base.read_chunk_file(f, expect_key=key)
         except FileNotFoundError:
+            if self._mount_absent(seen_lately=True):
+                raise  # not a miss: the store is gone (an empty mount point)
             return None
         except base.IntegrityError as e:
             return e
 
     def _store_put(self, rec: ChunkRecord) -> None:
         path = self.path_of(rec.key)
+        if self._mount_absent():  # or the object would land in the empty mount point
+            raise FileNotFoundError(errno.ENOENT, f"{STORE_MARKER} is gone", str(self.marker))
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex}")
         try:
@@ -123,7 +178,7 @@ class FileSharedTier(SharedChunkTier):
         try:
             os.unlink(self.path_of(key))
         except FileNotFoundError:
-            if not self.root.is_dir():
+            if not self.root.is_dir() or self._mount_absent():
                 raise  # the mount is gone, not the object: nothing was deleted
             return False
         return True
@@ -159,6 +214,12 @@ class FileSharedTier(SharedChunkTier):
                                   str(self.root))
         if st.f_bavail == 0:
             raise OSError(errno.ENOSPC, "no space left", str(self.root))
+        # Last: what the mount itself says (read-only, full) is the surer reason.
+        if self._mount_absent():
+            raise FileNotFoundError(errno.ENOENT, f"{STORE_MARKER} is gone from the store's "
+                                    "root (an empty mount point?)", str(self.marker))
+        if not self._marked:  # the store was unreachable at start: initialise it now
+            self._mark()
 
     # -- failure classification
 
@@ -166,8 +227,11 @@ class FileSharedTier(SharedChunkTier):
         if not isinstance(exc, OSError):
             return None
         what = _OUTAGE_ERRNOS.get(exc.errno or 0)
-        if what is None and isinstance(exc, FileNotFoundError) and not self.root.is_dir():
-            what = "directory missing"  # the mount went away under us
+        if what is None and isinstance(exc, FileNotFoundError):
+            if not self.root.is_dir():
+                what = "directory missing"  # the mount went away under us
+            elif self._mount_absent():
+                what = "store missing, the mount looks absent"  # an empty mount point
         if what is None:
             return None
         return f"shared filesystem {what}: {exc}"
