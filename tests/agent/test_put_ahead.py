@@ -162,3 +162,23 @@ def test_commit_of_a_spare_must_name_its_chunk(agent: LocalAgent) -> None:
             raw.call(p.Delete(10 + i, _key(name)))
     finally:
         raw.sock.close()
+
+
+def test_commit_says_when_another_write_stored_the_key_first(agent: LocalAgent) -> None:
+    first, second = RawConn(agent.socket_path), RawConn(agent.socket_path)
+    key = _key("raced")
+    try:
+        late = first.call(p.Alloc(1, key, 4096))
+        early = second.call(p.Alloc(1, key, 4096))
+        assert isinstance(late, p.AllocReply) and isinstance(early, p.AllocReply)
+        won = second.call(p.Commit(2, early.lease, 1))
+        lost = first.call(p.Commit(2, late.lease, 2))
+        assert isinstance(won, p.CommitReply) and won.stored
+        assert isinstance(lost, p.CommitReply) and not lost.stored
+        acquired = second.call(p.Acquire(3, key))
+        assert isinstance(acquired, p.AcquireReply) and acquired.checksum == 1
+        second.call(p.Release(4, acquired.lease))
+        second.call(p.Delete(5, key))
+    finally:
+        first.sock.close()
+        second.sock.close()

@@ -251,7 +251,8 @@ class AllocReply(Reply, tag=int(Op.ALLOC)):
 
 class CommitReply(Reply, tag=int(Op.COMMIT)):
     stored: bool = True
-    """False when a spare lease's key was already stored (deduplicated; nothing changed)."""
+    """False when the key was stored meanwhile, or (a spare's) already: deduplicated, the
+    first copy kept. Older agents omit it (true)."""
     spare: int = 0
     """The spare write lease COMMIT's `next_size` asked for; 0: none granted (put with ALLOC)."""
     spare_extents: Extents = []
