@@ -82,6 +82,7 @@ class ArrBatch(msgspec.Struct, array_like=True):
 
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+PUBLISHED = 'kvpool_events_published_total{pool="default"}'
 
 
 class Mirror:
@@ -448,7 +449,10 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
             return mirror.gaps > gaps
 
         mirror.disconnect()  # a subscriber that drops out misses batches: a gap
+        published = scrape(agent)[PUBLISHED]
         workload(40)
+        wait_until(lambda: scrape(agent)[PUBLISHED] > published,
+                   "events to be published while the mirror is away")
         mirror.reconnect()
         wait_until(lambda: heard_since(0), "the mirror to detect the gap")
         check("after a gap")
@@ -472,7 +476,7 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
         _check_index(mirror, agent, hashes)
     mirror.disconnect()
     metrics = scrape(agent)
-    assert metrics['kvpool_events_published_total{pool="default"}'] > 0
+    assert metrics[PUBLISHED] > 0
     assert metrics['kvpool_events_dropped_total{pool="default"}'] == 0
 
 

@@ -117,9 +117,42 @@ def cleared(shape: EventsPayload) -> bytes:
                            else ArrayAllBlocksCleared())
 
 
+_MARK = (1 << 64) - 1
+_MARK_BYTES = b"\xcf" + _MARK.to_bytes(8, "big")
+"""How MessagePack writes `_MARK`: a uint64, 0xcf then 8 bytes big-endian."""
+
+
+def own_key_template(shape: EventsPayload, is_stored: bool, medium: str) -> tuple[bytes, bytes]:
+    """(prefix, suffix) of the event of a chunk named by kvpool's own key (one block, its
+    hash the key's first 8 bytes, no tokens, block size 0): `prefix + key[:8] + suffix`
+    is that event, the hash written as a uint64 (0xcf and 8 bytes big-endian), which
+    every MessagePack decoder reads as the same integer `stored`/`removed` would write
+    in fewer bytes. The publisher builds such events without a Python object each."""
+    enc = (stored(shape, [_MARK], None, [], 0, medium) if is_stored
+           else removed(shape, [_MARK], medium))
+    at = enc.index(_MARK_BYTES)
+    return enc[: at + 1], enc[at + len(_MARK_BYTES) :]
+
+
+_BATCH_HEAD = b"\x93\xcb"
+"""A KVEventBatch's first bytes: an array of 3, then the timestamp as a float64."""
+_RANK_0 = b"\x00"
+
+
 def batch(ts: float, events: list[bytes]) -> bytes:
-    """A KVEventBatch of events already encoded."""
-    return _encoder.encode(KVEventBatch(ts, [msgspec.Raw(e) for e in events], 0))
+    """A KVEventBatch `[ts, events, 0]` of events already encoded, written directly (no
+    msgspec.Raw per event): what `msgspec` writes for the same batch."""
+    n = len(events)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return b"".join((_BATCH_HEAD, _TS.pack(ts), head, *events, _RANK_0))
+
+
+_TS = struct.Struct(">d")
 
 
 def decode(payload: bytes, shape: EventsPayload) -> MapBatch | ArrayBatch:
