@@ -403,8 +403,11 @@ class DeviceArena:
             raise
         done = conn.exchange([c for _, c in commits])
         for (i, _), reply in zip(commits, done, strict=True):
-            results[start + i] = (p.ProtocolError(reply.code, reply.message)
-                                  if isinstance(reply, p.ErrorReply) else True)
+            if isinstance(reply, p.ErrorReply):
+                results[start + i] = p.ProtocolError(reply.code, reply.message)
+            else:  # False: another client committed the key first (its copy is kept)
+                assert isinstance(reply, p.CommitReply)
+                results[start + i] = reply.stored
 
     def get_window(self, conn: Connection, keys: Sequence[bytes], start: int,
                    target: ReadTarget, sizes: list[int], verify: bool | None, stream: object,
