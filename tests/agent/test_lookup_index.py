@@ -220,6 +220,13 @@ def test_the_table_answers_what_it_holds_through_tombstones_rebuilds_and_overflo
                     assert got is None, "an overflowed table sends every LOOKUP to the socket"
                 else:
                     assert got == (1 if k in held else 0)
+            if not index.overflowed:
+                # A whole prefix at once reads every home slot in one numpy pass: the keys
+                # behind a tombstone or another key's slot still walk their probe.
+                leading = next((j for j, k in enumerate(universe) if k not in held),
+                               len(universe))
+                assert reader.lookup(universe) == leading
+                assert reader.lookup(list(held)) == len(held)
         if not index.overflowed:
             assert reader.lookup(list(held)) == len(held)
     finally:
