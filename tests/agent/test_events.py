@@ -1,8 +1,9 @@
 """KV events: what a real agent publishes, decoded by code kvpool did not write.
 
-Two agents per module: one in `node` topic mode with the `map` payload and an NVMe
-tier (decoded with SGLang's own event classes, and mirrored under a random workload
-against STATS), one in `pod` mode with the `array` payload (fan-out per engine pod).
+Two agents per module: one in `node` topic mode with the `map` payload, an NVMe tier
+and a `file://` shared tier (decoded with SGLang's own event classes, and mirrored
+under a random workload against STATS and the shared store's files), one in `pod`
+mode with the `array` payload (fan-out per engine pod).
 The mirror is a plain pyzmq SUB + msgspec consumer written from vLLM's format
 (`vllm/distributed/kv_events.py`): structs of its own, no kvpool decoder.
 """
@@ -170,14 +171,19 @@ class Mirror:
 
 
 def _config(tmp: Path, topic: str, payload: str, *, policy: Path | None = None,
-            nvme: Path | None = None) -> tuple[Path, str, str]:
+            nvme: Path | None = None, shared: Path | None = None) -> tuple[Path, str, str]:
     port, replay = free_port(), free_port()
     lines = ["nodeName: n1", f"events: {{enabled: true, address: 127.0.0.1, port: {port}, "
              f"replayPort: {replay}, topic: {topic}, payload: {payload}}}"]
     if policy is not None:
         lines.append(f"policyFile: {policy}")
+    tiers = []
     if nvme is not None:
-        lines.append(f"tiers: {{nvme: {{path: {nvme}, size: 1Mi}}}}")
+        tiers.append(f"nvme: {{path: {nvme}, size: 1Mi}}")
+    if shared is not None:
+        tiers.append(f"shared: {{url: 'file://{shared}'}}")
+    if tiers:
+        lines.append(f"tiers: {{{', '.join(tiers)}}}")
     cfg = tmp / "config.yaml"
     cfg.write_text("\n".join(lines) + "\n")
     return cfg, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"
@@ -188,7 +194,11 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-POLICY = "tiers: {dram: {eviction: lru}, nvme: {eviction: lru}}\n"
+# The shared tier takes only what NVMe evicts (not every commit), but in the mirror test:
+# the other tests' puts publish their DRAM events alone, whatever the uploads do.
+POLICY = ("tiers: {dram: {eviction: lru}, nvme: {eviction: lru}, "
+          "shared: {writeThrough: false}}\n")
+POLICY_SHARED = "tiers: {dram: {eviction: lru}, nvme: {eviction: lru}}\n"
 POLICY_TTL = "tiers: {dram: {eviction: lru}, nvme: {eviction: lru, ttl: 1s}}\n"
 
 
@@ -201,10 +211,12 @@ def ctx() -> Iterator[zmq.Context[Any]]:
 
 @contextlib.contextmanager
 def events_agent(tmp: Path, topic: str, payload: str, dram: str, *, policy: Path | None = None,
-                 nvme: Path | None = None) -> Iterator[tuple[LocalAgent, str, str]]:
+                 nvme: Path | None = None, shared: Path | None = None
+                 ) -> Iterator[tuple[LocalAgent, str, str]]:
     """An agent publishing KV events on 127.0.0.1 (its config and work dir in `tmp`), with
     its PUB and replay endpoints."""
-    cfg, endpoint, replay = _config(tmp, topic, payload, policy=policy, nvme=nvme)
+    cfg, endpoint, replay = _config(tmp, topic, payload, policy=policy, nvme=nvme,
+                                    shared=shared)
     with LocalAgent("--no-lock", "--config", str(cfg), workdir=_mkdir(tmp / "agent"),
                     dram=dram) as a:
         yield a, endpoint, replay
@@ -216,7 +228,8 @@ def node_agent(tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("events-node")
     policy = tmp / "policy.yaml"
     policy.write_text(POLICY)
-    with events_agent(tmp, "node", "map", "2Mi", policy=policy, nvme=tmp / "nvme") as (
+    with events_agent(tmp, "node", "map", "2Mi", policy=policy, nvme=tmp / "nvme",
+                      shared=tmp / "shared") as (
             a, endpoint, replay):
         yield a, endpoint, replay, policy
 
@@ -229,6 +242,11 @@ def pod_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalA
 
 def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 4
+
+
+def own(k: bytes) -> int:
+    """The block hash of a chunk named by kvpool's own key."""
+    return int.from_bytes(k[:8], "big")
 
 
 def blocks(i: int) -> EngineBlocks:
@@ -361,12 +379,23 @@ def test_a_late_joiner_catches_up_through_replay(
     joiner.disconnect()
 
 
+def _quiet(s: dict[str, Any]) -> bool:
+    """Nothing on its way between tiers: no demotion, NVMe removal or upload under way."""
+    nvme, shared = s["tiers"].get("nvme", {}), s["tiers"].get("shared", {})
+    queue = shared.get("queue", {})
+    return not (nvme.get("inflight") or nvme.get("removing") or queue.get("pending")
+                or queue.get("in_flight"))
+
+
 def _stats(c: KVPoolClient) -> dict[str, int] | None:
-    """Chunks per tier, once nothing is on its way between tiers."""
+    """Chunks per tier, once nothing is on its way between tiers: the local tiers' as they
+    hold them, the shared tier's as this agent knows it (what it announced)."""
     s = c.stats()
-    if s["tiers"].get("nvme", {}).get("inflight"):
+    if not _quiet(s):
         return None
-    return {t: v["chunks"] for t, v in s["tiers"].items()}
+    tiers = {t: v["chunks"] for t, v in s["tiers"].items()}
+    tiers["shared"] = s["events"]["announced"]["shared"]
+    return tiers
 
 
 def _agrees(mirror: Mirror, c: KVPoolClient, hashes: dict[int, bytes]) -> bool:
@@ -376,13 +405,22 @@ def _agrees(mirror: Mirror, c: KVPoolClient, hashes: dict[int, bytes]) -> bool:
     tiers = _stats(c)
     return tiers is not None and all(
         len({hashes.get(h, h) for h in mirror.held.get(medium, ())}) == tiers[tier]
-        for medium, tier in (("CPU_PINNED", "dram"), ("DISK", "nvme")))
+        for medium, tier in (("CPU_PINNED", "dram"), ("DISK", "nvme"), ("SHARED", "shared")))
 
 
-def _check_index(mirror: Mirror, agent: LocalAgent, hashes: dict[int, bytes]) -> None:
+def _shared_objects(agent: LocalAgent) -> set[bytes]:
+    """The chunk keys the shared store holds (its `<key hex>.kvc` files)."""
+    root = agent.workdir.parent / "shared"
+    return {bytes.fromhex(f.name[:-4]) for f in root.glob("*/*.kvc")}
+
+
+def _check_index(mirror: Mirror, agent: LocalAgent, hashes: dict[int, bytes], *,
+                 whole_store: bool) -> None:
     """Every chunk the mirror credits to a tier is in that tier, asked without moving it:
     DRAM through the index the agent publishes in shared memory (a local LOOKUP, which
-    promotes and prefetches nothing), NVMe by its chunk file."""
+    promotes and prefetches nothing), NVMe and the shared tier by its chunk file. With
+    `whole_store`, the mirror credits the shared tier with every object in the store
+    (this agent wrote them all, and has not restarted since)."""
     nvme = agent.workdir.parent / "nvme"
     # (chunks other tests of the module stored are counted, not looked at here)
     in_dram = {hashes[h] for h in mirror.held.get("CPU_PINNED", ()) if h in hashes}
@@ -392,13 +430,19 @@ def _check_index(mirror: Mirror, agent: LocalAgent, hashes: dict[int, bytes]) ->
             assert local.lookup_tiers([k]) == ["dram"], k.hex()
     for k in on_nvme:
         assert (nvme / k.hex()[:2] / f"{k.hex()}.kvc").exists(), k.hex()
+    stored = _shared_objects(agent)
+    credited = {hashes.get(h, h) for h in mirror.held.get("SHARED", ())}
+    assert {k for k in credited if isinstance(k, bytes)} <= stored
+    if whole_store:
+        assert len(credited) == len(stored)
 
 
 def test_a_mirror_applying_every_event_ends_with_the_agents_index(
         node_agent: tuple[LocalAgent, str, str, Path], ctx: zmq.Context[Any]) -> None:
-    """Random puts, reads, deletes, the evictions and demotions they cause, TTL expiries,
-    a quarantined NVMe file, a subscriber gap and an agent restart: the mirror's tiers
-    match STATS after each phase."""
+    """Random puts, reads, deletes, the evictions and demotions they cause (down to the
+    shared tier), TTL expiries, a quarantined NVMe file, a corrupt shared object, a
+    subscriber gap and an agent restart: the mirror's tiers match STATS after each
+    phase, and its shared tier the store's files."""
     agent, endpoint, replay, policy = node_agent
     rng = random.Random(18)
     mirror = Mirror(ctx, endpoint, replay, b"kv@n1@default", MapBatch)
@@ -421,11 +465,35 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
                 elif op < 0.85:
                     c.get(key(i))  # a hit below DRAM promotes the chunk
                 else:
+                    # An upload of the key still under way may land after its delete and
+                    # leave the object unannounced (docs/events.md): let it land first.
+                    wait_until(lambda: _quiet(c.stats()), "uploads to land")
                     c.delete(key(i))
 
+        def hashes_of(k: bytes) -> set[int]:
+            return {h for h, hk in hashes.items() if hk == k} | {own(k)}
+
+        def local_only(k: bytes) -> bool:
+            """Held by no local tier, as the mirror (agreeing with STATS) has it."""
+            held = mirror.held.get("CPU_PINNED", set()) | mirror.held.get("DISK", set())
+            return not hashes_of(k) & held
+
+        fresh = iter(range(1000, 2000))
+
+        def put_fresh() -> Mirror:
+            """Store a new small chunk; the mirror, having applied what has arrived."""
+            k = key(next(fresh))
+            c.put(k, b"n")
+            hashes[own(k)] = k
+            mirror.pump()
+            return mirror
+
+        policy.write_text(POLICY_SHARED)  # reloaded in place: every commit goes to G4 too
+        wait_until(lambda: put_fresh().count("SHARED"), "uploads to be announced")
         workload(150)
         check("after puts, reads, deletes, evictions and demotions")
         assert mirror.count("DISK") > 0 and mirror.count("CPU_PINNED") > 0
+        assert mirror.count("SHARED") > 0
 
         nvme_key = next(hashes[h] for h in mirror.held["DISK"])
         path = agent.workdir.parent / "nvme" / nvme_key.hex()[:2] / f"{nvme_key.hex()}.kvc"
@@ -437,16 +505,23 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
         assert c.get(nvme_key) is None
         check("after a quarantine")
 
-        fresh = iter(range(1000, 2000))
+        # A shared copy found corrupt is deleted from the store: removed from the tier.
+        bad = next(k for k in _shared_objects(agent) if k in hashes.values()
+                   and local_only(k) and hashes_of(k) & mirror.held["SHARED"])
+        obj = agent.workdir.parent / "shared" / bad.hex()[:2] / f"{bad.hex()}.kvc"
+        with open(obj, "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+        assert c.get(bad) is None
+        check("after a corrupt shared copy")
+        assert not obj.exists() and not hashes_of(bad) & mirror.held["SHARED"]
 
         def heard_since(gaps: int) -> bool:
             """Store a new chunk (a subscriber learns of what it missed only from a later
             batch) until the mirror has seen a gap more than `gaps`."""
-            k = key(next(fresh))
-            c.put(k, b"n")
-            hashes[int.from_bytes(k[:8], "big")] = k
-            mirror.pump()
-            return mirror.gaps > gaps
+            return put_fresh().gaps > gaps
 
         mirror.disconnect()  # a subscriber that drops out misses batches: a gap
         published = scrape(agent)[PUBLISHED]
@@ -460,10 +535,10 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
         policy.write_text(POLICY_TTL)  # reloaded in place: NVMe chunks now expire
         wait_until(lambda: (_stats(c) or {}).get("nvme") == 0, "NVMe chunks to expire")
         check("after TTL expiries")
-        policy.write_text(POLICY)
+        policy.write_text(POLICY_SHARED)
         workload(60)
         check("before the restart")
-        _check_index(mirror, agent, hashes)
+        _check_index(mirror, agent, hashes, whole_store=True)
 
         gaps = mirror.gaps
         agent.stop(remove_arena=False)
@@ -473,7 +548,16 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
         # starts with AllBlocksCleared and the inventory of what the agent kept.
         wait_until(lambda: heard_since(gaps), "the mirror to detect the restart")
         check("after an agent restart")
-        _check_index(mirror, agent, hashes)
+        _check_index(mirror, agent, hashes, whole_store=False)
+        # The restarted agent knows of the shared store only what it learns again: a read
+        # of a chunk only the store holds announces it there (and in DRAM).
+        again = next(k for k in _shared_objects(agent) if k in hashes.values()
+                     and local_only(k) and own(k) not in mirror.held.get("SHARED", set()))
+        assert c.get(again) is not None
+        check("after a read from the shared tier")
+        assert own(again) in mirror.held["SHARED"]
+        _check_index(mirror, agent, hashes, whole_store=False)
+    policy.write_text(POLICY)
     mirror.disconnect()
     metrics = scrape(agent)
     assert metrics[PUBLISHED] > 0
@@ -492,3 +576,30 @@ def test_lookup_counts_prefill_tokens_per_tier(
     after = scrape(agent)
     assert after[series % ("hit", "dram")] - before[series % ("hit", "dram")] == 512
     assert after[series % ("miss", "none")] - before[series % ("miss", "none")] == 768
+
+
+def test_an_agent_withdraws_its_oldest_shared_chunk_past_its_bound(
+        ctx: zmq.Context[Any]) -> None:
+    """The shared store has no size the agent manages: past `shared_announced` chunks the
+    oldest announcement is withdrawn (the bound is a million; two here)."""
+    from kvpool.agent.config import EventsPayload
+    from kvpool.agent.events import Publisher, TierEvents
+
+    pub = Publisher(host="127.0.0.1", port=0, replay_port=0, replay_depth=100, queue_depth=100,
+                    shape=EventsPayload.MAP,
+                    medium={"dram": "CPU_PINNED", "nvme": "DISK", "shared": "SHARED"},
+                    published=lambda n: None, dropped=lambda n: None)
+    try:
+        tracker = TierEvents("", pub, node_topic="kv@n1@default", shared_announced=2)
+        tracker.start([])  # no event loop runs here: each event is published at once
+        for i in (1, 2, 3):
+            tracker.stored("shared", key(i))
+        tracker.stored("shared", key(2))  # announced already: nothing
+        assert pub.replay_endpoint is not None
+        mirror = Mirror(ctx, pub.endpoint, pub.replay_endpoint, b"kv@n1@default", MapBatch)
+        mirror._replay()
+        mirror.disconnect()
+        assert mirror.held["SHARED"] == {own(key(2)), own(key(3))}
+        assert tracker.announced() == {"dram": 0, "nvme": 0, "shared": 2}
+    finally:
+        pub.close()

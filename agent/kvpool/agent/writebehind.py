@@ -26,6 +26,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,9 @@ class WriteBehindQueue:
         """Uploads that succeeded."""
         self.dropped = 0
         """Writes given up: overflow, unhealthy tier, retries exhausted, close."""
+        self.uploaded: Callable[[bytes], None] | None = None
+        """Called with the key of each upload that landed, in the worker's thread (KV
+        events announce the chunk in the shared tier then)."""
         if start:
             self.start()
 
@@ -194,6 +198,9 @@ class WriteBehindQueue:
             except Exception:  # a worker must survive anything one upload throws
                 log.exception("write-behind upload of %s failed", rec.key.hex())
                 ok = False
+            landed = self.uploaded
+            if ok and landed is not None:
+                landed(rec.key)  # before drain() returns: a drained queue was announced
             with self._cond:
                 self._in_flight -= 1
                 self._in_flight_bytes -= rec.size

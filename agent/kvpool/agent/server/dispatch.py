@@ -67,6 +67,8 @@ class Dispatcher:
         out["clients"] = self._clients(space)
         if self.events is not None:
             out["events"] = self.events
+            if space.events is not None:  # what a subscriber that missed nothing holds
+                out["events"] = {**self.events, "announced": space.events.announced()}
         out["agent_version"] = __version__
         return out
 

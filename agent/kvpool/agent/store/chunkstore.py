@@ -143,6 +143,8 @@ class ChunkStore:
         self.observer = observer
         if self.nvme is not None:
             self.nvme.observer = observer
+        if self.shared is not None:
+            self.shared.observe(observer)
 
     def held(self) -> Iterable[tuple[TierName, bytes]]:
         """Every (tier, key) the local tiers hold now (what an observer starts from)."""

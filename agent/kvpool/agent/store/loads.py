@@ -66,10 +66,14 @@ class Loads:
         fut: asyncio.Future[Loaded | None] = loop.create_future()
         self.loading[key] = fut
         try:
-            got = await loop.run_in_executor(self.pool, read_shared, shared.tier, key, self.m)
+            got, gone = await loop.run_in_executor(self.pool, read_shared, shared.tier, key,
+                                                   self.m)
             result: Loaded | None = None
             if got is not None:
                 result = (got, "shared", 1)
+                shared.found(key)
+            elif gone:
+                shared.lost(key)
             fut.set_result(result)
             return result
         except BaseException as e:

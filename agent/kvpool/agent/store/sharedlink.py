@@ -10,6 +10,7 @@ as well as here, so an agent restarted meanwhile retries it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from ..metrics import AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.shared import SharedChunkTier
 from ..writebehind import QueueStats, WriteBehindQueue
+from .observer import NO_OBSERVER, TierObserver
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,42 @@ class SharedLink:
             journal.deletes = len(self.pending_deletes)
             journal.live_deletes = lambda: list(self.pending_deletes)
         self._retrying = False
+        self.observer: TierObserver = NO_OBSERVER
+        """Told of the chunks this agent knows the shared store to hold (`observe`)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def observe(self, observer: TierObserver) -> None:
+        """Tell `observer` what this agent learns of the shared store: its own uploads
+        landing, chunks it read there, and chunks it deleted or found gone or corrupt
+        there. Other nodes' uploads and deletes are not seen (docs/events.md)."""
+        self.observer = observer
+        if self.uploads is not None:
+            self.uploads.uploaded = self._landed
+
+    def _know_loop(self) -> None:
+        """Remember the event loop, for `_landed`: uploads land in worker threads, and
+        some are offered from one (NVMe files passed on to G4), but each is decided on
+        the loop first (`demotes`, `writes_through`)."""
+        if self._loop is None:
+            with contextlib.suppress(RuntimeError):
+                self._loop = asyncio.get_running_loop()
+
+    def _landed(self, key: bytes) -> None:
+        """An upload landed (a write-behind worker's thread): announced on the loop."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens
+                loop.call_soon_threadsafe(self.found, key)
+
+    def found(self, key: bytes) -> None:
+        """The store holds `key` (this agent's upload landed, or a read of it found it),
+        unless this agent deleted it meanwhile."""
+        if key not in self.pending_deletes:
+            self.observer.stored("shared", key)
+
+    def lost(self, key: bytes) -> None:
+        """The store holds no good copy of `key` (a read found it absent or corrupt)."""
+        self.observer.removed("shared", key)
 
     def healthy(self) -> bool:
         return self.tier.healthy()[0]
@@ -98,11 +136,13 @@ class SharedLink:
     def demotes(self, hits: int) -> bool:
         """Whether a chunk leaving the lowest local tier goes to G4 (when it is not there
         already by write-through)."""
+        self._know_loop()  # every upload is decided here or in `writes_through`
         rules = self._policy().tiers.shared
         return self.uploads is not None and not rules.write_through and pol.admits(rules, hits)
 
     def writes_through(self) -> bool:
         """Whether a freshly committed chunk is offered to G4 at once."""
+        self._know_loop()
         return self.uploads is not None and self._policy().tiers.shared.write_through
 
     def upload(self, rec: ChunkRecord) -> None:
@@ -124,6 +164,7 @@ class SharedLink:
             self.uploads.discard(key)
         if self._journal is not None:
             self._journal.shared_delete(key)  # first: a restart from here on retries it
+        self.observer.removed("shared", key)
         self.pending_deletes[key] = None
         self.pending_deletes.move_to_end(key)
         while len(self.pending_deletes) > PENDING_DELETES:

@@ -31,15 +31,19 @@ def read_nvme(nvme: NvmeTier, key: bytes, m: AgentMetrics, *,
     return rec
 
 
-def read_shared(shared: SharedChunkTier, key: bytes, m: AgentMetrics) -> ChunkRecord | None:
-    """A verified chunk from G4; a failure is a miss (the tier counts and logs it)."""
+def read_shared(shared: SharedChunkTier, key: bytes,
+                m: AgentMetrics) -> tuple[ChunkRecord | None, bool]:
+    """A verified chunk from G4, or None: a failure is a miss (the tier counts and logs
+    it); and whether the store was found to hold no good copy (absent, or corrupt and
+    deleted), as opposed to not answering."""
     try:
         rec = shared.read(key)
     except IntegrityError:
-        return None  # counted, logged and deleted by the tier
+        return None, True  # counted, logged and deleted by the tier
     except OSError as e:
         log.warning("shared read of %s failed: %s", key.hex(), e)
-        return None
-    if rec is not None:
-        m.read_bytes["shared"].inc(rec.size)
-    return rec
+        return None, False
+    if rec is None:
+        return None, True
+    m.read_bytes["shared"].inc(rec.size)
+    return rec, False
