@@ -243,7 +243,7 @@ def test_a_key_demoted_twice_before_the_first_write_lands_stays_in_nvme(
         indexed = sorted(index)
         assert _on_disk(store) == indexed
         assert store.nvme.nvme.used_bytes == sum(e.size for e in index.values())
-        assert sorted(indexed + list(store.dram.chunks)) == sorted([key, *filler])
+        assert sorted(indexed + list(store.dram)) == sorted([key, *filler])
 
     try:
         asyncio.run(main())

@@ -8,6 +8,11 @@ The queues hold facts only (`policy.Entry` objects, owned by the tier); what
 to evict is still decided by `policy.choose_victims`, which walks
 `candidates()` and stops as soon as enough bytes are chosen. No I/O, no clock.
 
+The S3-FIFO orders keep their lists in arrays indexed by the entries' slots
+(`EntrySlots`: the DRAM tier's own, else `ObjectSlots`) and their ghost lists as
+fingerprints (`GhostList`), so a queued chunk costs ~20 bytes of heap, not an
+ordered dict's node, entry and key.
+
 Orders (`EvictionOrder`):
 
 - `adaptive` (default): S3-FIFO whose probation size tunes itself from ghost
@@ -28,8 +33,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Generator
+from array import array
+from collections.abc import Generator, Iterator
+from typing import Protocol
 
 from .config import EvictionOrder
 from .policy import Entry, order_key
@@ -72,11 +78,13 @@ class EvictionQueue(ABC):
     def __contains__(self, key: bytes) -> bool: ...
 
 
-def new_queue(order: EvictionOrder) -> EvictionQueue:
+def new_queue(order: EvictionOrder, slots: EntrySlots | None = None) -> EvictionQueue:
+    """A queue in `order`; `slots`: the tier's own slots for its entries, where it has them
+    (the S3-FIFO orders keep theirs in arrays by slot; the heap orders hold the entries)."""
     if order is EvictionOrder.ADAPTIVE:
-        return AdaptiveQueue()
+        return AdaptiveQueue(slots=slots)
     if order is EvictionOrder.S3FIFO:
-        return S3FifoQueue()
+        return S3FifoQueue(slots=slots)
     return KeyedQueue(order)
 
 
@@ -130,52 +138,325 @@ class KeyedQueue(EvictionQueue):
         return key in self.entries
 
 
+class EntrySlots(Protocol):
+    """Where a queue's entries live: each has a small integer (its slot) while queued.
+
+    A queue keeps its order in arrays indexed by slot, so a tier whose own index is
+    slots (DRAM, `tiers/dram.py`) queues a chunk for ~20 bytes instead of an ordered
+    dict's node, entry and key (~250). Other entries get slots from `ObjectSlots`."""
+
+    def assign(self, entry: Entry) -> int:
+        """The slot of an entry being added."""
+
+    def slot(self, entry: Entry) -> int:
+        """The slot of an entry, -1 if it has none."""
+
+    def find(self, key: bytes) -> int:
+        """The slot of a key, -1 if none (a queue's `discard` asks before the tier forgets
+        the key)."""
+
+    def entry_at(self, slot: int) -> Entry: ...
+
+    def key_at(self, slot: int) -> bytes: ...
+
+    def forget(self, slot: int) -> None:
+        """The entry left the queue: its slot is no longer the queue's."""
+
+
+class ObjectSlots:
+    """Slots for entries that are objects of their own (NVMe's index, table tests)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[bytes, int] = {}
+        self._entries: list[Entry | None] = []
+        self._free: list[int] = []
+
+    def assign(self, entry: Entry) -> int:
+        slot = self._slots.get(entry.key)
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._entries)
+            if slot == len(self._entries):
+                self._entries.append(None)
+            self._slots[entry.key] = slot
+        self._entries[slot] = entry
+        return slot
+
+    def slot(self, entry: Entry) -> int:
+        return self._slots.get(entry.key, -1)
+
+    def find(self, key: bytes) -> int:
+        return self._slots.get(key, -1)
+
+    def entry_at(self, slot: int) -> Entry:
+        entry = self._entries[slot]
+        assert entry is not None
+        return entry
+
+    def key_at(self, slot: int) -> bytes:
+        return self.entry_at(slot).key
+
+    def forget(self, slot: int) -> None:
+        del self._slots[self.entry_at(slot).key]
+        self._entries[slot] = None
+        self._free.append(slot)
+
+
+class GhostList:
+    """Keys that left a queue, oldest first, as 64-bit fingerprints: ~20 bytes a key.
+
+    What an `OrderedDict[bytes, None]` did for ~150 bytes a key (the key's `bytes`,
+    the dict's entry, the order's node), for ghost lists as long as the queue itself.
+    A fingerprint is the key's `hash()` (SipHash, seeded per process, so a client cannot
+    aim keys at one probe run); two keys sharing one (about n^2 / 2^64) would both look
+    remembered, which costs a placement, never data.
+
+    `_ring` holds fingerprints in the order they were remembered (from `_head` on);
+    `_cells`, an open-addressing table at most half full, holds ring position + 1 of
+    each remembered fingerprint (0 empty, -1 a tombstone). A ring entry whose cell
+    points elsewhere (forgotten, or remembered again later) is skipped."""
+
+    def __init__(self) -> None:
+        self._ring = array("q")
+        self._head = 0
+        self._cells = array("i", bytes(4 * 1024))
+        self._mask = 1023
+        self._live = 0
+        self._dead = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self._cell(hash(key)) >= 0
+
+    def _cell(self, fp: int) -> int:
+        """The table cell holding `fp`, or -1."""
+        cells, ring, mask = self._cells, self._ring, self._mask
+        i = fp & mask
+        while True:
+            c = cells[i]
+            if c == 0:
+                return -1
+            if c > 0 and ring[c - 1] == fp:
+                return i
+            i = (i + 1) & mask
+
+    def add(self, key: bytes) -> None:
+        """Remember a key (one remembered already keeps its place)."""
+        fp = hash(key)
+        if self._cell(fp) >= 0:
+            return
+        if 2 * (self._live + self._dead + 1) > len(self._cells) or (
+                len(self._ring) - self._head > 2 * self._live + 1024):
+            self._rebuild(self._live + 1)
+        self._ring.append(fp)
+        self._place(fp, len(self._ring))
+        self._live += 1
+
+    def discard(self, key: bytes) -> None:
+        at = self._cell(hash(key))
+        if at >= 0:
+            self._cells[at] = -1
+            self._live -= 1
+            self._dead += 1
+
+    def pop_oldest(self) -> None:
+        """Forget the key remembered longest ago."""
+        ring = self._ring
+        while self._head < len(ring):
+            pos, self._head = self._head, self._head + 1
+            if self._at(pos):
+                self._cells[self._cell(ring[pos])] = -1
+                self._live -= 1
+                self._dead += 1
+                return
+
+    def _at(self, pos: int) -> bool:
+        """Whether ring position `pos` is where its fingerprint is remembered."""
+        at = self._cell(self._ring[pos])
+        return at >= 0 and self._cells[at] == pos + 1
+
+    def _place(self, fp: int, cell: int) -> None:
+        cells, mask = self._cells, self._mask
+        i = fp & mask
+        while cells[i] > 0:
+            i = (i + 1) & mask
+        if cells[i] < 0:
+            self._dead -= 1
+        cells[i] = cell
+
+    def _rebuild(self, need: int) -> None:
+        """The remembered fingerprints alone, in order, in a table at most a quarter full."""
+        ring = self._ring
+        live = array("q", (ring[p] for p in range(self._head, len(ring)) if self._at(p)))
+        size = 1024
+        while size < 4 * need:
+            size <<= 1
+        self._ring, self._head = live, 0
+        self._cells, self._mask, self._dead = array("i", bytes(4 * size)), size - 1, 0
+        for pos, fp in enumerate(live):
+            self._place(fp, pos + 1)
+
+
+_OUT, _SMALL, _MAIN = 0, 1, 2
+"""Where a slot is: not queued, in probation, in main."""
+_OFFERED = 4
+"""Added to _SMALL or _MAIN: yielded by the current walk, out of its queue until kept."""
+_NIL = -1
+
+
+class _View:
+    """A queue's keys in order, read-only (for tests and logs: `list(q.small)`, `k in q.main`)."""
+
+    def __init__(self, queue: S3FifoQueue, which: int) -> None:
+        self._q, self._which = queue, which
+
+    def __iter__(self) -> Iterator[bytes]:
+        q = self._q
+        slot = q._head[self._which]
+        while slot != _NIL:
+            yield q.slots.key_at(slot)
+            slot = q._next[slot]
+
+    def __contains__(self, key: object) -> bool:
+        q = self._q
+        slot = q.slots.find(key) if isinstance(key, bytes) else _NIL
+        return slot >= 0 and slot < len(q._where) and q._where[slot] == self._which
+
+    def __len__(self) -> int:
+        return self._q._lens[self._which]
+
+    def __bool__(self) -> bool:
+        return self._q._head[self._which] != _NIL
+
+
 class S3FifoQueue(EvictionQueue):
-    def __init__(self, small_fraction: float = SMALL_FRACTION) -> None:
+    """S3-FIFO: probation and main as doubly linked lists threaded through per-slot arrays."""
+
+    def __init__(self, small_fraction: float = SMALL_FRACTION,
+                 slots: EntrySlots | None = None) -> None:
         self.small_fraction = small_fraction
-        self.small: OrderedDict[bytes, Entry] = OrderedDict()
-        self.main: OrderedDict[bytes, Entry] = OrderedDict()
-        self.freq: dict[bytes, int] = {}
-        self.ghost: OrderedDict[bytes, None] = OrderedDict()
+        self.slots: EntrySlots = slots if slots is not None else ObjectSlots()
+        self._prev = array("i")
+        self._next = array("i")
+        self._where = array("B")
+        self._freq = array("B")
+        self._size = array("q")
+        self._head = [_NIL, _NIL, _NIL]  # by _SMALL / _MAIN
+        self._tail = [_NIL, _NIL, _NIL]
+        self._lens = [0, 0, 0]
+        self._count = 0
+        self.ghost = GhostList()
         self.small_bytes = 0
         self.main_bytes = 0
-        self._offered: dict[bytes, tuple[Entry, bool]] = {}
-        """Yielded by the current walk and not yet kept or gone: (entry, from probation)."""
+        self._offered: list[int] = []
+        """Slots yielded by the current walk, in order (kept or gone by its end)."""
+
+    @property
+    def small(self) -> _View:
+        return _View(self, _SMALL)
+
+    @property
+    def main(self) -> _View:
+        return _View(self, _MAIN)
+
+    # -- the lists
+
+    def _fit(self, slot: int) -> None:
+        while len(self._where) <= slot:
+            self._prev.append(_NIL)
+            self._next.append(_NIL)
+            self._where.append(_OUT)
+            self._freq.append(0)
+            self._size.append(0)
+
+    def _link(self, slot: int, which: int, *, front: bool = False) -> None:
+        prev, nxt, head, tail = self._prev, self._next, self._head, self._tail
+        if front:
+            prev[slot], nxt[slot] = _NIL, head[which]
+            if head[which] == _NIL:
+                tail[which] = slot
+            else:
+                prev[head[which]] = slot
+            head[which] = slot
+        else:
+            prev[slot], nxt[slot] = tail[which], _NIL
+            if tail[which] == _NIL:
+                head[which] = slot
+            else:
+                nxt[tail[which]] = slot
+            tail[which] = slot
+        self._where[slot] = which
+        self._lens[which] += 1
+
+    def _unlink(self, slot: int) -> None:
+        which = self._where[slot]
+        p, n = self._prev[slot], self._next[slot]
+        if p == _NIL:
+            self._head[which] = n
+        else:
+            self._next[p] = n
+        if n == _NIL:
+            self._tail[which] = p
+        else:
+            self._prev[n] = p
+        self._lens[which] -= 1
+
+    def _push(self, slot: int, *, small: bool, front: bool = False) -> None:
+        self._link(slot, _SMALL if small else _MAIN, front=front)
+        if small:
+            self.small_bytes += self._size[slot]
+        else:
+            self.main_bytes += self._size[slot]
+
+    def _take(self, slot: int) -> None:
+        """Out of its list (and its bytes out of the list's count)."""
+        self._unlink(slot)
+        if self._where[slot] == _SMALL:
+            self.small_bytes -= self._size[slot]
+        else:
+            self.main_bytes -= self._size[slot]
+
+    # -- the queue
+
+    def _member(self, slot: int) -> bool:
+        return 0 <= slot < len(self._where) and self._where[slot] != _OUT
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         key = entry.key
         self.discard(key)
-        self.freq[key] = 0
-        returning = key in self.ghost  # the ghost list's values are None: test membership
-        self.ghost.pop(key, None)
+        slot = self.slots.assign(entry)
+        self._fit(slot)
+        self._freq[slot] = 0
+        self._size[slot] = entry.size
+        self._count += 1
+        returning = key in self.ghost
+        self.ghost.discard(key)
         if returning or entry.hits > 0:
             # Seen before (left probation unhit, or was hit in another tier): main.
-            self._push(entry, small=False)
+            self._push(slot, small=False)
             return
-        self._push(entry, small=True)
-        if tail:
-            self.small.move_to_end(key, last=False)
+        self._push(slot, small=True, front=tail)
 
     def touched(self, entry: Entry) -> None:
-        if entry.key in self.freq:
-            self.freq[entry.key] = min(MAX_FREQ, self.freq[entry.key] + 1)
+        slot = self.slots.slot(entry)
+        if self._member(slot) and self._freq[slot] < MAX_FREQ:
+            self._freq[slot] += 1
 
     def discard(self, key: bytes) -> None:
-        if self.freq.pop(key, None) is None:
+        slot = self.slots.find(key)
+        if not self._member(slot):
             return
-        offered = self._offered.pop(key, None)
-        if offered is not None:
-            self._left(key, small=offered[1])
-            return
-        entry = self.small.pop(key, None)
-        if entry is not None:
-            self.small_bytes -= entry.size
-            self._left(key, small=True)
-            return
-        entry = self.main.pop(key, None)
-        if entry is not None:
-            self.main_bytes -= entry.size
-            self._left(key, small=False)
+        where = self._where[slot]
+        if where & _OFFERED:
+            small = where == _SMALL | _OFFERED
+        else:
+            small = where == _SMALL
+            self._take(slot)
+        self._where[slot] = _OUT
+        self._count -= 1
+        self._left(key, small=small)
+        self.slots.forget(slot)
 
     def _left(self, key: bytes, *, small: bool) -> None:
         if small:
@@ -183,60 +464,45 @@ class S3FifoQueue(EvictionQueue):
 
     def _remember(self, key: bytes) -> None:
         """Left probation without a second look: a return goes straight to main."""
-        self.ghost[key] = None
-        while len(self.ghost) > max(1024, len(self.main)):
-            self.ghost.popitem(last=False)
-
-    def _push(self, entry: Entry, *, small: bool) -> None:
-        if small:
-            self.small[entry.key] = entry
-            self.small_bytes += entry.size
-        else:
-            self.main[entry.key] = entry
-            self.main_bytes += entry.size
-
-    def _pop(self, small: bool) -> Entry:
-        queue = self.small if small else self.main
-        _, entry = queue.popitem(last=False)
-        if small:
-            self.small_bytes -= entry.size
-        else:
-            self.main_bytes -= entry.size
-        return entry
+        self.ghost.add(key)
+        while len(self.ghost) > max(1024, self._lens[_MAIN]):
+            self.ghost.pop_oldest()
 
     def candidates(self) -> Generator[Entry, None, None]:
         # Every step moves a chunk from probation to main, spends one of its
         # reinsertions, or yields it, so the walk ends within this many steps.
-        steps = (MAX_FREQ + 2) * len(self.freq) + 1
+        steps = (MAX_FREQ + 2) * self._count + 1
+        head = self._head
         try:
             for _ in range(steps):
                 total = self.small_bytes + self.main_bytes
-                from_small = bool(self.small) and (
-                    not self.main or self.small_bytes >= self.small_fraction * total)
-                if not from_small and not self.main:
+                from_small = head[_SMALL] != _NIL and (
+                    head[_MAIN] == _NIL or self.small_bytes >= self.small_fraction * total)
+                if not from_small and head[_MAIN] == _NIL:
                     return
-                entry = self._pop(from_small)
-                key = entry.key
-                if self.freq[key] > 0:  # hit since it came in: it stays
-                    self.freq[key] = 0 if from_small else self.freq[key] - 1
-                    self._push(entry, small=False)
+                slot = head[_SMALL if from_small else _MAIN]
+                self._take(slot)
+                if self._freq[slot] > 0:  # hit since it came in: it stays
+                    self._freq[slot] = 0 if from_small else self._freq[slot] - 1
+                    self._push(slot, small=False)
                     continue
-                self._offered[key] = (entry, from_small)
-                yield entry
+                self._where[slot] = (_SMALL if from_small else _MAIN) | _OFFERED
+                self._offered.append(slot)
+                yield self.slots.entry_at(slot)
         finally:
             # What the caller did not take (protected, or not needed) goes back to the
             # head of the queue it came from, in order: being looked at is not a hit.
-            for entry, from_small in reversed(self._offered.values()):
-                self._push(entry, small=from_small)
-                (self.small if from_small else self.main).move_to_end(entry.key, last=False)
+            for slot in reversed(self._offered):
+                where = self._where[slot]
+                if where & _OFFERED:
+                    self._push(slot, small=where == _SMALL | _OFFERED, front=True)
             self._offered.clear()
 
     def __len__(self) -> int:
-        return len(self.freq)
+        return self._count
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.freq
-
+        return self._member(self.slots.find(key))
 
 
 ADAPT_MIN, ADAPT_MAX = 0.01, 0.99
@@ -277,29 +543,29 @@ class AdaptiveQueue(S3FifoQueue):
     queue holds chunks (at least 1024), as ARC's do.
     """
 
-    def __init__(self, start: float = ADAPT_START) -> None:
-        super().__init__(small_fraction=start)
-        self.main_ghost: OrderedDict[bytes, None] = OrderedDict()
+    def __init__(self, start: float = ADAPT_START, slots: EntrySlots | None = None) -> None:
+        super().__init__(small_fraction=start, slots=slots)
+        self.main_ghost = GhostList()
         self._chain = -1
         """Depth of the last chunk hit or added in a run that extends a hit prefix, else -1."""
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         key = entry.key
-        if key not in self.freq:  # a re-add of a chunk still here is not a return
+        if key not in self:  # a re-add of a chunk still here is not a return
             self._adapt(key, entry.size)
         self.discard(key)
-        from_main = key in self.main_ghost  # the values are None: test membership
-        self.main_ghost.pop(key, None)
+        from_main = key in self.main_ghost
+        self.main_ghost.discard(key)
         super().add(entry, tail=tail)  # a probation ghost or an earlier hit: main
         # A new chunk right after a hit prefix (the chunk before it was just hit, or is
         # one of these) extends a prefix that is being reused: a conversation's next
         # turn. It joins its prefix in main rather than waiting in probation.
         extends = entry.depth > 0 and entry.depth == self._chain + 1
         self._chain = entry.depth if extends else -1
-        if (from_main or (extends and not tail)) and key in self.small:
-            self.small.pop(key)
-            self.small_bytes -= entry.size
-            self._push(entry, small=False)
+        slot = self.slots.slot(entry)
+        if (from_main or (extends and not tail)) and self._where[slot] == _SMALL:
+            self._take(slot)
+            self._push(slot, small=False)
 
     def _adapt(self, key: bytes, size: int) -> None:
         step = size / max(self.small_bytes + self.main_bytes, size, 1)
@@ -312,13 +578,18 @@ class AdaptiveQueue(S3FifoQueue):
 
     def touched(self, entry: Entry) -> None:
         self._chain = entry.depth
-        if entry.key in self.main:
-            self.main.move_to_end(entry.key)  # main is LRU
+        slot = self.slots.slot(entry)
+        if not 0 <= slot < len(self._where):
             return
-        super().touched(entry)
+        where = self._where[slot]
+        if where == _MAIN:
+            self._unlink(slot)  # main is LRU
+            self._link(slot, _MAIN)
+        elif where != _OUT and self._freq[slot] < MAX_FREQ:
+            self._freq[slot] += 1  # as S3-FIFO's
 
     def _left(self, key: bytes, *, small: bool) -> None:
         ghost = self.ghost if small else self.main_ghost
-        ghost[key] = None
-        while len(ghost) > max(1024, len(self.freq)):
-            ghost.popitem(last=False)
+        ghost.add(key)
+        while len(ghost) > max(1024, self._count):
+            ghost.pop_oldest()

@@ -30,9 +30,12 @@ from .config import AdmissionMode, EvictionOrder, OnEvict, TierName, TierPolicy,
 class Entry(Protocol):
     """What the policy knows of a chunk in a tier."""
 
-    key: bytes
-    size: int
-    tenant: str
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
     hits: int
     last_seq: int
     """Sequence number of the request that last touched it (one per LOOKUP, ALLOC, PUT)."""

@@ -119,7 +119,7 @@ class ChunkStore:
         """Allocations waiting for demotions to land (their pages to be freed)."""
         self.uncommitted: dict[int, int] = {}
         """Arena bytes (whole pages) under each connection's open write leases."""
-        self.dram_queue = new_queue(policy.tiers.dram.eviction)
+        self.dram_queue = new_queue(policy.tiers.dram.eviction, dram)
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         """Background writes and deletes: demotions, file removals, shared deletes and probes."""
         self.shared: SharedLink | None = None
@@ -148,7 +148,7 @@ class ChunkStore:
 
     def held(self) -> Iterable[tuple[TierName, bytes]]:
         """Every (tier, key) the local tiers hold now (what an observer starts from)."""
-        for key in self.dram.chunks:
+        for key in self.dram:
             yield "dram", key
         if self.nvme is not None:
             for key in self.nvme.nvme.index:
@@ -164,8 +164,8 @@ class ChunkStore:
         self.dram.pins -= old - new
         self.dram.pins |= new
         if policy.tiers.dram.eviction is not self.policy.tiers.dram.eviction:
-            self.dram_queue = new_queue(policy.tiers.dram.eviction)
-            for chunk in sorted(self.dram.chunks.values(), key=lambda c: c.last_seq):
+            self.dram_queue = new_queue(policy.tiers.dram.eviction, self.dram)
+            for chunk in sorted(self.dram.entries(), key=lambda c: c.last_seq):
                 self.dram_queue.add(chunk)
         if self.nvme is not None:
             self.nvme.set_policy(policy)
@@ -180,11 +180,15 @@ class ChunkStore:
         return seq, depth
 
     @staticmethod
-    def _touch(entry: pol.Entry, queue: EvictionQueue, seq: int, depth: int) -> None:
-        entry.hits += 1
-        entry.last_seq = seq
-        entry.depth = depth
-        entry.last_access = time.time()
+    def _touch(entry: pol.Entry, queue: EvictionQueue, seq: int, depth: int,
+               now: float) -> None:
+        if isinstance(entry, DramChunk):
+            entry.touch(seq, depth, now)  # one call into its arrays, not four
+        else:
+            entry.hits += 1
+            entry.last_seq = seq
+            entry.depth = depth
+            entry.last_access = now
         queue.touched(entry)
 
     def _touch_read(self, chunk: DramChunk) -> None:
@@ -209,18 +213,19 @@ class ChunkStore:
         m.lookups.inc()
         m.lookup_keys.inc(len(keys))
         seq = self._next_seq()
+        now = time.time()
         tiers = bytearray()
         nvme = self.nvme
         for depth, k in enumerate(keys):
             chunk = self.dram.get(k)
             if chunk is not None:
-                self._touch(chunk, self.dram_queue, seq, depth)
+                self._touch(chunk, self.dram_queue, seq, depth, now)
                 tiers.append(2)
                 continue
             if nvme is not None and nvme.holds(k):
                 entry = nvme.entry(k)
                 if entry is not None:
-                    self._touch(entry, nvme.queue, seq, depth)
+                    self._touch(entry, nvme.queue, seq, depth, now)
                 tiers.append(3)
                 continue
             break
@@ -240,7 +245,7 @@ class ChunkStore:
                 k = keys[depth]
                 chunk = self.dram.get(k)
                 if chunk is not None:
-                    self._touch(chunk, self.dram_queue, seq, depth)
+                    self._touch(chunk, self.dram_queue, seq, depth, now)
                     tiers.append(2)
                 elif self._below(k):
                     tiers.append(3)
@@ -565,9 +570,9 @@ class ChunkStore:
     # -- eviction and demotion
 
     def _drop_dram(self, key: bytes) -> bool:
+        self.dram_queue.discard(key)  # first: the queue finds the chunk by the tier's index
         if self.dram.remove(key) is None:
             return False
-        self.dram_queue.discard(key)
         if self.journal is not None:
             self.journal.drop(key)
         self.observer.removed("dram", key)
@@ -607,8 +612,8 @@ class ChunkStore:
         gone, unless a newer one speaks for the key), and waiting allocations retry."""
         if drop_journal and self.journal is not None:
             self.journal.drop(chunk.key)  # first: the pages are reused only once it is gone
-        self.dram.alloc.free(chunk.extents)
         self.demoting -= self._pages(chunk.size)
+        self.dram.release(chunk)
         waiters, self._room_waiters = self._room_waiters, []
         for fut in waiters:
             if not fut.done():
@@ -649,8 +654,8 @@ class ChunkStore:
                 if self.nvme.reserve(rec):
                     # Out of the index, but its pages and journal entry stay until its
                     # file has landed: a SIGKILL meanwhile finds it in DRAM again.
+                    self.dram_queue.discard(v.key)  # first, as in `_drop_dram`
                     self.dram.detach(v.key)
-                    self.dram_queue.discard(v.key)
                     self.observer.removed("dram", v.key)
                     self.demoting += self._pages(chunk.size)
                     self.m.evictions[("dram", v.reason)].inc()
@@ -754,7 +759,7 @@ class ChunkStore:
         wall = time.time() if now is None else now
         # Within the bound on demotions in flight: the rest go at a later sweep.
         self._evict_dram(self._admissible(pol.expired(
-            self.dram.chunks.values(), self.policy.tiers.dram.ttl, wall, self.dram.protected)))
+            self.dram.entries(), self.policy.tiers.dram.ttl, wall, self.dram.protected)))
         if self.nvme is not None:
             self.nvme.expire(wall)
 
@@ -822,7 +827,7 @@ class ChunkStore:
     def snapshot(self) -> StoreSnapshot:
         """What this store holds and has counted, now (STATS and the metrics read it)."""
         d, c = self.dram, self.counts
-        tiers = [TierSnapshot("dram", d.capacity_bytes, d.used_bytes, len(d.chunks),
+        tiers = [TierSnapshot("dram", d.capacity_bytes, d.used_bytes, len(d),
                               c.hits["dram"], c.misses["dram"], True)]
         demoting = demoting_bytes = removing = 0
         if self.nvme is not None:

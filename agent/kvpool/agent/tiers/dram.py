@@ -9,31 +9,109 @@ deleted while read is hidden at once and freed on its last release.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..arena import Arena, ExtentAllocator
 from ..journal import JournalEntry
+from ..keytable import KeyTable
 from ..lookupindex import SharedIndex
+from ..policy import Entry
 from ..protocol import Extents, checksum
 
 
-@dataclass(slots=True)
 class DramChunk:
-    key: bytes
-    extents: Extents
-    size: int
-    checksum: int
-    meta: bytes
-    tenant: str
-    checksum_kind: int = 0
-    readers: int = 0
-    hits: int = 0
-    last_seq: int = 0
-    depth: int = 0
-    last_access: float = 0.0
-    hidden: bool = False
-    """Deleted or evicted while read: invisible, freed when the last reader releases."""
+    """One DRAM chunk: a view of its slot in the tier's arrays (made on demand, two words).
+
+    Valid while the slot is taken: while the chunk is visible, read (hidden), or being
+    demoted (detached, until `DramTier.release`). Its facts are `policy.Entry`'s."""
+
+    __slots__ = ("_t", "slot")
+
+    def __init__(self, tier: DramTier, slot: int) -> None:
+        self._t = tier
+        self.slot = slot
+
+    def __repr__(self) -> str:
+        return f"DramChunk({self.key.hex()}, slot={self.slot})"
+
+    @property
+    def key(self) -> bytes:
+        return self._t.index.key_at(self.slot)
+
+    @property
+    def extents(self) -> Extents:
+        t, slot = self._t, self.slot
+        offset = t._offset[slot]
+        return [(offset, t._size[slot])] if offset >= 0 else list(t._spread[slot])
+
+    @property
+    def size(self) -> int:
+        return self._t._size[self.slot]
+
+    @property
+    def checksum(self) -> int:
+        return self._t._checksum[self.slot]
+
+    @property
+    def checksum_kind(self) -> int:
+        return self._t._kind[self.slot]
+
+    @property
+    def meta(self) -> bytes:
+        return self._t._meta[self.slot]
+
+    @property
+    def tenant(self) -> str:
+        return self._t._tenant_names[self._t._tenant[self.slot]]
+
+    @property
+    def readers(self) -> int:
+        return self._t._readers[self.slot]
+
+    @property
+    def hidden(self) -> bool:
+        """Deleted or evicted while read: invisible, freed when the last reader releases."""
+        return self._t._state[self.slot] == _HIDDEN
+
+    @property
+    def hits(self) -> int:
+        return self._t._hits[self.slot]
+
+    @hits.setter
+    def hits(self, n: int) -> None:
+        self._t._hits[self.slot] = n
+
+    @property
+    def last_seq(self) -> int:
+        return self._t._seq[self.slot]
+
+    @last_seq.setter
+    def last_seq(self, seq: int) -> None:
+        self._t._seq[self.slot] = seq
+
+    @property
+    def depth(self) -> int:
+        return self._t._depth[self.slot]
+
+    @depth.setter
+    def depth(self, depth: int) -> None:
+        self._t._depth[self.slot] = depth
+
+    @property
+    def last_access(self) -> float:
+        return self._t._access[self.slot]
+
+    @last_access.setter
+    def last_access(self, t: float) -> None:
+        self._t._access[self.slot] = t
+
+    def touch(self, seq: int, depth: int, now: float) -> None:
+        """A hit: by request `seq` at `depth` of its prefix, at wall-clock time `now`."""
+        t, slot = self._t, self.slot
+        t._hits[slot] += 1
+        t._seq[slot], t._depth[slot], t._access[slot] = seq, depth, now
 
 
 @dataclass(slots=True)
@@ -55,12 +133,20 @@ class ReadLease:
     owner: int
 
 
+_LIVE, _HIDDEN, _DETACHED = 0, 1, 2
+"""A slot's chunk is visible; read after it was deleted or evicted; being demoted."""
+
+
 @dataclass
 class DramTier:
     arena: Arena
     alloc: ExtentAllocator = field(init=False)
-    chunks: dict[bytes, DramChunk] = field(default_factory=dict)
-    """Index of visible chunks."""
+    index: KeyTable = field(default_factory=KeyTable)
+    """Visible chunks' keys to their slots; a chunk's facts are rows of the arrays below.
+
+    Flat arrays, not an object per chunk: at a million chunks an object, its extents
+    list and a dict entry cost ~700 bytes of heap a chunk, these ~100 (docs/benchmarks.md,
+    issue 20)."""
     writes: dict[int, WriteLease] = field(default_factory=dict)
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: set[bytes] = field(default_factory=set)
@@ -74,6 +160,23 @@ class DramTier:
 
     def __post_init__(self) -> None:
         self.alloc = ExtentAllocator(self.arena.size)
+        self._offset = array("q")
+        """Byte offset of a chunk in one extent (nearly all); -1: its extents are in `_spread`."""
+        self._spread: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._size = array("q")
+        self._checksum = array("Q")
+        self._kind = array("B")
+        self._meta: list[bytes] = []
+        """Mostly the one empty `bytes` object, shared."""
+        self._tenant = array("I")
+        self._tenant_names: list[str] = []
+        self._tenant_ids: dict[str, int] = {}
+        self._readers = array("i")
+        self._hits = array("q")
+        self._seq = array("q")
+        self._depth = array("i")
+        self._access = array("d")
+        self._state = array("B")
 
     # -- capacity
 
@@ -88,12 +191,47 @@ class DramTier:
 
     # -- index
 
+    def __len__(self) -> int:
+        """Visible chunks."""
+        return len(self.index)
+
     def get(self, key: bytes) -> DramChunk | None:
-        return self.chunks.get(key)
+        slot = self.index.find(key)
+        return None if slot < 0 else DramChunk(self, slot)
+
+    def __iter__(self) -> Iterator[bytes]:
+        """The visible chunks' keys, in no particular order."""
+        return map(self.index.key_at, self.index.live_slots())
+
+    def entries(self) -> Iterator[DramChunk]:
+        """The visible chunks, in no particular order."""
+        return (DramChunk(self, slot) for slot in self.index.live_slots())
+
+    # the slots of its chunks, for its eviction queue (`eviction.EntrySlots`)
+
+    def assign(self, entry: Entry) -> int:
+        return self.slot(entry)
+
+    def slot(self, entry: Entry) -> int:
+        return entry.slot  # type: ignore[attr-defined,no-any-return]  # a DramChunk: hot
+
+    def find(self, key: bytes) -> int:
+        return self.index.find(key)
+
+    def entry_at(self, slot: int) -> DramChunk:
+        return DramChunk(self, slot)
+
+    def key_at(self, slot: int) -> bytes:
+        return self.index.key_at(slot)
+
+    def forget(self, slot: int) -> None:
+        """Nothing to do: the slot is the tier's until the chunk is released."""
 
     def journal_entries(self) -> Iterator[JournalEntry]:
-        """The commit journal's view of the visible chunks (what a compaction keeps)."""
-        for c in self.chunks.values():
+        """The commit journal's view of the visible chunks (what a compaction keeps), least
+        recently used first: a restart admits them in this order."""
+        for slot in sorted(self.index.live_slots(), key=self._seq.__getitem__):
+            c = DramChunk(self, slot)
             yield JournalEntry(c.key, c.extents, c.size, c.checksum, c.meta, c.tenant,
                                c.checksum_kind)
 
@@ -109,49 +247,85 @@ class DramTier:
 
     def protected(self, key: bytes) -> bool:
         """Pinned or read right now: never evicted."""
-        chunk = self.chunks.get(key)
-        return key in self.pins or (chunk is not None and chunk.readers > 0)
+        if key in self.pins:
+            return True
+        slot = self.index.find(key)
+        return slot >= 0 and self._readers[slot] > 0
 
     def insert(self, key: bytes, extents: Extents, size: int, checksum: int, meta: bytes,
                tenant: str, checksum_kind: int = 0) -> DramChunk:
-        chunk = DramChunk(key, extents, size, checksum, meta, tenant, checksum_kind)
-        self.chunks[key] = chunk
+        """Make a chunk visible (the key must not be: the store checks first)."""
+        slot = self.index.add(key)
+        tenant_id = self._tenant_ids.get(tenant)
+        if tenant_id is None:
+            tenant_id = self._tenant_ids[tenant] = len(self._tenant_names)
+            self._tenant_names.append(tenant)
+        if slot == len(self._size):
+            self._add_row()
+        offset = extents[0][0] if len(extents) == 1 else -1
+        self._offset[slot], self._size[slot] = offset, size
+        self._checksum[slot], self._kind[slot] = checksum, checksum_kind
+        self._meta[slot], self._tenant[slot] = meta, tenant_id
+        self._readers[slot] = self._hits[slot] = self._seq[slot] = self._depth[slot] = 0
+        self._access[slot] = 0.0
+        self._state[slot] = _LIVE
+        if offset < 0:
+            self._spread[slot] = tuple(extents)
         if self.published is not None:
             if not self.published.add(key):
-                self.published.rebuild(self.chunks)  # with this key: it is in self.chunks
+                self.published.rebuild(iter(self))  # with this key: it is in the index
             self._tidy_published()
-        return chunk
+        return DramChunk(self, slot)
+
+    def _add_row(self) -> None:
+        for column in (self._offset, self._size, self._checksum, self._kind, self._tenant,
+                       self._readers, self._hits, self._seq, self._depth, self._state):
+            column.append(0)
+        self._access.append(0.0)
+        self._meta.append(b"")
 
     def remove(self, key: bytes) -> DramChunk | None:
         """Take a chunk out of the index; its space is freed now or on its last release."""
-        chunk = self.chunks.pop(key, None)
-        if chunk is None:
+        slot = self.index.remove(key)
+        if slot < 0:
             return None
         if self.published is not None:
             self.published.remove(key)
             self._tidy_published()
-        if chunk.readers:
-            chunk.hidden = True
+        chunk = DramChunk(self, slot)
+        if self._readers[slot]:
+            self._state[slot] = _HIDDEN
         else:
-            self.alloc.free(chunk.extents)
+            self.release(chunk)
         return chunk
 
     def detach(self, key: bytes) -> DramChunk | None:
-        """Take an unread chunk out of the index keeping its pages: the caller frees them
-        (a chunk being demoted keeps its pages until its NVMe copy has landed)."""
-        chunk = self.chunks.get(key)
-        if chunk is None or chunk.readers:
+        """Take an unread chunk out of the index keeping its pages and its slot: the caller
+        gives them back with `release` (a chunk being demoted keeps its pages until its
+        NVMe copy has landed)."""
+        slot = self.index.find(key)
+        if slot < 0 or self._readers[slot]:
             return None
-        del self.chunks[key]
+        self.index.remove(key)
+        self._state[slot] = _DETACHED
         if self.published is not None:
             self.published.remove(key)
             self._tidy_published()
-        return chunk
+        return DramChunk(self, slot)
+
+    def release(self, chunk: DramChunk) -> None:
+        """Free a chunk out of the index: its pages, then its slot. The slot's facts stay
+        readable until the next `insert` reuses it."""
+        slot = chunk.slot
+        self.alloc.free(chunk.extents)
+        self._spread.pop(slot, None)
+        self._meta[slot] = b""  # the chunk's metadata is not kept alive by a free slot
+        self.index.release(slot)
 
     def _tidy_published(self) -> None:
         assert self.published is not None
         if self.published.crowded:
-            self.published.rebuild(self.chunks)
+            self.published.rebuild(iter(self))
 
     # -- leases
 
@@ -176,7 +350,7 @@ class DramTier:
         return lease
 
     def open_read(self, chunk: DramChunk, owner: int) -> ReadLease:
-        chunk.readers += 1
+        self._readers[chunk.slot] += 1
         lease = ReadLease(self._lease_id(), chunk, owner)
         self.reads[lease.id] = lease
         self._hold(owner, 1)
@@ -188,10 +362,10 @@ class DramTier:
             return False
         del self.reads[lease_id]
         self._hold(owner, -1)
-        chunk = lease.chunk
-        chunk.readers -= 1
-        if chunk.hidden and chunk.readers == 0:
-            self.alloc.free(chunk.extents)
+        slot = lease.chunk.slot
+        self._readers[slot] -= 1
+        if self._state[slot] == _HIDDEN and self._readers[slot] == 0:
+            self.release(lease.chunk)
         return True
 
     def _hold(self, owner: int, n: int) -> None:

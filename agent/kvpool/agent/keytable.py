@@ -1,0 +1,133 @@
+"""Chunk keys to small integers (slots) in flat arrays: a tier index for millions of chunks.
+
+A `dict[bytes, ...]` costs about 140 bytes of heap per 16-byte key (the key's
+`bytes` object, the dict's entry and index, an `int` per value); a tier's
+per-chunk facts then live in parallel arrays indexed by the slot (see
+`tiers/dram.py`). Here a key costs its 16 bytes in one `bytearray` plus a
+4-byte cell of an open-addressing table kept at most half full: 24-32 bytes.
+
+Linear probing from the key's `hash()` (SipHash, seeded per process: a client
+choosing keys cannot aim them at one probe run). A cell holds 0 (empty), -1 (a
+tombstone: probing goes on past it) or slot + 1. Tombstones are dropped when
+the table is rebuilt, which it is once live and dead cells pass half of it.
+
+A slot outlives its key in the table: `remove` takes the key out (it is no
+longer found) and `release` hands the slot back for reuse, so a tier can keep a
+chunk that is still being read, or still being demoted, in its slot after its
+key has gone. Keys are exactly `KEY_BYTES` long (the protocol checks that).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+from .constants import KEY_BYTES
+
+_MIN_CELLS = 1 << 10
+_EMPTY, _DEAD = 0, -1
+
+
+class KeyTable:
+    """Keys to slots and back. Slots are 0, 1, 2, ... reused after `release`."""
+
+    def __init__(self) -> None:
+        self._cells = array("i", bytes(4 * _MIN_CELLS))
+        self._mask = _MIN_CELLS - 1
+        self._keys = bytearray()
+        """KEY_BYTES per slot: the key each slot holds (or held, once released)."""
+        self._free = array("i")
+        """Released slots, reused last-in first-out."""
+        self.live = 0
+        """Keys in the table."""
+        self._dead = 0
+
+    @property
+    def slots(self) -> int:
+        """Slots ever handed out: arrays indexed by slot need this many rows."""
+        return len(self._keys) // KEY_BYTES
+
+    def __len__(self) -> int:
+        return self.live
+
+    def find(self, key: bytes) -> int:
+        """The slot of `key`, or -1."""
+        cells, mask = self._cells, self._mask
+        i = hash(key) & mask
+        cell = cells[i]
+        while cell:
+            if cell > 0:
+                at = (cell - 1) * KEY_BYTES
+                if self._keys[at : at + KEY_BYTES] == key:
+                    return cell - 1
+            i = (i + 1) & mask
+            cell = cells[i]
+        return -1
+
+    def add(self, key: bytes) -> int:
+        """A slot for a key not in the table (the caller checked with `find`)."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+        if 2 * (self.live + self._dead + 1) > len(self._cells):
+            self._rebuild(self.live + 1)
+        if self._free:
+            slot = self._free.pop()
+            self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = key
+        else:
+            slot = self.slots
+            self._keys += key
+        self._place(key, slot)
+        self.live += 1
+        return slot
+
+    def remove(self, key: bytes) -> int:
+        """Take `key` out of the table; its slot (returned, -1 if absent) stays taken until
+        `release`, and still answers `key_at`."""
+        cells, keys, mask = self._cells, self._keys, self._mask
+        i = hash(key) & mask
+        while True:
+            cell = cells[i]
+            if cell == _EMPTY:
+                return -1
+            if cell > 0:
+                at = (cell - 1) * KEY_BYTES
+                if keys[at : at + KEY_BYTES] == key:
+                    cells[i] = _DEAD
+                    self.live -= 1
+                    self._dead += 1
+                    return cell - 1
+            i = (i + 1) & mask
+
+    def release(self, slot: int) -> None:
+        """A removed key's slot may be handed out again."""
+        self._free.append(slot)
+
+    def key_at(self, slot: int) -> bytes:
+        return bytes(self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
+
+    def live_slots(self) -> Iterator[int]:
+        """The slots of the keys in the table, in no particular order."""
+        for cell in self._cells:
+            if cell > 0:
+                yield cell - 1
+
+    def _place(self, key: bytes, slot: int) -> None:
+        cells, mask = self._cells, self._mask
+        i = hash(key) & mask
+        while cells[i] > 0:  # a tombstone is reused: the key is known to be absent
+            i = (i + 1) & mask
+        if cells[i] == _DEAD:
+            self._dead -= 1
+        cells[i] = slot + 1
+
+    def _rebuild(self, need: int) -> None:
+        """A table at most a quarter full of `need` keys, without tombstones."""
+        size = _MIN_CELLS
+        while size < 4 * need:
+            size <<= 1
+        live = list(self.live_slots())
+        self._cells = array("i", bytes(4 * size))
+        self._mask = size - 1
+        self._dead = 0
+        for slot in live:
+            self._place(self.key_at(slot), slot)
