@@ -49,6 +49,9 @@ MAX_FREQ = 3
 class EvictionQueue(ABC):
     """One tier's entries in eviction order. Call from one thread (the event loop)."""
 
+    slots: EntrySlots
+    """Where the entries live (the tier's slots, or `ObjectSlots`)."""
+
     @abstractmethod
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         """A chunk entered the tier; `tail`: it is the last chunk of its prompt."""
@@ -57,9 +60,15 @@ class EvictionQueue(ABC):
     def touched(self, entry: Entry) -> None:
         """A chunk was hit, or its hits / last_seq / depth changed."""
 
+    def touched_slot(self, slot: int, depth: int) -> None:
+        """`touched` for the entry in `slot`, hit at `depth` (its facts updated already):
+        the DRAM LOOKUP's path, which makes no view of the chunk."""
+        self.touched(self.slots.entry_at(slot))
+
     @abstractmethod
     def discard(self, key: bytes) -> None:
-        """A chunk left the tier (evicted, deleted, moved)."""
+        """A chunk left the tier (evicted, deleted, moved); call it while the tier still
+        knows the key (a queue on the tier's slots finds the chunk through it)."""
 
     @abstractmethod
     def candidates(self) -> Generator[Entry, None, None]:
@@ -85,13 +94,15 @@ def new_queue(order: EvictionOrder, slots: EntrySlots | None = None) -> Eviction
         return AdaptiveQueue(slots=slots)
     if order is EvictionOrder.S3FIFO:
         return S3FifoQueue(slots=slots)
-    return KeyedQueue(order)
+    return KeyedQueue(order, slots)
 
 
 class KeyedQueue(EvictionQueue):
     """Smallest `order_key(entry)` first, via a heap whose stale rows are skipped."""
 
-    def __init__(self, order: EvictionOrder) -> None:
+    def __init__(self, order: EvictionOrder, slots: EntrySlots | None = None) -> None:
+        self.slots = slots if slots is not None else ObjectSlots()
+        """Only for `touched_slot`: the heap holds the entries themselves."""
         self.key = order_key(order)
         self.entries: dict[bytes, Entry] = {}
         self._heap: list[tuple[tuple[int, ...], int, bytes]] = []
@@ -424,7 +435,13 @@ class S3FifoQueue(EvictionQueue):
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         key = entry.key
-        self.discard(key)
+        slot = self.slots.find(key)
+        if self._member(slot):
+            self._discard_slot(slot, key)
+        self._admit(entry, key, tail)
+
+    def _admit(self, entry: Entry, key: bytes, tail: bool) -> int:
+        """Queue an entry that is not queued; its slot."""
         slot = self.slots.assign(entry)
         self._fit(slot)
         self._freq[slot] = 0
@@ -435,18 +452,23 @@ class S3FifoQueue(EvictionQueue):
         if returning or entry.hits > 0:
             # Seen before (left probation unhit, or was hit in another tier): main.
             self._push(slot, small=False)
-            return
+            return slot
         self._push(slot, small=True, front=tail)
+        return slot
 
     def touched(self, entry: Entry) -> None:
-        slot = self.slots.slot(entry)
+        self.touched_slot(self.slots.slot(entry), entry.depth)
+
+    def touched_slot(self, slot: int, depth: int) -> None:
         if self._member(slot) and self._freq[slot] < MAX_FREQ:
             self._freq[slot] += 1
 
     def discard(self, key: bytes) -> None:
         slot = self.slots.find(key)
-        if not self._member(slot):
-            return
+        if self._member(slot):
+            self._discard_slot(slot, key)
+
+    def _discard_slot(self, slot: int, key: bytes) -> None:
         where = self._where[slot]
         if where & _OFFERED:
             small = where == _SMALL | _OFFERED
@@ -551,18 +573,19 @@ class AdaptiveQueue(S3FifoQueue):
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         key = entry.key
-        if key not in self:  # a re-add of a chunk still here is not a return
+        slot = self.slots.find(key)
+        if self._member(slot):  # a re-add of a chunk still here is not a return
+            self._discard_slot(slot, key)
+        else:
             self._adapt(key, entry.size)
-        self.discard(key)
         from_main = key in self.main_ghost
         self.main_ghost.discard(key)
-        super().add(entry, tail=tail)  # a probation ghost or an earlier hit: main
+        slot = self._admit(entry, key, tail)  # a probation ghost or an earlier hit: main
         # A new chunk right after a hit prefix (the chunk before it was just hit, or is
         # one of these) extends a prefix that is being reused: a conversation's next
         # turn. It joins its prefix in main rather than waiting in probation.
         extends = entry.depth > 0 and entry.depth == self._chain + 1
         self._chain = entry.depth if extends else -1
-        slot = self.slots.slot(entry)
         if (from_main or (extends and not tail)) and self._where[slot] == _SMALL:
             self._take(slot)
             self._push(slot, small=False)
@@ -576,9 +599,8 @@ class AdaptiveQueue(S3FifoQueue):
             step *= max(1.0, len(self.ghost) / len(self.main_ghost))
             self.small_fraction = max(ADAPT_MIN, self.small_fraction - step)
 
-    def touched(self, entry: Entry) -> None:
-        self._chain = entry.depth
-        slot = self.slots.slot(entry)
+    def touched_slot(self, slot: int, depth: int) -> None:
+        self._chain = depth
         if not 0 <= slot < len(self._where):
             return
         where = self._where[slot]

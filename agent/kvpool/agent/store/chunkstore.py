@@ -129,11 +129,11 @@ class ChunkStore:
         self.nvme: Demotion | None = None
         if nvme is not None:
             self.nvme = Demotion(nvme, self.io, metrics, policy,
-                                 in_dram=lambda k: self.dram.get(k) is not None,
+                                 in_dram=lambda k: k in self.dram,
                                  pinned=lambda k: k in self.dram.pins, shared=self.shared,
                                  settled=self._demoted)
         self.loads = Loads(self.nvme, self.shared, metrics, position=self._position,
-                           in_dram=lambda k: self.dram.get(k) is not None)
+                           in_dram=lambda k: k in self.dram)
         self._background: set[asyncio.Task[None]] = set()
         self.observer: TierObserver = NO_OBSERVER
         """Told of every chunk entering and leaving a tier (`observe`)."""
@@ -182,14 +182,16 @@ class ChunkStore:
     @staticmethod
     def _touch(entry: pol.Entry, queue: EvictionQueue, seq: int, depth: int,
                now: float) -> None:
-        if isinstance(entry, DramChunk):
-            entry.touch(seq, depth, now)  # one call into its arrays, not four
-        else:
-            entry.hits += 1
-            entry.last_seq = seq
-            entry.depth = depth
-            entry.last_access = now
+        entry.hits += 1
+        entry.last_seq = seq
+        entry.depth = depth
+        entry.last_access = now
         queue.touched(entry)
+
+    def _hit_dram(self, slot: int, seq: int, depth: int, now: float) -> None:
+        """`_touch` for a DRAM chunk by its slot: LOOKUP's hot path, no view made."""
+        self.dram.hit(slot, seq, depth, now)
+        self.dram_queue.touched_slot(slot, depth)
 
     def _touch_read(self, chunk: DramChunk) -> None:
         """A read keeps the request grouping its LOOKUP gave it (prefix order needs it);
@@ -216,10 +218,11 @@ class ChunkStore:
         now = time.time()
         tiers = bytearray()
         nvme = self.nvme
+        find = self.dram.index.find
         for depth, k in enumerate(keys):
-            chunk = self.dram.get(k)
-            if chunk is not None:
-                self._touch(chunk, self.dram_queue, seq, depth, now)
+            slot = find(k)
+            if slot >= 0:
+                self._hit_dram(slot, seq, depth, now)
                 tiers.append(2)
                 continue
             if nvme is not None and nvme.holds(k):
@@ -243,9 +246,9 @@ class ChunkStore:
             # key of it that is local after all is reported (and counted) in its local tier.
             for depth in range(local, local + await self.shared.prefix(keys[local:])):
                 k = keys[depth]
-                chunk = self.dram.get(k)
-                if chunk is not None:
-                    self._touch(chunk, self.dram_queue, seq, depth, now)
+                slot = find(k)
+                if slot >= 0:
+                    self._hit_dram(slot, seq, depth, now)
                     tiers.append(2)
                 elif self._below(k):
                     tiers.append(3)
@@ -281,7 +284,7 @@ class ChunkStore:
         return len(self.deleted) >= RECENT_DELETES and oldest > mark
 
     def contains(self, key: bytes) -> bool:
-        return self.dram.get(key) is not None or self._below(key)
+        return key in self.dram or self._below(key)
 
     def _below(self, key: bytes) -> bool:
         """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
@@ -402,10 +405,9 @@ class ChunkStore:
                 raise OpError(ErrorCode.NO_SPACE,
                               f"chunk not stored: the commit journal cannot record it ({e})"
                               ) from e
-        chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant, kind)
         seq, depth, last = self.recent.get(key) or (self._next_seq(), 0, False)
-        chunk.last_seq, chunk.depth, chunk.last_access = seq, depth, time.time()
-        chunk.hits = hits
+        chunk = self.dram.insert(key, extents, size, checksum_, meta, tenant, kind, hits=hits,
+                                 seq=seq, depth=depth, now=time.time())
         self.dram_queue.add(chunk, tail=last)
         self.m.written_bytes["dram"].inc(size)
         self.observer.stored("dram", key)
@@ -806,9 +808,7 @@ class ChunkStore:
                 dropped += 1
                 continue
             chunk = self.dram.insert(e.key, e.extents, e.size, e.checksum, e.meta, e.tenant,
-                                     e.checksum_kind)
-            chunk.last_seq = self._next_seq()
-            chunk.last_access = time.time()
+                                     e.checksum_kind, seq=self._next_seq(), now=time.time())
             self.dram_queue.add(chunk)
             live.append(e)
             kept += 1

@@ -107,12 +107,6 @@ class DramChunk:
     def last_access(self, t: float) -> None:
         self._t._access[self.slot] = t
 
-    def touch(self, seq: int, depth: int, now: float) -> None:
-        """A hit: by request `seq` at `depth` of its prefix, at wall-clock time `now`."""
-        t, slot = self._t, self.slot
-        t._hits[slot] += 1
-        t._seq[slot], t._depth[slot], t._access[slot] = seq, depth, now
-
 
 @dataclass(slots=True)
 class WriteLease:
@@ -199,6 +193,15 @@ class DramTier:
         slot = self.index.find(key)
         return None if slot < 0 else DramChunk(self, slot)
 
+    def __contains__(self, key: bytes) -> bool:
+        return self.index.find(key) >= 0
+
+    def hit(self, slot: int, seq: int, depth: int, now: float) -> None:
+        """The chunk in `slot` was hit by request `seq` at `depth` of its prefix, at
+        wall-clock time `now` (LOOKUP's path: no view of the chunk is made)."""
+        self._hits[slot] += 1
+        self._seq[slot], self._depth[slot], self._access[slot] = seq, depth, now
+
     def __iter__(self) -> Iterator[bytes]:
         """The visible chunks' keys, in no particular order."""
         return map(self.index.key_at, self.index.live_slots())
@@ -253,8 +256,10 @@ class DramTier:
         return slot >= 0 and self._readers[slot] > 0
 
     def insert(self, key: bytes, extents: Extents, size: int, checksum: int, meta: bytes,
-               tenant: str, checksum_kind: int = 0) -> DramChunk:
-        """Make a chunk visible (the key must not be: the store checks first)."""
+               tenant: str, checksum_kind: int = 0, *, hits: int = 0, seq: int = 0,
+               depth: int = 0, now: float = 0.0) -> DramChunk:
+        """Make a chunk visible (the key must not be: the store checks first), with its
+        hits so far and the request (`seq`, `depth`) and time (`now`) of its last access."""
         slot = self.index.add(key)
         tenant_id = self._tenant_ids.get(tenant)
         if tenant_id is None:
@@ -266,8 +271,9 @@ class DramTier:
         self._offset[slot], self._size[slot] = offset, size
         self._checksum[slot], self._kind[slot] = checksum, checksum_kind
         self._meta[slot], self._tenant[slot] = meta, tenant_id
-        self._readers[slot] = self._hits[slot] = self._seq[slot] = self._depth[slot] = 0
-        self._access[slot] = 0.0
+        self._readers[slot] = 0
+        self._hits[slot], self._seq[slot], self._depth[slot] = hits, seq, depth
+        self._access[slot] = now
         self._state[slot] = _LIVE
         if offset < 0:
             self._spread[slot] = tuple(extents)
