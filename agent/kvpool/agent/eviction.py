@@ -238,7 +238,7 @@ class GhostList:
         return self._live
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and self._cell(hash(key)) >= 0
+        return self._live > 0 and isinstance(key, bytes) and self._cell(hash(key)) >= 0
 
     def _cell(self, fp: int) -> int:
         """The table cell holding `fp`, or -1."""
@@ -438,17 +438,17 @@ class S3FifoQueue(EvictionQueue):
         slot = self.slots.find(key)
         if self._member(slot):
             self._discard_slot(slot, key)
-        self._admit(entry, key, tail)
+        self._admit(entry, key, tail, key in self.ghost)
 
-    def _admit(self, entry: Entry, key: bytes, tail: bool) -> int:
-        """Queue an entry that is not queued; its slot."""
+    def _admit(self, entry: Entry, key: bytes, tail: bool, returning: bool) -> int:
+        """Queue an entry that is not queued (`returning`: its key is in `ghost`); its slot."""
         slot = self.slots.assign(entry)
         self._fit(slot)
         self._freq[slot] = 0
         self._size[slot] = entry.size
         self._count += 1
-        returning = key in self.ghost
-        self.ghost.discard(key)
+        if returning:
+            self.ghost.discard(key)
         if returning or entry.hits > 0:
             # Seen before (left probation unhit, or was hit in another tier): main.
             self._push(slot, small=False)
@@ -574,13 +574,15 @@ class AdaptiveQueue(S3FifoQueue):
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         key = entry.key
         slot = self.slots.find(key)
-        if self._member(slot):  # a re-add of a chunk still here is not a return
+        member = self._member(slot)
+        if member:
             self._discard_slot(slot, key)
-        else:
-            self._adapt(key, entry.size)
-        from_main = key in self.main_ghost
-        self.main_ghost.discard(key)
-        slot = self._admit(entry, key, tail)  # a probation ghost or an earlier hit: main
+        in_ghost, from_main = key in self.ghost, key in self.main_ghost  # each asked once
+        if not member:  # a re-add of a chunk still here is not a return
+            self._adapt(entry.size, in_ghost, from_main)
+        if from_main:
+            self.main_ghost.discard(key)
+        slot = self._admit(entry, key, tail, in_ghost)  # a probation ghost or a hit: main
         # A new chunk right after a hit prefix (the chunk before it was just hit, or is
         # one of these) extends a prefix that is being reused: a conversation's next
         # turn. It joins its prefix in main rather than waiting in probation.
@@ -590,12 +592,12 @@ class AdaptiveQueue(S3FifoQueue):
             self._take(slot)
             self._push(slot, small=False)
 
-    def _adapt(self, key: bytes, size: int) -> None:
+    def _adapt(self, size: int, in_ghost: bool, in_main_ghost: bool) -> None:
         step = size / max(self.small_bytes + self.main_bytes, size, 1)
-        if key in self.ghost:
+        if in_ghost:
             step *= max(1.0, len(self.main_ghost) / len(self.ghost))
             self.small_fraction = min(ADAPT_MAX, self.small_fraction + step)
-        elif key in self.main_ghost:
+        elif in_main_ghost:
             step *= max(1.0, len(self.ghost) / len(self.main_ghost))
             self.small_fraction = max(ADAPT_MIN, self.small_fraction - step)
 
