@@ -51,6 +51,17 @@ def chunk_files(nvme: Path) -> dict[str, int]:
 
 
 @pytest.mark.soak
+def open_files(proc: psutil.Process) -> dict[int, str]:
+    """What each of a process's descriptors is open on (a path, socket:[...], anon_inode:...)."""
+    out: dict[int, str] = {}
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        except OSError:
+            pass  # closed while listed
+    return out
+
+
 def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
         tmp_path: Path, loads: list[Load]) -> None:
     workdir = tmp_path / "agent"
@@ -61,6 +72,7 @@ def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
         assert agent.proc is not None
         proc = psutil.Process(agent.proc.pid)
         idle_fds, idle_threads = proc.num_fds(), proc.num_threads()
+        idle_files = open_files(proc)
 
         load = Load(agent.socket_path, tmp_path / "load", workers=WORKERS, space="soak")
         loads.append(load)
@@ -102,8 +114,12 @@ def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
 
         # The audit's connection is closed too: back to the idle agent's descriptors (or
         # fewer: the idle count may have caught a start-up probe's connection in passing).
-        wait_until(lambda: proc.num_fds() <= idle_fds, "file descriptors back to idle",
-                   timeout=10)
+        try:
+            wait_until(lambda: proc.num_fds() <= idle_fds, "file descriptors back to idle",
+                       timeout=10)
+        except AssertionError as e:
+            extra = {fd: f for fd, f in open_files(proc).items() if idle_files.get(fd) != f}
+            raise AssertionError(f"{e}; open now and not when idle: {extra}") from None
         threads = proc.num_threads()
         assert threads <= idle_threads + STORE_POOLS + LOOKUP_THREADS, \
             f"{threads} threads, {idle_threads} when idle"
