@@ -14,6 +14,7 @@ descriptors than before and no more threads than its worker pools allow.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -55,10 +56,8 @@ def open_files(proc: psutil.Process) -> dict[int, str]:
     """What each of a process's descriptors is open on (a path, socket:[...], anon_inode:...)."""
     out: dict[int, str] = {}
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed while listed
             out[int(fd)] = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
-        except OSError:
-            pass  # closed while listed
     return out
 
 
