@@ -85,10 +85,21 @@ def test_a_filter_writes_fewer_blocks_to_nvme_on_the_bundled_trace() -> None:
                                          EvictionOrder.ADAPTIVE).hit_ratio
 
 
-def test_the_adaptive_orders_agent_replay_equals_its_simulated_queue(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("requests", "fraction"),
+    [
+        (400, 0.1),
+        # Here the client's put_many windows matter: the agent evicts for a window's 128
+        # ALLOCs before any of its COMMITs queues a chunk (63 more prefix hits than
+        # evicting and inserting block by block, `queue_sim(..., window=1)`).
+        (600, 0.2),
+    ],
+)
+def test_the_adaptive_orders_agent_replay_equals_its_simulated_queue(
+        tmp_path: Path, requests: int, fraction: float) -> None:
     # The store evicts through the queue exactly as `queue_sim` drives it: same prefix hits.
-    trace = load_trace(limit=400)
-    blocks = capacity_blocks(distinct_blocks(trace), 0.1)
+    trace = load_trace(limit=requests)
+    blocks = capacity_blocks(distinct_blocks(trace), fraction)
     replayed, _ = replay_agent(trace, blocks, EvictionOrder.ADAPTIVE.value, tmp_path)
     simulated = queue_sim([r.blocks for r in trace], blocks, EvictionOrder.ADAPTIVE)
     assert round(replayed, 6) == round(simulated.hit_ratio, 6)

@@ -133,6 +133,25 @@ def test_s3fifo_queue_keeps_a_reused_block_that_lru_evicts() -> None:
     assert lru(trace, 2).prefix_hits == 1
 
 
+def test_queue_sim_evicts_for_a_whole_put_window_before_queueing_it() -> None:
+    # cap 3, S3-FIFO. r1 inserts 1, r2 hits it. r3's put_many of 2, 3, 4 in one window
+    # ALLOCs all three first: 4's ALLOC finds the cache full (1 cached, 2 reserved) with
+    # only 1 queued, so the walk moves the hit 1 to main and then evicts it there; r4
+    # misses. Block by block (window 1), 2 and 3 are queued by then and 2 goes: r4 hits.
+    trace = [[1], [1], [2, 3, 4], [1]]
+    assert queue_sim(trace, 3, EvictionOrder.S3FIFO, window=1).prefix_hits == 2
+    assert queue_sim(trace, 3, EvictionOrder.S3FIFO, window=3).prefix_hits == 1
+    assert queue_sim(trace, 3, EvictionOrder.S3FIFO).prefix_hits == 1  # the client's window
+
+
+def test_queue_sim_refuses_an_alloc_with_nothing_left_to_evict() -> None:
+    # cap 2: one window ALLOCs 1 and 2, and 3 finds nothing committed to evict (the
+    # agent's NO_SPACE): 1 and 2 are stored and r2 hits 1. Block by block, 3 evicts 1.
+    trace = [[1, 2, 3], [1]]
+    assert queue_sim(trace, 2, EvictionOrder.LRU, window=3).prefix_hits == 1
+    assert queue_sim(trace, 2, EvictionOrder.LRU, window=1).prefix_hits == 0
+
+
 single_block_traces = st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=1),
                                min_size=1, max_size=30)
 

@@ -9,8 +9,10 @@ replay reads its hits and writes its misses.
 
 - `lru`: plain least-recently-used over the block references.
 - `queue_sim`: the agent's own eviction queues (`eviction.new_queue`) driven
-  offline under the same semantics, one victim per insertion into a full
-  cache: what each agent order should reach, to check the replays against.
+  offline as the replay drives the agent: a request's misses written by one
+  `put_many`, whose ALLOCs evict (one victim per block into a full cache) a
+  window at a time before its COMMITs queue the blocks: what each agent order
+  reaches, to check the replays against.
 - `belady`: Belady's MIN, the offline policy that on a miss evicts the cached
   block whose next reference is farthest in the future (or does not insert
   the new block at all when *its* next reference is the farthest: caching is
@@ -34,6 +36,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool.agent.client import BATCH_WINDOW
 from kvpool.agent.config import EvictionOrder
 from kvpool.agent.eviction import new_queue
 
@@ -109,45 +112,78 @@ class _Chunk:
     last_access: float = 0.0
 
 
-def queue_sim(trace: Trace, capacity: int, order: EvictionOrder) -> SimResult:
-    """The agent's eviction queue for `order`, holding at most `capacity` blocks.
+def queue_sim(trace: Trace, capacity: int, order: EvictionOrder, *,
+              window: int = BATCH_WINDOW) -> SimResult:
+    """The agent's eviction queue for `order`, holding at most `capacity` blocks, as the
+    replay (`replay.replay`) drives it.
 
     Mirrors the store: a request's LOOKUP touches its leading cached blocks
-    (hits + 1, its sequence number and depth), the misses are inserted with
-    those, the request's last block marked as its tail; a full cache evicts the
-    first candidate of the queue's walk, and the walk stops there.
+    (hits + 1, its sequence number and depth); the rest are written by one
+    `put_many`, which ALLOCs them `window` at a time (the client's batch window)
+    before it COMMITs any of them. Each ALLOC of a block not cached reserves a
+    block, and into a full cache (cached plus reserved) it first evicts the
+    first candidate of the queue's walk (the walk stops there); an ALLOC of a
+    cached block does nothing. Then the window's COMMITs insert its blocks,
+    the request's last block marked as its tail. So a window's evictions are
+    chosen before any of its blocks are queued: at 5% of the bundled trace's
+    blocks the adaptive order's hit ratio is 0.5 pt lower with the client's
+    window of 128 than with `window=1` (a put per block). An ALLOC with nothing
+    left to evict is refused (its block is not stored), as the agent's NO_SPACE;
+    the agent's other refusal, a connection's uncommitted writes past half the
+    arena, is not modelled: the cache should hold at least two windows.
     """
     if capacity < 0:
         raise ValueError("capacity must be >= 0")
+    if window < 1:
+        raise ValueError("window must be >= 1")
     queue = new_queue(order)
     cached: dict[bytes, _Chunk] = {}
+    reserved = 0
     refs = prefix_hits = ref_hits = 0
     for seq, blocks in enumerate(trace, start=1):
-        leading = True
-        last = len(blocks) - 1
-        for depth, b in enumerate(blocks):
-            refs += 1
-            key = b.to_bytes(16, "little")
+        keys = [b.to_bytes(16, "little") for b in blocks]
+        refs += len(keys)
+        hits = 0
+        for depth, key in enumerate(keys):  # LOOKUP: only its prefix touches a chunk
             chunk = cached.get(key)
-            if chunk is not None:
-                ref_hits += 1
-                if leading:  # only LOOKUP's prefix touches a chunk
-                    prefix_hits += 1
-                    chunk.hits += 1
-                    chunk.last_seq, chunk.depth = seq, depth
-                    queue.touched(chunk)
-                continue
-            leading = False
-            if capacity == 0:
-                continue
-            if len(cached) >= capacity:
-                with contextlib.closing(queue.candidates()) as walk:
-                    victim = next(walk)
-                    del cached[victim.key]
-                    queue.discard(victim.key)
-            chunk = _Chunk(key, seq, depth)
-            cached[key] = chunk
-            queue.add(chunk, tail=depth == last)
+            if chunk is None:
+                break
+            hits += 1
+            chunk.hits += 1
+            chunk.last_seq, chunk.depth = seq, depth
+            queue.touched(chunk)
+        prefix_hits += hits
+        ref_hits += hits
+        if capacity == 0:
+            ref_hits += sum(1 for key in keys[hits:] if key in cached)
+            continue
+        # A LOOKUP remembers each key's depth (the last one, for a key twice in a request).
+        depth_of = {key: depth for depth, key in enumerate(keys)}
+        last = len(keys) - 1
+        misses = keys[hits:]
+        for start in range(0, len(misses), window):
+            granted: list[bytes] = []
+            for key in misses[start : start + window]:  # the ALLOCs
+                if key in cached:
+                    ref_hits += 1
+                    continue
+                if len(cached) + reserved >= capacity:
+                    if not cached:
+                        continue  # nothing to evict: refused
+                    with contextlib.closing(queue.candidates()) as walk:
+                        victim = next(walk)
+                        del cached[victim.key]
+                        queue.discard(victim.key)
+                reserved += 1
+                granted.append(key)
+            for key in granted:  # the COMMITs
+                reserved -= 1
+                if key in cached:
+                    continue  # the same key granted twice in a window: the first one stays
+                depth = depth_of[key]
+                chunk = _Chunk(key, seq, depth)
+                cached[key] = chunk
+                queue.add(chunk, tail=depth == last)
     return SimResult(refs, prefix_hits, ref_hits)
 
 
