@@ -54,3 +54,12 @@ class Chunk:
 def chunk(name: str, **fields: Any) -> Chunk:
     """A test chunk whose key is its name."""
     return Chunk(name.encode(), **fields)
+
+
+def flip_last_byte(path: Path) -> None:
+    """Damage a stored chunk file or object: its last byte (chunk data) flipped."""
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0x01]))

@@ -26,6 +26,7 @@ import zmq
 from kvpool.agent.client import EngineBlocks, KVPoolClient
 from kvpool.bench.local import LocalAgent, free_port
 
+from ..support import flip_last_byte
 from .conftest import scrape, wait_until
 
 KiB = 1024
@@ -497,11 +498,7 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
 
         nvme_key = next(hashes[h] for h in mirror.held["DISK"])
         path = agent.workdir.parent / "nvme" / nvme_key.hex()[:2] / f"{nvme_key.hex()}.kvc"
-        with open(path, "r+b") as f:
-            f.seek(-1, 2)
-            last = f.read(1)
-            f.seek(-1, 2)
-            f.write(bytes([last[0] ^ 1]))
+        flip_last_byte(path)
         assert c.get(nvme_key) is None
         check("after a quarantine")
 
@@ -509,11 +506,7 @@ def test_a_mirror_applying_every_event_ends_with_the_agents_index(
         bad = next(k for k in _shared_objects(agent) if k in hashes.values()
                    and local_only(k) and hashes_of(k) & mirror.held["SHARED"])
         obj = agent.workdir.parent / "shared" / bad.hex()[:2] / f"{bad.hex()}.kvc"
-        with open(obj, "r+b") as f:
-            f.seek(-1, 2)
-            last = f.read(1)
-            f.seek(-1, 2)
-            f.write(bytes([last[0] ^ 1]))
+        flip_last_byte(obj)
         assert c.get(bad) is None
         check("after a corrupt shared copy")
         assert not obj.exists() and not hashes_of(bad) & mirror.held["SHARED"]

@@ -24,6 +24,7 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.agent.tiers.base import HEADER_BYTES
 from kvpool.bench.local import LocalAgent
 
+from ..support import flip_last_byte
 from .conftest import scrape, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -141,14 +142,6 @@ def test_a_lookup_that_reaches_nvme_prefetches_the_next_chunks(tmp_path: Path) -
         # That LOOKUP prefetches the other two, each in its own task: either may be up.
         assert len(tiers) == 4 and set(tiers[2:]) <= {"nvme", "dram"}
         assert all(c.get(k) == data_for(k, 256 * KiB) for k in prefix)
-
-
-def flip_last_byte(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def truncate_to_half(path: Path) -> None:
