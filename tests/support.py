@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvpool.bench.local import LocalAgent
 
@@ -63,3 +66,15 @@ def flip_last_byte(path: Path) -> None:
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 0x01]))
+
+
+def shared_node(stack: ExitStack, root: Path, name: str, store: Path, pool: str) -> LocalAgent:
+    """An agent of `pool` (its work dir `root/name`) whose shared tier is the `file://`
+    directory `store`, with 2 s budgets: one node of a pool sharing a store."""
+    workdir = root / name
+    workdir.mkdir()
+    cfg = workdir / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"pool": pool, "tiers": {"shared": {
+        "url": store.as_uri(), "lookupBudget": "2s", "requestTimeout": "2s"}}}))
+    return stack.enter_context(
+        LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir, dram="16Mi"))

@@ -8,12 +8,11 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-import yaml
-
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
+from ..support import shared_node
 from .conftest import RawConn, wait_until
 
 MiB = 1 << 20
@@ -56,13 +55,7 @@ def test_a_delete_racing_an_nvme_read_is_final(tmp_path: Path) -> None:
 
 
 def node(stack: ExitStack, root: Path, name: str, mount: Path) -> LocalAgent:
-    workdir = root / name
-    workdir.mkdir()
-    cfg = workdir / "agent.yaml"
-    cfg.write_text(yaml.safe_dump({"pool": "delete-test", "tiers": {"shared": {
-        "url": mount.as_uri(), "lookupBudget": "2s", "requestTimeout": "2s"}}}))
-    return stack.enter_context(
-        LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir, dram="16Mi"))
+    return shared_node(stack, root, name, mount, pool="delete-test")
 
 
 def test_a_delete_during_a_shared_tier_outage_is_retried_until_the_object_is_gone(

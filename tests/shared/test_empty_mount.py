@@ -16,13 +16,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.tiers.sharedfs import STORE_MARKER
 from kvpool.bench.local import LocalAgent
 
-from ..support import wait_until
+from ..support import shared_node, wait_until
 
 CHUNK = 64 * 1024
 
@@ -48,13 +47,7 @@ def bind_mount(store: Path, mount_point: Path) -> Iterator[None]:
 
 
 def node(stack: ExitStack, root: Path, name: str, mount_point: Path) -> LocalAgent:
-    workdir = root / name
-    workdir.mkdir()
-    cfg = workdir / "agent.yaml"
-    cfg.write_text(yaml.safe_dump({"pool": "mount-test", "tiers": {"shared": {
-        "url": mount_point.as_uri(), "lookupBudget": "2s", "requestTimeout": "2s"}}}))
-    return stack.enter_context(
-        LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir, dram="16Mi"))
+    return shared_node(stack, root, name, mount_point, pool="mount-test")
 
 
 def shared(c: KVPoolClient) -> dict[str, object]:
