@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.tiers.base import ChunkRecord
-from kvpool.agent.writebehind import WriteBehindQueue
+from kvpool.agent.writebehind import KeyBusy, WriteBehindQueue
 
+from ..support import wait_until
 from .conftest import Backend, counter, make_chunk
 
 
@@ -141,3 +143,49 @@ def test_close_drops_what_it_cannot_upload(files: Backend) -> None:
     assert queue.close(drain_timeout=0) == 5
     queue.offer(make_chunk(9))  # after close: dropped, never raises
     assert queue.stats().dropped == 6
+
+
+def test_no_upload_of_a_key_starts_while_a_delete_holds_it(files: Backend) -> None:
+    tier = files.open()
+    queue = WriteBehindQueue(tier, depth=64, concurrency=2, metrics=files.metrics)
+    rec, other = make_chunk(1), make_chunk(2)
+    with queue.exclusive(rec.key, timeout=5):
+        queue.offer(rec)
+        queue.offer(other)  # another key is not held up
+        wait_until(lambda: queue.stats().written == 1, "the other key's upload")
+        assert queue.stats().pending == 1 and tier.keys() == [other.key]
+    assert queue.drain(timeout=30)
+    assert sorted(tier.keys()) == sorted([rec.key, other.key])
+    queue.close(drain_timeout=1)
+
+
+def test_a_delete_waits_for_the_upload_of_its_key_in_flight(files: Backend) -> None:
+    """The upload has landed but its worker is not done with it (the `uploaded` hook
+    runs): the key is in flight, so `exclusive` waits for it, up to its timeout."""
+    tier = files.open()
+    queue = WriteBehindQueue(tier, depth=64, concurrency=1, metrics=files.metrics)
+    landed, finish = threading.Event(), threading.Event()
+
+    def hook(key: bytes) -> None:
+        landed.set()
+        finish.wait(30)
+
+    queue.uploaded = hook
+    rec = make_chunk(1)
+    queue.offer(rec)
+    assert landed.wait(30)
+    with pytest.raises(KeyBusy), queue.exclusive(rec.key, timeout=0.2):
+        pass
+    held = threading.Event()
+
+    def delete() -> None:
+        with queue.exclusive(rec.key, timeout=30):
+            held.set()
+
+    t = threading.Thread(target=delete)
+    t.start()
+    assert not held.wait(0.2), "the delete did not wait for the upload in flight"
+    finish.set()
+    t.join(30)
+    assert held.is_set()
+    queue.close(drain_timeout=1)

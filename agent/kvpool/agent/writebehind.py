@@ -11,6 +11,10 @@ backoff and jitter, unless the tier turned unhealthy meanwhile.
 
 Pending writes are keyed by chunk key: offering a key that is already
 pending does not queue a second upload (objects are content-addressed).
+One key is never uploaded by two workers at once, nor while a delete of it holds
+the key (`exclusive`): the store sees a key's writes and deletes in the order the
+agent made them, so a delete never lands after a newer upload, nor an upload after
+a newer delete.
 
 The queue holds copies of the chunks, so it is bounded by bytes as well as by count:
 pending and in-flight uploads together hold at most `max_bytes` (`DEFAULT_MAX_BYTES`
@@ -20,13 +24,14 @@ beside the uploads in flight is dropped and counted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +47,10 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 256 << 20
 """Chunk bytes the queue may hold (pending and in flight): a count alone allowed
 `depth` x the largest chunk (64 GiB with the defaults) of heap."""
+
+
+class KeyBusy(Exception):
+    """`exclusive` waited its time and the key's upload is still in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,8 @@ class WriteBehindQueue:
         self._in_flight_bytes = 0
         self._cond = threading.Condition()
         self._in_flight = 0
+        self._busy: set[bytes] = set()
+        """Keys being uploaded, or held by `exclusive`: no worker takes them meanwhile."""
         self._closing = False
         self._stop = threading.Event()  # wakes workers sleeping in a backoff
         self._workers: list[threading.Thread] = []
@@ -156,6 +167,26 @@ class WriteBehindQueue:
             self._pending_bytes -= rec.size
             return True
 
+    @contextlib.contextmanager
+    def exclusive(self, key: bytes, timeout: float) -> Iterator[None]:
+        """Hold `key`: wait (up to `timeout`, else `KeyBusy`) for an upload of it in
+        flight to end, and start none until the block is left. A shared delete runs in
+        here, so it lands after the upload it races and before the next one."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key in self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise KeyBusy(f"an upload of {key.hex()} is still in flight")
+                self._cond.wait(left)
+            self._busy.add(key)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy.discard(key)
+                self._cond.notify_all()  # a worker may wait for this key's pending upload
+
     def drain(self, timeout: float) -> bool:
         """Wait until nothing is pending or in flight; False if `timeout` passed first."""
         deadline = time.monotonic() + timeout
@@ -202,6 +233,7 @@ class WriteBehindQueue:
             if ok and landed is not None:
                 landed(rec.key)  # before drain() returns: a drained queue was announced
             with self._cond:
+                self._busy.discard(rec.key)
                 self._in_flight -= 1
                 self._in_flight_bytes -= rec.size
                 if ok:
@@ -212,15 +244,27 @@ class WriteBehindQueue:
 
     def _next(self) -> ChunkRecord | None:
         with self._cond:
-            while not self._pending and not self._closing:
+            while True:
+                if self._closing:
+                    return None
+                rec = self._oldest_free()
+                if rec is not None:
+                    break
                 self._cond.wait()
-            if self._closing:
-                return None
-            _, rec = self._pending.popitem(last=False)
+            del self._pending[rec.key]
+            self._busy.add(rec.key)
             self._pending_bytes -= rec.size
             self._in_flight += 1
             self._in_flight_bytes += rec.size
             return rec
+
+    def _oldest_free(self) -> ChunkRecord | None:
+        """The oldest pending write whose key is not busy. Busy keys are at most the
+        workers plus the deletes under way, so this looks at a few entries at most."""
+        for key, rec in self._pending.items():
+            if key not in self._busy:
+                return rec
+        return None
 
     def _upload(self, rec: ChunkRecord) -> bool:
         """One chunk, with retries; False when given up."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from ..journal import Journal, pending_shared_deletes
 from ..metrics import AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.shared import SharedChunkTier
-from ..writebehind import QueueStats, WriteBehindQueue
+from ..writebehind import KeyBusy, QueueStats, WriteBehindQueue
 from .observer import NO_OBSERVER, TierObserver
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ SHARED_PROBE_INTERVAL = 1.0
 """Seconds between health probes of an unhealthy shared tier."""
 PENDING_DELETES = 1 << 16
 """Most deletes kept for a retry while the shared tier cannot take them (the oldest go)."""
+DELETE_WAITS_FOR_UPLOAD = 10.0
+"""Seconds a shared delete waits for an upload of its key in flight to land (it must land
+first, or it would bring the chunk back); past that the delete is retried later."""
 
 
 class SharedLink:
@@ -56,16 +60,19 @@ class SharedLink:
         """Threads that wait out presence checks, so a slow store cannot hold up the reads
         and writes of the local tiers."""
         self._next_probe = 0.0
-        self.pending_deletes: OrderedDict[bytes, None] = OrderedDict()
-        """Keys deleted here whose object the store has not confirmed gone: retried until it
-        has, and never read from the store meanwhile (another node must not bring the
-        chunk back through us, nor we through it)."""
+        self.pending_deletes: OrderedDict[bytes, int] = OrderedDict()
+        """Keys deleted here whose object the store has not confirmed gone, each with its
+        delete's number: retried until it has, and never read from the store meanwhile
+        (another node must not bring the chunk back through us, nor we through it). The
+        loop changes it; the delete threads only read it."""
+        self._delete_number = itertools.count(1)
         self._journal = journal
         """Where the pending deletes are recorded too: an agent restarted before the store
         confirms them retries them (from `retry_deletes`, once the store is healthy)."""
         if journal is not None:
             self.pending_deletes.update(
-                dict.fromkeys(pending_shared_deletes(journal.path)[-PENDING_DELETES:]))
+                (key, next(self._delete_number))
+                for key in pending_shared_deletes(journal.path)[-PENDING_DELETES:])
             journal.deletes = len(self.pending_deletes)
             journal.live_deletes = lambda: list(self.pending_deletes)
         self._retrying = False
@@ -147,6 +154,12 @@ class SharedLink:
 
     def upload(self, rec: ChunkRecord) -> None:
         assert self.uploads is not None
+        loop = self._loop
+        if loop is not None and not _runs(loop) and not loop.is_closed():
+            # An NVMe file passed on to G4 (a worker thread): the pending deletes and the
+            # journal are the loop's, and the settle must come before the offer.
+            loop.call_soon_threadsafe(self.upload, rec)
+            return
         self._settle(rec.key)  # written again: this copy is the one
         self.uploads.offer(rec)
         self.m.written_bytes["shared"].inc(rec.size)
@@ -165,40 +178,59 @@ class SharedLink:
         if self._journal is not None:
             self._journal.shared_delete(key)  # first: a restart from here on retries it
         self.observer.removed("shared", key)
-        self.pending_deletes[key] = None
+        number = self.pending_deletes[key] = next(self._delete_number)
         self.pending_deletes.move_to_end(key)
         while len(self.pending_deletes) > PENDING_DELETES:
             old = next(iter(self.pending_deletes))
             self._settle(old)
             log.error("shared delete of %s given up: %d deletes wait for the store",
                       old.hex(), PENDING_DELETES)
-        return self._delete_now([key])  # the caller runs it in the background
+        return self._delete_now({key: number})  # the caller runs it in the background
 
-    async def _delete_now(self, keys: list[bytes]) -> None:
+    async def _delete_now(self, deletes: dict[bytes, int]) -> None:
         loop = asyncio.get_running_loop()
-        done = await loop.run_in_executor(self._background, self._delete, keys)
+        done = await loop.run_in_executor(self._background, self._delete, deletes)
         for key in done:
-            self._settle(key)
+            self._settle(key, deletes[key])
 
-    def _settle(self, key: bytes) -> None:
-        """A pending delete is over (confirmed, given up, or the key uploaded again)."""
-        if key not in self.pending_deletes:
+    def _settle(self, key: bytes, number: int | None = None) -> None:
+        """A pending delete is over (confirmed, given up, or the key uploaded again); with
+        `number`, only that delete (a later one of the key is still to be done)."""
+        if key not in self.pending_deletes or (
+                number is not None and self.pending_deletes[key] != number):
             return
         del self.pending_deletes[key]
         if self._journal is not None:
             self._journal.shared_deleted(key)
 
-    def _delete(self, keys: list[bytes]) -> list[bytes]:
-        """Delete objects (a worker thread); the keys the store confirmed gone."""
+    def _delete(self, deletes: dict[bytes, int]) -> list[bytes]:
+        """Delete objects (a worker thread); the keys the store confirmed gone.
+
+        Each under the key's hold on the upload queue: an upload of it in flight lands
+        first (else it would bring the deleted chunk back), and one offered since waits
+        for the delete. A delete overtaken meanwhile (the key uploaded again, or deleted
+        again: that later delete does the work) is skipped: run late, after the new
+        upload landed, it would lose an acknowledged chunk."""
         done: list[bytes] = []
-        for key in keys:
+        for key, number in deletes.items():
             try:
-                self.tier.delete(key)
+                with self._hold(key):
+                    if self.pending_deletes.get(key) != number:
+                        continue  # overtaken (a dict read: atomic beside the loop's writes)
+                    self.tier.delete(key)
+            except KeyBusy as e:
+                log.warning("shared delete of %s waits: %s", key.hex(), e)
+                continue  # retried with the others pending
             except OSError as e:
                 log.warning("shared delete of %s failed, to be retried: %s", key.hex(), e)
                 break  # the store is failing: the rest wait for the retry too
             done.append(key)
         return done
+
+    def _hold(self, key: bytes) -> contextlib.AbstractContextManager[None]:
+        if self.uploads is None:
+            return contextlib.nullcontext()
+        return self.uploads.exclusive(key, DELETE_WAITS_FOR_UPLOAD)
 
     async def retry_deletes(self) -> None:
         """Retry the deletes the store has not confirmed (housekeeping, while healthy)."""
@@ -206,7 +238,7 @@ class SharedLink:
             return
         self._retrying = True
         try:
-            await self._delete_now(list(self.pending_deletes))
+            await self._delete_now(dict(self.pending_deletes))
         finally:
             self._retrying = False
 
@@ -227,3 +259,11 @@ class SharedLink:
             self.uploads.close()
         self.tier.close()
         self._presence.shutdown(wait=False, cancel_futures=True)
+
+
+def _runs(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread is running `loop`."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
