@@ -47,8 +47,9 @@ class TenantAgent(LocalAgent):
         if remove_arena:  # the tenants' arenas live beside the pool's, one directory each
             for tenant in TENANTS:
                 arena = self.arena_of(tenant)
-                for path in (arena, arena.with_suffix(".journal"), arena.with_suffix(".lock")):
-                    path.unlink(missing_ok=True)
+                for suffix in (".journal", ".stores", ".lock"):
+                    arena.with_suffix(suffix).unlink(missing_ok=True)
+                arena.unlink(missing_ok=True)
                 for d in (arena.parent, arena.parent.parent):
                     with contextlib.suppress(OSError):  # another test's tenants live there
                         d.rmdir()

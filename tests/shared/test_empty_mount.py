@@ -9,8 +9,11 @@ chunk), and every read was a plain miss while the tier reported healthy.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.tiers.sharedfs import STORE_MARKER
+from kvpool.agent.tiers.sharedfs import STORE_MARKER, read_marker
 from kvpool.bench.local import LocalAgent
 
 from ..support import shared_node, wait_until
@@ -90,3 +93,126 @@ def test_an_unmounted_store_is_unavailable_and_a_delete_waits_for_it(tmp_path: P
         for c in (ca, cb):
             wait_until(lambda c=c: shared(c)["healthy"], "the tier to recover")
             assert c.lookup([key]) == 0 and c.get(key) is None
+
+
+def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.agent", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def queue(c: KVPoolClient) -> dict[str, int]:
+    q: dict[str, int] = shared(c)["queue"]  # type: ignore[assignment]
+    return q
+
+
+def test_an_agent_started_while_the_mount_is_absent_knows_its_store_and_waits_for_it(
+        tmp_path: Path) -> None:
+    """An agent that has used the store restarts while the mount is gone: it does not take
+    the empty mount point for a new store (it remembers the store's id on its node), so the
+    tier starts unhealthy, writes nothing there and keeps a delete; with the mount back it
+    recovers, on the same store, and the delete is done."""
+    store, mount_point = tmp_path / "store", tmp_path / "mnt"
+    store.mkdir()
+    mount_point.mkdir()
+    key, other = os.urandom(16), os.urandom(16)
+    with ExitStack() as stack:
+        stack.enter_context(bind_mount(store, mount_point))
+        a = node(stack, tmp_path, "a", mount_point)
+        with KVPoolClient(a.socket_path) as c:
+            store_id = read_marker(store / STORE_MARKER)
+            assert store_id  # a brand-new store is initialised, with an id
+            assert c.put(key, data_of(key))
+            wait_until(lambda: queue(c)["written"] == 1, "the upload")
+        a.stop(remove_arena=False)  # what a restart keeps: arena, journal, the stores seen
+
+        subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
+        a.start()
+        c = stack.enter_context(KVPoolClient(a.socket_path))
+        assert not shared(c)["healthy"]
+        reason = str(shared(c)["reason"])
+        assert "the mount looks absent" in reason and store_id in reason, reason
+        assert c.delete(key)  # kept in DRAM by the warm restart; the store's copy waits
+        assert c.put(other, data_of(other))
+        wait_until(lambda: queue(c)["dropped"] == 1, "the write to be dropped")
+        assert not any(mount_point.iterdir())  # no marker, no chunk in the mount point
+
+        stack.enter_context(bind_mount(store, mount_point))  # the mount comes back
+        wait_until(lambda: shared(c)["healthy"], "the tier to recover")
+        wait_until(lambda: not list(store.rglob("*.kvc")), "the kept delete")
+        assert read_marker(store / STORE_MARKER) == store_id  # the same store, not a new one
+        assert c.lookup([key]) == 0 and c.get(key) is None
+
+
+def test_gc_all_keeps_a_mounted_stores_marker_and_never_marks_an_absent_one(
+        tmp_path: Path) -> None:
+    """`kvpool gc --all` empties the store but keeps its marker, so a running agent keeps
+    using the emptied store; against an empty mount point it writes no marker, which would
+    have the agent take the mount point for its store and write into it."""
+    store, mount_point = tmp_path / "store", tmp_path / "mnt"
+    store.mkdir()
+    mount_point.mkdir()
+    key, other = os.urandom(16), os.urandom(16)
+    with ExitStack() as stack:
+        stack.enter_context(bind_mount(store, mount_point))
+        a = node(stack, tmp_path, "a", mount_point)
+        c = stack.enter_context(KVPoolClient(a.socket_path))
+        store_id = read_marker(store / STORE_MARKER)
+        assert c.put(key, data_of(key))
+        wait_until(lambda: queue(c)["written"] == 1, "the upload")
+
+        run = kvpool("gc", "--shared", mount_point.as_uri(), "--all", "--json")
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["deleted"] == 1
+        assert read_marker(store / STORE_MARKER) == store_id  # still the same store
+        assert c.put(other, data_of(other))  # the agent keeps writing to the emptied store
+        wait_until(lambda: queue(c)["written"] == 2, "the upload after gc")
+        assert shared(c)["healthy"]
+        assert [p.name for p in store.rglob("*.kvc")] == [f"{other.hex()}.kvc"]
+
+        subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
+        assert c.delete(other)  # finds no object: the store is gone, the delete waits
+        wait_until(lambda: not shared(c)["healthy"], "the tier to turn unhealthy")
+        run = kvpool("gc", "--shared", mount_point.as_uri(), "--all", "--json")
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["deleted"] == 0
+        assert not any(mount_point.iterdir())  # no marker written into the mount point
+
+        stack.enter_context(bind_mount(store, mount_point))
+        wait_until(lambda: shared(c)["healthy"], "the tier to recover")
+        wait_until(lambda: not list(store.rglob("*.kvc")), "the retried delete")
+
+
+def test_a_store_initialised_afresh_with_init_store_is_taken_up_by_an_agent_that_used_the_old(
+        tmp_path: Path) -> None:
+    """A deliberate wipe, marker and all: an agent that used the old store takes the bare
+    root for an absent mount, even across a restart, until `kvpool gc --init-store` marks it
+    as a new store; the agent then uses the new store, and says so."""
+    store = tmp_path / "store"
+    store.mkdir()
+    key = os.urandom(16)
+    with ExitStack() as stack:
+        a = node(stack, tmp_path, "a", store)
+        old_id = read_marker(store / STORE_MARKER)
+        a.stop(remove_arena=False)
+        shutil.rmtree(store)  # the operator wipes the store
+        store.mkdir()
+        a.start()
+        c = stack.enter_context(KVPoolClient(a.socket_path))
+        assert "the mount looks absent" in str(shared(c)["reason"])
+        assert not any(store.iterdir())
+
+        run = kvpool("gc", "--shared", store.as_uri(), "--init-store", "--json")
+        assert run.returncode == 0, run.stderr
+        [mark] = json.loads(run.stdout)["stores"]
+        assert mark["created"] and mark["id"] != old_id
+        assert read_marker(store / STORE_MARKER) == mark["id"]
+        wait_until(lambda: shared(c)["healthy"], "the agent to take up the new store")
+        assert f"the store is a new one (id {mark['id']}; this agent used id {old_id})" in a.log()
+        assert c.put(key, data_of(key))
+        wait_until(lambda: queue(c)["written"] == 1, "the upload")
+        assert len(list(store.rglob("*.kvc"))) == 1
+
+        again = kvpool("gc", "--shared", store.as_uri(), "--init-store")  # already a store
+        assert again.returncode == 0, again.stderr
+        assert f"already marked {store.as_uri()} as a kvpool store (id {mark['id']})" \
+            in again.stdout

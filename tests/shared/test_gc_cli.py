@@ -52,3 +52,11 @@ def test_gc_all_with_tenants_empties_each_tenants_prefix_and_no_other(
     assert json.loads(run.stdout)["deleted"] == 3
     left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert left == [f"pools/a/tenants/other/{names[3]}"]  # a tenant not named stays
+
+
+def test_gc_init_store_is_for_a_file_store_only_and_gc_needs_something_to_do() -> None:
+    run = kvpool("gc", "--shared", "s3://bucket/p", "--init-store")
+    assert run.returncode == 2
+    assert "--init-store" in run.stderr and "only a file:// store has one" in run.stderr
+    run = kvpool("gc", "--shared", "s3://bucket/p")
+    assert run.returncode == 2 and "--ttl DURATION or --all" in run.stderr

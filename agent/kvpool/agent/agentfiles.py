@@ -1,9 +1,11 @@
 """The files an agent keeps on its node, and whether an agent still uses them.
 
-Each space of an agent (one per tenant, or the pool's one) has a socket, a DRAM arena and
-the arena's commit journal. The arena and the journal stay after a clean stop, on purpose:
-a restarted agent finds its chunks in them again (a warm restart). `kvpool cleanup` frees
-them once no agent serves them; a start that fails removes what it created itself.
+Each space of an agent (one per tenant, or the pool's one) has a socket, a DRAM arena, the
+arena's commit journal and, with a `file://` shared tier, the record of the shared stores it
+has used (`seenstores`). The arena, the journal and the record stay after a clean stop, on
+purpose: a restarted agent finds its chunks in them again (a warm restart), and knows its
+shared store's absent mount from a new store. `kvpool cleanup` frees them once no agent
+serves them; a start that fails removes what it created itself.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ class SpaceFiles:
     journal: Path
     lock: Path
     """Held (flock) by the agent serving the space; see `claim`."""
+    stores: Path
+    """The record of the `file://` shared stores the space has used (`seenstores`)."""
 
 
 def space_files(config: AgentConfig) -> list[SpaceFiles]:
-    """The socket, arena, journal and lock file of every space `config` describes."""
+    """The socket, arena, journal, lock file and store record of every space `config`
+    describes."""
     return [SpaceFiles(tenant, cfg.socket_path, cfg.arena_path(), cfg.journal_path(),
-                       lock_path(cfg.arena_path()))
+                       lock_path(cfg.arena_path()), cfg.stores_path())
             for tenant, cfg in config.spaces()]
 
 
@@ -45,7 +50,8 @@ class InUse(Exception):
 
 
 def remove_space_files(space: SpaceFiles) -> list[tuple[Path, int]]:
-    """Remove a stopped space's arena, journal and lock file: (path, bytes) of each removed.
+    """Remove a stopped space's arena, journal, store record and lock file: (path, bytes) of
+    each removed.
 
     Raises InUse while an agent answers on the socket or holds the lock, or a process maps
     the arena. The lock is held while the files go, so no agent starts on them meanwhile.
@@ -69,7 +75,7 @@ def remove_space_files(space: SpaceFiles) -> list[tuple[Path, int]]:
                         f"{', '.join(map(str, holders))} (an agent or its clients): "
                         "stop them first")
         removed = []
-        for path in (space.arena, space.journal, space.lock):
+        for path in (space.arena, space.journal, space.stores, space.lock):
             try:
                 size = path.stat().st_size
                 path.unlink()
@@ -128,16 +134,17 @@ def _topmost_missing(path: Path) -> Path | None:
 class StartFiles:
     """What a start of the agent may create, taken before it starts.
 
-    After a failed start, `remove_created` deletes the sockets, arenas, journals and locks that
-    did not exist before, and the directories made for them while they are empty. Nothing
-    that existed before is touched: an arena left by a previous run keeps its chunks.
+    After a failed start, `remove_created` deletes the sockets, arenas, journals, store records
+    and locks that did not exist before, and the directories made for them while they are
+    empty. Nothing that existed before is touched: an arena left by a previous run keeps its
+    chunks.
     """
 
     def __init__(self, config: AgentConfig) -> None:
         files: list[Path] = []
         dirs: list[Path] = []
         for space in space_files(config):
-            files += [space.socket, space.arena, space.journal, space.lock]
+            files += [space.socket, space.arena, space.journal, space.stores, space.lock]
             dirs += [space.socket.parent, space.arena.parent]
         for _, cfg in config.spaces():
             if cfg.tiers.nvme is not None:

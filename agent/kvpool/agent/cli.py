@@ -485,13 +485,22 @@ def gc(
     tenant: Annotated[list[str] | None, typer.Option(
         metavar="NAME", help="Also collect this tenant's prefix, <shared>/tenants/<name> "
         "(repeat for more).")] = None,
+    init_store: Annotated[bool, typer.Option(
+        "--init-store", help="file:// only: mark the store's root (and each --tenant's) as "
+        "a kvpool store where it has no marker, e.g. a new file system in the old one's "
+        "place; run it where the file system is mounted.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Delete a pool's expired (or all) chunk objects from its shared tier."""
-    if (ttl is None) == (not all_objects):
+    """Delete a pool's expired (or all) chunk objects from its shared tier; mark a file://
+    store afresh (--init-store)."""
+    if ttl is not None and all_objects:
         _fail("give exactly one of --ttl DURATION or --all")
+    if ttl is None and not all_objects and not init_store:
+        _fail("give one of --ttl DURATION or --all (or --init-store)")
+    if init_store and not shared.startswith("file://"):
+        _fail(f"--init-store: {shared} has no store marker: only a file:// store has one")
     from .config import SharedTier
-    from .gc import run_gc
+    from .gc import init_stores, run_gc
     from .units import parse_duration
 
     try:
@@ -509,19 +518,35 @@ def gc(
         _fail(f"--shared {shared}: {root} is not a directory")  # never make one to empty it
     # The tier's own log (e.g. "shared tier ... unhealthy") would repeat the error line.
     logging.getLogger("kvpool").setLevel(logging.ERROR)
-    try:
-        result = run_gc(shared, ttl_seconds, all_objects, endpoint_url,
-                        addressing_style=addressing_style, tenants=tenant or ())
-    except ValueError as e:
-        _fail(str(e))
-    except OSError as e:
-        _fail(str(e), 1)
+    out: dict[str, Any] = {}
+    if init_store:  # first: a --all after it empties the store it marked, not a mount point
+        try:
+            marks = init_stores(shared, tenant or ())
+        except OSError as e:
+            _fail(f"--init-store: {e}", 1)
+        out["stores"] = [{"url": m.url, "id": m.id, "created": m.created} for m in marks]
+        if not as_json:
+            for m in marks:
+                typer.echo(f"{'marked' if m.created else 'already marked'} {m.url} as a "
+                           f"kvpool store (id {m.id or 'from before ids'})")
+    errors = 0
+    if ttl_seconds is not None or all_objects:
+        try:
+            result = run_gc(shared, ttl_seconds, all_objects, endpoint_url,
+                            addressing_style=addressing_style, tenants=tenant or ())
+        except ValueError as e:
+            _fail(str(e))
+        except OSError as e:
+            _fail(str(e), 1)
+        out.update(result.to_json())
+        errors = result.errors
+        if not as_json:
+            typer.echo(f"deleted {result.deleted} chunk objects "
+                       f"({human_size(result.bytes_freed)}), kept {result.kept}, "
+                       f"could not delete {result.errors}")
     if as_json:
-        typer.echo(json.dumps(result.to_json()))
-    else:
-        typer.echo(f"deleted {result.deleted} chunk objects ({human_size(result.bytes_freed)}),"
-                   f" kept {result.kept}, could not delete {result.errors}")
-    if result.errors:
+        typer.echo(json.dumps(out))
+    if errors:
         raise typer.Exit(1)
 
 

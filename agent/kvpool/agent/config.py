@@ -472,6 +472,11 @@ class AgentConfig(Model):
         """The DRAM commit journal lives beside the arena (same tmpfs, same lifetime)."""
         return self.arena_path().with_suffix(".journal")
 
+    def stores_path(self) -> Path:
+        """The record of the `file://` shared stores this agent has used (`seenstores`):
+        beside the arena and the journal, with their lifetime."""
+        return self.arena_path().with_suffix(".stores")
+
     def spaces(self) -> list[tuple[str, AgentConfig]]:
         """(tenant, config) of every space the agent serves: one per tenant, or the pool's.
 

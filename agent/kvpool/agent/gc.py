@@ -10,6 +10,11 @@ the same key) starts a new life, so a prefix in use by any node stays young.
 runs as a Job when a pool with `reclaimPolicy: Delete` is removed. Only
 objects in kvpool's layout are touched: anything else under the prefix is
 left alone.
+
+A `file://` store's marker is not an object: gc keeps it, so an emptied store is still
+the store its running agents use, not an absent mount. gc never writes a marker either
+(a root gc found unmarked may be an empty mount point): `kvpool gc --init-store` does,
+explicitly (`init_stores`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING
 from .config import SharedTier, tenant_url
 from .tiers.factory import open_shared_tier
 from .tiers.shared import ObjectInfo, SharedChunkTier
+from .tiers.sharedfs import init_store, root_of
 from .units import parse_duration
 
 if TYPE_CHECKING:
@@ -111,7 +117,9 @@ def run_gc(url: str, ttl: float | str | None = None, all_objects: bool = False,
         cfg = SharedTier.model_validate({
             "url": prefix, "endpoint_url": endpoint_url, "region": region,
             "credentials_file": credentials_file, "addressing_style": addressing_style})
-        tier = open_shared_tier(cfg)
+        if prefix != url and prefix.startswith("file://") and not root_of(prefix).is_dir():
+            continue  # a tenant that never stored anything here (gc never makes its directory)
+        tier = open_shared_tier(cfg, initialise=False)
         try:
             result = collect(tier, ttl_s, all_objects)
         finally:
@@ -120,3 +128,30 @@ def run_gc(url: str, ttl: float | str | None = None, all_objects: bool = False,
             setattr(total, name, getattr(total, name) + value)
     return total
 
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMark:
+    url: str
+    id: str
+    created: bool
+    """True: this run marked the store; False: it was marked already."""
+
+
+def init_stores(url: str, tenants: Sequence[str] = ()) -> list[StoreMark]:
+    """`kvpool gc --shared file:///... --init-store`: mark the root of the pool's store (and
+    of each tenant's) as a kvpool store where it has no marker yet.
+
+    Raises ValueError for a URL that is not `file://` (an S3 prefix has no marker) and
+    OSError when a root is not an existing directory or cannot be written.
+    """
+    if not url.startswith("file://"):
+        raise ValueError(f"{url!r}: only a file:// store has a marker to initialise")
+    marks = []
+    for prefix in [url, *(tenant_url(url, t) for t in tenants)]:
+        root = root_of(prefix)
+        if prefix != url:  # below the pool's root, checked (and marked) first
+            root.mkdir(parents=True, exist_ok=True)
+        store_id, created = init_store(root)
+        marks.append(StoreMark(prefix, store_id, created))
+    return marks

@@ -12,6 +12,7 @@ from ..constants import PAGE_BYTES
 from ..events import TierEvents
 from ..lookupindex import SharedIndex, slots_for
 from ..metrics import AgentMetrics, Sample
+from ..seenstores import SeenStores
 from ..store import ChunkStore, open_journal, snapshot
 from ..tiers.dram import DramTier
 from ..tiers.factory import open_shared_tier
@@ -35,7 +36,8 @@ class Space:
             nvme = NvmeTier(config.tiers.nvme.path, config.tiers.nvme.size)
         shared = None
         if config.tiers.shared is not None:
-            shared = open_shared_tier(config.tiers.shared, metrics)
+            shared = open_shared_tier(config.tiers.shared, metrics,
+                                      seen=SeenStores(config.stores_path()))
         journal, entries = open_journal(config)
         if not self.arena.reused:
             entries = []  # a new arena holds nothing the journal describes

@@ -14,10 +14,17 @@ from .shared import SharedChunkTier
 if TYPE_CHECKING:
     from ..config import SharedTier
     from ..metrics import AgentMetrics
+    from ..seenstores import SeenStores
 
 
-def open_shared_tier(cfg: SharedTier, metrics: AgentMetrics | None = None) -> SharedChunkTier:
-    """The shared tier for `cfg.url`: `s3://bucket/prefix` or `file:///path`."""
+def open_shared_tier(cfg: SharedTier, metrics: AgentMetrics | None = None, *,
+                     seen: SeenStores | None = None, initialise: bool = True
+                     ) -> SharedChunkTier:
+    """The shared tier for `cfg.url`: `s3://bucket/prefix` or `file:///path`.
+
+    For `file://`: `seen` is the agent's record of the stores it has used, and
+    `initialise` whether a root without a store marker is made a new store (see
+    `FileSharedTier`); an S3 prefix needs neither."""
     if cfg.url.startswith("s3://"):
         from .s3 import S3SharedTier
 
@@ -25,5 +32,5 @@ def open_shared_tier(cfg: SharedTier, metrics: AgentMetrics | None = None) -> Sh
     if cfg.url.startswith("file://"):
         from .sharedfs import FileSharedTier
 
-        return FileSharedTier(cfg, metrics)
+        return FileSharedTier(cfg, metrics, seen=seen, initialise=initialise)
     raise ValueError(f"{cfg.url!r}: the shared tier URL must start with s3:// or file://")

@@ -9,17 +9,22 @@ so a reader on any node sees a whole chunk or none. The temporary name holds
 a random id, not a pid, because pids repeat across nodes.
 
 The store identifies itself by a marker file in its root (`STORE_MARKER`),
-written when it is first initialised: an unmounted network file system leaves
-an empty mount point, which would otherwise pass for an empty store (a delete
-retried against it would count as done, every read as a plain miss). Once an
-agent has seen the marker, a root without it is the mount gone, and the tier
-is unhealthy until the marker is back.
+written when it is first initialised and holding a store id: an unmounted
+network file system leaves an empty mount point, which would otherwise pass for
+an empty store (a delete retried against it would count as done, every read as
+a plain miss). Once an agent has seen the marker, a root without it is the mount
+gone, and the tier is unhealthy until the marker is back. The agent records the
+ids it has seen on its node (`SeenStores`), so an agent that starts while the
+mount is absent knows it too, and never initialises the mount point as a store.
+A marker back with another id is a store initialised afresh (`init_store`): the
+agent uses it, and says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import time
 import uuid
@@ -35,6 +40,9 @@ from .shared import ObjectInfo, SharedChunkTier, key_of, object_name
 if TYPE_CHECKING:
     from ..config import SharedTier
     from ..metrics import AgentMetrics
+    from ..seenstores import SeenStores
+
+log = logging.getLogger("kvpool.agent")
 
 TMP_MARK = ".tmp-"
 STORE_MARKER = ".kvpool-store"
@@ -44,6 +52,10 @@ MARKER_RECHECK = 0.5
 stat of the marker per miss would double a lookup's stats."""
 _MARKER_TEXT = (b"A kvpool shared chunk store. Do not delete: without this file, agents take\n"
                 b"the mount for absent.\n")
+_ID_FIELD = b"id: "
+"""The marker's line with the store's id (a marker from before ids has none: id "")."""
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}
+"""What link() says on a file system without hard links."""
 
 # Errors that say the mount as a whole is unusable, not that one file is bad.
 _OUTAGE_ERRNOS = {
@@ -70,36 +82,124 @@ def root_of(url: str) -> Path:
     return Path(unquote(parts.path))
 
 
+def init_store(root: Path) -> tuple[str, bool]:
+    """Mark the existing directory `root` as a store, unless it is one: (its id, whether
+    this call marked it). The explicit way to tell agents that have used a store here
+    that an unmarked root is their store again (a new file system in the old one's place,
+    a marker deleted by hand): they take the new id for the store's."""
+    if not root.is_dir():  # never made here: it would be made in a mount point's place
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(root))
+    found = read_marker(root / STORE_MARKER)
+    if found is not None:
+        return found, False
+    return _write_marker(root)
+
+
+def read_marker(marker: Path) -> str | None:
+    """The store id in `marker`; "" for a marker from before ids; None when there is none."""
+    try:
+        with open(marker, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(_ID_FIELD):
+            return line[len(_ID_FIELD):].strip().decode("ascii", "replace")
+    return ""
+
+
+def _write_marker(root: Path) -> tuple[str, bool]:
+    """Initialise the store at `root` with a new id: (the store's id, whether it is ours).
+
+    The marker appears whole (written aside, then linked into place, which fails if it
+    exists): another node reading it meanwhile never sees it without its id, and of two
+    nodes initialising the store at once one wins and both use its id."""
+    store_id = uuid.uuid4().hex
+    marker = root / STORE_MARKER
+    text = _MARKER_TEXT + _ID_FIELD + store_id.encode() + b"\n"
+    tmp = root / f"{STORE_MARKER}{TMP_MARK}{store_id}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, marker)
+        except FileExistsError:
+            found = read_marker(marker)
+            if found is None:  # gone again at once: nothing to agree on
+                raise FileNotFoundError(errno.ENOENT, f"{STORE_MARKER} vanished",
+                                        str(marker)) from None
+            return found, False
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            try:  # no hard links: created whole only here, and a reader may see it empty
+                with open(marker, "xb") as f:
+                    f.write(text)
+            except FileExistsError:
+                return read_marker(marker) or "", False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return store_id, True
+
+
 class FileSharedTier(SharedChunkTier):
     scheme = "file"
     presence_batch = 64  # a stat is microseconds: batching saves thread hand-offs
 
-    def __init__(self, cfg: SharedTier, metrics: AgentMetrics | None = None) -> None:
+    def __init__(self, cfg: SharedTier, metrics: AgentMetrics | None = None, *,
+                 seen: SeenStores | None = None, initialise: bool = True) -> None:
+        """`seen`: the agent's record of the stores it has used (None: none kept).
+        `initialise`: mark a root without a marker as a new store (False for tools that
+        only read or delete, such as gc: they never make a directory a store)."""
         super().__init__(cfg, metrics)
         self.root = root_of(cfg.url)
         self.marker = self.root / STORE_MARKER
+        self._seen = seen
+        self._record_as = self.root.as_uri()
+        """The store's URL in the record, spelt one way (`file:///a/b/` is `file:///a/b`)."""
+        self._initialise = initialise
         self._marker_seen = 0.0
         """When `_mount_absent` last found the marker (monotonic seconds)."""
-        self._marked = False
-        """This agent has seen the store's marker (or written it): from now on a root
-        without it is an absent mount, not an empty store."""
+        self.store_id = seen.id_of(self._record_as) if seen is not None else None
+        """The id of the store this agent uses here ("": a marker from before ids); None
+        until it has seen one."""
+        self._marked = self.store_id is not None
+        """This agent has seen the store's marker (or written it), now or in an earlier run:
+        from now on a root without it is an absent mount, not an empty store."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if not self._marked and initialise:
+                self.root.mkdir(parents=True, exist_ok=True)
             self._mark()
         except OSError as e:
             # Start unhealthy rather than crash: the mount may appear later.
             self._set_unhealthy(self._outage(e) or f"file error: {e}")
 
     def _mark(self) -> None:
-        """Find the store's marker, or initialise the store by writing it (a root this
-        agent has never seen marked: a new store, or one from before markers)."""
-        if not os.path.exists(self.marker):
-            try:
-                with open(self.marker, "xb") as f:
-                    f.write(_MARKER_TEXT)
-            except FileExistsError:
-                pass  # another node initialised it meanwhile
+        """Find the store's marker and take its id; or, in a root never seen marked (a new
+        store, or one from before markers), initialise the store by writing it.
+
+        Raises FileNotFoundError when the marker of a store this agent has used is gone."""
+        found = read_marker(self.marker)
+        if found is None:
+            if self._marked:
+                raise FileNotFoundError(
+                    errno.ENOENT, f"{STORE_MARKER} is gone from the root of a store this agent "
+                    f"has used (id {self.store_id or 'from before ids'}): an empty mount point?",
+                    str(self.marker))
+            if not self._initialise:
+                return
+            found, _ = _write_marker(self.root)
+        if self.store_id is not None and found != self.store_id:
+            log.warning("shared tier %s: the store is a new one (id %s; this agent used id %s):"
+                        " initialised afresh, it is used from now on", self.url,
+                        found or "from before ids", self.store_id or "from before ids")
+        self.store_id = found
         self._marked = True
+        if self._seen is not None:
+            self._seen.remember(self._record_as, found)
 
     def _mount_absent(self, *, seen_lately: bool = False) -> bool:
         """The root is there but not the store: its marker, seen before, is gone. With
@@ -214,12 +314,10 @@ class FileSharedTier(SharedChunkTier):
                                   str(self.root))
         if st.f_bavail == 0:
             raise OSError(errno.ENOSPC, "no space left", str(self.root))
-        # Last: what the mount itself says (read-only, full) is the surer reason.
-        if self._mount_absent():
-            raise FileNotFoundError(errno.ENOENT, f"{STORE_MARKER} is gone from the store's "
-                                    "root (an empty mount point?)", str(self.marker))
-        if not self._marked:  # the store was unreachable at start: initialise it now
-            self._mark()
+        # Last: what the mount itself says (read-only, full) is the surer reason. The
+        # marker's id too: a store initialised afresh while the mount was away is used (and
+        # recorded) from now on; a store unreachable at start is initialised now.
+        self._mark()
 
     # -- failure classification
 

@@ -1,0 +1,95 @@
+"""The shared stores an agent has used: its record, on the node, of each `file://` store's id.
+
+A `file://` store marks its root with a marker that holds the store's id (`tiers.sharedfs`).
+A root without the marker is either a store not initialised yet or an unmounted file
+system's empty mount point. A running agent tells them apart by having seen the marker;
+this record lets an agent that *starts* tell them apart too: a URL it has used a store at
+is never a new store, so a root found there without a marker is the mount gone.
+
+The record lives beside the DRAM arena and its journal (`AgentConfig.stores_path`), with
+their lifetime: on the host's tmpfs it outlives agent restarts and upgrades, not a reboot
+of the node. `kvpool cleanup` removes it with them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_VERSION = 1
+
+
+class SeenStores:
+    """{store URL: store id} of the stores this agent has used, kept in one small file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()  # the tier's probe thread may adopt a store
+        self._ids = _load(path)
+
+    def id_of(self, url: str) -> str | None:
+        """The id of the store this agent last used at `url`; None: it never used one."""
+        with self._lock:
+            return self._ids.get(url)
+
+    def remember(self, url: str, store_id: str) -> None:
+        """Record that this agent uses store `store_id` at `url` (written only on a change).
+
+        A failed write is logged, not raised: the store is still usable, only a restart of
+        the agent could then not tell its absent mount from a new store.
+        """
+        with self._lock:
+            if self._ids.get(url) == store_id:
+                return
+            ids = {**self._ids, url: store_id}
+            try:
+                _save(self.path, ids)
+            except OSError as e:
+                log.error("could not record shared store %s (id %s) in %s: %s; a restart "
+                          "of the agent could take its absent mount for a new store",
+                          url, store_id or "from before ids", self.path, e)
+                return
+            self._ids = ids
+
+
+def _load(path: Path) -> dict[str, str]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        log.error("could not read the record of shared stores %s: %s", path, e)
+        return {}
+    try:
+        doc = json.loads(text)
+        stores = doc["stores"]
+        if doc.get("version") != _VERSION or not isinstance(stores, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in stores.items()):
+            raise ValueError(f"not a version {_VERSION} record")
+    except (ValueError, KeyError, TypeError) as e:
+        # Written whole (a temporary file renamed into place), so this is not a torn write:
+        # someone else's file. Starting without it only forgets the stores it names.
+        log.error("ignoring the record of shared stores %s, which is damaged (%s): an "
+                  "absent mount of a store it named would be taken for a new store", path, e)
+        return {}
+    return dict(stores)
+
+
+def _save(path: Path, ids: dict[str, str]) -> None:
+    """Replace the file whole: a reader (the next start) sees the old record or the new."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"version": _VERSION, "stores": ids}, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
