@@ -55,7 +55,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> None:
     for size in SIZES_QUICK:
         assert {"put_gbps", "put_ahead_gbps", "get_gbps", "memcpy_gbps", "xxh3_gbps",
-                "copy_xxh3_gbps"} <= set(result["g2"][size])
+                "copy_xxh3_gbps", "put_many_gbps", "get_many_gbps", "put_many_vs_memcpy",
+                "get_many_vs_memcpy"} <= set(result["g2"][size])
         assert {"put_gbps", "get_gbps"} <= set(result["inline"][size])
         assert {"put_gbps", "get_gbps"} <= set(result["redis"][size])
     assert set(CONTROL) <= set(result["control"])

@@ -68,6 +68,22 @@ def open_files(proc: psutil.Process) -> dict[int, str]:
     return out
 
 
+def socket_kinds() -> dict[str, str]:
+    """socket:[inode] -> what it is (unix and its path, or tcp and its addresses and state),
+    for the message of a descriptor left open."""
+    kinds: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            cols = line.split()
+            kinds[f"socket:[{cols[6]}]"] = f"unix {cols[7] if len(cols) > 7 else '(unnamed)'}"
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+                cols = line.split()
+                kinds[f"socket:[{cols[9]}]"] = f"{name} {cols[1]}->{cols[2]} state {cols[3]}"
+    return kinds
+
+
 @pytest.mark.soak
 def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
         tmp_path: Path, loads: list[Load]) -> None:
@@ -129,7 +145,9 @@ def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
             wait_until(lambda: proc.num_fds() <= idle_fds, "file descriptors back to idle",
                        timeout=10)
         except AssertionError as e:
-            extra = {fd: f for fd, f in open_files(proc).items() if idle_files.get(fd) != f}
+            kinds = socket_kinds()
+            extra = {fd: f"{f} {kinds.get(f, '')}".rstrip()
+                     for fd, f in open_files(proc).items() if idle_files.get(fd) != f}
             raise AssertionError(f"{e}; open now and not when idle: {extra}") from None
         threads = proc.num_threads()
         assert threads <= idle_threads + STORE_POOLS + LOOKUP_THREADS, \

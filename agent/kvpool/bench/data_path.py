@@ -19,6 +19,10 @@ Buffers are pre-faulted; one process, one thread:
   (ACQUIRE, copy out of the arena, pipelined RELEASE); `get_verified_gbps` the
   same with `verify=True` (XXH3 per 1 MiB block as it is copied), and
   `get_verified_vs_get` what verifying costs a read;
+- G2 put_many / get_many: `KVPoolClient.put_many` / `get_many_into` of `BATCH` chunks
+  in one window (two round trips for the puts, one for the reads, whatever the
+  count): what a batch pays per chunk once its round trips are shared, against
+  `BATCH` memcpys;
 - inline: the same calls with `mode="inline"` (the bytes ride in the frames);
 - Redis: redis-py `SET` / `GET` of the same bytes over a Unix socket to a
   `redis-server` started here without persistence.
@@ -45,6 +49,8 @@ from .local import LocalAgent
 from .stats import child_server, size_label, throughput, timed
 
 KEY_PREFIX = b"kvpool-bench-key"
+BATCH = 4
+"""Chunks per put_many / get_many window."""
 
 
 def bench_key(i: int, salt: bytes = b"") -> bytes:
@@ -111,6 +117,20 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, ahead: KVPoolClient,
                 raise RuntimeError("bench chunk missing or read back wrong")
         return call
 
+    outs = [memoryview(prefaulted(nbytes)) for _ in range(BATCH)]
+
+    def batch(i: int) -> list[bytes]:
+        return [bench_key(i * BATCH + j, b"batch") for j in range(BATCH)]
+
+    def put_many(i: int) -> None:
+        if not all(zc.put_many(batch(i), [data] * BATCH)):
+            raise RuntimeError("bench batch not stored")
+
+    def get_many(i: int) -> None:
+        sizes = zc.get_many_into(batch(i), lambda j, size, meta: outs[j], verify=False)
+        if sizes != [nbytes] * BATCH or any(o[:64] != data[:64] for o in outs):
+            raise RuntimeError("bench batch missing or read back wrong")
+
     def redis_get(i: int) -> None:
         got = rds.get(bench_key(i, b"redis"))
         if got is None or len(got) != nbytes:
@@ -122,7 +142,7 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, ahead: KVPoolClient,
     ops: dict[str, Callable[[int], object]] = {
         "memcpy": copy, "xxh3": lambda _: checksum(s), "copy_xxh3": copy_and_hash,
         "put": put(zc, b"g2"), "put_ahead": put(ahead, b"ahead"), "get": get(zc, b"g2"),
-        "get_verified": get(zc, b"g2", True),
+        "get_verified": get(zc, b"g2", True), "put_many": put_many, "get_many": get_many,
         "inline_put": put(inline, b"inline"), "inline_get": get(inline, b"inline"),
         "redis_put": lambda i: rds.set(bench_key(i, b"redis"), data), "redis_get": redis_get,
     }
@@ -131,6 +151,8 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, ahead: KVPoolClient,
         zc.delete(bench_key(i, b"g2"))
         zc.delete(bench_key(i, b"ahead"))
         inline.delete(bench_key(i, b"inline"))
+        for key in batch(i):
+            zc.delete(key)
         rds.delete(bench_key(i, b"redis"))
 
     return ops, clean
@@ -143,7 +165,7 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
     g2: dict[str, Any] = {}
     inline: dict[str, Any] = {}
     peer: dict[str, Any] = {}
-    dram = max(sizes) * 4 + (64 << 20)
+    dram = max(sizes) * (4 + BATCH) + (64 << 20)
     with LocalAgent("--no-lock", dram=str(dram), start_timeout=60) as agent, \
             redis_server() as rsock, \
             KVPoolClient(agent.socket_path) as zc, \
@@ -160,12 +182,16 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
                 "memcpy_gbps": t["memcpy"],
                 "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"],
                 "get_verified_gbps": t["get_verified"]})
+            g2[label].update(throughput(BATCH * nbytes, {
+                "put_many_gbps": t["put_many"], "get_many_gbps": t["get_many"]}))
             inline[label] = throughput(nbytes, {"put_gbps": t["inline_put"],
                                                 "get_gbps": t["inline_get"]})
             peer[label] = throughput(nbytes, {"put_gbps": t["redis_put"],
                                               "get_gbps": t["redis_get"]})
             memcpy = g2[label]["memcpy_gbps"]
             g2[label]["put_ahead_vs_memcpy"] = round(g2[label]["put_ahead_gbps"] / memcpy, 3)
+            for op in ("put_many", "get_many"):
+                g2[label][f"{op}_vs_memcpy"] = round(g2[label][f"{op}_gbps"] / memcpy, 3)
             for op in ("put", "get"):
                 g2[label][f"{op}_vs_memcpy"] = round(g2[label][f"{op}_gbps"] / memcpy, 3)
                 peer[label][f"kvpool_{op}_vs_redis"] = round(

@@ -118,8 +118,8 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
 
 def _print_tables(console: Console, r: dict[str, Any]) -> None:
     t = Table(title="data path, GB/s (median of reps; ratio in brackets)")
-    for col in ("size", "memcpy", "G2 put", "G2 put ahead", "G2 get", "inline put",
-                "inline get", "Redis put", "Redis get"):
+    for col in ("size", "memcpy", "G2 put", "G2 put ahead", "G2 get", "G2 put_many",
+                "G2 get_many", "inline put", "inline get", "Redis put", "Redis get"):
         t.add_column(col, justify="right")
     for size, g2 in r["g2"].items():
         il, rd = r["inline"][size], r["redis"][size]
@@ -127,6 +127,8 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                   f"{g2['put_gbps']:.2f} ({g2['put_vs_memcpy']:.2f}x memcpy)",
                   f"{g2['put_ahead_gbps']:.2f} ({g2['put_ahead_vs_memcpy']:.2f}x)",
                   f"{g2['get_gbps']:.2f} ({g2['get_vs_memcpy']:.2f}x memcpy)",
+                  f"{g2['put_many_gbps']:.2f} ({g2['put_many_vs_memcpy']:.2f}x)",
+                  f"{g2['get_many_gbps']:.2f} ({g2['get_many_vs_memcpy']:.2f}x)",
                   f"{il['put_gbps']:.2f}", f"{il['get_gbps']:.2f}",
                   f"{rd['put_gbps']:.2f} ({rd['kvpool_put_vs_redis']:.0f}x)",
                   f"{rd['get_gbps']:.2f} ({rd['kvpool_get_vs_redis']:.0f}x)")
