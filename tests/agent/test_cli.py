@@ -138,13 +138,14 @@ def shm_arena(tmp_path: Path) -> Path:
 def arena_path(tmp_path: Path) -> Iterator[Path]:
     path = shm_arena(tmp_path)
     yield path
-    for p in (path, path.with_suffix(".journal"), path.with_suffix(".lock")):
+    for p in (path, *(path.with_suffix(x) for x in (".journal", ".stores", ".lock"))):
         p.unlink(missing_ok=True)
 
 
 def left_in_shm(arena: Path) -> list[Path]:
-    """What an agent with this arena has in /dev/shm: the arena, its journal and lock."""
-    return [p for p in (arena, arena.with_suffix(".journal"), arena.with_suffix(".lock"))
+    """What an agent with this arena has in /dev/shm: the arena, its journal, its record of
+    shared stores and its lock."""
+    return [p for p in (arena, *(arena.with_suffix(x) for x in (".journal", ".stores", ".lock")))
             if p.exists()]
 
 
@@ -225,6 +226,24 @@ def test_agent_whose_metrics_port_is_taken_leaves_no_file_or_directory(
     assert "--metrics-addr" in error_line(run)
     assert left_in_shm(arena_path) == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_start_removes_the_record_of_the_shared_store_it_made(
+        tmp_path: Path, arena_path: Path) -> None:
+    """The start opened a file:// shared tier, so it recorded (and initialised) the store
+    before its metrics port failed: the record goes with the arena; the store stays one."""
+    store = tmp_path / "store"
+    store.mkdir()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        run = kvpool("agent", "--socket", str(tmp_path / "agent.sock"), "--arena",
+                     str(arena_path), "--dram", "16Mi", "--no-lock", "--shared",
+                     store.as_uri(), "--metrics-addr", f"127.0.0.1:{taken.getsockname()[1]}",
+                     timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert left_in_shm(arena_path) == []
+    assert [p.name for p in store.iterdir()] == [".kvpool-store"]  # other nodes may use it
 
 
 def test_failed_start_keeps_the_arena_a_previous_run_left(tmp_path: Path) -> None:
@@ -331,6 +350,25 @@ def test_cleanup_frees_the_arena_a_stopped_agent_left(tmp_path: Path) -> None:
         assert run.returncode == 0, run.stderr
         assert left_in_shm(a.arena_path) == []
         assert f"removed {a.arena_path} (16.0 MiB)" in run.stdout
+    finally:
+        a.stop()
+
+
+def test_cleanup_removes_the_record_of_the_shared_stores_a_stopped_agent_used(
+        tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    a = LocalAgent("--no-lock", "--shared", store.as_uri(), workdir=tmp_path,
+                   dram="16Mi").start()
+    a.stop(remove_arena=False)
+    record = a.arena_path.with_suffix(".stores")
+    try:
+        assert record.exists()
+        run = kvpool("cleanup", "--socket", str(a.socket_path), "--arena", str(a.arena_path),
+                     timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert left_in_shm(a.arena_path) == []
+        assert f"removed {record} (" in run.stdout
     finally:
         a.stop()
 
