@@ -217,9 +217,13 @@ class Agent:
             log.exception("client %d failed", conn.id)
         finally:
             self.connections.pop(conn.id, None)
-            conn.store.disconnect(conn.id)
-            conn.ended()
-            conn.sock.close()
+            try:
+                conn.store.disconnect(conn.id)
+                conn.ended()
+            except Exception:  # logged, and the descriptor still goes
+                log.exception("cleaning up after client %d failed", conn.id)
+            finally:
+                conn.sock.close()
 
     # -- housekeeping
 
