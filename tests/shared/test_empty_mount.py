@@ -19,6 +19,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.tiers.sharedfs import STORE_MARKER, read_marker
@@ -141,6 +142,39 @@ def test_an_agent_started_while_the_mount_is_absent_knows_its_store_and_waits_fo
         wait_until(lambda: not list(store.rglob("*.kvc")), "the kept delete")
         assert read_marker(store / STORE_MARKER) == store_id  # the same store, not a new one
         assert c.lookup([key]) == 0 and c.get(key) is None
+
+
+def test_an_agent_with_nvme_knows_its_store_after_a_reboot_emptied_its_tmpfs(
+        tmp_path: Path) -> None:
+    """A node reboots and its file system does not come back with it: the tmpfs with the
+    agent's arena, journal and record is empty, but the copy of the record in the NVMe
+    directory tells the starting agent that the empty mount point is its absent store."""
+    store, mount_point = tmp_path / "store", tmp_path / "mnt"
+    store.mkdir()
+    mount_point.mkdir()
+    with ExitStack() as stack:
+        stack.enter_context(bind_mount(store, mount_point))
+        workdir = tmp_path / "a"
+        workdir.mkdir()
+        cfg = workdir / "agent.yaml"
+        cfg.write_text(yaml.safe_dump({"pool": "mount-test", "tiers": {
+            "nvme": {"path": str(workdir / "nvme"), "size": "16Mi"},
+            "shared": {"url": mount_point.as_uri(), "requestTimeout": "2s"}}}))
+        a = stack.enter_context(
+            LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir, dram="16Mi"))
+        store_id = read_marker(store / STORE_MARKER)
+        a.stop()  # removes the arena, the journal and the record on the tmpfs: a reboot
+        assert not a.arena_path.with_suffix(".stores").exists()
+
+        subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
+        a.start()
+        c = stack.enter_context(KVPoolClient(a.socket_path))
+        reason = str(shared(c)["reason"])
+        assert "the mount looks absent" in reason and str(store_id) in reason, reason
+        assert not any(mount_point.iterdir())
+
+        stack.enter_context(bind_mount(store, mount_point))
+        wait_until(lambda: shared(c)["healthy"], "the tier to recover")
 
 
 def test_gc_all_keeps_a_mounted_stores_marker_and_never_marks_an_absent_one(

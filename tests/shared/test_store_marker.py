@@ -122,3 +122,12 @@ def test_a_record_that_cannot_be_written_leaves_the_store_usable(
         assert "could not record shared store" in caplog.text
     finally:
         tier.close()
+
+
+def test_a_record_kept_in_two_places_is_read_from_either(tmp_path: Path) -> None:
+    tmpfs, disk = tmp_path / "agent.stores", tmp_path / "nvme.stores"
+    SeenStores(tmpfs, disk).remember("file:///mnt/store", "abc")
+    tmpfs.unlink()  # a reboot empties the tmpfs; the disk keeps its copy
+    assert SeenStores(tmpfs, disk).id_of("file:///mnt/store") == "abc"
+    SeenStores(tmpfs).remember("file:///mnt/store", "def")  # the copies differ
+    assert SeenStores(tmpfs, disk).id_of("file:///mnt/store") == "def"  # the first one wins

@@ -144,9 +144,10 @@ class StartFiles:
         files: list[Path] = []
         dirs: list[Path] = []
         for space in space_files(config):
-            files += [space.socket, space.arena, space.journal, space.stores, space.lock]
+            files += [space.socket, space.arena, space.journal, space.lock]
             dirs += [space.socket.parent, space.arena.parent]
         for _, cfg in config.spaces():
+            files += cfg.stores_paths()
             if cfg.tiers.nvme is not None:
                 dirs.append(cfg.tiers.nvme.path)
             if cfg.tiers.shared is not None and cfg.tiers.shared.url.startswith("file://"):

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .constants import HUGE_PAGE_BYTES, PAGE_BYTES
+from .constants import HUGE_PAGE_BYTES, NVME_STORES_RECORD, PAGE_BYTES
 from .constants import TIER_ORDER as TIER_ORDER
 from .constants import TierName as TierName
 from .units import ByteSize, Duration, human_size
@@ -476,6 +476,13 @@ class AgentConfig(Model):
         """The record of the `file://` shared stores this agent has used (`seenstores`):
         beside the arena and the journal, with their lifetime."""
         return self.arena_path().with_suffix(".stores")
+
+    def stores_paths(self) -> list[Path]:
+        """`stores_path`, and with an NVMe tier a copy of the record in its directory: on
+        disk, it outlives a reboot of the node, which empties the arena's tmpfs."""
+        if self.tiers.nvme is None:
+            return [self.stores_path()]
+        return [self.stores_path(), self.tiers.nvme.path / NVME_STORES_RECORD]
 
     def spaces(self) -> list[tuple[str, AgentConfig]]:
         """(tenant, config) of every space the agent serves: one per tenant, or the pool's.

@@ -18,6 +18,10 @@ KEY_BYTES: Final = 16
 CHUNK_SUFFIX: Final = ".kvc"
 """File-name suffix of a chunk on the NVMe tier and of an object in the shared tier."""
 
+NVME_STORES_RECORD: Final = ".kvpool-stores"
+"""In the NVMe directory: the agent's record of the `file://` shared stores it has used (a
+file, so the NVMe tier's scan of its fan-out directories never takes it for chunks)."""
+
 # -- tiers
 
 TierName = Literal["dram", "nvme", "shared"]

@@ -8,7 +8,10 @@ is never a new store, so a root found there without a marker is the mount gone.
 
 The record lives beside the DRAM arena and its journal (`AgentConfig.stores_path`), with
 their lifetime: on the host's tmpfs it outlives agent restarts and upgrades, not a reboot
-of the node. `kvpool cleanup` removes it with them.
+of the node; `kvpool cleanup` removes it with them. An agent with an NVMe tier keeps a copy
+in its NVMe directory (`AgentConfig.stores_paths`), on disk, which outlives a reboot too: a
+node that boots with its network file system not mounted is the likeliest way to start an
+agent on an empty mount point.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ _VERSION = 1
 
 
 class SeenStores:
-    """{store URL: store id} of the stores this agent has used, kept in one small file."""
+    """{store URL: store id} of the stores this agent has used, kept in small files: the
+    same record in each of `paths` (the first one's id wins where they differ)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, *paths: Path) -> None:
+        self.paths = paths
         self._lock = threading.Lock()  # the tier's probe thread may adopt a store
-        self._ids = _load(path)
+        self._ids: dict[str, str] = {}
+        for path in reversed(paths):
+            self._ids.update(_load(path))
 
     def id_of(self, url: str) -> str | None:
         """The id of the store this agent last used at `url`; None: it never used one."""
@@ -47,13 +53,13 @@ class SeenStores:
             if self._ids.get(url) == store_id:
                 return
             ids = {**self._ids, url: store_id}
-            try:
-                _save(self.path, ids)
-            except OSError as e:
-                log.error("could not record shared store %s (id %s) in %s: %s; a restart "
-                          "of the agent could take its absent mount for a new store",
-                          url, store_id or "from before ids", self.path, e)
-                return
+            for path in self.paths:
+                try:
+                    _save(path, ids)
+                except OSError as e:
+                    log.error("could not record shared store %s (id %s) in %s: %s; a restart "
+                              "of the agent could take its absent mount for a new store",
+                              url, store_id or "from before ids", path, e)
             self._ids = ids
 
 

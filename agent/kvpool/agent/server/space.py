@@ -37,7 +37,7 @@ class Space:
         shared = None
         if config.tiers.shared is not None:
             shared = open_shared_tier(config.tiers.shared, metrics,
-                                      seen=SeenStores(config.stores_path()))
+                                      seen=SeenStores(*config.stores_paths()))
         journal, entries = open_journal(config)
         if not self.arena.reused:
             entries = []  # a new arena holds nothing the journal describes
