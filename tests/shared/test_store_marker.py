@@ -131,3 +131,21 @@ def test_a_record_kept_in_two_places_is_read_from_either(tmp_path: Path) -> None
     assert SeenStores(tmpfs, disk).id_of("file:///mnt/store") == "abc"
     SeenStores(tmpfs).remember("file:///mnt/store", "def")  # the copies differ
     assert SeenStores(tmpfs, disk).id_of("file:///mnt/store") == "def"  # the first one wins
+
+
+def test_a_store_marked_afresh_is_taken_up_at_start_and_recorded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, record = tmp_path / "store", tmp_path / "agent.stores"
+    tier_on(root, SeenStores(record)).close()
+    old_id = SeenStores(record).id_of(root.as_uri())
+    (root / STORE_MARKER).unlink()
+    new_id, created = init_store(root)  # `kvpool gc --init-store` after a wipe
+    assert created and new_id != old_id
+    with caplog.at_level(logging.WARNING):
+        tier = tier_on(root, SeenStores(record))
+    try:
+        assert tier.healthy() == (True, "") and tier.store_id == new_id
+        assert f"the store is a new one (id {new_id}; this agent used id {old_id})" in caplog.text
+        assert SeenStores(record).id_of(root.as_uri()) == new_id
+    finally:
+        tier.close()
