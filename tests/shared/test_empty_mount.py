@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.gc import run_gc
 from kvpool.agent.tiers.sharedfs import STORE_MARKER, read_marker
 from kvpool.bench.local import LocalAgent
 
@@ -194,9 +195,7 @@ def test_gc_all_keeps_a_mounted_stores_marker_and_never_marks_an_absent_one(
         assert c.put(key, data_of(key))
         wait_until(lambda: queue(c)["written"] == 1, "the upload")
 
-        run = kvpool("gc", "--shared", mount_point.as_uri(), "--all", "--json")
-        assert run.returncode == 0, run.stderr
-        assert json.loads(run.stdout)["deleted"] == 1
+        assert run_gc(mount_point.as_uri(), all_objects=True).deleted == 1  # `kvpool gc --all`
         assert read_marker(store / STORE_MARKER) == store_id  # still the same store
         assert c.put(other, data_of(other))  # the agent keeps writing to the emptied store
         wait_until(lambda: queue(c)["written"] == 2, "the upload after gc")
@@ -206,9 +205,7 @@ def test_gc_all_keeps_a_mounted_stores_marker_and_never_marks_an_absent_one(
         subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
         assert c.delete(other)  # finds no object: the store is gone, the delete waits
         wait_until(lambda: not shared(c)["healthy"], "the tier to turn unhealthy")
-        run = kvpool("gc", "--shared", mount_point.as_uri(), "--all", "--json")
-        assert run.returncode == 0, run.stderr
-        assert json.loads(run.stdout)["deleted"] == 0
+        assert run_gc(mount_point.as_uri(), all_objects=True).deleted == 0
         assert not any(mount_point.iterdir())  # no marker written into the mount point
 
         stack.enter_context(bind_mount(store, mount_point))
