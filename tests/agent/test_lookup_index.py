@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -74,21 +75,49 @@ def test_index_fd_is_read_only_and_cannot_be_resized(small_agent: LocalAgent) ->
 LOOKUPS = 'kvpool_lookups_total{pool="default"}'
 
 
-def test_local_lookup_is_on_by_the_environment_and_never_reaches_the_agent(
+def test_local_lookup_is_on_by_the_environment_and_answers_while_the_agent_cannot(
         small_agent: LocalAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answered from shared memory with the agent stopped (SIGSTOP): no round trip. The
+    agent still hears of each lookup afterwards, so its counts are as if asked."""
     key = b"env-local-lookup"
     with KVPoolClient(small_agent.socket_path) as c:
         assert c.put(key, bytes(CHUNK)) or c.contains(key)
     before = scrape(small_agent)[LOOKUPS]
     monkeypatch.setenv("KVPOOL_LOCAL_LOOKUP", "1")
+    assert small_agent.proc is not None
     with KVPoolClient(small_agent.socket_path) as local:
-        assert local.lookup_tiers([key]) == ["dram"]
-        assert local.lookup([key, b"never-stored-key"]) == 1
-    assert scrape(small_agent)[LOOKUPS] == before, "answered without asking the agent"
+        small_agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert local.lookup_tiers([key]) == ["dram"]
+            assert local.lookup([key, b"never-stored-key"]) == 1
+        finally:
+            small_agent.proc.send_signal(signal.SIGCONT)
+        local.stats()  # a call: the lookups' replies are read before its own
+    assert scrape(small_agent)[LOOKUPS] == before + 2, "the agent heard of both lookups"
     monkeypatch.delenv("KVPOOL_LOCAL_LOOKUP")
     with KVPoolClient(small_agent.socket_path) as remote:
         assert remote.lookup([key]) == 1
-    assert scrape(small_agent)[LOOKUPS] == before + 1
+    assert scrape(small_agent)[LOOKUPS] == before + 3
+
+
+def test_a_local_lookup_keeps_its_chunks_in_the_eviction_order_as_an_asked_one_does(
+        tmp_path: Path) -> None:
+    """LRU DRAM of 256 pages: the oldest chunk, looked up locally, is the youngest after
+    it, so filling the arena evicts the second oldest first, not it."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("tiers:\n  dram: {eviction: lru}\n")
+    keys = [_key(10**6 + i) for i in range(200)]
+    with LocalAgent("--no-lock", "--policy", str(policy), workdir=tmp_path, dram=ARENA,
+                    start_timeout=60) as agent, \
+            KVPoolClient(agent.socket_path, local_lookup=True) as c:
+        for key in keys:
+            assert c.put(key, bytes(CHUNK))
+        assert c.lookup(keys[:1]) == 1  # answered locally; the agent refreshes it later
+        more = [_key(2 * 10**6 + i) for i in range(100)]  # past 256 pages: evicts
+        c.put_many(more, [bytes(CHUNK)] * len(more))
+        with KVPoolClient(agent.socket_path) as remote:
+            assert remote.lookup(keys[:1]) == 1, "the looked-up chunk was evicted"
+            assert remote.lookup(keys[1:2]) == 0, "the next oldest should have gone first"
 
 
 def _key(i: int) -> bytes:

@@ -228,7 +228,14 @@ class KVPoolClient:
                 or t.conn.closed:
             return None
         count = t.index.lookup(window)
-        return None if count is None else ["dram"] * count
+        if count is None:
+            return None
+        # The agent still hears of the lookup, with this client's next call: the hit
+        # chunks' place in the eviction order and the hit counts stay as if it had asked
+        # (prefetch has nothing to do: the index answers only when no lower tier may
+        # hold more of the prefix).
+        t.conn.tell(p.Lookup(t.conn.rid(), list(window)))
+        return ["dram"] * count
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]) == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,11 @@ PutResult = bool | p.ProtocolError
 """Per key of `put_many`: True stored now, False already stored (deduplicated), or the
 agent's refusal of that one chunk."""
 
+TELL_AHEAD = 16
+"""Told requests (`Connection.tell`) whose replies may be outstanding at once: more, and
+the agent is behind this client, which stops telling it until it catches up."""
+TELL_BATCH = 8
+"""Told requests sent in one write when no call takes them along sooner."""
 COPY_BLOCK = 1 << 20
 """Bytes a put copies into the arena before hashing them: small enough that the block
 is still in L2 when the checksum reads it back, large enough that the per-block
@@ -138,6 +144,14 @@ class Connection:
         self._rids = rids
         self._unanswered = 0
         self._rbuf = bytearray(64 * 1024)
+        self._early = bytearray()
+        """Bytes `_collect` read past the last whole reply: the start of the next one."""
+        self._told: list[bytes] = []
+        """Encoded told requests not sent yet: they go first in the next write."""
+        self._readable = select.poll()
+        self._readable.register(sock, select.POLLIN)
+        self.untold = 0
+        """Requests `tell` dropped because the agent was behind."""
 
     @property
     def closed(self) -> bool:
@@ -161,7 +175,10 @@ class Connection:
         if len(self._rbuf) < n:
             self._rbuf = bytearray(n)
         view = memoryview(self._rbuf)[:n]
-        got = 0
+        got = min(n, len(self._early))
+        if got:
+            view[:got] = self._early[:got]
+            del self._early[:got]
         while got < n:
             r = sock.recv_into(view[got:], n - got)
             if r == 0:
@@ -181,9 +198,53 @@ class Connection:
             self._unanswered -= 1
             self._read_reply()
 
+    def _send(self, frames: bytes) -> None:
+        """Write the told requests waiting, then `frames`, in one write."""
+        sock = self._live()
+        if self._told:
+            frames = b"".join(self._told) + frames
+            self._unanswered += len(self._told)
+            self._told.clear()
+        sock.sendall(frames)
+
+    def _collect(self) -> None:
+        """Drop the owed replies that have arrived whole, never waiting for one. With no
+        call in flight every byte the agent sent is an owed reply (nobody reads them)."""
+        sock = self.sock
+        while self._unanswered and sock is not None and self._readable.poll(0):
+            data = sock.recv(1 << 16)  # readable: returns at once
+            if not data:
+                return  # the agent closed: the next call finds out
+            self._early += data
+            while self._unanswered and len(self._early) >= p.HEADER.size:
+                whole = p.HEADER.size + p.HEADER.unpack_from(self._early)[0]
+                if len(self._early) < whole:
+                    break
+                del self._early[:whole]
+                self._unanswered -= 1
+
+    def tell(self, req: p.Request) -> None:
+        """Let the agent know `req` without waiting for it: it goes with the next call (or
+        with `TELL_BATCH` others), its reply read and dropped like a cast's. When
+        `TELL_AHEAD` replies are outstanding the agent is behind, and `req` is dropped
+        (counted in `untold`) rather than make this client wait for it."""
+        if self.sock is None:
+            return
+        try:
+            if self._unanswered + len(self._told) >= TELL_AHEAD:
+                self._collect()
+                if self._unanswered + len(self._told) >= TELL_AHEAD:
+                    self.untold += 1
+                    return
+            self._told.append(p.encode(req))
+            if len(self._told) >= TELL_BATCH:
+                self._send(b"")
+        except OSError:
+            self.close()  # the next call reconnects
+
     def call(self, req: p.Request) -> p.Reply:
         """Send `req` and return its reply; an error reply raises `ProtocolError`."""
-        self._live().sendall(p.encode(req))
+        self._send(p.encode(req))
         self._drain()
         reply = self._read_reply()
         if isinstance(reply, p.ErrorReply):
@@ -194,7 +255,7 @@ class Connection:
         """Send `reqs` in one write; their replies, error replies included, in order."""
         if not reqs:
             return []
-        self._live().sendall(b"".join(p.encode(r) for r in reqs))
+        self._send(b"".join(p.encode(r) for r in reqs))
         self._drain()
         return [self._read_reply() for _ in reqs]
 
@@ -203,7 +264,7 @@ class Connection:
         if not reqs or self.sock is None:
             return
         try:
-            self.sock.sendall(b"".join(p.encode(r) for r in reqs))
+            self._send(b"".join(p.encode(r) for r in reqs))
         except OSError:
             # The agent drops a closed connection's leases itself; the next call
             # reconnects. Raising here would redo work already handed out.

@@ -3,7 +3,8 @@
 - LOOKUP: `KVPoolClient.lookup` of a 128-chunk prefix that is fully stored
   (the agent walks all 128 keys), one round trip each;
 - local LOOKUP: the same with `local_lookup=True`, answered by the client from
-  the DRAM index the agent publishes in shared memory (no round trip);
+  the DRAM index the agent publishes in shared memory (no round trip; the LOOKUP
+  is still told to the agent with a later write, its reply not waited for);
 - ACQUIRE/RELEASE: `KVPoolClient.get_into` of a 4 KiB chunk, which is an
   ACQUIRE round trip, a 4 KiB copy out of the arena and a RELEASE sent
   without waiting (its reply is read before the next call's): the read path
