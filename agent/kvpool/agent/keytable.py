@@ -14,7 +14,14 @@ the table is rebuilt, which it is once live and dead cells pass half of it.
 A slot outlives its key in the table: `remove` takes the key out (it is no
 longer found) and `release` hands the slot back for reuse, so a tier can keep a
 chunk that is still being read, or still being demoted, in its slot after its
-key has gone. Keys are exactly `KEY_BYTES` long (the protocol checks that).
+key has gone (and `insert` can put it back). Keys are exactly `KEY_BYTES` long
+(the protocol checks that).
+
+One writer at a time (the caller serialises), but `find` may run in another thread
+while a write is under way (NVMe's index is written by worker threads and read by
+the event loop): a write changes one cell at a time, and a rebuild makes the whole
+new table before it swaps it in, so a reader sees the old table or the new one.
+A caller that claims a slot fills its row before `insert` makes the key findable.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ class KeyTable:
 
     def find(self, key: bytes) -> int:
         """The slot of `key`, or -1."""
-        cells, mask = self._cells, self._mask
+        cells = self._cells
+        mask = len(cells) - 1  # from the cells read: a rebuild swaps them in at once
         i = hash(key) & mask
         cell = cells[i]
         while cell:
@@ -66,19 +74,29 @@ class KeyTable:
 
     def add(self, key: bytes) -> int:
         """A slot for a key not in the table (the caller checked with `find`)."""
+        slot = self.claim(key)
+        self.insert(slot)
+        return slot
+
+    def claim(self, key: bytes) -> int:
+        """A slot holding `key` that is not in the table yet (`insert` puts it there)."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
-        if 2 * (self.live + self._dead + 1) > len(self._cells):
-            self._rebuild(self.live + 1)
         if self._free:
             slot = self._free.pop()
             self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = key
         else:
             slot = self.slots
             self._keys += key
-        self._place(key, slot)
-        self.live += 1
         return slot
+
+    def insert(self, slot: int) -> None:
+        """Make a claimed slot's key findable, or a removed one's again (not released;
+        its key must not be in the table)."""
+        if 2 * (self.live + self._dead + 1) > len(self._cells):
+            self._rebuild(self.live + 1)
+        self._place(self.key_at(slot), slot)
+        self.live += 1
 
     def remove(self, key: bytes) -> int:
         """Take `key` out of the table; its slot (returned, -1 if absent) stays taken until
@@ -102,6 +120,12 @@ class KeyTable:
         """A removed key's slot may be handed out again."""
         self._free.append(slot)
 
+    @property
+    def cells(self) -> array[int]:
+        """The open-addressing cells (0 empty, -1 a tombstone, else slot + 1), for a bulk
+        reader (copy it: an array exporting its buffer cannot be replaced in place)."""
+        return self._cells
+
     def key_at(self, slot: int) -> bytes:
         return bytes(self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
 
@@ -111,8 +135,10 @@ class KeyTable:
             if cell > 0:
                 yield cell - 1
 
-    def _place(self, key: bytes, slot: int) -> None:
-        cells, mask = self._cells, self._mask
+    def _place(self, key: bytes, slot: int, cells: array[int] | None = None) -> None:
+        if cells is None:
+            cells = self._cells
+        mask = len(cells) - 1
         i = hash(key) & mask
         while cells[i] > 0:  # a tombstone is reused: the key is known to be absent
             i = (i + 1) & mask
@@ -125,9 +151,7 @@ class KeyTable:
         size = _MIN_CELLS
         while size < 4 * need:
             size <<= 1
-        live = list(self.live_slots())
-        self._cells = array("i", bytes(4 * size))
-        self._mask = size - 1
-        self._dead = 0
-        for slot in live:
-            self._place(self.key_at(slot), slot)
+        cells = array("i", bytes(4 * size))
+        for slot in self.live_slots():
+            self._place(self.key_at(slot), slot, cells)
+        self._cells, self._mask, self._dead = cells, size - 1, 0

@@ -29,11 +29,12 @@ from concurrent.futures import Executor
 from .. import policy as pol
 from ..batches import Batches
 from ..config import TierPolicy
-from ..eviction import EvictionQueue, new_queue
+from ..eviction import EvictionQueue
 from ..metrics import EVICTION_REASONS, AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.dram import DramChunk
-from ..tiers.nvme import NvmeEntry, NvmeTier, file_bytes
+from ..tiers.nvme import NvmeTier, file_bytes
+from ..tiers.nvmeindex import NvmeChunk
 from .observer import NO_OBSERVER, TierObserver
 from .sharedlink import SharedLink
 from .tierreads import read_nvme
@@ -70,10 +71,9 @@ class Demotion:
         the DRAM chunk's pages can go, and its journal entry too when True."""
         self.observer: TierObserver = NO_OBSERVER
         """Told when a demotion lands on NVMe and when a chunk leaves it."""
-        self.queue: EvictionQueue = new_queue(policy.tiers.nvme.eviction)
-        """NVMe's chunks in eviction order."""
-        for entry in sorted(nvme.index.values(), key=lambda e: e.last_access):
-            self.queue.add(entry)  # files found at start: the oldest go first
+        self.queue: EvictionQueue = nvme.index.new_queue(policy.tiers.nvme.eviction,
+                                                         "last_access")
+        """NVMe's chunks in eviction order (files found at start: the oldest go first)."""
         self.inflight: dict[bytes, tuple[ChunkRecord, DramChunk]] = {}
         """Chunks on their way from DRAM to NVMe (the newest demotion of each key): still
         served from here."""
@@ -107,14 +107,12 @@ class Demotion:
     def set_policy(self, policy: TierPolicy) -> None:
         """A changed eviction order rebuilds the queue from what NVMe holds."""
         if policy.tiers.nvme.eviction is not self.policy.tiers.nvme.eviction:
-            self.queue = new_queue(policy.tiers.nvme.eviction)
-            for entry in sorted(self.nvme.index.values(), key=lambda e: e.last_seq):
-                self.queue.add(entry)
+            self.queue = self.nvme.index.new_queue(policy.tiers.nvme.eviction, "last_seq")
         self.policy = policy
 
     # -- what NVMe holds
 
-    def entry(self, key: bytes) -> NvmeEntry | None:
+    def entry(self, key: bytes) -> NvmeChunk | None:
         return self.nvme.index.get(key)
 
     def holds(self, key: bytes) -> bool:
@@ -286,16 +284,21 @@ class Demotion:
         gone: list[tuple[bytes, bool, int]] = []
         for v in victims:
             entry = self.nvme.index.get(v.key)
+            hits, size = (entry.hits, entry.size) if entry is not None else (0, 0)
             if entry is None or not self.nvme.forget(v.key):
+                # Taken out of the index by a worker (a bad file): out of the order too.
+                self.queue.discard(v.key)
+                self.nvme.index.reap(v.key)
                 continue
             self.queue.discard(v.key)
+            self.nvme.index.reap(v.key)  # its slot, when the queue did not hold it
             self.observer.removed("nvme", v.key)
             if v.reason in EVICTION_REASONS:
                 self.m.evictions[("nvme", v.reason)].inc()
-                to_shared = self._shared is not None and self._shared.demotes(entry.hits)
-                gone.append((v.key, to_shared, entry.size))
+                to_shared = self._shared is not None and self._shared.demotes(hits)
+                gone.append((v.key, to_shared, size))
             else:
-                gone.append((v.key, False, entry.size))
+                gone.append((v.key, False, size))
         self.removing += len(gone)
         self.removing_bytes += sum(size for _, _, size in gone)
         for item in gone:

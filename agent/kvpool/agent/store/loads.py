@@ -103,10 +103,11 @@ class Loads:
                 if rec is not None:
                     entry = nvme.entry(k)
                     result = (rec, "nvme", entry.hits if entry is not None else 1)
-                    if i and read_under is not None and entry is read_under:
+                    if i and read_under is not None and entry == read_under:
                         self.ahead.keep(k, rec, read_under)
                 else:
                     nvme.queue.discard(k)  # quarantined or gone: out of the order too
+                    nvme.nvme.index.reap(k)  # and its slot handed back
                     if nvme.entry(k) is None:
                         nvme.observer.removed("nvme", k)
                 fut.set_result(result)

@@ -5,16 +5,16 @@ of its NVMe chunks costs one thread hand-off instead of one per chunk. `ReadAhea
 remembers which keys recent LOOKUPs found in NVMe (to know what follows a key) and
 keeps the extra chunks such a read took, verified, until their own read takes them.
 A kept chunk is good only while the NVMe index still holds the entry it was read
-under: never after a delete, a rewrite or an eviction.
+under (an equal `NvmeChunk`): never after a delete, a rewrite or an eviction.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 from ..tiers.base import ChunkRecord
-from ..tiers.nvme import NvmeEntry
+from ..tiers.nvmeindex import NvmeChunk, NvmeIndex
 
 READAHEAD_CHUNKS = 32
 """Most chunks one NVMe read of a client takes: the one asked for and those after it."""
@@ -28,7 +28,7 @@ class ReadAhead:
     def __init__(self) -> None:
         self._prompts: OrderedDict[int, list[bytes]] = OrderedDict()
         """Keys of recent LOOKUPs that found chunks in NVMe, by request seq."""
-        self._kept: OrderedDict[bytes, tuple[ChunkRecord, NvmeEntry]] = OrderedDict()
+        self._kept: OrderedDict[bytes, tuple[ChunkRecord, NvmeChunk]] = OrderedDict()
         self.bytes = 0
         """Chunk bytes kept waiting."""
 
@@ -45,15 +45,18 @@ class ReadAhead:
         if len(self._prompts) > RECENT_PROMPTS:
             self._prompts.popitem(last=False)
 
-    def following(self, key: bytes, seq: int, depth: int, index: Mapping[bytes, NvmeEntry],
+    def following(self, key: bytes, seq: int, depth: int, index: NvmeIndex,
                   busy: Callable[[bytes], bool]) -> list[bytes]:
         """The keys after `key` (at `depth` of LOOKUP `seq`) that NVMe holds and that are
         not `busy` (being read, kept, on their way down, in DRAM), within the read's caps."""
         prompt = self._prompts.get(seq)
         if prompt is None or depth >= len(prompt) or prompt[depth] != key:
             return []
+        first = index.get(key)
+        if first is None:
+            return []
         out: list[bytes] = []
-        total = index[key].size
+        total = first.size
         for k in prompt[depth + 1 :]:
             if len(out) + 1 >= READAHEAD_CHUNKS:
                 break
@@ -66,7 +69,7 @@ class ReadAhead:
             out.append(k)
         return out
 
-    def keep(self, key: bytes, rec: ChunkRecord, entry: NvmeEntry) -> None:
+    def keep(self, key: bytes, rec: ChunkRecord, entry: NvmeChunk) -> None:
         self.drop(key)
         self._kept[key] = (rec, entry)
         self.bytes += rec.size
@@ -79,14 +82,13 @@ class ReadAhead:
         if kept is not None:
             self.bytes -= kept[0].size
 
-    def take(self, key: bytes, index: Mapping[bytes, NvmeEntry]) -> tuple[ChunkRecord,
-                                                                          NvmeEntry] | None:
+    def take(self, key: bytes, index: NvmeIndex) -> tuple[ChunkRecord, NvmeChunk] | None:
         """The kept chunk of `key`, when the index still holds the entry it was read under."""
         kept = self._kept.pop(key, None)
         if kept is None:
             return None
         rec, entry = kept
         self.bytes -= rec.size
-        if index.get(key) is not entry:
+        if index.get(key) != entry:
             return None  # deleted, rewritten or evicted since: read again (or miss)
         return rec, entry

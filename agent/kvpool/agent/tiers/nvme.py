@@ -2,9 +2,10 @@
 
 A chunk is written to a temporary name and renamed into place, so a crash
 never leaves a half chunk under a real name; leftovers of interrupted writes
-are removed at start. The in-memory index (key -> size and tenant) is rebuilt
-at start from the files' headers alone. Every read verifies the checksum: a
-bad file is moved to `quarantine/` and reported as a miss.
+are removed at start. The in-memory index (key -> size and tenant, in flat
+arrays: `nvmeindex.NvmeIndex`) is rebuilt at start from the files' headers
+alone. Every read verifies the checksum: a bad file is moved to `quarantine/`
+and reported as a miss.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..constants import CHUNK_SUFFIX as SUFFIX
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
+from .nvmeindex import NvmeIndex
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +33,6 @@ TMP_MARK = ".tmp-"
 QUARANTINE_SHARE = 1 / 16
 """quarantine/ keeps bad files for inspection up to this share of the NVMe size (the
 oldest go first); what it holds is taken from the size chunks may use."""
-
-
-@dataclass(slots=True)
-class NvmeEntry:
-    key: bytes
-    size: int
-    """Bytes the file takes (header + chunk)."""
-    tenant: str
-    hits: int = 0
-    last_seq: int = 0
-    depth: int = 0
-    last_access: float = 0.0
 
 
 def file_bytes(rec: ChunkRecord) -> int:
@@ -58,9 +47,11 @@ class NvmeTier(ChunkTier):
         self.root = root
         self._capacity = capacity
         self.quarantine = root / "quarantine"
-        self.index: dict[bytes, NvmeEntry] = {}
         self._used = 0
         self._lock = threading.Lock()
+        """Serialises the index's writers and file renames and removals (worker threads
+        and the event loop); readers of the index need none."""
+        self.index = NvmeIndex(self._lock)
         self._unhealthy: str = ""
         self._subdirs: set[str] = set()
         """Fan-out directories known to exist (a mkdir per write costs a syscall)."""
@@ -81,7 +72,7 @@ class NvmeTier(ChunkTier):
 
     def rebuild(self) -> None:
         """Index every chunk file by its header; drop leftovers of interrupted writes."""
-        index: dict[bytes, NvmeEntry] = {}
+        index = NvmeIndex(self._lock)
         used = 0
         subdirs: set[str] = set()
         for sub in os.scandir(self.root):
@@ -108,8 +99,7 @@ class NvmeTier(ChunkTier):
                     log.warning("quarantining %s at start: %s", entry.path, e)
                     self._quarantine(Path(entry.path))
                     continue
-                index[h.key] = NvmeEntry(h.key, size, h.tenant, last_access=entry.stat().st_mtime)
-                used += size
+                used += size - index.put(h.key, size, h.tenant, entry.stat().st_mtime)
         with self._lock:
             self.index, self._used, self._subdirs = index, used, subdirs
 
@@ -184,14 +174,9 @@ class NvmeTier(ChunkTier):
                 os.close(fd)
             with self._lock:  # serialised with remove_file: an old unlink never hits this file
                 os.replace(tmp, path)
-                old = self.index.get(rec.key)
-                if old is not None:
-                    self._used -= old.size
                 # Stamped now, not 0: until the store files the entry in its eviction
                 # order, a TTL sweep of the index must not take it for an ancient chunk.
-                self.index[rec.key] = NvmeEntry(rec.key, total, rec.tenant,
-                                                last_access=time.time())
-                self._used += total
+                self._used += total - self.index.put(rec.key, total, rec.tenant, time.time())
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -208,12 +193,13 @@ class NvmeTier(ChunkTier):
 
     def forget(self, key: bytes) -> bool:
         """Take a chunk out of the index (cheap: the event loop calls it); the file stays
-        until `remove_file`."""
+        until `remove_file`. Its slot is handed back on the event loop (`NvmeIndex.reap`),
+        once the eviction queue has let go of it."""
         with self._lock:
-            entry = self.index.pop(key, None)
-            if entry is None:
+            size = self.index.unindex(key)
+            if size < 0:
                 return False
-            self._used -= entry.size
+            self._used -= size
             return True
 
     def remove_file(self, key: bytes) -> None:
