@@ -163,6 +163,13 @@ def test_demo_with_a_missing_trace_names_the_flag_and_the_file(tmp_path: Path) -
     assert "--trace" in line and str(missing) in line and "No such file" in line
 
 
+def test_bench_with_an_unknown_part_names_the_flag_and_the_parts() -> None:
+    run = kvpool("bench", "--part", "hit-ratio", "--part", "hitratio", timeout=60)
+    assert run.returncode == 2  # before any part runs
+    line = error_line(run)
+    assert "--part hitratio" in line and "hit-ratio" in line and "scale" in line
+
+
 def test_demo_with_a_bad_size_names_the_flag() -> None:
     run = kvpool("demo", "--block-bytes", "10XB", timeout=60)
     assert run.returncode == 2

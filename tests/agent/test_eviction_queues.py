@@ -227,9 +227,10 @@ def test_candidates_protocol_walk_discard_close(order: EvictionOrder) -> None:
 KEYS = [f"k{i}".encode() for i in range(12)]
 
 op = st.one_of(
+    # add: key, size, hits, tail, depth (runs of consecutive depths link chunks in a request)
     st.tuples(st.just("add"), st.sampled_from(KEYS), st.integers(1, 50), st.integers(0, 3),
-              st.booleans()),
-    st.tuples(st.just("touch"), st.sampled_from(KEYS)),
+              st.booleans(), st.integers(0, 3)),
+    st.tuples(st.just("touch"), st.sampled_from(KEYS), st.integers(0, 3)),
     st.tuples(st.just("discard"), st.sampled_from(KEYS)),
     # walk: how many entries to read before closing, and which of them to evict
     st.tuples(st.just("walk"), st.integers(0, 40), st.lists(st.booleans(), max_size=40)),
@@ -246,8 +247,9 @@ def test_members_are_added_minus_discarded_and_walks_end(order: EvictionOrder,
     seq = itertools.count(1)
     for o in ops:
         if o[0] == "add":
-            _, key, size, hits, tail = o
-            entry = Chunk(key, size=size, hits=hits, last_seq=next(seq))  # type: ignore[arg-type]
+            _, key, size, hits, tail, depth = o
+            entry = Chunk(key, size=size, hits=hits, last_seq=next(seq),  # type: ignore[arg-type]
+                          depth=depth)  # type: ignore[arg-type]
             q.add(entry, tail=bool(tail))
             model[entry.key] = entry
         elif o[0] == "touch":
@@ -255,6 +257,7 @@ def test_members_are_added_minus_discarded_and_walks_end(order: EvictionOrder,
             if entry_or_none is not None:
                 entry_or_none.hits += 1
                 entry_or_none.last_seq = next(seq)
+                entry_or_none.depth = o[2]  # type: ignore[assignment]
                 q.touched(entry_or_none)
         elif o[0] == "discard":
             q.discard(o[1])  # type: ignore[arg-type]
@@ -279,6 +282,10 @@ def test_members_are_added_minus_discarded_and_walks_end(order: EvictionOrder,
         if isinstance(q, S3FifoQueue):
             # Probation's share of the bytes decides where eviction starts: keep it true.
             assert q.small_bytes + q.main_bytes == sum(e.size for e in model.values())
+            # The two linked lists hold every member once (bounded: a broken link could loop).
+            listed = [*itertools.islice(q.small, len(model) + 1),
+                      *itertools.islice(q.main, len(model) + 1)]
+            assert sorted(listed) == sorted(model)
 
     # A whole walk that evicts nothing offers every chunk exactly once, and ends.
     bound = walk_bound(q)
@@ -423,8 +430,9 @@ def test_adaptive_share_stays_within_its_bounds() -> None:
 @pytest.mark.parametrize(
     ("hit_depth", "new_depths", "in_main"),
     [
-        # the request hit depths 0-1, then writes 2 and 3: both extend the hit prefix
-        pytest.param(1, [2, 3], "n2 n3", id="chunks-right-after-a-hit-prefix-join-main"),
+        # the request hit depths 0-1, then writes 2 and 3: both extend the hit prefix (in
+        # main the deeper ahead: see the deeper-first tests below)
+        pytest.param(1, [2, 3], "n3 n2", id="chunks-right-after-a-hit-prefix-join-main"),
         # a gap (the chunk at depth 2 is not new, not hit): no extension
         pytest.param(1, [3, 4], "", id="a-gap-breaks-the-chain"),
         # a request with no hit starts at depth 0: probation, as in S3-FIFO
@@ -450,3 +458,49 @@ def test_adaptive_a_prompts_tail_extending_a_hit_prefix_still_waits_in_probation
     q.touched(hit)
     q.add(c("t", depth=1), tail=True)  # a partial last block: unique to this prompt
     assert b"t" in q.small and b"t" not in q.main
+
+
+@pytest.mark.parametrize("hits", [0, 1],
+                         ids=["new-chunks-in-probation", "chunks-hit-before-in-main"])
+def test_adaptive_a_requests_deeper_chunks_leave_first(hits: int) -> None:
+    """A chunk serves a prefix hit only while every chunk above it is cached, so of one
+    request's run, added in depth order, the deepest leaves first (FIFO would take n0 first,
+    which wastes the three below it)."""
+    q = AdaptiveQueue()
+    for d in range(4):
+        q.add(c(f"n{d}", depth=d, hits=hits))
+    assert names(walk_all(q)) == "n3 n2 n1 n0"
+
+
+def test_adaptive_a_lookups_hit_prefix_leaves_main_deepest_first() -> None:
+    q = AdaptiveQueue()
+    run = [c(f"a{d}", depth=d, hits=1) for d in range(3)]
+    for e in (*run, c("x", hits=1)):  # hit elsewhere: straight to main
+        q.add(e)
+    for e in run:  # a LOOKUP touches its hit prefix in depth order
+        q.touched(e)
+    assert names(walk_all(q)) == "x a2 a1 a0"
+
+
+@pytest.mark.parametrize(
+    ("depths", "gone", "order"),
+    [
+        # depth 2 does not follow depth 0: another request's chunk, at the far end
+        pytest.param([0, 2], "", "n0 n2", id="a-gap-in-depth-is-another-request"),
+        # the chunk above left the queue: the next one goes to the far end
+        pytest.param([0, 1, 2], "n1", "n0 n2", id="the-chunk-above-gone"),
+        # a new request starts at depth 0 behind the last one's run
+        pytest.param([0, 1, 0, 1], "", "n1 n0 n1b n0b", id="each-request-its-own-run"),
+    ],
+)
+def test_adaptive_deeper_first_only_right_after_the_chunk_above(
+        depths: list[int], gone: str, order: str) -> None:
+    q = AdaptiveQueue()
+    seen: set[str] = set()
+    for d in depths:
+        name = f"n{d}" if f"n{d}" not in seen else f"n{d}b"
+        seen.add(name)
+        q.add(c(name, depth=d))
+        if name == gone:
+            q.discard(name.encode())
+    assert names(walk_all(q)) == order

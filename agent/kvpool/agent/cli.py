@@ -449,6 +449,10 @@ def bench(
     gpu: Annotated[bool, typer.Option(
         "--gpu", help="Only the GPU data path and time to first token (needs CUDA; where "
         "there is none it says so and exits 0).")] = False,
+    part: Annotated[list[str] | None, typer.Option(
+        "--part", metavar="NAME",
+        help="Run only this part (repeatable): data, events, control, tiers, hit-ratio, "
+        "scale. Default: every part.")] = None,
 ) -> None:
     """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU,
     Belady and libCacheSim), in one run on this machine."""
@@ -457,15 +461,20 @@ def bench(
 
         run_gpu_bench(quick=quick, as_json=as_json, out=out)
         return
-    from kvpool.bench.suite import run_bench
+    from kvpool.bench.suite import PARTS, run_bench
     from kvpool.bench.trace import load_trace
+
+    parts = part or list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        _fail(f"--part {unknown[0]}: not a bench part (one of {', '.join(PARTS)})")
 
     if trace is not None:
         try:  # a bad trace is a clear error before any part runs, not a traceback after
             load_trace(trace, limit=1)
         except (OSError, ValueError) as e:
             _fail(str(e))
-    run_bench(quick=quick, as_json=as_json, out=out, trace_path=trace)
+    run_bench(quick=quick, as_json=as_json, out=out, trace_path=trace, parts=parts)
 
 
 @app.command()

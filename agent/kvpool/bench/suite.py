@@ -7,7 +7,9 @@ MIN (`bench_replay`, `bench_trace`), scale (`bench_scale`), plots
 (`bench_plots`). `run_bench` runs them in order and returns one dict; with
 `--json` it is printed as the last line of stdout.
 
-Run it as `kvpool bench [--quick] [--json] [--out DIR] [--trace FILE]`.
+Run it as `kvpool bench [--quick] [--json] [--out DIR] [--trace FILE] [--part NAME]...`;
+`--part` runs only the named parts (`PARTS`), e.g. `hit-ratio` to rerun the eviction
+orders' figures without the 20 minutes of the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,10 @@ QUICK_TRACE_REQUESTS = 1000
 """--quick replays (and simulates) only the trace's first requests."""
 QUICK_PEER_REQUESTS = 300
 """--quick runs libCacheSim's policies on this many requests only (CI stays fast)."""
+PARTS = ("data", "events", "control", "tiers", "hit-ratio", "scale")
+"""The parts a run takes, in order (`--part`): G2 vs memcpy and Redis; KV events on vs
+off; control latency; G3 and G4; the trace, conversation and NVMe admission figures
+(`trace`, `conversation`, `admission`); scale."""
 
 
 def _machine() -> dict[str, Any]:
@@ -58,52 +65,69 @@ def _machine() -> dict[str, Any]:
 
 
 def run_bench(quick: bool, as_json: bool, out: Path | None,
-              trace_path: Path | None = None) -> dict[str, Any]:
-    """Run every part; print the table (to stderr when as_json) and the JSON line."""
+              trace_path: Path | None = None,
+              parts: Collection[str] = PARTS) -> dict[str, Any]:
+    """Run `parts` (every part by default); print the tables (to stderr when as_json) and
+    the JSON line. The result holds the sections of the parts run only."""
+    unknown = set(parts) - set(PARTS)
+    if unknown or not parts:
+        raise ValueError(f"bench parts are {', '.join(PARTS)}; got {', '.join(sorted(unknown))}"
+                         if unknown else "no bench part named")
     console = Console(stderr=as_json)
     reps = 5 if quick else 15
     started = time.perf_counter()
     result: dict[str, Any] = {"meta": {**_machine(), "quick": quick, "reps": reps}}
+    if set(parts) != set(PARTS):
+        result["meta"]["parts"] = [p for p in PARTS if p in parts]
+    g3: dict[str, Any] = {}
 
     def part(name: str) -> None:
         console.print(f"[dim]{time.perf_counter() - started:6.1f}s[/] {name}")
 
-    part("G2 data path vs memcpy and Redis")
-    result.update(run_data_path(QUICK_SIZES if quick else FULL_SIZES, reps))
-    part("KV events: put throughput with events on vs off")
-    result["events"] = run_events(QUICK_EVENT_SIZES if quick else FULL_EVENT_SIZES,
-                                  3 if quick else reps)
-    part("control path latency (1 and 8 client processes)")
-    result["control"] = run_control(2000 if quick else 10000, 300 if quick else 2000)
-    part("G3 tier vs raw file I/O")
-    g3 = run_g3(16 * MiB, reps, rebuild_files=10**4 if quick else 10**5)
-    result["g3"] = {k: v for k, v in g3.items() if not k.startswith("rebuild")}
-    part("G4 through agents vs boto3 on a local moto S3 server")
-    # moto serves ~20 MB/s here: --quick (CI) only shows the path works, at 4 MiB chunks.
-    result["g4"] = run_g4(4 * MiB if quick else 16 * MiB, 2 if quick else 7)
-    part("trace replay vs LRU, Belady MIN and libCacheSim's online policies")
-    trace = load_trace(trace_path, limit=QUICK_TRACE_REQUESTS if quick else None)
-    fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
-    result["trace"] = run_trace(trace, fractions,
-                                peer_requests=QUICK_PEER_REQUESTS if quick else None)
-    result["meta"]["trace"] = str(trace_path) if trace_path else "bundled"
-    result["meta"]["default_policy"] = result["trace"].pop("default_policy")  # a word
-    if not quick:
-        part("conversation workload (simulated) and NVMe admission filters")
-        chats = conversation_trace()
-        result["conversation"] = run_trace(chats, fractions, replay_orders=False)
-        result["conversation"].pop("default_policy")
-        result["admission"] = {"trace": run_admission(trace),
-                               "conversation": run_admission(chats)}
-    part("scale: index memory and LOOKUP vs chunks indexed")
-    counts = [10**4, 10**5] if quick else [10**4, 10**5, 10**6]
-    scale = run_scale(counts)
-    if "lookup_p50_us_1e6" not in scale:  # --quick stops at 10^5: say so, do not extrapolate
-        scale["lookup_p50_us_1e6"] = scale[f"lookup_p50_us_{counts[-1]:.0e}".replace("e+0", "e")]
-    scale["lookup_1e6_measured_at"] = counts[-1]
-    scale["g3_rebuild_s_1e5"] = g3["rebuild_s"]
-    scale["g3_rebuild_measured_at"] = g3["rebuild_files"]
-    result["scale"] = scale
+    if "data" in parts:
+        part("G2 data path vs memcpy and Redis")
+        result.update(run_data_path(QUICK_SIZES if quick else FULL_SIZES, reps))
+    if "events" in parts:
+        part("KV events: put throughput with events on vs off")
+        result["events"] = run_events(QUICK_EVENT_SIZES if quick else FULL_EVENT_SIZES,
+                                      3 if quick else reps)
+    if "control" in parts:
+        part("control path latency (1 and 8 client processes)")
+        result["control"] = run_control(2000 if quick else 10000, 300 if quick else 2000)
+    if "tiers" in parts:
+        part("G3 tier vs raw file I/O")
+        g3 = run_g3(16 * MiB, reps, rebuild_files=10**4 if quick else 10**5)
+        result["g3"] = {k: v for k, v in g3.items() if not k.startswith("rebuild")}
+        part("G4 through agents vs boto3 on a local moto S3 server")
+        # moto serves ~20 MB/s here: --quick (CI) only shows the path works, at 4 MiB chunks.
+        result["g4"] = run_g4(4 * MiB if quick else 16 * MiB, 2 if quick else 7)
+    if "hit-ratio" in parts:
+        part("trace replay vs LRU, Belady MIN and libCacheSim's online policies")
+        trace = load_trace(trace_path, limit=QUICK_TRACE_REQUESTS if quick else None)
+        fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
+        result["trace"] = run_trace(trace, fractions,
+                                    peer_requests=QUICK_PEER_REQUESTS if quick else None)
+        result["meta"]["trace"] = str(trace_path) if trace_path else "bundled"
+        result["meta"]["default_policy"] = result["trace"].pop("default_policy")  # a word
+        if not quick:
+            part("conversation workload (simulated) and NVMe admission filters")
+            chats = conversation_trace()
+            result["conversation"] = run_trace(chats, fractions, replay_orders=False)
+            result["conversation"].pop("default_policy")
+            result["admission"] = {"trace": run_admission(trace),
+                                   "conversation": run_admission(chats)}
+    if "scale" in parts:
+        part("scale: index memory and LOOKUP vs chunks indexed")
+        counts = [10**4, 10**5] if quick else [10**4, 10**5, 10**6]
+        scale = run_scale(counts)
+        if "lookup_p50_us_1e6" not in scale:  # --quick stops at 10^5: say so, no extrapolating
+            scale["lookup_p50_us_1e6"] = scale[
+                f"lookup_p50_us_{counts[-1]:.0e}".replace("e+0", "e")]
+        scale["lookup_1e6_measured_at"] = counts[-1]
+        if g3:  # the G3 rebuild is timed by the tiers part
+            scale["g3_rebuild_s_1e5"] = g3["rebuild_s"]
+            scale["g3_rebuild_measured_at"] = g3["rebuild_files"]
+        result["scale"] = scale
     result["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     if out is not None:
         from .plots import write_plots
@@ -117,68 +141,75 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
 
 
 def _print_tables(console: Console, r: dict[str, Any]) -> None:
-    t = Table(title="data path, GB/s (median of reps; ratio in brackets)")
-    for col in ("size", "memcpy", "G2 put", "G2 put ahead", "G2 get", "G2 put_many",
-                "G2 get_many", "inline put", "inline get", "Redis put", "Redis get"):
-        t.add_column(col, justify="right")
-    for size, g2 in r["g2"].items():
-        il, rd = r["inline"][size], r["redis"][size]
-        t.add_row(size, f"{g2['memcpy_gbps']:.2f}",
-                  f"{g2['put_gbps']:.2f} ({g2['put_vs_memcpy']:.2f}x memcpy)",
-                  f"{g2['put_ahead_gbps']:.2f} ({g2['put_ahead_vs_memcpy']:.2f}x)",
-                  f"{g2['get_gbps']:.2f} ({g2['get_vs_memcpy']:.2f}x memcpy)",
-                  f"{g2['put_many_gbps']:.2f} ({g2['put_many_vs_memcpy']:.2f}x)",
-                  f"{g2['get_many_gbps']:.2f} ({g2['get_many_vs_memcpy']:.2f}x)",
-                  f"{il['put_gbps']:.2f}", f"{il['get_gbps']:.2f}",
-                  f"{rd['put_gbps']:.2f} ({rd['kvpool_put_vs_redis']:.0f}x)",
-                  f"{rd['get_gbps']:.2f} ({rd['kvpool_get_vs_redis']:.0f}x)")
-    console.print(t)
-    t = Table(title="KV events: G2 put_many GB/s with events off and on (a subscriber "
-                    "receiving every message), median of reps")
-    for col in ("size", "events off", "events on", "on / off"):
-        t.add_column(col, justify="right")
-    for size, ev in r["events"]["sizes"].items():
-        t.add_row(size, f"{ev['put_gbps_events_off']:.3f}", f"{ev['put_gbps_events_on']:.3f}",
-                  f"{ev['events_on_vs_off']:.3f}")
-    console.print(t)
-    c = r["control"]
-    t = Table(title=f"control path, µs (LOOKUP of {c['lookup_prefix_chunks']} chunks)")
-    for col in ("op", "p50 1 client", "p99 1 client", "p50 8 clients", "p99 8 clients"):
-        t.add_column(col, justify="right")
-    for op in ("lookup", "lookup_local", "acquire"):
-        t.add_row(op, *(f"{c[f'{op}_{q}_us_{n}']:.0f}" for n in ("1c", "8c")
-                        for q in ("p50", "p99")))
-    console.print(t)
-    g3, g4 = r["g3"], r["g4"]
-    t = Table(title="G3 / G4, GB/s (16 MiB chunks)")
-    for col in ("", "kvpool write/put", "baseline", "kvpool read/get", "baseline"):
-        t.add_column(col, justify="right")
-    t.add_row("G3 tier vs raw file", f"{g3['write_gbps']:.2f}", f"{g3['raw_write_gbps']:.2f}",
-              f"{g3['read_gbps']:.2f}", f"{g3['raw_read_gbps']:.2f}")
-    t.add_row("G4 through agents vs boto3", f"{g4['put_gbps']:.3f}",
-              f"{g4['boto3_put_gbps']:.3f}", f"{g4['get_gbps']:.3f}",
-              f"{g4['boto3_get_gbps']:.3f}")
-    t.add_row("G4 tier in process vs boto3", f"{g4['tier_put_gbps']:.3f}",
-              f"{g4['boto3_put_gbps']:.3f}", f"{g4['tier_get_gbps']:.3f}",
-              f"{g4['boto3_get_gbps']:.3f}")
-    console.print(t)
-    tr = r["trace"]
-    names = list(tr["capacities"][0]["policies"])
-    default = r["meta"]["default_policy"]
-    t = Table(title=f"trace block hit ratio, agent replay (queue simulated) "
-                    f"({tr['requests']} requests, {tr['requests_per_second']} requests/s)")
-    for col in ("capacity", *names, "LRU (sim)", "MIN (sim)", "unbounded",
-                f"{default}: LRU-MIN gap closed"):
-        t.add_column(col, justify="right")
-    for cap in tr["capacities"]:
-        gap = cap["optimal"] - cap["lru"]
-        closed = (cap["policies"][default] - cap["lru"]) / gap if gap > 0 else 0.0
-        t.add_row(f"{cap['fraction']:.0%}",
-                  *(f"{cap['policies'][n]:.3f} ({cap['simulated'][n]:.3f})" for n in names),
-                  f"{cap['lru']:.3f}", f"{cap['optimal']:.3f}", f"{cap['unbounded']:.3f}",
-                  f"{closed:.0%}")
-    console.print(t)
-    _print_peers(console, "trace", tr, default)
+    """The tables of the parts run."""
+    default = r["meta"].get("default_policy", "")
+    if "g2" in r:
+        t = Table(title="data path, GB/s (median of reps; ratio in brackets)")
+        for col in ("size", "memcpy", "G2 put", "G2 put ahead", "G2 get", "G2 put_many",
+                    "G2 get_many", "inline put", "inline get", "Redis put", "Redis get"):
+            t.add_column(col, justify="right")
+        for size, g2 in r["g2"].items():
+            il, rd = r["inline"][size], r["redis"][size]
+            t.add_row(size, f"{g2['memcpy_gbps']:.2f}",
+                      f"{g2['put_gbps']:.2f} ({g2['put_vs_memcpy']:.2f}x memcpy)",
+                      f"{g2['put_ahead_gbps']:.2f} ({g2['put_ahead_vs_memcpy']:.2f}x)",
+                      f"{g2['get_gbps']:.2f} ({g2['get_vs_memcpy']:.2f}x memcpy)",
+                      f"{g2['put_many_gbps']:.2f} ({g2['put_many_vs_memcpy']:.2f}x)",
+                      f"{g2['get_many_gbps']:.2f} ({g2['get_many_vs_memcpy']:.2f}x)",
+                      f"{il['put_gbps']:.2f}", f"{il['get_gbps']:.2f}",
+                      f"{rd['put_gbps']:.2f} ({rd['kvpool_put_vs_redis']:.0f}x)",
+                      f"{rd['get_gbps']:.2f} ({rd['kvpool_get_vs_redis']:.0f}x)")
+        console.print(t)
+    if "events" in r:
+        t = Table(title="KV events: G2 put_many GB/s with events off and on (a subscriber "
+                        "receiving every message), median of reps")
+        for col in ("size", "events off", "events on", "on / off"):
+            t.add_column(col, justify="right")
+        for size, ev in r["events"]["sizes"].items():
+            t.add_row(size, f"{ev['put_gbps_events_off']:.3f}",
+                      f"{ev['put_gbps_events_on']:.3f}", f"{ev['events_on_vs_off']:.3f}")
+        console.print(t)
+    if "control" in r:
+        c = r["control"]
+        t = Table(title=f"control path, µs (LOOKUP of {c['lookup_prefix_chunks']} chunks)")
+        for col in ("op", "p50 1 client", "p99 1 client", "p50 8 clients", "p99 8 clients"):
+            t.add_column(col, justify="right")
+        for op in ("lookup", "lookup_local", "acquire"):
+            t.add_row(op, *(f"{c[f'{op}_{q}_us_{n}']:.0f}" for n in ("1c", "8c")
+                            for q in ("p50", "p99")))
+        console.print(t)
+    if "g3" in r:
+        g3, g4 = r["g3"], r["g4"]
+        t = Table(title="G3 / G4, GB/s (16 MiB chunks)")
+        for col in ("", "kvpool write/put", "baseline", "kvpool read/get", "baseline"):
+            t.add_column(col, justify="right")
+        t.add_row("G3 tier vs raw file", f"{g3['write_gbps']:.2f}",
+                  f"{g3['raw_write_gbps']:.2f}", f"{g3['read_gbps']:.2f}",
+                  f"{g3['raw_read_gbps']:.2f}")
+        t.add_row("G4 through agents vs boto3", f"{g4['put_gbps']:.3f}",
+                  f"{g4['boto3_put_gbps']:.3f}", f"{g4['get_gbps']:.3f}",
+                  f"{g4['boto3_get_gbps']:.3f}")
+        t.add_row("G4 tier in process vs boto3", f"{g4['tier_put_gbps']:.3f}",
+                  f"{g4['boto3_put_gbps']:.3f}", f"{g4['tier_get_gbps']:.3f}",
+                  f"{g4['boto3_get_gbps']:.3f}")
+        console.print(t)
+    if "trace" in r:
+        tr = r["trace"]
+        names = list(tr["capacities"][0]["policies"])
+        t = Table(title=f"trace block hit ratio, agent replay (queue simulated) "
+                        f"({tr['requests']} requests, {tr['requests_per_second']} requests/s)")
+        for col in ("capacity", *names, "LRU (sim)", "MIN (sim)", "unbounded",
+                    f"{default}: LRU-MIN gap closed"):
+            t.add_column(col, justify="right")
+        for cap in tr["capacities"]:
+            gap = cap["optimal"] - cap["lru"]
+            closed = (cap["policies"][default] - cap["lru"]) / gap if gap > 0 else 0.0
+            t.add_row(f"{cap['fraction']:.0%}",
+                      *(f"{cap['policies'][n]:.3f} ({cap['simulated'][n]:.3f})" for n in names),
+                      f"{cap['lru']:.3f}", f"{cap['optimal']:.3f}", f"{cap['unbounded']:.3f}",
+                      f"{closed:.0%}")
+        console.print(t)
+        _print_peers(console, "trace", tr, default)
     if "conversation" in r:
         _print_peers(console, "conversation workload (simulated)", r["conversation"], default)
     for workload, adm in r.get("admission", {}).items():
@@ -190,13 +221,16 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
             t.add_row(name, f"{row['hit_ratio']:.4f}", str(row["nvme_hits"]),
                       str(row["nvme_writes"]))
         console.print(t)
-    s = r["scale"]
-    console.print(
-        f"scale: {s['bytes_per_chunk']:.0f} B of agent heap per chunk at "
-        f"{s['bytes_per_chunk_at']} chunks; LOOKUP p50 {s['lookup_p50_us_1e4']:.0f} µs at 1e4, "
-        f"{s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}; "
-        f"G3 rebuild {s['g3_rebuild_s_1e5']:.2f}s for {s['g3_rebuild_measured_at']} files; "
-        f"total {r['meta']['seconds']}s")
+    if "scale" in r:
+        s = r["scale"]
+        rebuild = (f"; G3 rebuild {s['g3_rebuild_s_1e5']:.2f}s for "
+                   f"{s['g3_rebuild_measured_at']} files" if "g3_rebuild_s_1e5" in s else "")
+        console.print(
+            f"scale: {s['bytes_per_chunk']:.0f} B of agent heap per chunk at "
+            f"{s['bytes_per_chunk_at']} chunks; LOOKUP p50 {s['lookup_p50_us_1e4']:.0f} µs "
+            f"at 1e4, {s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}"
+            f"{rebuild}")
+    console.print(f"total {r['meta']['seconds']}s")
 
 
 def _print_peers(console: Console, title: str, tr: dict[str, Any], default: str) -> None:
