@@ -25,6 +25,7 @@ from kvpool.agent.eviction import (
     S3FifoQueue,
     new_queue,
 )
+from kvpool.agent.policy import order_key
 
 from ..support import Chunk
 from ..support import chunk as c
@@ -111,6 +112,37 @@ def test_keyed_queue_a_walk_closed_early_keeps_everything() -> None:
         assert names(itertools.islice(walk, 2)) == "a b"
     assert len(q) == 4
     assert names(walk_all(q)) == "a b c d"
+
+
+facts = st.tuples(st.integers(0, 2**40), st.integers(0, 2**62), st.integers(0, 2**20))
+
+
+@pytest.mark.parametrize("order", [EvictionOrder.LRU, EvictionOrder.LFU, EvictionOrder.PREFIX])
+@settings(max_examples=50, deadline=None)
+@given(rows=st.lists(facts, min_size=1, max_size=40))
+def test_keyed_queue_walks_as_sorting_by_the_order_key(
+        order: EvictionOrder, rows: list[tuple[int, int, int]]) -> None:
+    """Its heap rows are ints that sort as `policy.order_key` does (equal keys: in the order
+    the chunks were pushed)."""
+    q = KeyedQueue(order)
+    chunks = [c(f"k{i}", hits=h, last_seq=s, depth=d) for i, (h, s, d) in enumerate(rows)]
+    for e in chunks:
+        q.add(e)
+    want = sorted(chunks, key=order_key(order))  # stable: pushes in list order
+    assert [e.key for e in walk_all(q)] == [e.key for e in want]
+
+
+def test_keyed_queue_drops_stale_rows_however_often_its_chunks_are_touched() -> None:
+    q = KeyedQueue(EvictionOrder.LRU)
+    chunks = [c(f"k{i}", last_seq=i) for i in range(10)]
+    for e in chunks:
+        q.add(e)
+    for seq in range(10, 20_000):
+        e = chunks[seq % 10]
+        e.last_seq = seq
+        q.touched(e)
+        assert len(q._heap) <= 2 * len(q) + 1024  # rows of chunks that moved on go
+    assert names(walk_all(q)) == "k0 k1 k2 k3 k4 k5 k6 k7 k8 k9"
 
 
 # --------------------------------------------------------------------------- s3fifo

@@ -9,9 +9,9 @@ to evict is still decided by `policy.choose_victims`, which walks
 `candidates()` and stops as soon as enough bytes are chosen. No I/O, no clock.
 
 The S3-FIFO orders keep their lists in arrays indexed by the entries' slots
-(`EntrySlots`: the DRAM tier's own, else `ObjectSlots`) and their ghost lists as
-fingerprints (`GhostList`), so a queued chunk costs ~20 bytes of heap, not an
-ordered dict's node, entry and key.
+(`EntrySlots`: the DRAM and NVMe tiers' own, else `ObjectSlots`) and their ghost
+lists as fingerprints (`GhostList`), so a queued chunk costs ~20 bytes of heap, not
+an ordered dict's node, entry and key; the heap orders keep one int per heap row.
 
 Orders (`EvictionOrder`):
 
@@ -26,20 +26,20 @@ Orders (`EvictionOrder`):
   reused (a prompt's unique tail), and this keeps them from pushing out the
   shared prefixes that are. A prompt's last chunk (usually a partial block,
   unique to that prompt) enters probation at the front.
-- `lru`, `lfu`, `prefix`: a lazy heap on `policy.order_key`.
+- `lru`, `lfu`, `prefix`: a lazy heap on `policy.order_key`, of ints that hold the
+  entries' slots (`KeyedQueue`).
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Protocol
 
 from .config import EvictionOrder
-from .policy import Entry, order_key
+from .policy import Entry
 
 SMALL_FRACTION = 0.2
 """Share of a tier's bytes the S3-FIFO probation queue may hold before it evicts from there."""
@@ -98,56 +98,101 @@ def new_queue(order: EvictionOrder, slots: EntrySlots | None = None) -> Eviction
     return KeyedQueue(order, slots)
 
 
+_TIE_BITS, _SLOT_BITS = 48, 32
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
+_TIE_MASK = (1 << _TIE_BITS) - 1
+
+
+def _ranks(order: EvictionOrder) -> Callable[[Entry], int]:
+    """`policy.order_key` as one int that sorts the same (its facts are counts and request
+    numbers: never negative, below 2^63)."""
+    if order is EvictionOrder.LFU:
+        return lambda e: (e.hits << 64) | e.last_seq
+    if order is EvictionOrder.PREFIX:
+        return lambda e: (e.last_seq << 64) | ((1 << 63) - e.depth)
+    return lambda e: e.last_seq
+
+
 class KeyedQueue(EvictionQueue):
-    """Smallest `order_key(entry)` first, via a heap whose stale rows are skipped."""
+    """Smallest `order_key(entry)` first, via a heap of ints whose stale rows are skipped.
+
+    A row is one int: the chunk's rank in the order (`_ranks`), then the push it came
+    from (so equal ranks leave in the order they were pushed), then the chunk's slot.
+    A touch pushes a new row; the slot's latest push (`_push_of`) tells its current row
+    from stale ones, which are skipped, and dropped when they outnumber the chunks.
+    A queued chunk costs a row or two (~40-50 bytes each) and 9 bytes by slot, where a
+    tuple row, its key and a dict entry cost ~250."""
 
     def __init__(self, order: EvictionOrder, slots: EntrySlots | None = None) -> None:
         self.slots = slots if slots is not None else ObjectSlots()
-        """Only for `touched_slot`: the heap holds the entries themselves."""
-        self.key = order_key(order)
-        self.entries: dict[bytes, Entry] = {}
-        self._heap: list[tuple[tuple[int, ...], int, bytes]] = []
-        self._tie = itertools.count()
+        self._rank = _ranks(order)
+        self._heap: list[int] = []
+        self._member = array("B")
+        self._push_of = array("q")
+        """By slot: the push of its current row."""
+        self._pushes = 0
+        self._count = 0
 
-    def _push(self, entry: Entry) -> None:
-        heapq.heappush(self._heap, (self.key(entry), next(self._tie), entry.key))
-        if len(self._heap) > 4 * len(self.entries) + 1024:
-            self._heap = [(self.key(e), next(self._tie), k) for k, e in self.entries.items()]
-            heapq.heapify(self._heap)
+    def _push(self, slot: int, entry: Entry) -> None:
+        self._pushes += 1
+        self._push_of[slot] = self._pushes
+        heapq.heappush(self._heap,
+                       (((self._rank(entry) << _TIE_BITS) | self._pushes) << _SLOT_BITS) | slot)
+        if len(self._heap) > 2 * self._count + 1024:
+            self._compact()
+
+    def _current(self, row: int) -> bool:
+        slot = row & _SLOT_MASK
+        return bool(self._member[slot]) and (
+            self._push_of[slot] == (row >> _SLOT_BITS) & _TIE_MASK)
+
+    def _compact(self) -> None:
+        """Only the current rows (a sorted list is a heap)."""
+        self._heap = sorted(filter(self._current, self._heap))
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
-        self.entries[entry.key] = entry
-        self._push(entry)
+        slot = self.slots.assign(entry)
+        while len(self._member) <= slot:
+            self._member.append(0)
+            self._push_of.append(0)
+        if not self._member[slot]:
+            self._member[slot] = 1
+            self._count += 1
+        self._push(slot, entry)
 
     def touched(self, entry: Entry) -> None:
-        if entry.key in self.entries:
-            self._push(entry)
+        slot = self.slots.slot(entry)
+        if 0 <= slot < len(self._member) and self._member[slot]:
+            self._push(slot, entry)
 
     def discard(self, key: bytes) -> None:
-        self.entries.pop(key, None)
+        slot = self.slots.find(key)
+        if 0 <= slot < len(self._member) and self._member[slot]:
+            self._member[slot] = 0
+            self._count -= 1
+            self.slots.forget(slot)
 
     def candidates(self) -> Generator[Entry, None, None]:
-        offered: list[Entry] = []
-        seen: set[bytes] = set()
+        offered: list[int] = []
         try:
             while self._heap:
-                order, _, key = heapq.heappop(self._heap)
-                entry = self.entries.get(key)
-                if entry is None or key in seen or self.key(entry) != order:
+                row = heapq.heappop(self._heap)
+                if not self._current(row):
                     continue  # stale row: the chunk left or moved on
-                seen.add(key)
-                offered.append(entry)
-                yield entry
+                slot = row & _SLOT_MASK
+                offered.append(slot)
+                yield self.slots.entry_at(slot)
         finally:
-            for entry in offered:  # what the caller did not take goes back
-                if entry.key in self.entries:
-                    self._push(entry)
+            for slot in offered:  # what the caller did not take goes back
+                if self._member[slot]:
+                    self._push(slot, self.slots.entry_at(slot))
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return self._count
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.entries
+        slot = self.slots.find(key)
+        return 0 <= slot < len(self._member) and bool(self._member[slot])
 
 
 class EntrySlots(Protocol):
@@ -176,7 +221,7 @@ class EntrySlots(Protocol):
 
 
 class ObjectSlots:
-    """Slots for entries that are objects of their own (NVMe's index, table tests)."""
+    """Slots for entries that are objects of their own (the simulations', tests')."""
 
     def __init__(self) -> None:
         self._slots: dict[bytes, int] = {}
