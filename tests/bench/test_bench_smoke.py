@@ -66,7 +66,8 @@ def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> No
     assert {"put_gbps", "get_gbps", "boto3_put_gbps", "boto3_get_gbps",  # through agents
             "tier_put_gbps", "tier_get_gbps"} <= set(result["g4"])  # the tier in process
     assert {"bytes_per_chunk", "lookup_p50_us_1e4", "lookup_p50_us_1e6",
-            "g3_rebuild_s_1e5"} <= set(result["scale"])
+            "g3_rebuild_s_1e5", "nvme_index_bytes_per_chunk_1e4",
+            "nvme_index_lookup_ns_per_key_1e4"} <= set(result["scale"])
     caps = result["trace"]["capacities"]
     assert 0.2 in [c["fraction"] for c in caps]
     orders = {o.value for o in EvictionOrder}

@@ -8,13 +8,27 @@ its file-backed and shared pages (psutil `rss - shared`: the heap where the
 index lives, not the arena's pages), sampled before and after the fill.
 LOOKUP latency is `KVPoolClient.lookup` of a stored 128-chunk prefix
 (the median of 2,000 calls) at each index size.
+
+NVMe's index is measured in process (`run_nvme_index`): writing 10^6 chunk
+files is too slow for a bench, and the files are not what the heap holds. A
+fresh process indexes n chunks as `NvmeTier.write` indexes a file it wrote
+(`NvmeIndex.put`) and queues each as a landed demotion does (`queue.add`, the
+NVMe tier's default order), and reports its resident set's growth per chunk
+(psutil `rss`, before and after, both after a garbage collection), the rate of
+that fill, and LOOKUP's NVMe step per key (find the key, update its hit facts,
+tell its queue: `ChunkStore.lookup` for a chunk NVMe holds) over keys picked at
+random, at each n.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 import socket
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +36,8 @@ import psutil
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import TierPolicy
+from kvpool.agent.tiers.nvmeindex import NvmeIndex
 
 from .local import LocalAgent
 from .stats import percentile
@@ -130,4 +146,63 @@ def run_scale(counts: list[int]) -> dict[str, Any]:
     out["fill_puts_per_second"] = round((counts[-1] - 1000) / fill_s, 1)
     for n, us in lookups.items():
         out[f"lookup_p50_us_{n:.0e}".replace("e+0", "e")] = us
+    return out
+
+
+NVME_FILE_BYTES = 64 * 1024 + 64
+"""A 64 KiB chunk's file with its header: 1 TiB of NVMe is ~16M of them."""
+LOOKUP_STEPS = 20_000
+
+
+def nvme_index_key(i: int) -> bytes:
+    return b"nvme-\x00\x00\x00" + i.to_bytes(8, "little")
+
+
+def _nvme_index(n: int) -> dict[str, float]:
+    """Index `n` chunks in this (fresh) process: heap growth per chunk, fill rate, and
+    LOOKUP's NVMe step per key."""
+    proc = psutil.Process()
+    index = NvmeIndex()
+    queue = index.new_queue(TierPolicy().tiers.nvme.eviction, "last_access")
+    gc.collect()
+    before = proc.memory_info().rss
+    now = time.time()
+    t0 = time.perf_counter()
+    for i in range(n):
+        key = nvme_index_key(i)
+        index.put(key, NVME_FILE_BYTES, "", now)  # NvmeTier.write, once the file is in place
+        entry = index.get(key)
+        assert entry is not None
+        entry.last_seq = i  # Demotion._written: the DRAM chunk's facts, then its queue
+        queue.add(entry)
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    grown = proc.memory_info().rss - before
+    rnd = random.Random(n)
+    keys = [nvme_index_key(rnd.randrange(n)) for _ in range(LOOKUP_STEPS)]
+    best = float("inf")
+    seq = n
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for key in keys:  # ChunkStore.lookup's step for a key NVMe holds (`Demotion.hit`)
+            slot = index.table.find(key)
+            seq += 1
+            index.hit(slot, seq, 0, now)
+            queue.touched_slot(slot, 0)
+        best = min(best, time.perf_counter() - t0)
+    return {"bytes_per_chunk": round(grown / n, 1), "fill_per_second": round(n / fill_s, 1),
+            "lookup_ns_per_key": round(best / len(keys) * 1e9, 1)}
+
+
+def run_nvme_index(counts: list[int]) -> dict[str, Any]:
+    """NVMe's index at each count, each in a fresh process (its heap starts clean)."""
+    out: dict[str, Any] = {"nvme_index_order": TierPolicy().tiers.nvme.eviction.value}
+    for n in sorted(counts):
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            got = pool.submit(_nvme_index, n).result()
+        tag = f"{n:.0e}".replace("e+0", "e")
+        out[f"nvme_index_bytes_per_chunk_{tag}"] = got["bytes_per_chunk"]
+        out[f"nvme_index_lookup_ns_per_key_{tag}"] = got["lookup_ns_per_key"]
+        out["nvme_index_fill_per_second"] = got["fill_per_second"]  # at the largest count
+    out["nvme_index_measured_at"] = max(counts)
     return out

@@ -32,7 +32,7 @@ from .conversation import conversation_trace
 from .data_path import run_data_path
 from .events import run_events
 from .hit_ratio import run_admission, run_trace
-from .scale import run_scale
+from .scale import run_nvme_index, run_scale
 from .stats import KiB, MiB
 from .tiers import run_g3, run_g4
 from .trace import load_trace
@@ -127,6 +127,8 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
         if g3:  # the G3 rebuild is timed by the tiers part
             scale["g3_rebuild_s_1e5"] = g3["rebuild_s"]
             scale["g3_rebuild_measured_at"] = g3["rebuild_files"]
+        scale.update(run_nvme_index([10**4] if quick else [10**4, 10**6]))
+        result["meta"]["nvme_index_order"] = scale.pop("nvme_index_order")  # a word
         result["scale"] = scale
     result["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     if out is not None:
@@ -225,12 +227,18 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
         s = r["scale"]
         rebuild = (f"; G3 rebuild {s['g3_rebuild_s_1e5']:.2f}s for "
                    f"{s['g3_rebuild_measured_at']} files" if "g3_rebuild_s_1e5" in s else "")
+        at = s["nvme_index_measured_at"]
         console.print(
             f"scale: {s['bytes_per_chunk']:.0f} B of agent heap per chunk at "
             f"{s['bytes_per_chunk_at']} chunks; LOOKUP p50 {s['lookup_p50_us_1e4']:.0f} µs "
             f"at 1e4, {s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}"
-            f"{rebuild}")
+            f"{rebuild}; NVMe index ({r['meta']['nvme_index_order']}) "
+            f"{s['nvme_index_bytes_per_chunk_' + _tag(at)]:.0f} B a chunk at {at:.0e}")
     console.print(f"total {r['meta']['seconds']}s")
+
+
+def _tag(n: int) -> str:
+    return f"{n:.0e}".replace("e+0", "e")
 
 
 def _print_peers(console: Console, title: str, tr: dict[str, Any], default: str) -> None:

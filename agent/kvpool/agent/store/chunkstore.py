@@ -50,7 +50,7 @@ from .. import policy as pol
 from ..config import AgentConfig, TierName, TierPolicy
 from ..constants import KEY_BYTES
 from ..constants import TIER_CODES as TIER_CODE
-from ..eviction import EvictionQueue, new_queue
+from ..eviction import new_queue
 from ..journal import Journal, JournalEntry, replay
 from ..metrics import AgentMetrics
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
@@ -179,17 +179,9 @@ class ChunkStore:
         seq, depth, _ = self.recent.get(key) or (0, 0, False)
         return seq, depth
 
-    @staticmethod
-    def _touch(entry: pol.Entry, queue: EvictionQueue, seq: int, depth: int,
-               now: float) -> None:
-        entry.hits += 1
-        entry.last_seq = seq
-        entry.depth = depth
-        entry.last_access = now
-        queue.touched(entry)
-
     def _hit_dram(self, slot: int, seq: int, depth: int, now: float) -> None:
-        """`_touch` for a DRAM chunk by its slot: LOOKUP's hot path, no view made."""
+        """A DRAM chunk hit by LOOKUP `seq` at `depth`, by its slot: LOOKUP's hot path, no
+        view made (`Demotion.hit` for NVMe's)."""
         self.dram.hit(slot, seq, depth, now)
         self.dram_queue.touched_slot(slot, depth)
 
@@ -225,10 +217,7 @@ class ChunkStore:
                 self._hit_dram(slot, seq, depth, now)
                 tiers.append(2)
                 continue
-            if nvme is not None and nvme.holds(k):
-                entry = nvme.entry(k)
-                if entry is not None:
-                    self._touch(entry, nvme.queue, seq, depth, now)
+            if nvme is not None and nvme.hit(k, seq, depth, now):
                 tiers.append(3)
                 continue
             break

@@ -119,6 +119,17 @@ class Demotion:
         """In NVMe or on its way there."""
         return key in self.inflight or key in self.nvme.index
 
+    def hit(self, key: bytes, seq: int, depth: int, now: float) -> bool:
+        """`holds`, and a chunk NVMe holds was hit by request `seq` at `depth` at time
+        `now`: its facts and its place in the order are updated by slot (LOOKUP's path:
+        no view of the chunk is made)."""
+        slot = self.nvme.index.table.find(key)
+        if slot < 0:
+            return key in self.inflight
+        self.nvme.index.hit(slot, seq, depth, now)
+        self.queue.touched_slot(slot, depth)
+        return True
+
     def copy_of(self, key: bytes) -> ChunkRecord | None:
         """The in-flight copy of a chunk being demoted."""
         got = self.inflight.get(key)

@@ -176,6 +176,12 @@ class NvmeIndex:
         values = np.array(self._access if fact == "last_access" else self._seq)
         return live[np.argsort(values[live], kind="stable")]
 
+    def hit(self, slot: int, seq: int, depth: int, now: float) -> None:
+        """The chunk in `slot` was hit by request `seq` at `depth` of its prefix, at
+        wall-clock time `now` (on the event loop; LOOKUP's path: no view is made)."""
+        self._hits[slot] += 1
+        self._seq[slot], self._depth[slot], self._access[slot] = seq, depth, now
+
     # -- writes (the caller holds the tier's lock)
 
     def put(self, key: bytes, size: int, tenant: str, now: float) -> int:
