@@ -148,7 +148,11 @@ class KeyedQueue(EvictionQueue):
 
     def _compact(self) -> None:
         """Only the current rows (a sorted list is a heap)."""
-        self._heap = sorted(filter(self._current, self._heap))
+        member, push_of = self._member, self._push_of
+        self._heap = sorted(
+            row for row in self._heap
+            if member[row & _SLOT_MASK]
+            and push_of[row & _SLOT_MASK] == (row >> _SLOT_BITS) & _TIE_MASK)
 
     def add(self, entry: Entry, *, tail: bool = False) -> None:
         slot = self.slots.assign(entry)
@@ -164,6 +168,10 @@ class KeyedQueue(EvictionQueue):
         slot = self.slots.slot(entry)
         if 0 <= slot < len(self._member) and self._member[slot]:
             self._push(slot, entry)
+
+    def touched_slot(self, slot: int, depth: int) -> None:
+        if 0 <= slot < len(self._member) and self._member[slot]:
+            self._push(slot, self.slots.entry_at(slot))
 
     def discard(self, key: bytes) -> None:
         slot = self.slots.find(key)
