@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.tiers.base import HEADER_BYTES
 from kvpool.bench.local import LocalAgent
 
 from ..support import flip_last_byte
-from .conftest import scrape, wait_until
+from .conftest import RawConn, scrape, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 NO_PREFETCH = "prefetch: {enabled: false}\n"
@@ -473,3 +474,28 @@ def test_demotions_never_overrun_an_nvme_filesystem_of_exactly_its_size(tmp_path
         lost = [k for k in newest if tier_of(c, k) is None]
         assert not lost, f"{len(lost)} of the newest {len(newest)} acknowledged chunks lost"
         assert all(c.get(k, verify=True) == data_for(k, size) for k in newest)
+
+
+def test_a_read_right_behind_the_lookup_that_prefetches_its_chunk_is_never_a_miss(
+        tmp_path: Path) -> None:
+    """The LOOKUP's prefetches and the GETs of the same chunks are pipelined: a GET may
+    start its NVMe read while the prefetch moves the chunk up and its file goes. Before
+    the fix such a GET answered NOT_FOUND for a stored chunk (7 in 180 here)."""
+    nvme_dir = tmp_path / "nvme"
+    policy = "prefetch: {enabled: true, lookaheadChunks: 4}\n"
+    with nvme_agent(tmp_path, policy) as agent, KVPoolClient(agent.socket_path) as c:
+        raw = RawConn(agent.socket_path)
+        try:
+            for _ in range(15):
+                keys = fill(c, 24)
+                settle(c)
+                prefix = in_nvme(c, nvme_dir, keys)[:6]
+                raw.send(p.encode(p.Lookup(1, prefix)) + b"".join(
+                    p.encode(p.Get(2 + i, k)) for i, k in enumerate(prefix)))
+                assert isinstance(raw.reply(), p.LookupReply)
+                for k in prefix:
+                    reply = raw.reply()
+                    assert isinstance(reply, p.GetReply), f"{k.hex()}: {reply}"
+                    assert reply.data == data_for(k, 256 * KiB)
+        finally:
+            raw.close()

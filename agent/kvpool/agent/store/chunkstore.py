@@ -264,6 +264,17 @@ class ChunkStore:
             return None
         return loaded
 
+    async def _find(self, key: bytes) -> DramChunk | Loaded | None:
+        """The chunk in DRAM, or read from below. A read from NVMe can miss because the
+        chunk moved up meanwhile (a prefetch or another reader promoted it, and its file
+        went before this read opened it): DRAM is then asked again, so a stored chunk
+        is never a miss for being on its way up."""
+        chunk = self.dram.get(key)
+        if chunk is not None:
+            return chunk
+        loaded = await self._load(key)
+        return loaded if loaded is not None else self.dram.get(key)
+
     def _deleted_since(self, key: bytes, mark: int) -> bool:
         n = self.deleted.get(key)
         if n is not None:
@@ -409,13 +420,14 @@ class ChunkStore:
     async def acquire(self, key: bytes, owner: int) -> Granted:
         check_key(key)
         self._check_lease_budget(owner)
-        chunk = self.dram.get(key)
+        found = await self._find(key)
         tier, transient = 2, False
-        if chunk is None:
-            loaded = await self._load(key)
-            if loaded is None:
-                raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
-            rec, source, hits = loaded
+        if found is None:
+            raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
+        if isinstance(found, DramChunk):
+            chunk = found
+        else:
+            rec, source, hits = found
             # Leases are on arena bytes, so the chunk comes up into DRAM either way;
             # with promotion off it stays only for this lease.
             chunk = self.dram.get(key) or await self._promote(rec, "promotion", source, hits,
@@ -441,8 +453,9 @@ class ChunkStore:
     async def get(self, key: bytes) -> tuple[bytes, int, bytes, int, int]:
         """(bytes, checksum, meta, tier, checksum kind) of a stored chunk."""
         check_key(key)
-        chunk = self.dram.get(key)
-        if chunk is not None:
+        found = await self._find(key)
+        if isinstance(found, DramChunk):
+            chunk = found
             data = self.dram.read_verified(chunk)
             if data is None:  # its arena bytes were overwritten: a miss, never wrong bytes
                 self.m.integrity_failures["dram"].inc()
@@ -451,10 +464,9 @@ class ChunkStore:
             self._touch_read(chunk)
             self.m.read_bytes["dram"].inc(chunk.size)
             return data, chunk.checksum, chunk.meta, 2, chunk.checksum_kind
-        loaded = await self._load(key)
-        if loaded is None:
+        if found is None:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
-        rec, source, hits = loaded
+        rec, source, hits = found
         if pol.should_promote(self.policy, hits or 1) and self.dram.get(key) is None:
             try:
                 await self._promote(rec, "promotion", source, hits)
