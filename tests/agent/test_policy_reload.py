@@ -191,6 +191,8 @@ def reloading(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reloading]:
         pytest.param("pins: [abc]\n", "pins: Value error, pins[0] 'abc' is not a chunk key",
                      id="bad-pin"),
         pytest.param("tiers: [\n", "not valid YAML", id="not-yaml"),
+        # What a file written in place looks like between its truncation and the write.
+        pytest.param("", "empty (write {} for the default policy)", id="empty-file"),
     ],
 )
 def test_an_invalid_policy_keeps_the_last_good_one_and_the_log_names_the_field(
@@ -211,6 +213,21 @@ def test_an_invalid_policy_keeps_the_last_good_one_and_the_log_names_the_field(
     assert len(errors) == invalid + 1 and names in errors[-1], errors[-1:]
     assert "policy.yaml" in errors[-1]  # and the file
     assert c.get(reloading.key) == b"chunk"
+
+
+def test_a_policy_rewritten_in_place_within_one_clock_tick_is_still_reloaded(
+        reloading: Reloading) -> None:
+    """Written in place, with the modification time it had (a coarse file clock gives a
+    truncation and the write after it the same time): the size still tells them apart."""
+    agent, policy, c = reloading.agent, reloading.policy, reloading.client
+    write_policy(policy, pinning(reloading.key))
+    wait_for_reload(agent, n=int(reloads(agent)) + 1)
+    before = policy.stat()
+    ok = reloads(agent)
+    policy.write_text(pinning(reloading.key, os.urandom(16)))
+    os.utime(policy, ns=(before.st_atime_ns, before.st_mtime_ns))
+    wait_for_reload(agent, n=int(ok) + 1)
+    assert c.stats()["pins"] == 2
 
 
 def test_a_fixed_policy_file_is_applied_again(reloading: Reloading) -> None:

@@ -19,6 +19,8 @@ import signal
 import socket
 import stat
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
 
 from .. import protocol as p
 from ..config import AgentConfig, ConfigError, EventsTopic, load_policy
@@ -82,10 +84,14 @@ class Agent:
         self.config = config
         self.metrics = AgentMetrics(config.pool, config.node_name or "")
         self.policy = config.policy
-        self.policy_mtime: float | None = None
+        self.policy_version: FileVersion | None = None
+        """The policy file as last loaded (or refused)."""
+        self._policy_changing: FileVersion | None = None
+        """The policy file as seen at the last look, when it differed from the loaded one:
+        it is loaded once it has looked the same twice (a writer has finished)."""
         if config.policy_file is not None:
+            self.policy_version = file_version(config.policy_file)  # first: no change missed
             self.policy = load_policy(config.policy_file)
-            self.policy_mtime = config.policy_file.stat().st_mtime
         self.spaces = [Space(tenant, cfg, self.metrics, self.policy)
                        for tenant, cfg in config.spaces()]
         self.connections: dict[int, Connection] = {}
@@ -244,13 +250,22 @@ class Agent:
         if path is None:
             return
         try:
-            mtime = path.stat().st_mtime
+            version = file_version(path)
         except OSError:
             return
-        if mtime == self.policy_mtime:
+        if version == self.policy_version:
+            self._policy_changing = None
             return
-        self.policy_mtime = mtime
+        if version != self._policy_changing:
+            # Changed since the last look: wait a look, so that a file being written in
+            # place (truncated, then written) is not read half-way.
+            self._policy_changing = version
+            return
+        self._policy_changing = None
+        self.policy_version = version
         try:
+            if version.size == 0:  # what a write in place looks like half-way
+                raise ConfigError(f"{path}: empty (write {{}} for the default policy)")
             policy = load_policy(path)
         except ConfigError as e:
             self.metrics.policy_reloads["invalid"].inc()
@@ -316,3 +331,18 @@ def _report_stopped(task: asyncio.Task[None]) -> None:
 
 def run_agent(config: AgentConfig) -> None:
     asyncio.run(Agent(config).run())
+
+
+class FileVersion(NamedTuple):
+    """What tells one content of a file from another without reading it: a rename over it
+    changes the inode, a write in place the modification time or the size (or both: a
+    coarse clock may give a truncation and the write after it the same time)."""
+
+    mtime_ns: int
+    size: int
+    inode: int
+
+
+def file_version(path: Path) -> FileVersion:
+    st = path.stat()  # through symlinks: a ConfigMap update re-points `..data`
+    return FileVersion(st.st_mtime_ns, st.st_size, st.st_ino)
