@@ -155,3 +155,21 @@ class KeyTable:
         for slot in self.live_slots():
             self._place(self.key_at(slot), slot, cells)
         self._cells, self._mask, self._dead = cells, size - 1, 0
+
+
+class NameIds:
+    """Small ints for the few strings many rows repeat (tenant names): a row holds a
+    4-byte id, not a reference to a `str`. Ids are never reused."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        """Each id's name."""
+        self._ids: dict[str, int] = {}
+
+    def id_of(self, name: str) -> int:
+        """`name`'s id, given it on first sight."""
+        i = self._ids.get(name)
+        if i is None:
+            i = self._ids[name] = len(self.names)
+            self.names.append(name)
+        return i

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..arena import Arena, ExtentAllocator
 from ..journal import JournalEntry
-from ..keytable import KeyTable
+from ..keytable import KeyTable, NameIds
 from ..lookupindex import SharedIndex
 from ..policy import Entry
 from ..protocol import Extents, checksum
@@ -64,7 +64,7 @@ class DramChunk:
 
     @property
     def tenant(self) -> str:
-        return self._t._tenant_names[self._t._tenant[self.slot]]
+        return self._t._tenants.names[self._t._tenant[self.slot]]
 
     @property
     def readers(self) -> int:
@@ -163,8 +163,7 @@ class DramTier:
         self._meta: list[bytes] = []
         """Mostly the one empty `bytes` object, shared."""
         self._tenant = array("I")
-        self._tenant_names: list[str] = []
-        self._tenant_ids: dict[str, int] = {}
+        self._tenants = NameIds()
         self._readers = array("i")
         self._hits = array("q")
         self._seq = array("q")
@@ -261,10 +260,7 @@ class DramTier:
         """Make a chunk visible (the key must not be: the store checks first), with its
         hits so far and the request (`seq`, `depth`) and time (`now`) of its last access."""
         slot = self.index.add(key)
-        tenant_id = self._tenant_ids.get(tenant)
-        if tenant_id is None:
-            tenant_id = self._tenant_ids[tenant] = len(self._tenant_names)
-            self._tenant_names.append(tenant)
+        tenant_id = self._tenants.id_of(tenant)
         if slot == len(self._size):
             self._add_row()
         offset = extents[0][0] if len(extents) == 1 else -1

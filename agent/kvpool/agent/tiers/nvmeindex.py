@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..config import EvictionOrder
 from ..eviction import EvictionQueue, new_queue
-from ..keytable import KeyTable
+from ..keytable import KeyTable, NameIds
 from ..policy import Entry
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class NvmeChunk:
 
     @property
     def tenant(self) -> str:
-        return self._i._tenant_names[self._i._tenant[self.slot]]
+        return self._i._tenants.names[self._i._tenant[self.slot]]
 
     @property
     def hits(self) -> int:
@@ -114,8 +114,7 @@ class NvmeIndex:
         """The tier's: held by every writer, and by the loop when it hands slots back."""
         self._size = array("q")
         self._tenant = array("I")
-        self._tenant_names: list[str] = []
-        self._tenant_ids: dict[str, int] = {}
+        self._tenants = NameIds()
         self._hits = array("q")
         self._seq = array("q")
         self._depth = array("i")
@@ -200,10 +199,7 @@ class NvmeIndex:
                 slot = table.claim(key)
                 if slot == len(self._size):
                     self._add_row()
-        tenant_id = self._tenant_ids.get(tenant)
-        if tenant_id is None:
-            tenant_id = self._tenant_ids[tenant] = len(self._tenant_names)
-            self._tenant_names.append(tenant)
+        tenant_id = self._tenants.id_of(tenant)
         # The row is whole before the key is findable (a reader in another thread).
         self._size[slot], self._tenant[slot] = size, tenant_id
         self._hits[slot] = self._seq[slot] = self._depth[slot] = 0
