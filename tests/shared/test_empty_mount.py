@@ -60,13 +60,19 @@ def shared(c: KVPoolClient) -> dict[str, object]:
     return tier
 
 
+def store_dirs(tmp_path: Path) -> tuple[Path, Path]:
+    """A store's directory and the empty mount point it is bound onto."""
+    store, mount_point = tmp_path / "store", tmp_path / "mnt"
+    store.mkdir()
+    mount_point.mkdir()
+    return store, mount_point
+
+
 def test_an_unmounted_store_is_unavailable_and_a_delete_waits_for_it(tmp_path: Path) -> None:
     """The mount goes; agent A deletes a chunk and agent B reads it: both report the store
     absent (not an empty store), A keeps the delete and neither writes into the mount
     point; once the mount is back the object goes, and B never serves the deleted chunk."""
-    store, mount_point = tmp_path / "store", tmp_path / "mnt"
-    store.mkdir()
-    mount_point.mkdir()
+    store, mount_point = store_dirs(tmp_path)
     key = os.urandom(16)
     with ExitStack() as stack:
         stack.enter_context(bind_mount(store, mount_point))
@@ -113,9 +119,7 @@ def test_an_agent_started_while_the_mount_is_absent_knows_its_store_and_waits_fo
     the empty mount point for a new store (it remembers the store's id on its node), so the
     tier starts unhealthy, writes nothing there and keeps a delete; with the mount back it
     recovers, on the same store, and the delete is done."""
-    store, mount_point = tmp_path / "store", tmp_path / "mnt"
-    store.mkdir()
-    mount_point.mkdir()
+    store, mount_point = store_dirs(tmp_path)
     key, other = os.urandom(16), os.urandom(16)
     with ExitStack() as stack:
         stack.enter_context(bind_mount(store, mount_point))
@@ -150,9 +154,7 @@ def test_an_agent_with_nvme_knows_its_store_after_a_reboot_emptied_its_tmpfs(
     """A node reboots and its file system does not come back with it: the tmpfs with the
     agent's arena, journal and record is empty, but the copy of the record in the NVMe
     directory tells the starting agent that the empty mount point is its absent store."""
-    store, mount_point = tmp_path / "store", tmp_path / "mnt"
-    store.mkdir()
-    mount_point.mkdir()
+    store, mount_point = store_dirs(tmp_path)
     with ExitStack() as stack:
         stack.enter_context(bind_mount(store, mount_point))
         workdir = tmp_path / "a"
@@ -183,9 +185,7 @@ def test_gc_all_keeps_a_mounted_stores_marker_and_never_marks_an_absent_one(
     """`kvpool gc --all` empties the store but keeps its marker, so a running agent keeps
     using the emptied store; against an empty mount point it writes no marker, which would
     have the agent take the mount point for its store and write into it."""
-    store, mount_point = tmp_path / "store", tmp_path / "mnt"
-    store.mkdir()
-    mount_point.mkdir()
+    store, mount_point = store_dirs(tmp_path)
     key, other = os.urandom(16), os.urandom(16)
     with ExitStack() as stack:
         stack.enter_context(bind_mount(store, mount_point))

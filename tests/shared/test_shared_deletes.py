@@ -19,6 +19,7 @@ import pytest
 
 from kvpool.agent.config import TierPolicy
 from kvpool.agent.store.sharedlink import SharedLink
+from kvpool.agent.tiers.base import ChunkRecord
 
 from .conftest import Backend, make_chunk
 
@@ -38,24 +39,33 @@ def link_on(backend: Backend, pool: ThreadPoolExecutor) -> SharedLink:
     return SharedLink(backend.open(), backend.config(), backend.metrics, pool, TierPolicy)
 
 
+def uploaded(link: SharedLink, rec: ChunkRecord) -> None:
+    """Put `rec` (a commit's write-through), and wait until its upload has landed."""
+    link.upload(rec)
+    assert link.uploads is not None and link.uploads.drain(30)
+
+
+async def deleting(link: SharedLink, key: bytes) -> asyncio.Future[None]:
+    """A DELETE of `key`, asked for now; its store delete waits for the background pool."""
+    delete = asyncio.ensure_future(link.delete(key))
+    await asyncio.sleep(0)
+    return delete
+
+
 def test_a_delete_overtaken_by_a_new_upload_of_its_key_leaves_it_stored(
         backend: Backend, busy_pool: tuple[ThreadPoolExecutor, threading.Event]) -> None:
     pool, free = busy_pool
     link = link_on(backend, pool)
     rec = make_chunk(1)
-    assert link.uploads is not None
 
     async def scenario() -> None:
-        link.upload(rec)
-        assert link.uploads is not None and link.uploads.drain(30)
-        deleting = asyncio.ensure_future(link.delete(rec.key))  # waits for the pool
-        await asyncio.sleep(0)
+        uploaded(link, rec)
+        delete = await deleting(link, rec.key)
         assert link.deleted(rec.key)
-        link.upload(rec)  # put again: acknowledged, and uploaded at once
-        assert link.uploads.drain(30)
+        uploaded(link, rec)  # put again: acknowledged, and uploaded at once
         assert link.tier.contains(rec.key)
         free.set()
-        await asyncio.wait_for(deleting, 30)
+        await asyncio.wait_for(delete, 30)
 
     asyncio.run(scenario())
     assert link.tier.contains(rec.key), "the late delete removed the new upload"
@@ -68,17 +78,12 @@ def test_a_key_deleted_put_and_deleted_again_is_gone(
     pool, free = busy_pool
     link = link_on(backend, pool)
     rec = make_chunk(2)
-    assert link.uploads is not None
 
     async def scenario() -> None:
-        link.upload(rec)
-        assert link.uploads is not None and link.uploads.drain(30)
-        first = asyncio.ensure_future(link.delete(rec.key))
-        await asyncio.sleep(0)
-        link.upload(rec)
-        assert link.uploads.drain(30)
-        second = asyncio.ensure_future(link.delete(rec.key))
-        await asyncio.sleep(0)
+        uploaded(link, rec)
+        first = await deleting(link, rec.key)
+        uploaded(link, rec)
+        second = await deleting(link, rec.key)
         free.set()
         await asyncio.wait_for(asyncio.gather(first, second), 30)
 
