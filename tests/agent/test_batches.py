@@ -24,6 +24,76 @@ from kvpool.agent.tiers.dram import DramTier
 from kvpool.agent.tiers.nvme import NvmeTier
 
 
+def test_a_read_that_misses_while_its_chunk_moves_up_and_back_down_finds_it_again(
+        tmp_path: Path) -> None:
+    """A GET's NVMe read can miss: a prefetch promoted the chunk and dropped its file
+    first, and the watermark sent it straight back down. The GET then reads it again
+    (it is not NOT_FOUND), and the new NVMe entry keeps its place in the eviction
+    order (the miss once took it out, so it was never evicted).
+
+    The GET's read runs the real read, held at both ends by the test: it starts once the
+    chunk has gone up, and its miss reaches the event loop once the chunk is back down."""
+    store = _store(tmp_path, 2 << 20, {"highWatermark": 0.6, "lowWatermark": 0.5})
+    assert store.nvme is not None
+    nvme = store.nvme
+    key = b"k" * 16
+    filler = [bytes([i]) * 16 for i in range(1, 7)]
+    go, read, landed = threading.Event(), threading.Event(), threading.Event()
+    read_many = store.loads.read_nvme_many
+
+    def held(keys: list[bytes]) -> list[object]:
+        go.wait(30)
+        got = read_many(keys)
+        read.set()
+        landed.wait(30)
+        return got  # type: ignore[return-value]
+
+    async def main() -> None:
+        for k in [key, *filler[:4]]:  # the fifth chunk crosses the watermark: key goes
+            await _put(store, k, _data(k))
+        await _settle(store)
+        assert key in nvme.nvme.index
+        store.loads.read_nvme_many = held  # type: ignore[method-assign]
+        reader = asyncio.create_task(store.get(key))
+        while key not in store.loads.loading:  # the GET's read has started
+            await asyncio.sleep(0.01)
+        rec = nvme.nvme.read(key)  # what a prefetch read before the GET came
+        assert rec is not None
+        await store._promote(rec, "prefetch", "nvme", 1)  # up; its NVMe file goes
+        await _settle(store)
+        assert key not in nvme.nvme.index and not _on_disk(store).count(key)
+        gate = _hold_io(store)
+        try:
+            for k in filler[2:4]:
+                await store.get(k)
+            await _put(store, filler[4], _data(filler[4]))
+            await _put(store, filler[5], _data(filler[5]))
+            assert key in nvme.inflight and store.dram.get(key) is None  # back down
+            go.set()  # the GET reads now: the file is gone and the index has no entry
+            assert await asyncio.to_thread(read.wait, 30)
+        finally:
+            gate.set()
+        await _settle(store)  # the new file lands and is indexed, in the order
+        assert key in nvme.nvme.index and key in nvme.queue
+        landed.set()  # the GET's miss reaches the loop
+        try:
+            got: object = await reader
+        except OpError as e:
+            got = e
+        indexed = sorted(nvme.nvme.index)
+        assert [k for k in indexed if k not in nvme.queue] == [], \
+            "the miss took the new entry out of the eviction order"
+        assert len(nvme.queue) == len(indexed)
+        assert isinstance(got, tuple) and (got[0], got[3]) == (_data(key), 3), got
+
+    try:
+        asyncio.run(main())
+    finally:
+        go.set()
+        landed.set()
+        store.close()
+
+
 class Recorder:
     """A work function that records its batches; `gate` holds the workers until set."""
 

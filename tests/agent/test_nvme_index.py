@@ -5,14 +5,19 @@ the eviction queue holds it (worker threads take keys out; the event loop hands 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.agent import checksums
 from kvpool.agent.config import EvictionOrder
 from kvpool.agent.constants import KEY_BYTES
+from kvpool.agent.tiers.base import ChunkRecord
+from kvpool.agent.tiers.nvme import NvmeTier
 from kvpool.agent.tiers.nvmeindex import NvmeIndex
 
 
@@ -182,3 +187,23 @@ def test_lookups_in_one_thread_never_miss_while_another_writes() -> None:
     writer.join(timeout=120)
     assert not writer.is_alive() and passes > 1
     assert misses == 0
+
+
+def test_a_failed_read_forgets_only_the_entry_it_was_made_under(tmp_path: Path) -> None:
+    """A worker's read that finds no file takes its entry out of the index, but not the
+    entry of a newer write: the key was dropped (its file removed) and written again
+    while the read ran, and forgetting the new entry would lose the chunk."""
+    tier = NvmeTier(tmp_path / "nvme", 64 << 20)
+    k, data = key(7), b"x" * 4096
+    rec = ChunkRecord(k, data, checksums.compute(checksums.XXH3, [data], b""))
+    tier.write(rec)
+    read_under = tier.index.get(k)
+    tier.forget(k)  # dropped: a promotion took it up
+    tier.remove_file(k)
+    tier.write(rec)  # back down before the read opened the file
+    os.unlink(tier.path_of(k))  # and the read finds no file at its open, as it did then
+    assert tier.read_file(k, read_under) is None
+    assert k in tier.index
+    # Under the entry the index holds, a missing file is a chunk gone: out of the index.
+    assert tier.read(k) is None
+    assert k not in tier.index

@@ -80,6 +80,10 @@ DEMOTION_WAIT = 30.0
 it answers NO_SPACE (only a stalled NVMe takes that long)."""
 RECENT_LOOKUPS = 1 << 16
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
+FIND_TRIES = 4
+"""Reads of a chunk that keeps moving between DRAM and NVMe under one GET or ACQUIRE
+before it is a miss (each try is one NVMe read; a chunk moves only that often when DRAM
+is far too small for the prompts it serves)."""
 
 
 @dataclass(slots=True)
@@ -266,14 +270,22 @@ class ChunkStore:
 
     async def _find(self, key: bytes) -> DramChunk | Loaded | None:
         """The chunk in DRAM, or read from below. A read from NVMe can miss because the
-        chunk moved up meanwhile (a prefetch or another reader promoted it, and its file
-        went before this read opened it): DRAM is then asked again, so a stored chunk
-        is never a miss for being on its way up."""
-        chunk = self.dram.get(key)
-        if chunk is not None:
-            return chunk
-        loaded = await self._load(key)
-        return loaded if loaded is not None else self.dram.get(key)
+        chunk moved meanwhile: a prefetch or another reader promoted it and its file went
+        before this read opened it, and the watermark may have sent it straight back down
+        (a new file, or a demotion in flight). So while a local tier still holds the key
+        it is looked for again: a stored chunk is never a miss for being on the move."""
+        for _ in range(FIND_TRIES):
+            chunk = self.dram.get(key)
+            if chunk is not None:
+                return chunk
+            loaded = await self._load(key)
+            if loaded is not None:
+                return loaded
+            if not self._below(key):
+                return self.dram.get(key)
+        log.warning("%s moved between DRAM and NVMe during %d reads of it: a miss",
+                    key.hex(), FIND_TRIES)
+        return None
 
     def _deleted_since(self, key: bytes, mark: int) -> bool:
         n = self.deleted.get(key)

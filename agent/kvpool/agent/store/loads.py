@@ -105,11 +105,13 @@ class Loads:
                     result = (rec, "nvme", entry.hits if entry is not None else 1)
                     if i and read_under is not None and entry == read_under:
                         self.ahead.keep(k, rec, read_under)
-                else:
-                    nvme.queue.discard(k)  # quarantined or gone: out of the order too
-                    nvme.nvme.index.reap(k)  # and its slot handed back
-                    if nvme.entry(k) is None:
-                        nvme.observer.removed("nvme", k)
+                elif nvme.entry(k) is None:
+                    # Quarantined or gone: out of the order too, and its slot handed back.
+                    # Not so when the key was written to NVMe again meanwhile: the new
+                    # entry has the old one's slot and place in the order (`NvmeIndex.put`).
+                    nvme.queue.discard(k)
+                    nvme.nvme.index.reap(k)
+                    nvme.observer.removed("nvme", k)
                 fut.set_result(result)
                 if i == 0:
                     first = result

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..constants import CHUNK_SUFFIX as SUFFIX
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
-from .nvmeindex import NvmeIndex
+from .nvmeindex import NvmeChunk, NvmeIndex
 
 log = logging.getLogger(__name__)
 
@@ -126,26 +126,30 @@ class NvmeTier(ChunkTier):
         return key in self.index
 
     def read(self, key: bytes) -> ChunkRecord | None:
-        if key not in self.index:
+        entry = self.index.get(key)
+        if entry is None:
             return None
-        return self.read_file(key)
+        return self.read_file(key, entry)
 
-    def read_file(self, key: bytes) -> ChunkRecord | None:
-        """The verified chunk in the key's file, indexed or not (eviction reads a chunk it
-        has already taken out of the index, to pass it on to the shared tier)."""
+    def read_file(self, key: bytes, entry: NvmeChunk | None = None) -> ChunkRecord | None:
+        """The verified chunk in the key's file, indexed (`entry`: the index's entry it is
+        read under) or not (eviction reads a chunk it has already taken out of the index,
+        to pass it on to the shared tier)."""
         path = self.path_of(key)
         try:
             # Unbuffered: each block is read straight into the chunk's buffer.
             with open(path, "rb", buffering=0) as f:
                 return base.read_chunk_file(f, expect_key=key)
         except FileNotFoundError:
-            self.forget(key)
+            if entry is not None:
+                self.forget(key, entry)
             return None
         except (OSError, IntegrityError):
             # An unreadable file (EIO, a directory in its place) or a bad one: out of the
             # index, or LOOKUP would keep answering nvme for a chunk no read returns, and
             # a fresh PUT of the key would be refused as a duplicate.
-            self.forget(key)
+            if entry is not None:
+                self.forget(key, entry)
             self._set_aside(key, path)
             raise
 
@@ -191,11 +195,17 @@ class NvmeTier(ChunkTier):
         self.remove_file(key)
         return True
 
-    def forget(self, key: bytes) -> bool:
+    def forget(self, key: bytes, entry: NvmeChunk | None = None) -> bool:
         """Take a chunk out of the index (cheap: the event loop calls it); the file stays
         until `remove_file`. Its slot is handed back on the event loop (`NvmeIndex.reap`),
-        once the eviction queue has let go of it."""
+        once the eviction queue has let go of it.
+
+        With `entry` (a failed read's), only while the index still holds that entry: the
+        key may have been dropped and written again since the read began, and the new
+        file is good."""
         with self._lock:
+            if entry is not None and self.index.get(key) != entry:
+                return False
             size = self.index.unindex(key)
             if size < 0:
                 return False
