@@ -219,6 +219,23 @@ def test_agent_that_cannot_make_its_socket_says_so_and_leaves_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hostname"]
 
 
+def test_agent_that_cannot_make_its_state_dir_names_the_flag_and_leaves_nothing(
+        tmp_path: Path, arena_path: Path) -> None:
+    """`--state-dir` below a file: the start fails in one line naming --state-dir, and the
+    arena, journal and socket it had made are gone again."""
+    not_a_dir = tmp_path / "state"
+    not_a_dir.write_text("")
+    state = not_a_dir / "pool"
+    run = kvpool("agent", "--socket", str(tmp_path / "agent.sock"), "--arena", str(arena_path),
+                 "--dram", "16Mi", "--no-lock", "--state-dir", str(state),
+                 "--metrics-addr", f"127.0.0.1:{free_port()}", timeout=120)
+    assert run.returncode == 2
+    line = error_line(run)
+    assert "--state-dir" in line and str(state) in line
+    assert left_in_shm(arena_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+
 def test_agent_whose_metrics_port_is_taken_leaves_no_file_or_directory(
         tmp_path: Path, arena_path: Path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
@@ -228,6 +245,7 @@ def test_agent_whose_metrics_port_is_taken_leaves_no_file_or_directory(
         run = kvpool("agent", "--socket", str(tmp_path / "run" / "kvpool" / "agent.sock"),
                      "--arena", str(arena_path), "--dram", "16Mi", "--no-lock",
                      "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "16Mi",
+                     "--state-dir", str(tmp_path / "var" / "state"),
                      "--metrics-addr", f"127.0.0.1:{port}", timeout=120)
     assert run.returncode == 1
     assert "--metrics-addr" in error_line(run)

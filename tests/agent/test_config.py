@@ -87,6 +87,20 @@ def test_each_tenant_gets_its_own_socket_arena_nvme_directory_and_shared_prefix(
     assert cfg.tiers.dram.size == 1 << 30  # the pool's own config is left as it was
 
 
+def test_the_stores_record_is_kept_on_tmpfs_and_in_each_dir_that_outlives_a_reboot() -> None:
+    """Beside the arena always; in the NVMe directory and the state directory where the
+    agent has them; a tenant's under `tenants/<name>/` of each."""
+    cfg = _tenanted("[{name: a}]").model_copy(update={"state_dir": Path("/var/lib/kvpool/st")})
+    assert cfg.stores_paths() == [cfg.arena_path().with_suffix(".stores"),
+                                  Path("/nvme/.kvpool-stores"),
+                                  Path("/var/lib/kvpool/st/shared-stores.json")]
+    [(_, a)] = cfg.spaces()
+    assert a.state_dir == Path("/var/lib/kvpool/st/tenants/a")
+    assert a.stores_paths()[1:] == [Path("/nvme/tenants/a/.kvpool-stores"),
+                                    Path("/var/lib/kvpool/st/tenants/a/shared-stores.json")]
+    assert AgentConfig().stores_paths() == [AgentConfig().arena_path().with_suffix(".stores")]
+
+
 def test_a_pool_without_tenants_is_one_space() -> None:
     cfg = AgentConfig()
     assert cfg.spaces() == [("", cfg)]

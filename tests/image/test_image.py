@@ -201,8 +201,8 @@ def test_every_command_the_chart_and_operator_run_exists_in_the_image(
 @pytest.fixture
 def agent_pod(tmp_path: Path) -> Iterator[tuple[Manifest, dict[str, Path]]]:
     """The operator's DaemonSet pod for a pool, and its volumes on this host: the arena
-    directory on /dev/shm (a tmpfs, like the node's), the socket directory owned by root
-    (as kubelet creates a hostPath), the ConfigMap's files."""
+    directory on /dev/shm (a tmpfs, like the node's), the socket and state directories
+    owned by root (as kubelet creates a hostPath), the ConfigMap's files."""
     pool = _pool()
     objects = render.render(pool, None)
     daemon_set = next(o for o in objects if o["kind"] == "DaemonSet")
@@ -213,8 +213,9 @@ def agent_pod(tmp_path: Path) -> Iterator[tuple[Manifest, dict[str, Path]]]:
         (config_dir / name).write_text(text)
     dram = Path(tempfile.mkdtemp(prefix="kvpool-image-test-", dir="/dev/shm"))
     volumes = {"config": config_dir, "socket": tmp_path / "socket", "dram": dram,
-               "tmp": tmp_path / "tmp"}
+               "tmp": tmp_path / "tmp", "state": tmp_path / "state"}
     volumes["socket"].mkdir(mode=0o755)
+    volumes["state"].mkdir(mode=0o755)
     volumes["tmp"].mkdir(mode=0o1777)
     try:
         yield _pod_spec(daemon_set), volumes
@@ -255,6 +256,7 @@ def test_agent_serves_a_host_client_as_non_root_under_the_chart_security_context
                                Bundle(init["command"], volumes)), tmp_path / "init.log")
     assert code == 0, out
     assert volumes["socket"].stat().st_uid == AGENT_UID
+    assert volumes["state"].stat().st_uid == AGENT_UID
 
     config = oci_config(image.rootfs, image.config, security, agent,
                         Bundle(agent["command"], volumes))

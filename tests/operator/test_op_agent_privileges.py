@@ -81,6 +81,7 @@ def test_every_path_the_agent_writes_is_a_writable_mount(pool_full: dict[str, An
         "arena": PurePosixPath(cfg.arena_path()).parent,
         "journal": PurePosixPath(cfg.journal_path()).parent,
         "nvme": PurePosixPath(cfg.tiers.nvme.path),
+        "state": PurePosixPath(str(cfg.state_dir)),
         "shared": PurePosixPath("/mnt/lustre/kv"),
         "temporary files": PurePosixPath("/tmp"),
     }
@@ -108,7 +109,9 @@ def test_init_container_hands_the_host_dirs_to_the_agent_and_nothing_more(
     by_name = {m["name"]: m for m in agent["volumeMounts"]}
     # The pool's own host directories, at the agent's paths; not the config, not the
     # shared file system (spans nodes, often squashes root: the user's to prepare).
-    assert init["volumeMounts"] == [by_name["socket"], by_name["dram"], by_name["nvme"]]
+    assert init["volumeMounts"] == [
+        by_name["socket"], by_name["dram"], by_name["nvme"], by_name["state"]
+    ]
     uid = api.AGENT_UID
     assert init["command"] == [
         "python3",

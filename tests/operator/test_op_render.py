@@ -142,6 +142,29 @@ def test_huge_pages_request_hugepages_and_use_hugetlbfs(pool_minimal: dict) -> N
     assert dram["hostPath"]["path"] == "/dev/hugepages/kvpool/default.small"
 
 
+def test_the_agent_keeps_its_state_in_a_host_dir_on_disk_that_its_config_names(
+    pool_minimal: dict,
+) -> None:
+    """A pool without NVMe still remembers its shared stores across a reboot of the node:
+    its state directory is a per-pool hostPath off the tmpfs, mounted where `stateDir`
+    says, and handed to the agent's UID like its other host directories."""
+    objects = _by_kind(render.render(api.parse_pool(pool_minimal), None))
+    cfg = AgentConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["agent.yaml"]))
+    pod = objects["DaemonSet"]["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    assert cfg.tiers.nvme is None
+    assert cfg.state_dir is not None and str(cfg.state_dir) == render.STATE_MOUNT
+    state = next(v for v in pod["volumes"] if v["name"] == "state")
+    assert state["hostPath"] == {
+        "path": "/var/lib/kvpool/state/default.small",
+        "type": "DirectoryOrCreate",
+    }
+    mount = {"name": "state", "mountPath": str(cfg.state_dir)}
+    assert mount in agent["volumeMounts"]
+    (init,) = pod["initContainers"]
+    assert mount in init["volumeMounts"] and str(cfg.state_dir) in init["command"]
+
+
 def test_agent_config_change_rolls_the_pods_policy_change_does_not(
     pool_minimal: dict, policy_full: dict
 ) -> None:

@@ -180,6 +180,48 @@ def test_an_agent_with_nvme_knows_its_store_after_a_reboot_emptied_its_tmpfs(
         wait_until(lambda: shared(c)["healthy"], "the tier to recover")
 
 
+def test_an_agent_with_a_state_dir_knows_its_store_after_a_reboot_emptied_its_tmpfs(
+        tmp_path: Path) -> None:
+    """No NVMe tier, but a state directory on disk (`stateDir`, made at the first start):
+    after a reboot empties the tmpfs and the file system is not mounted again, the copy of
+    the record there tells the starting agent that the empty mount point is its absent
+    store. It writes nothing there, and recovers on the same store when the mount returns,
+    writing the record beside the arena again."""
+    store, mount_point = store_dirs(tmp_path)
+    key = os.urandom(16)
+    with ExitStack() as stack:
+        stack.enter_context(bind_mount(store, mount_point))
+        workdir = tmp_path / "a"
+        workdir.mkdir()
+        state = workdir / "state" / "pool"  # not there yet: the agent makes it
+        cfg = workdir / "agent.yaml"
+        cfg.write_text(yaml.safe_dump({"pool": "mount-test", "stateDir": str(state), "tiers": {
+            "shared": {"url": mount_point.as_uri(), "requestTimeout": "2s"}}}))
+        a = stack.enter_context(
+            LocalAgent("--no-lock", "--config", str(cfg), workdir=workdir, dram="16Mi"))
+        store_id = read_marker(store / STORE_MARKER)
+        assert store_id and state.is_dir()
+        a.stop()  # removes the arena, the journal and the record on the tmpfs: a reboot
+        tmpfs_record = a.arena_path.with_suffix(".stores")
+        assert not tmpfs_record.exists()
+
+        subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
+        a.start()
+        c = stack.enter_context(KVPoolClient(a.socket_path))
+        assert not shared(c)["healthy"]
+        reason = str(shared(c)["reason"])
+        assert "the mount looks absent" in reason and store_id in reason, reason
+        assert c.put(key, data_of(key))  # DRAM takes it; the store's write is refused
+        wait_until(lambda: queue(c)["dropped"] == 1, "the write to be dropped")
+        assert not any(mount_point.iterdir())  # no marker, no chunk in the mount point
+
+        stack.enter_context(bind_mount(store, mount_point))  # the mount comes back
+        wait_until(lambda: shared(c)["healthy"], "the tier to recover")
+        assert read_marker(store / STORE_MARKER) == store_id  # the same store, not a new one
+        assert not list(store.rglob("*.kvc"))  # the refused write stayed refused
+        assert store_id in tmpfs_record.read_text()  # the copies agree again
+
+
 def test_gc_all_keeps_a_mounted_stores_marker_and_never_marks_an_absent_one(
         tmp_path: Path) -> None:
     """`kvpool gc --all` empties the store but keeps its marker, so a running agent keeps

@@ -133,6 +133,18 @@ def test_a_record_kept_in_two_places_is_read_from_either(tmp_path: Path) -> None
     assert SeenStores(tmpfs, disk).id_of("file:///mnt/store") == "def"  # the first one wins
 
 
+def test_a_copy_that_lacks_the_store_gets_it_when_the_store_is_next_seen(
+        tmp_path: Path) -> None:
+    """An agent that has used its store is given a state directory (an upgrade): its new
+    copy of the record gets the store when the agent next sees the marker, not only when
+    the id changes, or a reboot would find that copy empty."""
+    root, tmpfs, disk = tmp_path / "store", tmp_path / "agent.stores", tmp_path / "state.json"
+    tier_on(root, SeenStores(tmpfs)).close()  # the store used before there was a copy
+    store_id = SeenStores(tmpfs).id_of(root.as_uri())
+    tier_on(root, SeenStores(tmpfs, disk)).close()  # restarted with the copy: the same id
+    assert store_id and SeenStores(disk).id_of(root.as_uri()) == store_id
+
+
 def test_a_store_marked_afresh_is_taken_up_at_start_and_recorded(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root, record = tmp_path / "store", tmp_path / "agent.stores"

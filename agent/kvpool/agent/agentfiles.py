@@ -150,6 +150,8 @@ class StartFiles:
             files += cfg.stores_paths()
             if cfg.tiers.nvme is not None:
                 dirs.append(cfg.tiers.nvme.path)
+            if cfg.state_dir is not None:
+                dirs.append(cfg.state_dir)
             if cfg.tiers.shared is not None and cfg.tiers.shared.url.startswith("file://"):
                 dirs.append(Path(cfg.tiers.shared.url.removeprefix("file://")))
         self.new_files = [f for f in files if not f.exists() and not f.is_symlink()]

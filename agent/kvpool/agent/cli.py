@@ -76,6 +76,7 @@ _FLAG_FOR_FIELD: dict[tuple[str | int, ...], str] = {
     ("max_chunk_bytes",): "--max-chunk",
     ("log_level",): "--log-level",
     ("policy_file",): "--policy",
+    ("state_dir",): "--state-dir",
     ("tiers", "dram", "size"): "--dram",
     ("tiers", "dram", "path"): "--arena",
     ("tiers", "nvme", "path"): "--nvme-dir",
@@ -105,7 +106,8 @@ def _agent_config(config: Path | None, flags: dict[str, Any]) -> AgentConfig:
     """The config file (if any) with the flags given on top; raises ConfigError."""
     cfg = load_agent_config(config) if config else AgentConfig()
     overrides: dict[str, Any] = cfg.model_dump(by_alias=False)
-    for field in ("socket_path", "pool", "metrics_addr", "max_chunk_bytes", "log_level"):
+    for field in ("socket_path", "pool", "metrics_addr", "max_chunk_bytes", "log_level",
+                  "state_dir"):
         if flags[field] is not None:
             overrides[field] = flags[field]
     if flags["tenant"]:
@@ -149,6 +151,7 @@ def _start_error(e: OSError, cfg: AgentConfig, flags: dict[str, Any]) -> tuple[s
         ("--nvme-dir", "tiers.nvme.path", cfg.tiers.nvme.path if cfg.tiers.nvme else None,
          flags["nvme_dir"]),
         ("--policy", "policyFile", cfg.policy_file, flags["policy"]),
+        ("--state-dir", "stateDir", cfg.state_dir, flags["state_dir"]),
     ]
     for flag, field, path, given in named:
         if path is None:
@@ -194,6 +197,11 @@ def agent(
             "G4 shared tier: s3://bucket/prefix or file:///path.", "no shared tier"))] = None,
     policy: Annotated[Path | None, typer.Option(
         metavar="FILE", help="TierPolicy YAML, reloaded when it changes.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        metavar="DIR", help=_with_default(
+            "Directory on disk for the agent's state that must outlive a reboot of the node "
+            "(a copy of the record of the file:// shared stores it has used); made if "
+            "missing.", "none"))] = None,
     no_lock: Annotated[bool, typer.Option(
         "--no-lock", help="Do not mlock the arena.")] = False,
     log_level: Annotated[str | None, typer.Option(
@@ -208,7 +216,7 @@ def agent(
         "socket_path": socket, "pool": pool, "metrics_addr": metrics_addr,
         "max_chunk_bytes": max_chunk, "log_level": log_level, "tenant": tenant, "dram": dram,
         "arena": arena, "no_lock": no_lock, "nvme_dir": nvme_dir, "nvme": nvme,
-        "shared": shared, "policy": policy,
+        "shared": shared, "policy": policy, "state_dir": state_dir,
     }
     try:
         cfg = _agent_config(config, flags)
@@ -260,7 +268,7 @@ def cleanup(
 
     flags: dict[str, Any] = dict.fromkeys(
         ("metrics_addr", "max_chunk_bytes", "log_level", "dram", "nvme_dir", "nvme",
-         "shared", "policy"))
+         "shared", "policy", "state_dir"))
     flags.update(socket_path=socket, pool=pool, arena=arena, tenant=tenant, no_lock=False)
     try:
         cfg = _agent_config(config, flags)

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .constants import HUGE_PAGE_BYTES, NVME_STORES_RECORD, PAGE_BYTES
+from .constants import HUGE_PAGE_BYTES, NVME_STORES_RECORD, PAGE_BYTES, STATE_STORES_RECORD
 from .constants import TIER_ORDER as TIER_ORDER
 from .constants import TierName as TierName
 from .units import ByteSize, Duration, human_size
@@ -433,6 +433,12 @@ class AgentConfig(Model):
     policy_file: Path | None = Field(
         None, description="YAML TierPolicy watched and reloaded in place; overrides `policy`."
     )
+    state_dir: Path | None = Field(
+        None,
+        description="Directory, on disk, for what the agent must remember across a reboot "
+        "of the node (the arena's tmpfs forgets): a copy of the record of the `file://` "
+        "shared stores it has used. Made if missing; one agent's own. Unset: none.",
+    )
     node_name: str | None = Field(None, description="Kubernetes node (for labels and logs).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tenants: list[TenantSpace] = Field(
@@ -478,17 +484,22 @@ class AgentConfig(Model):
         return self.arena_path().with_suffix(".stores")
 
     def stores_paths(self) -> list[Path]:
-        """`stores_path`, and with an NVMe tier a copy of the record in its directory: on
-        disk, it outlives a reboot of the node, which empties the arena's tmpfs."""
-        if self.tiers.nvme is None:
-            return [self.stores_path()]
-        return [self.stores_path(), self.tiers.nvme.path / NVME_STORES_RECORD]
+        """`stores_path`, and a copy of the record in the NVMe directory and in the state
+        directory, where the agent has them: on disk, they outlive a reboot of the node,
+        which empties the arena's tmpfs."""
+        paths = [self.stores_path()]
+        if self.tiers.nvme is not None:
+            paths.append(self.tiers.nvme.path / NVME_STORES_RECORD)
+        if self.state_dir is not None:
+            paths.append(self.state_dir / STATE_STORES_RECORD)
+        return paths
 
     def spaces(self) -> list[tuple[str, AgentConfig]]:
         """(tenant, config) of every space the agent serves: one per tenant, or the pool's.
 
-        A tenant's config is the pool's with its own socket, arena, NVMe directory and
-        shared prefix (each under `tenants/<name>/`) and its share of the local tiers.
+        A tenant's config is the pool's with its own socket, arena, NVMe directory, shared
+        prefix and state directory (each under `tenants/<name>/`) and its share of the local
+        tiers.
         """
         if not self.tenants:
             return [("", self)]
@@ -509,6 +520,8 @@ class AgentConfig(Model):
                 cfg.tiers.nvme.size = nvme_size
             if cfg.tiers.shared is not None:
                 cfg.tiers.shared.url = tenant_url(cfg.tiers.shared.url, name)
+            if self.state_dir is not None:
+                cfg.state_dir = self.state_dir / TENANTS_DIR / name
             out.append((name, cfg))
         return out
 

@@ -8,10 +8,10 @@ is never a new store, so a root found there without a marker is the mount gone.
 
 The record lives beside the DRAM arena and its journal (`AgentConfig.stores_path`), with
 their lifetime: on the host's tmpfs it outlives agent restarts and upgrades, not a reboot
-of the node; `kvpool cleanup` removes it with them. An agent with an NVMe tier keeps a copy
-in its NVMe directory (`AgentConfig.stores_paths`), on disk, which outlives a reboot too: a
-node that boots with its network file system not mounted is the likeliest way to start an
-agent on an empty mount point.
+of the node; `kvpool cleanup` removes it with them. An agent with an NVMe tier or a state
+directory keeps a copy in each (`AgentConfig.stores_paths`), on disk, which outlives a
+reboot too: a node that boots with its network file system not mounted is the likeliest
+way to start an agent on an empty mount point.
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ class SeenStores:
         self.paths = paths
         self._lock = threading.Lock()  # the tier's probe thread may adopt a store
         self._ids: dict[str, str] = {}
-        for path in reversed(paths):
-            self._ids.update(_load(path))
+        loaded = [_load(path) for path in paths]
+        for ids in reversed(loaded):
+            self._ids.update(ids)
+        self._behind = any(ids != self._ids for ids in loaded)
+        """A copy lacks or differs from the record: the next `remember` writes every copy
+        (a state directory given to an agent that has used its store, a tmpfs emptied by a
+        reboot), even when the id it remembers is the one already known."""
 
     def id_of(self, url: str) -> str | None:
         """The id of the store this agent last used at `url`; None: it never used one."""
@@ -44,13 +49,14 @@ class SeenStores:
             return self._ids.get(url)
 
     def remember(self, url: str, store_id: str) -> None:
-        """Record that this agent uses store `store_id` at `url` (written only on a change).
+        """Record that this agent uses store `store_id` at `url` (written only on a change,
+        or where a copy is behind).
 
         A failed write is logged, not raised: the store is still usable, only a restart of
         the agent could then not tell its absent mount from a new store.
         """
         with self._lock:
-            if self._ids.get(url) == store_id:
+            if self._ids.get(url) == store_id and not self._behind:
                 return
             ids = {**self._ids, url: store_id}
             for path in self.paths:
@@ -61,6 +67,7 @@ class SeenStores:
                               "of the agent could take its absent mount for a new store",
                               url, store_id or "from before ids", path, e)
             self._ids = ids
+            self._behind = False  # a copy that failed is not retried: its error was logged
 
 
 def _load(path: Path) -> dict[str, str]:

@@ -11,10 +11,13 @@ Layout on a node, for pool `<ns>/<name>`:
 | socket | `<socketDir>/<ns>.<name>/agent.sock` | same path |
 | DRAM arena | `/dev/shm/kvpool/<ns>.<name>/` (or `/dev/hugepages/...`) | `/var/lib/kvpool/dram/` |
 | NVMe chunks | `<nvme.hostPath>/<ns>.<name>/` | `/var/lib/kvpool/nvme/` |
+| agent state | `/var/lib/kvpool/state/<ns>.<name>/` | `/var/lib/kvpool/state/` |
 | config | ConfigMap `kvpool-<name>` | `/etc/kvpool/` |
 
 The arena lives on the host's tmpfs, so an agent restart or rolling upgrade
-keeps the DRAM tier warm.
+keeps the DRAM tier warm. The state directory is on the node's disk: what the
+agent must remember across a reboot of the node (`stateDir`), which empties
+the tmpfs.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ AGENT_CONFIG_KEY = "agent.yaml"
 POLICY_KEY = "policy.yaml"
 DRAM_MOUNT = "/var/lib/kvpool/dram"
 NVME_MOUNT = "/var/lib/kvpool/nvme"
+STATE_MOUNT = "/var/lib/kvpool/state"
+STATE_HOST_DIR = "/var/lib/kvpool/state"
+"""On the node: one directory per pool below it (`<ns>.<name>`), on disk, not tmpfs."""
 CONFIG_CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
 POOL_LABEL = "kvpool.io/pool"
 POOL_NAMESPACE_LABEL = "kvpool.io/pool-namespace"
@@ -298,6 +304,7 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
         metrics_addr=f"0.0.0.0:{spec.agent.metrics_port}",
         tiers=Tiers(**tiers),
         policy_file=Path(CONFIG_DIR) / POLICY_KEY,
+        state_dir=Path(STATE_MOUNT),
         log_level=spec.agent.log_level.value,
         tenants=spec.tenants,
         # Only when enabled: a disabled section means nothing to the agent, and every
@@ -485,9 +492,11 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         host = f"{spec.tiers.nvme.host_path.rstrip('/')}/{names.pool_id}"
         volumes.append(_host_dir("nvme", host))
         mounts.append({"name": "nvme", "mountPath": NVME_MOUNT})
+    volumes.append(_host_dir("state", f"{STATE_HOST_DIR}/{names.pool_id}"))
+    mounts.append({"name": "state", "mountPath": STATE_MOUNT})
     # The per-pool host directories the agent writes (the shared file:// mount is the
     # user's to prepare: it spans nodes and often squashes root).
-    writable_host = [dict(m) for m in mounts if m["name"] in ("socket", "dram", "nvme")]
+    writable_host = [dict(m) for m in mounts if m["name"] in ("socket", "dram", "nvme", "state")]
     shared_path = _shared_file_path(spec.tiers.shared)
     if shared_path is not None:
         volumes.append(_host_dir("shared", shared_path, "Directory"))

@@ -34,6 +34,8 @@ class Space:
         nvme = None
         if config.tiers.nvme is not None:
             nvme = NvmeTier(config.tiers.nvme.path, config.tiers.nvme.size)
+        if config.state_dir is not None:
+            config.state_dir.mkdir(parents=True, exist_ok=True)  # made at the first start
         shared = None
         if config.tiers.shared is not None:
             shared = open_shared_tier(config.tiers.shared, metrics,
