@@ -10,6 +10,10 @@ import http.client
 import os
 import resource
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, closing
 from pathlib import Path
@@ -112,3 +116,29 @@ def test_one_tenants_connection_flood_leaves_the_other_tenant_served(
             assert b.get(key) == data
     refused_total = scrape(tenants)['kvpool_connections_refused_total{pool="default"}']
     assert refused_total == len(refused)
+
+
+def test_once_its_socket_takes_a_connection_the_whole_agent_is_up(tmp_path: Path) -> None:
+    """The socket listens only once the metrics endpoint does, so whoever can connect (a
+    client, a start-up probe, a test counting the agent's descriptors) finds the whole
+    agent up. Before, the HTTP listener opened just after the socket did: the soak's
+    count of an idle agent's descriptors sometimes missed it, and failed at the end."""
+    agent = LocalAgent("--no-lock", workdir=tmp_path, dram="16Mi")
+    agent.proc = subprocess.Popen([sys.executable, "-m", "kvpool.agent", "agent", *agent.args],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a probe as tight as a client's retry loop can be
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(str(agent.socket_path))
+                    break
+                except OSError:
+                    pass
+            assert agent.proc.poll() is None, "the agent exited"
+            assert time.monotonic() < deadline, "the agent's socket never took a connection"
+            time.sleep(0.0002)
+        with urllib.request.urlopen(agent.metrics_url + "/healthz", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        agent.stop()

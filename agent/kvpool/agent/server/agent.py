@@ -36,6 +36,7 @@ from .space import Space
 log = logging.getLogger("kvpool.agent")
 
 HOUSEKEEPING_INTERVAL = 0.5
+LISTEN_BACKLOG = 512
 ACCEPT_BACKOFF = 0.05
 ACCEPT_BACKOFF_MAX = 1.0
 """Seconds an accept loop waits after running out of file descriptors, doubling to the max:
@@ -158,9 +159,8 @@ class Agent:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(path))
         os.chmod(path, 0o660)
-        sock.listen(512)
         sock.setblocking(False)
-        return sock
+        return sock  # bound, not listening yet: `run` listens once the agent is whole
 
     def serving(self) -> bool:
         """Ready: started, and every space accepting (none dead, none out of descriptors)."""
@@ -288,6 +288,11 @@ class Agent:
         listeners = [(space, self._bind(space)) for space in self.spaces]
         runner = await serve_http(self.config.metrics_addr, self.metrics.registry,
                                   self.serving)
+        # Only now can a client connect: one that can finds the whole agent up (its
+        # metrics endpoint too; a test that counts the agent's descriptors once its
+        # socket answers once saw the HTTP listener open after the count).
+        for _, listener in listeners:
+            listener.listen(LISTEN_BACKLOG)
         self.accepting = {i: loop.create_task(self._accept_loop(i, space, listener))
                           for i, (space, listener) in enumerate(listeners)}
         for task in self.accepting.values():
