@@ -67,19 +67,29 @@ def test_agent_runs_as_non_root_with_only_ipc_lock(pool_full: dict[str, Any]) ->
     assert "privileged" not in agent["securityContext"]
 
 
-def test_every_path_the_agent_writes_is_a_writable_mount(pool_full: dict[str, Any]) -> None:
-    """With a read-only root filesystem, each file the agent creates must be on a mount."""
-    objects = _objects(_full_with_file_store(pool_full))
+@pytest.mark.parametrize("huge_pages", [False, True], ids=["tmpfs", "huge-pages"])
+def test_every_path_the_agent_writes_is_a_writable_mount(
+    pool_full: dict[str, Any], huge_pages: bool
+) -> None:
+    """With a read-only root filesystem, each file the agent creates must be on a mount;
+    and with the arena on hugetlbfs, which takes no write(2), the files written beside it
+    (journal, lock, store record) are on another mount."""
+    body = _full_with_file_store(pool_full)
+    body["spec"]["tiers"]["dram"]["hugePages"] = huge_pages
+    objects = _objects(body)
     cfg = AgentConfig.model_validate(yaml.safe_load(objects["ConfigMap"]["data"]["agent.yaml"]))
     (agent,) = objects["DaemonSet"]["spec"]["template"]["spec"]["containers"]
     writable = [
         PurePosixPath(m["mountPath"]) for m in agent["volumeMounts"] if not m.get("readOnly")
     ]
     assert cfg.tiers.nvme is not None and cfg.tiers.shared is not None
+    assert cfg.tiers.dram.huge_pages is huge_pages
     written = {
         "socket": PurePosixPath(cfg.socket_path).parent,
         "arena": PurePosixPath(cfg.arena_path()).parent,
         "journal": PurePosixPath(cfg.journal_path()).parent,
+        "lock": PurePosixPath(cfg.lock_path()).parent,
+        "store record": PurePosixPath(cfg.stores_path()).parent,
         "nvme": PurePosixPath(cfg.tiers.nvme.path),
         "state": PurePosixPath(str(cfg.state_dir)),
         "shared": PurePosixPath("/mnt/lustre/kv"),
@@ -87,6 +97,8 @@ def test_every_path_the_agent_writes_is_a_writable_mount(pool_full: dict[str, An
     }
     for what, path in written.items():
         assert any(path == m or m in path.parents for m in writable), f"{what}: {path}"
+    beside_arena = {written["journal"], written["lock"], written["store record"]}
+    assert (written["arena"] in beside_arena) is not huge_pages
     read_only = [m["mountPath"] for m in agent["volumeMounts"] if m.get("readOnly")]
     assert read_only == ["/etc/kvpool"]
 

@@ -140,6 +140,16 @@ def test_huge_pages_request_hugepages_and_use_hugetlbfs(pool_minimal: dict) -> N
     assert pod["containers"][0]["resources"]["limits"]["hugepages-2Mi"] == "8Gi"
     dram = next(v for v in pod["volumes"] if v["name"] == "dram")
     assert dram["hostPath"]["path"] == "/dev/hugepages/kvpool/default.small"
+    # hugetlbfs takes no write(2): the journal is on the host's tmpfs, as long-lived.
+    journal = next(v for v in pod["volumes"] if v["name"] == "journal")
+    assert journal["hostPath"] == {"path": "/dev/shm/kvpool/default.small",
+                                   "type": "DirectoryOrCreate"}
+    cfg = AgentConfig.model_validate(
+        yaml.safe_load(_by_kind(objects)["ConfigMap"]["data"]["agent.yaml"]))
+    assert str(cfg.tiers.dram.journal_dir) == render.JOURNAL_MOUNT
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["journal"] == render.JOURNAL_MOUNT
+    assert render.JOURNAL_MOUNT in pod["initContainers"][0]["command"]  # the agent's UID
 
 
 def test_the_agent_keeps_its_state_in_a_host_dir_on_disk_that_its_config_names(

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .claim import lock_path
 from .config import AgentConfig
 
 
@@ -41,7 +40,7 @@ def space_files(config: AgentConfig) -> list[SpaceFiles]:
     """The socket, arena, journal, lock file and store record of every space `config`
     describes."""
     return [SpaceFiles(tenant, cfg.socket_path, cfg.arena_path(), cfg.journal_path(),
-                       lock_path(cfg.arena_path()), cfg.stores_path())
+                       cfg.lock_path(), cfg.stores_path())
             for tenant, cfg in config.spaces()]
 
 

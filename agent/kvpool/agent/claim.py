@@ -2,7 +2,7 @@
 
 A space's arena, commit journal and socket are claimed before the agent reads, resizes or
 rewrites any of them. The arena and journal are claimed by an exclusive `flock` on a lock
-file beside the arena (the arena's own fd cannot carry the lock: clients hold its open
+file beside the journal (the arena's own fd cannot carry the lock: clients hold its open
 file description through SCM_RIGHTS, so a lock on it would outlive a dead agent and
 refuse its restart). The kernel drops the lock when the holding process dies, so a
 SIGKILLed agent's restart is never refused. The socket is claimed by asking it: a socket
@@ -19,17 +19,12 @@ from pathlib import Path
 from .config import ConfigError
 
 
-def lock_path(arena: Path) -> Path:
-    """The lock file of an arena and its journal: beside them, on the same tmpfs."""
-    return arena.with_suffix(".lock")
-
-
 class SpaceClaim:
-    """Held for as long as the agent serves the space; `release` (or exit) ends it."""
+    """Held for as long as the agent serves the space; `release` (or exit) ends it.
+    `path`: the lock file of the arena at `arena` (`AgentConfig.lock_path`)."""
 
-    def __init__(self, arena: Path, socket_path: Path) -> None:
+    def __init__(self, path: Path, arena: Path, socket_path: Path) -> None:
         refuse_if_served(socket_path)
-        path = lock_path(arena)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

@@ -221,6 +221,12 @@ class DramTier(Model):
     )
     huge_pages: bool = Field(False, description="The arena path is on hugetlbfs.")
     lock: bool = Field(True, description="mlock the arena (needs IPC_LOCK); failure is reported.")
+    journal_dir: Path | None = Field(
+        None,
+        description="Directory on a tmpfs for the arena's commit journal, lock file and "
+        "record of shared stores, which live as long as the arena. Default: beside the "
+        "arena; for an arena on hugetlbfs (which refuses write(2)) /dev/shm.",
+    )
 
 
 class NvmeTier(Model):
@@ -474,14 +480,31 @@ class AgentConfig(Model):
         safe_pool = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.pool)
         return Path("/dev/shm") / f"kvpool-{safe_pool}-{digest}.arena"
 
+    def _with_arena(self, suffix: str) -> Path:
+        """A file that lives as long as the arena: beside it on its tmpfs, or in
+        `journalDir`. hugetlbfs takes no write(2), so beside an arena there the files go to
+        /dev/shm (the same lifetime: the node's), named after the arena's path."""
+        arena = self.arena_path()
+        dram = self.tiers.dram
+        if dram.journal_dir is not None:
+            return dram.journal_dir / arena.with_suffix(suffix).name
+        if dram.huge_pages:
+            digest = hashlib.sha256(str(arena.absolute()).encode()).hexdigest()[:12]
+            return Path("/dev/shm") / f"kvpool-{arena.stem}-{digest}{suffix}"
+        return arena.with_suffix(suffix)
+
     def journal_path(self) -> Path:
-        """The DRAM commit journal lives beside the arena (same tmpfs, same lifetime)."""
-        return self.arena_path().with_suffix(".journal")
+        """The DRAM commit journal (`_with_arena`)."""
+        return self._with_arena(".journal")
+
+    def lock_path(self) -> Path:
+        """The lock file of the arena and its journal (`claim`; `_with_arena`)."""
+        return self._with_arena(".lock")
 
     def stores_path(self) -> Path:
-        """The record of the `file://` shared stores this agent has used (`seenstores`):
-        beside the arena and the journal, with their lifetime."""
-        return self.arena_path().with_suffix(".stores")
+        """The record of the `file://` shared stores this agent has used (`seenstores`),
+        with the journal (`_with_arena`)."""
+        return self._with_arena(".stores")
 
     def stores_paths(self) -> list[Path]:
         """`stores_path`, and a copy of the record in the NVMe directory and in the state
@@ -497,9 +520,9 @@ class AgentConfig(Model):
     def spaces(self) -> list[tuple[str, AgentConfig]]:
         """(tenant, config) of every space the agent serves: one per tenant, or the pool's.
 
-        A tenant's config is the pool's with its own socket, arena, NVMe directory, shared
-        prefix and state directory (each under `tenants/<name>/`) and its share of the local
-        tiers.
+        A tenant's config is the pool's with its own socket, arena, journal directory, NVMe
+        directory, shared prefix and state directory (each under `tenants/<name>/`) and its
+        share of the local tiers.
         """
         if not self.tenants:
             return [("", self)]
@@ -514,6 +537,8 @@ class AgentConfig(Model):
             cfg.tiers.dram.size = dram_size
             if dram.path is not None:
                 cfg.tiers.dram.path = dram.path.parent / TENANTS_DIR / name / dram.path.name
+            if dram.journal_dir is not None:
+                cfg.tiers.dram.journal_dir = dram.journal_dir / TENANTS_DIR / name
             # else: the default arena is named after the socket path, the tenant's own
             if cfg.tiers.nvme is not None:
                 cfg.tiers.nvme.path = cfg.tiers.nvme.path / TENANTS_DIR / name

@@ -25,7 +25,8 @@ class LocalAgent:
     """`kvpool agent` as a child process with its socket, arena and metrics in a temp dir."""
 
     def __init__(self, *args: str, workdir: Path | None = None, dram: str = "64Mi",
-                 start_timeout: float = 30.0, log_path: Path | None = None) -> None:
+                 start_timeout: float = 30.0, log_path: Path | None = None,
+                 arena: Path | None = None) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvpool-")
         self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.socket_path = self.workdir / "agent.sock"
@@ -34,7 +35,7 @@ class LocalAgent:
         # arena, or one's start truncates the file the other has mapped (SIGBUS, or its
         # chunks zeroed). The same workdir still finds its arena again (warm restarts).
         digest = hashlib.sha256(str(self.workdir.resolve()).encode()).hexdigest()[:12]
-        self.arena_path = Path("/dev/shm") / f"kvpool-{self.workdir.name}-{digest}.arena"
+        self.arena_path = arena or Path("/dev/shm") / f"kvpool-{self.workdir.name}-{digest}.arena"
         self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
         self.log_path = log_path or self.workdir / "agent.log"

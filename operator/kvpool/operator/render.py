@@ -10,6 +10,7 @@ Layout on a node, for pool `<ns>/<name>`:
 |---|---|---|
 | socket | `<socketDir>/<ns>.<name>/agent.sock` | same path |
 | DRAM arena | `/dev/shm/kvpool/<ns>.<name>/` (or `/dev/hugepages/...`) | `/var/lib/kvpool/dram/` |
+| its journal, on huge pages | `/dev/shm/kvpool/<ns>.<name>/` | `/var/lib/kvpool/journal/` |
 | NVMe chunks | `<nvme.hostPath>/<ns>.<name>/` | `/var/lib/kvpool/nvme/` |
 | agent state | `/var/lib/kvpool/state/<ns>.<name>/` | `/var/lib/kvpool/state/` |
 | config | ConfigMap `kvpool-<name>` | `/etc/kvpool/` |
@@ -53,6 +54,9 @@ CONFIG_DIR = "/etc/kvpool"
 AGENT_CONFIG_KEY = "agent.yaml"
 POLICY_KEY = "policy.yaml"
 DRAM_MOUNT = "/var/lib/kvpool/dram"
+JOURNAL_MOUNT = "/var/lib/kvpool/journal"
+"""Where an arena on huge pages keeps its journal, lock file and store record: hugetlbfs
+takes no write(2), so they are on the host's tmpfs (`_journal_host_dir`)."""
 NVME_MOUNT = "/var/lib/kvpool/nvme"
 STATE_MOUNT = "/var/lib/kvpool/state"
 STATE_HOST_DIR = "/var/lib/kvpool/state"
@@ -269,6 +273,14 @@ def _dram_host_dir(pool: api.KVCachePool) -> str:
     return f"{base}/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
 
 
+def _journal_host_dir(pool: api.KVCachePool) -> str | None:
+    """The host's tmpfs directory for the journal of an arena on huge pages (None: the
+    journal is beside the arena, on the same tmpfs). The same lifetime as the arena."""
+    if not _dram(pool).huge_pages:
+        return None
+    return f"/dev/shm/kvpool/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
+
+
 def _shared_file_path(shared: api.SharedSpec | None) -> str | None:
     if shared is not None and shared.url.startswith("file://"):
         return shared.url[len("file://") :].rstrip("/") or "/"
@@ -287,6 +299,7 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
             path=Path(DRAM_MOUNT) / "arena",
             huge_pages=dram.huge_pages,
             lock=dram.locked,
+            **({"journal_dir": Path(JOURNAL_MOUNT)} if dram.huge_pages else {}),
         )
     }
     if nvme is not None:
@@ -488,6 +501,10 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         {"name": "dram", "mountPath": DRAM_MOUNT},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    journal_host = _journal_host_dir(pool)
+    if journal_host is not None:
+        volumes.append(_host_dir("journal", journal_host))
+        mounts.append({"name": "journal", "mountPath": JOURNAL_MOUNT})
     if spec.tiers.nvme is not None:
         host = f"{spec.tiers.nvme.host_path.rstrip('/')}/{names.pool_id}"
         volumes.append(_host_dir("nvme", host))
@@ -496,7 +513,9 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
     mounts.append({"name": "state", "mountPath": STATE_MOUNT})
     # The per-pool host directories the agent writes (the shared file:// mount is the
     # user's to prepare: it spans nodes and often squashes root).
-    writable_host = [dict(m) for m in mounts if m["name"] in ("socket", "dram", "nvme", "state")]
+    writable_host = [
+        dict(m) for m in mounts if m["name"] in ("socket", "dram", "journal", "nvme", "state")
+    ]
     shared_path = _shared_file_path(spec.tiers.shared)
     if shared_path is not None:
         volumes.append(_host_dir("shared", shared_path, "Directory"))

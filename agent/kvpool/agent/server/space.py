@@ -28,7 +28,8 @@ class Space:
         """The tenant this space serves; "" for the one space of a pool without tenants."""
         self.config = config
         dram_cfg = config.tiers.dram
-        self.claim = SpaceClaim(config.arena_path(), config.socket_path)  # before touching any
+        # Before touching any of the space's files.
+        self.claim = SpaceClaim(config.lock_path(), config.arena_path(), config.socket_path)
         self.arena = Arena(config.arena_path(), dram_cfg.size, lock=dram_cfg.lock,
                            huge_pages=dram_cfg.huge_pages)
         nvme = None

@@ -1,0 +1,101 @@
+"""An arena on hugetlbfs (`hugePages`), on real huge pages and a real hugetlbfs mount (tests
+run as root, here and in CI). hugetlbfs maps files but takes no write(2), so the arena's
+journal, lock file and store record live on a tmpfs instead: `journalDir`, by default
+/dev/shm. Before, the agent could not start on such an arena at all ("Invalid argument":
+its lock file was written beside the arena)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import AgentConfig
+from kvpool.bench.local import LocalAgent
+
+HUGE_PAGES = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
+ARENA_PAGES = 8  # a 16 MiB arena of 2 MiB pages
+
+
+def _free_pages() -> int:
+    return int((HUGE_PAGES / "free_hugepages").read_text())
+
+
+@pytest.fixture
+def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs mount of 2 MiB pages with room for one arena: the pages are reserved
+    for the test and given back after it."""
+    reserved = HUGE_PAGES / "nr_hugepages"
+    before = int(reserved.read_text())
+    try:
+        if _free_pages() < ARENA_PAGES:
+            reserved.write_text(str(before + ARENA_PAGES - _free_pages()))
+    except OSError as e:
+        pytest.fail(f"this test needs 2 MiB huge pages (run it as root): {e}")
+    mount = tmp_path / "hugepages"
+    mount.mkdir()
+    try:
+        assert _free_pages() >= ARENA_PAGES, "the kernel could not reserve the huge pages"
+        done = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none",
+                               str(mount)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"this test needs a hugetlbfs mount (run it as root): {done.stderr}")
+        try:
+            yield mount
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+    finally:
+        reserved.write_text(str(before))
+
+
+def _agent(tmp_path: Path, arena: Path, journal_dir: Path | None) -> LocalAgent:
+    dram: dict[str, object] = {"hugePages": True}
+    if journal_dir is not None:
+        dram["journalDir"] = str(journal_dir)
+    config = tmp_path / "agent.yaml"
+    config.write_text(yaml.safe_dump({"pool": "huge", "tiers": {"dram": dram}}))
+    return LocalAgent("--no-lock", "--config", str(config), workdir=tmp_path, dram="16Mi",
+                      arena=arena)
+
+
+@pytest.mark.parametrize("journal_dir", [None, "journal"], ids=["in-dev-shm", "journalDir"])
+def test_an_arena_on_hugetlbfs_serves_restarts_warm_and_is_cleaned_up(
+        tmp_path: Path, hugetlbfs: Path, journal_dir: str | None) -> None:
+    arena = hugetlbfs / "arena"
+    journals = tmp_path / journal_dir if journal_dir else None
+    cfg = AgentConfig.model_validate({"pool": "huge", "tiers": {"dram": {
+        "path": str(arena), "hugePages": True,
+        **({"journalDir": str(journals)} if journals else {})}}})
+    side = [cfg.journal_path(), cfg.lock_path()]
+    assert all(p.parent == (journals or Path("/dev/shm")) for p in side)
+    keys = [os.urandom(16) for _ in range(12)]
+    agent = _agent(tmp_path, arena, journals)
+    try:
+        with agent:
+            for mode in ("zero_copy", "inline"):
+                with KVPoolClient(agent.socket_path, mode=mode) as c:
+                    for k in keys[:6] if mode == "zero_copy" else keys[6:]:
+                        assert c.put(k, k * 4096)
+            assert os.listdir(hugetlbfs) == ["arena"]  # nothing else is written there
+            assert all(p.exists() for p in side)
+            agent.stop(remove_arena=False)
+            agent.start()  # a warm restart: the journal finds every chunk in the arena
+            with KVPoolClient(agent.socket_path) as c:
+                assert [c.get(k) == k * 4096 for k in keys] == [True] * len(keys)
+            agent.stop(remove_arena=False)
+        out = subprocess.run([sys.executable, "-m", "kvpool.agent", "cleanup", "--config",
+                              str(tmp_path / "agent.yaml"), "--socket", str(agent.socket_path),
+                              "--arena", str(arena)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert not arena.exists() and not any(p.exists() for p in side), out.stdout
+    finally:
+        agent.stop()
+        for p in side:
+            p.unlink(missing_ok=True)
