@@ -101,6 +101,26 @@ def test_the_stores_record_is_kept_on_tmpfs_and_in_each_dir_that_outlives_a_rebo
     assert AgentConfig().stores_paths() == [AgentConfig().arena_path().with_suffix(".stores")]
 
 
+def test_an_arena_on_hugetlbfs_keeps_its_journal_lock_and_record_on_a_tmpfs() -> None:
+    """hugetlbfs takes no write(2): the files that live as long as the arena go to
+    `journalDir` (a tenant's under `tenants/<name>/`), by default /dev/shm named after the
+    arena's path; on a tmpfs arena they stay beside it."""
+    cfg = _tenanted("[{name: a}, {name: b}]")
+    cfg.tiers.dram.huge_pages = True
+    side = [cfg.journal_path(), cfg.lock_path(), cfg.stores_path()]
+    assert [p.suffix for p in side] == [".journal", ".lock", ".stores"]
+    assert all(p.parent == Path("/dev/shm") and p.stem.startswith("kvpool-arena-")
+               for p in side)
+    a, b = (space for _, space in cfg.spaces())
+    assert a.journal_path() != b.journal_path() != cfg.journal_path()
+    cfg.tiers.dram.journal_dir = Path("/var/lib/kvpool/journal")
+    assert cfg.lock_path() == Path("/var/lib/kvpool/journal/arena.lock")
+    a, _ = (space for _, space in cfg.spaces())
+    assert a.journal_path() == Path("/var/lib/kvpool/journal/tenants/a/arena.journal")
+    cfg.tiers.dram.journal_dir, cfg.tiers.dram.huge_pages = None, False
+    assert cfg.lock_path() == cfg.arena_path().with_suffix(".lock")
+
+
 def test_a_pool_without_tenants_is_one_space() -> None:
     cfg = AgentConfig()
     assert cfg.spaces() == [("", cfg)]

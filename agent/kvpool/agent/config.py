@@ -537,9 +537,9 @@ class AgentConfig(Model):
             cfg.tiers.dram.size = dram_size
             if dram.path is not None:
                 cfg.tiers.dram.path = dram.path.parent / TENANTS_DIR / name / dram.path.name
+            # else: the default arena is named after the socket path, the tenant's own
             if dram.journal_dir is not None:
                 cfg.tiers.dram.journal_dir = dram.journal_dir / TENANTS_DIR / name
-            # else: the default arena is named after the socket path, the tenant's own
             if cfg.tiers.nvme is not None:
                 cfg.tiers.nvme.path = cfg.tiers.nvme.path / TENANTS_DIR / name
                 cfg.tiers.nvme.size = nvme_size
