@@ -187,7 +187,7 @@ def _nvme_index(n: int) -> dict[str, float]:
         for key in keys:  # ChunkStore.lookup's step for a key NVMe holds (`Demotion.hit`)
             slot = index.table.find(key)
             seq += 1
-            index.hit(slot, seq, 0, now)
+            index.facts.hit(slot, seq, 0, now)
             queue.touched_slot(slot, 0)
         best = min(best, time.perf_counter() - t0)
     return {"bytes_per_chunk": round(grown / n, 1), "fill_per_second": round(n / fill_s, 1),

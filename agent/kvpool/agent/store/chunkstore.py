@@ -186,7 +186,7 @@ class ChunkStore:
     def _hit_dram(self, slot: int, seq: int, depth: int, now: float) -> None:
         """A DRAM chunk hit by LOOKUP `seq` at `depth`, by its slot: LOOKUP's hot path, no
         view made (`Demotion.hit` for NVMe's)."""
-        self.dram.hit(slot, seq, depth, now)
+        self.dram.facts.hit(slot, seq, depth, now)
         self.dram_queue.touched_slot(slot, depth)
 
     def _touch_read(self, chunk: DramChunk) -> None:

@@ -126,7 +126,7 @@ class Demotion:
         slot = self.nvme.index.table.find(key)
         if slot < 0:
             return key in self.inflight
-        self.nvme.index.hit(slot, seq, depth, now)
+        self.nvme.index.facts.hit(slot, seq, depth, now)  # on the event loop
         self.queue.touched_slot(slot, depth)
         return True
 

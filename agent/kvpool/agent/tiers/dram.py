@@ -19,15 +19,18 @@ from ..keytable import KeyTable, NameIds
 from ..lookupindex import SharedIndex
 from ..policy import Entry
 from ..protocol import Extents, checksum
+from .facts import FactRows, SlotFacts
 
 
-class DramChunk:
+class DramChunk(SlotFacts):
     """One DRAM chunk: a view of its slot in the tier's arrays (made on demand, two words).
 
     Valid while the slot is taken: while the chunk is visible, read (hidden), or being
-    demoted (detached, until `DramTier.release`). Its facts are `policy.Entry`'s."""
+    demoted (detached, until `DramTier.release`). Its facts are `policy.Entry`'s
+    (`SlotFacts`)."""
 
     __slots__ = ("_t", "slot")
+    _t: DramTier
 
     def __init__(self, tier: DramTier, slot: int) -> None:
         self._t = tier
@@ -74,38 +77,6 @@ class DramChunk:
     def hidden(self) -> bool:
         """Deleted or evicted while read: invisible, freed when the last reader releases."""
         return self._t._state[self.slot] == _HIDDEN
-
-    @property
-    def hits(self) -> int:
-        return self._t._hits[self.slot]
-
-    @hits.setter
-    def hits(self, n: int) -> None:
-        self._t._hits[self.slot] = n
-
-    @property
-    def last_seq(self) -> int:
-        return self._t._seq[self.slot]
-
-    @last_seq.setter
-    def last_seq(self, seq: int) -> None:
-        self._t._seq[self.slot] = seq
-
-    @property
-    def depth(self) -> int:
-        return self._t._depth[self.slot]
-
-    @depth.setter
-    def depth(self, depth: int) -> None:
-        self._t._depth[self.slot] = depth
-
-    @property
-    def last_access(self) -> float:
-        return self._t._access[self.slot]
-
-    @last_access.setter
-    def last_access(self, t: float) -> None:
-        self._t._access[self.slot] = t
 
 
 @dataclass(slots=True)
@@ -165,10 +136,7 @@ class DramTier:
         self._tenant = array("I")
         self._tenants = NameIds()
         self._readers = array("i")
-        self._hits = array("q")
-        self._seq = array("q")
-        self._depth = array("i")
-        self._access = array("d")
+        self.facts = FactRows()
         self._state = array("B")
 
     # -- capacity
@@ -194,12 +162,6 @@ class DramTier:
 
     def __contains__(self, key: bytes) -> bool:
         return self.index.find(key) >= 0
-
-    def hit(self, slot: int, seq: int, depth: int, now: float) -> None:
-        """The chunk in `slot` was hit by request `seq` at `depth` of its prefix, at
-        wall-clock time `now` (LOOKUP's path: no view of the chunk is made)."""
-        self._hits[slot] += 1
-        self._seq[slot], self._depth[slot], self._access[slot] = seq, depth, now
 
     def __iter__(self) -> Iterator[bytes]:
         """The visible chunks' keys, in no particular order."""
@@ -232,7 +194,7 @@ class DramTier:
     def journal_entries(self) -> Iterator[JournalEntry]:
         """The commit journal's view of the visible chunks (what a compaction keeps), least
         recently used first: a restart admits them in this order."""
-        for slot in sorted(self.index.live_slots(), key=self._seq.__getitem__):
+        for slot in sorted(self.index.live_slots(), key=self.facts.seq.__getitem__):
             c = DramChunk(self, slot)
             yield JournalEntry(c.key, c.extents, c.size, c.checksum, c.meta, c.tenant,
                                c.checksum_kind)
@@ -268,8 +230,7 @@ class DramTier:
         self._checksum[slot], self._kind[slot] = checksum, checksum_kind
         self._meta[slot], self._tenant[slot] = meta, tenant_id
         self._readers[slot] = 0
-        self._hits[slot], self._seq[slot], self._depth[slot] = hits, seq, depth
-        self._access[slot] = now
+        self.facts.set(slot, hits, seq, depth, now)
         self._state[slot] = _LIVE
         if offset < 0:
             self._spread[slot] = tuple(extents)
@@ -281,9 +242,9 @@ class DramTier:
 
     def _add_row(self) -> None:
         for column in (self._offset, self._size, self._checksum, self._kind, self._tenant,
-                       self._readers, self._hits, self._seq, self._depth, self._state):
+                       self._readers, self._state):
             column.append(0)
-        self._access.append(0.0)
+        self.facts.add_row()
         self._meta.append(b"")
 
     def remove(self, key: bytes) -> DramChunk | None:

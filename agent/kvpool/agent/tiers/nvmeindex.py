@@ -29,23 +29,26 @@ from ..config import EvictionOrder
 from ..eviction import EvictionQueue, new_queue
 from ..keytable import KeyTable, NameIds
 from ..policy import Entry
+from .facts import FactRows, SlotFacts
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
 
-class NvmeChunk:
-    """One NVMe chunk: a view of its slot's row (made on demand, three words).
+class NvmeChunk(SlotFacts):
+    """One NVMe chunk: a view of its slot's row (made on demand, three words); its
+    `policy.Entry` facts are `SlotFacts`.
 
     Two views are equal when they are of one slot and one write of it: a view taken
     before a rewrite, a delete or an eviction of its key equals no view taken after
     (read-ahead copies are kept only while the chunk they were read from is there)."""
 
-    __slots__ = ("_i", "slot", "stamp")
+    __slots__ = ("_t", "slot", "stamp")
+    _t: NvmeIndex
 
     def __init__(self, index: NvmeIndex, slot: int) -> None:
-        self._i = index
+        self._t = index
         self.slot = slot
         self.stamp = index._stamp[slot]
 
@@ -53,7 +56,7 @@ class NvmeChunk:
         return f"NvmeChunk({self.key.hex()}, slot={self.slot})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, NvmeChunk) and other._i is self._i
+        return (isinstance(other, NvmeChunk) and other._t is self._t
                 and other.slot == self.slot and other.stamp == self.stamp)
 
     def __hash__(self) -> int:
@@ -61,48 +64,16 @@ class NvmeChunk:
 
     @property
     def key(self) -> bytes:
-        return self._i.table.key_at(self.slot)
+        return self._t.table.key_at(self.slot)
 
     @property
     def size(self) -> int:
         """Bytes the file takes (header + chunk)."""
-        return self._i._size[self.slot]
+        return self._t._size[self.slot]
 
     @property
     def tenant(self) -> str:
-        return self._i._tenants.names[self._i._tenant[self.slot]]
-
-    @property
-    def hits(self) -> int:
-        return self._i._hits[self.slot]
-
-    @hits.setter
-    def hits(self, n: int) -> None:
-        self._i._hits[self.slot] = n
-
-    @property
-    def last_seq(self) -> int:
-        return self._i._seq[self.slot]
-
-    @last_seq.setter
-    def last_seq(self, seq: int) -> None:
-        self._i._seq[self.slot] = seq
-
-    @property
-    def depth(self) -> int:
-        return self._i._depth[self.slot]
-
-    @depth.setter
-    def depth(self, depth: int) -> None:
-        self._i._depth[self.slot] = depth
-
-    @property
-    def last_access(self) -> float:
-        return self._i._access[self.slot]
-
-    @last_access.setter
-    def last_access(self, t: float) -> None:
-        self._i._access[self.slot] = t
+        return self._t._tenants.names[self._t._tenant[self.slot]]
 
 
 class NvmeIndex:
@@ -115,10 +86,7 @@ class NvmeIndex:
         self._size = array("q")
         self._tenant = array("I")
         self._tenants = NameIds()
-        self._hits = array("q")
-        self._seq = array("q")
-        self._depth = array("i")
-        self._access = array("d")
+        self.facts = FactRows()
         self._stamp = array("Q")
         """The write a slot's facts come from (one count for the index): tells views apart."""
         self._writes = 0
@@ -172,14 +140,8 @@ class NvmeIndex:
 
         cells = np.array(self.table.cells, dtype=np.int64)
         live = cells[cells > 0] - 1
-        values = np.array(self._access if fact == "last_access" else self._seq)
+        values = np.array(self.facts.access if fact == "last_access" else self.facts.seq)
         return live[np.argsort(values[live], kind="stable")]
-
-    def hit(self, slot: int, seq: int, depth: int, now: float) -> None:
-        """The chunk in `slot` was hit by request `seq` at `depth` of its prefix, at
-        wall-clock time `now` (on the event loop; LOOKUP's path: no view is made)."""
-        self._hits[slot] += 1
-        self._seq[slot], self._depth[slot], self._access[slot] = seq, depth, now
 
     # -- writes (the caller holds the tier's lock)
 
@@ -202,8 +164,7 @@ class NvmeIndex:
         tenant_id = self._tenants.id_of(tenant)
         # The row is whole before the key is findable (a reader in another thread).
         self._size[slot], self._tenant[slot] = size, tenant_id
-        self._hits[slot] = self._seq[slot] = self._depth[slot] = 0
-        self._access[slot] = now
+        self.facts.set(slot, 0, 0, 0, now)
         self._writes += 1
         self._stamp[slot] = self._writes
         if fresh:
@@ -211,10 +172,9 @@ class NvmeIndex:
         return old
 
     def _add_row(self) -> None:
-        for column in (self._size, self._tenant, self._hits, self._seq, self._depth,
-                       self._stamp, self._queued):
+        for column in (self._size, self._tenant, self._stamp, self._queued):
             column.append(0)
-        self._access.append(0.0)
+        self.facts.add_row()
 
     def unindex(self, key: bytes) -> int:
         """Take a key out of the index; the bytes its file takes, -1 if it was not there.
