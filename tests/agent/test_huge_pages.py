@@ -32,11 +32,11 @@ def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
     """A hugetlbfs mount of 2 MiB pages with room for one arena: the pages are reserved
     for the test and given back after it."""
     reserved = HUGE_PAGES / "nr_hugepages"
-    before = int(reserved.read_text())
     try:
+        before = int(reserved.read_text())
         if _free_pages() < ARENA_PAGES:
             reserved.write_text(str(before + ARENA_PAGES - _free_pages()))
-    except OSError as e:
+    except OSError as e:  # no 2 MiB pages in this kernel, or sysfs not writable
         pytest.fail(f"this test needs 2 MiB huge pages (run it as root): {e}")
     mount = tmp_path / "hugepages"
     mount.mkdir()
