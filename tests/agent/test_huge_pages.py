@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.config import AgentConfig
+from kvpool.agent.config import load_agent_config
 from kvpool.bench.local import LocalAgent
 
 HUGE_PAGES = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
@@ -55,7 +55,7 @@ def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def _agent(tmp_path: Path, arena: Path, journal_dir: Path | None) -> LocalAgent:
-    dram: dict[str, object] = {"hugePages": True}
+    dram: dict[str, object] = {"path": str(arena), "hugePages": True}
     if journal_dir is not None:
         dram["journalDir"] = str(journal_dir)
     config = tmp_path / "agent.yaml"
@@ -69,13 +69,11 @@ def test_an_arena_on_hugetlbfs_serves_restarts_warm_and_is_cleaned_up(
         tmp_path: Path, hugetlbfs: Path, journal_dir: str | None) -> None:
     arena = hugetlbfs / "arena"
     journals = tmp_path / journal_dir if journal_dir else None
-    cfg = AgentConfig.model_validate({"pool": "huge", "tiers": {"dram": {
-        "path": str(arena), "hugePages": True,
-        **({"journalDir": str(journals)} if journals else {})}}})
+    agent = _agent(tmp_path, arena, journals)
+    cfg = load_agent_config(tmp_path / "agent.yaml")  # what the agent runs with
     side = [cfg.journal_path(), cfg.lock_path()]
     assert all(p.parent == (journals or Path("/dev/shm")) for p in side)
     keys = [os.urandom(16) for _ in range(12)]
-    agent = _agent(tmp_path, arena, journals)
     try:
         with agent:
             for mode in ("zero_copy", "inline"):

@@ -113,6 +113,19 @@ def queue(c: KVPoolClient) -> dict[str, int]:
     return q
 
 
+def restart_with_the_mount_gone(stack: ExitStack, a: LocalAgent, mount_point: Path,
+                                store_id: str) -> KVPoolClient:
+    """Unmount the store and start the stopped agent `a` again: its shared tier must know
+    the empty mount point for its absent store `store_id`. A client of the agent."""
+    subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
+    a.start()
+    c = stack.enter_context(KVPoolClient(a.socket_path))
+    assert not shared(c)["healthy"]
+    reason = str(shared(c)["reason"])
+    assert "the mount looks absent" in reason and store_id in reason, reason
+    return c
+
+
 def test_an_agent_started_while_the_mount_is_absent_knows_its_store_and_waits_for_it(
         tmp_path: Path) -> None:
     """An agent that has used the store restarts while the mount is gone: it does not take
@@ -131,12 +144,7 @@ def test_an_agent_started_while_the_mount_is_absent_knows_its_store_and_waits_fo
             wait_until(lambda: queue(c)["written"] == 1, "the upload")
         a.stop(remove_arena=False)  # what a restart keeps: arena, journal, the stores seen
 
-        subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
-        a.start()
-        c = stack.enter_context(KVPoolClient(a.socket_path))
-        assert not shared(c)["healthy"]
-        reason = str(shared(c)["reason"])
-        assert "the mount looks absent" in reason and store_id in reason, reason
+        c = restart_with_the_mount_gone(stack, a, mount_point, store_id)
         assert c.delete(key)  # kept in DRAM by the warm restart; the store's copy waits
         assert c.put(other, data_of(other))
         wait_until(lambda: queue(c)["dropped"] == 1, "the write to be dropped")
@@ -205,12 +213,7 @@ def test_an_agent_with_a_state_dir_knows_its_store_after_a_reboot_emptied_its_tm
         tmpfs_record = a.arena_path.with_suffix(".stores")
         assert not tmpfs_record.exists()
 
-        subprocess.run(["umount", str(mount_point)], check=True, capture_output=True)
-        a.start()
-        c = stack.enter_context(KVPoolClient(a.socket_path))
-        assert not shared(c)["healthy"]
-        reason = str(shared(c)["reason"])
-        assert "the mount looks absent" in reason and store_id in reason, reason
+        c = restart_with_the_mount_gone(stack, a, mount_point, store_id)
         assert c.put(key, data_of(key))  # DRAM takes it; the store's write is refused
         wait_until(lambda: queue(c)["dropped"] == 1, "the write to be dropped")
         assert not any(mount_point.iterdir())  # no marker, no chunk in the mount point

@@ -268,17 +268,21 @@ def _dram(pool: api.KVCachePool) -> api.DramSpec:
     return pool.spec.tiers.effective_dram()
 
 
+def _tmpfs_host_dir(pool: api.KVCachePool) -> str:
+    """The pool's directory on the host's tmpfs."""
+    return f"/dev/shm/kvpool/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
+
+
 def _dram_host_dir(pool: api.KVCachePool) -> str:
-    base = "/dev/hugepages/kvpool" if _dram(pool).huge_pages else "/dev/shm/kvpool"
-    return f"{base}/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
+    if _dram(pool).huge_pages:
+        return f"/dev/hugepages/kvpool/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
+    return _tmpfs_host_dir(pool)
 
 
 def _journal_host_dir(pool: api.KVCachePool) -> str | None:
     """The host's tmpfs directory for the journal of an arena on huge pages (None: the
     journal is beside the arena, on the same tmpfs). The same lifetime as the arena."""
-    if not _dram(pool).huge_pages:
-        return None
-    return f"/dev/shm/kvpool/{api.pool_id(pool.metadata.namespace, pool.metadata.name)}"
+    return _tmpfs_host_dir(pool) if _dram(pool).huge_pages else None
 
 
 def _shared_file_path(shared: api.SharedSpec | None) -> str | None:
