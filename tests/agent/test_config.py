@@ -144,3 +144,33 @@ def test_bad_tenants_are_named(tmp_path: Path, tenants: str, error: str) -> None
 def test_tenant_nvme_size_needs_an_nvme_tier() -> None:
     with pytest.raises(ValueError, match="a tenant has an nvme size but the pool has no NVMe"):
         AgentConfig.model_validate({"tenants": [{"name": "a", "nvme": "1Gi"}]})
+
+
+def test_peers_are_off_by_default_and_need_the_pools_secret_when_on(tmp_path: Path) -> None:
+    assert AgentConfig().peers.enabled is False
+    f = tmp_path / "agent.yaml"
+    f.write_text("peers:\n  enabled: true\n")
+    with pytest.raises(ConfigError, match=r"peers: .*secretFile is required"):
+        load_agent_config(f)
+    f.write_text("peers:\n  enabled: true\n  secretFile: /etc/kvpool/peers/secret\n"
+                 "  addresses: ['10.0.0.2:9410', '[fd00::3]:9410']\n  timeout: 100ms\n"
+                 "  discovery: kvpool-p-peers.ns.svc\n"
+                 "  tls: {certFile: /t/tls.crt, keyFile: /t/tls.key, caFile: /t/ca.crt}\n")
+    cfg = load_agent_config(f)
+    assert cfg.peers.port == 9410 and cfg.peers.timeout == 0.1 and cfg.peers.connections == 4
+    assert cfg.peers.tls is not None and cfg.peers.tls.ca_file == Path("/t/ca.crt")
+    assert AgentConfig.model_validate(cfg.to_wire()) == cfg
+
+
+@pytest.mark.parametrize(("peers", "error"), [
+    ("{port: 80}", r"peers\.port: .*greater than or equal to 1024"),
+    ("{addresses: ['nohost']}", r"peers\.addresses: .*addresses\[0\]: 'nohost' is not host:port"),
+    ("{connections: 0}", r"peers\.connections: "),
+    ("{timeout: 0s}", r"peers\.timeout: .*greater than zero"),
+    ("{tls: {certFile: /a}}", r"peers\.tls\.keyFile: Field required"),
+])
+def test_bad_peers_settings_are_named(tmp_path: Path, peers: str, error: str) -> None:
+    f = tmp_path / "agent.yaml"
+    f.write_text(f"peers: {peers}\n")
+    with pytest.raises(ConfigError, match=error):
+        load_agent_config(f)

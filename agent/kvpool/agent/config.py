@@ -415,6 +415,83 @@ class Events(Model):
         return self
 
 
+
+# --------------------------------------------------------------------------- peers
+
+PEER_PORT = 9410
+"""The TCP port agents serve chunks to each other on, unless the config says another."""
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` as (host, port); ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host, int(port)
+
+
+class PeerTls(Model):
+    """TLS between the agents of a pool (off unless set): each side shows a certificate
+    signed by the pool's CA and checks the other's."""
+
+    cert_file: Path = Field(description="This agent's certificate (PEM).")
+    key_file: Path = Field(description="Its private key (PEM).")
+    ca_file: Path = Field(description="The CA that signs every agent of the pool (PEM).")
+
+
+class Peers(Model):
+    """The peer tier: agents of a pool read each other's chunks over TCP (docs/cross-node.md)."""
+
+    enabled: bool = Field(False, description="Serve this agent's chunks to the pool's other "
+                          "agents and read theirs.")
+    port: int = Field(PEER_PORT, ge=1024, le=65535,
+                      description="TCP port this agent serves chunks on.")
+    address: str = Field("*", min_length=1,
+                         description="Interface to bind: `*` every one, or an address.")
+    advertise: str | None = Field(
+        None, min_length=1,
+        description="Address the other agents reach this one at (the pod IP); unset: the "
+        "bound address, or the host's name when it binds every interface.",
+    )
+    secret_file: Path | None = Field(
+        None, description="File holding the pool's shared secret, which both sides of a peer "
+        "connection prove before any chunk moves (required when enabled).",
+    )
+    discovery: str | None = Field(
+        None, min_length=1,
+        description="DNS name resolving to every agent of the pool (a headless Service), "
+        "re-resolved periodically.",
+    )
+    addresses: list[str] = Field(
+        default_factory=list, description="Static peers as host:port (tests, bare metal)."
+    )
+    timeout: Duration = Field(
+        0.25, description="Longest a peer read may take before the read falls back to the "
+        "shared tier (then a miss).",
+    )
+    connections: int = Field(4, ge=1, le=64, description="Connections kept per peer.")
+    tls: PeerTls | None = Field(None, description="TLS between agents; unset: plain TCP.")
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses_are_host_port(cls, addresses: list[str]) -> list[str]:
+        for i, a in enumerate(addresses):
+            try:
+                parse_host_port(a)
+            except ValueError as e:
+                raise ValueError(f"addresses[{i}]: {e}") from None
+        return addresses
+
+    @model_validator(mode="after")
+    def _secret_when_enabled(self) -> Self:
+        if self.enabled and self.secret_file is None:
+            raise ValueError("secretFile is required when peers are enabled: a peer "
+                             "connection is only ever made between holders of the pool's secret")
+        return self
+
+
 class AgentConfig(Model):
     """One agent process: one pool on one node."""
 
@@ -453,6 +530,8 @@ class AgentConfig(Model):
         "where the tenant a client names is used for quotas and priorities only.",
     )
     events: Events = Field(default_factory=Events, description="KV events for routers.")
+    peers: Peers = Field(default_factory=Peers,
+                         description="The peer tier: chunks read from the pool's other agents.")
 
     @model_validator(mode="after")
     def _tenants_fit(self) -> Self:
