@@ -31,6 +31,7 @@ import jsonpatch
 import kmock
 import kmock._internal.parsing as _kmock_parsing
 import kopf
+from op_support import NAMESPACE, condition
 
 from kvpool.operator import api
 from kvpool.operator.kube import Kube
@@ -38,7 +39,6 @@ from kvpool.operator.render import Settings
 from kvpool.operator.run import OperatorOptions, operate
 
 T = TypeVar("T")
-NAMESPACE = "inference"
 
 
 def _merge_patch(base: Any, patch: Any) -> Any:
@@ -358,6 +358,35 @@ class Cluster:
 
     async def pool(self, name: str) -> dict[str, Any] | None:
         return await self.get(api.API_VERSION, api.POOL_KIND, name)
+
+    async def report_agents(
+        self, daemon_set: str, desired: int, ready: int, updated: int, available: int
+    ) -> None:
+        """Write the DaemonSet's status as its controller would, having observed its
+        current generation."""
+        ds = await self.get("apps/v1", "DaemonSet", daemon_set)
+        assert ds is not None, f"no DaemonSet {daemon_set}"
+        status: dict[str, Any] = {
+            "desiredNumberScheduled": desired,
+            "numberReady": ready,
+            "updatedNumberScheduled": updated,
+            "numberAvailable": available,
+        }
+        generation = ds["metadata"].get("generation")
+        if generation is not None:
+            status["observedGeneration"] = generation
+        await self.patch("apps/v1", "DaemonSet", daemon_set, {"status": status}, "status")
+
+    async def condition_of(
+        self, pool: str, type_: str, status: str, reason: str
+    ) -> dict[str, Any]:
+        """Wait until the pool's `type_` condition has this status and reason; return it."""
+
+        async def probe() -> dict[str, Any] | None:
+            c = condition(await self.pool(pool), type_)
+            return c if (c.get("status"), c.get("reason")) == (status, reason) else None
+
+        return await self.eventually(probe, f"{pool}: {type_}={status}/{reason}")
 
     async def eventually(
         self,

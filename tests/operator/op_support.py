@@ -1,19 +1,25 @@
-"""Helpers of the operator tests: example manifests, golden files, render settings."""
+"""Helpers of the operator tests: example manifests and builders of the objects the tests
+start from, golden files, render settings."""
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvpool.operator import api
 from kvpool.operator.render import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE_GOLDEN = os.environ.get("KVPOOL_UPDATE_GOLDEN") == "1"
+
+NAMESPACE = "inference"
+"""The namespace the operator under test watches."""
 
 GOLDEN_SETTINGS = Settings(
     agent_image="ghcr.io/kvpool/kvpool:golden", version="golden", pod_monitor=True
@@ -31,6 +37,30 @@ def example(name: str, kind: str) -> dict[str, Any]:
         if doc.get("kind") == kind:
             return doc
     raise LookupError(f"no {kind} in {name}")
+
+
+def pool_body(
+    name: str | None = None,
+    source: str = "pool-minimal.yaml",
+    namespace: str = NAMESPACE,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A KVCachePool manifest: the one of docs/examples/<source> (its own name unless
+    `name`), in `namespace`, with `spec` keys replaced."""
+    body = copy.deepcopy(example(source, api.POOL_KIND))
+    body["metadata"]["namespace"] = namespace
+    if name is not None:
+        body["metadata"]["name"] = name
+    body["spec"].update(spec)
+    return body
+
+
+def condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    """The pool's condition of `type_`, or {} when it has none (yet)."""
+    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
 
 
 def check_golden(name: str, text: str) -> None:

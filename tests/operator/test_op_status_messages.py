@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from op_cluster import Cluster, Emulator
+from op_support import condition, pool_body
+
 from kvpool.operator import status
-from kvpool.operator.status import Rollout
+from kvpool.operator.status import FIRST_REPORT, Rollout
 
 
 def _ds(generation: int, **st: int) -> dict[str, Any]:
@@ -46,3 +50,47 @@ def test_no_matching_node_names_the_node_selector() -> None:
     assert reason == "NoMatchingNodes"
     assert message.startswith("no node matches nodeSelector nvidia.com/gpu.present=true")
     assert "0/0" not in message and "0/0" not in got["Progressing"][1]
+
+
+# --------------------------------------------------------------------------- the operator
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_a_brand_new_daemon_set_waits_for_its_controllers_first_report(
+    cluster: Cluster,
+) -> None:
+    await cluster.create(pool_body())
+    # The emulator runs no DaemonSet controller: the DaemonSet keeps no status, as a real
+    # one has none until its controller first reports.
+    ready = await cluster.condition_of("small", "Ready", "False", "Creating")
+    assert ready["message"] == FIRST_REPORT
+    assert "first report" in ready["message"] and "rolling out" not in ready["message"]
+    progressing = condition(await cluster.pool("small"), "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("True", "Creating")
+    assert progressing["message"] == FIRST_REPORT
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_ready_agents_not_yet_available_say_so_in_reason_and_message(
+    cluster: Cluster,
+) -> None:
+    await cluster.create(pool_body())
+    await cluster.eventually(lambda: cluster.get("apps/v1", "DaemonSet", "kvpool-small"), "agents")
+    await cluster.report_agents("kvpool-small", desired=10, ready=10, updated=10, available=9)
+
+    async def counted() -> dict[str, Any] | None:
+        pool = await cluster.pool("small")
+        nodes = ((pool or {}).get("status") or {}).get("nodes") or {}
+        return pool if nodes.get("available") == 9 else None
+
+    pool = await cluster.eventually(counted, "the DaemonSet's counts in the status")
+    ready = condition(pool, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "AgentsNotReady")
+    assert ready["message"].startswith("9/10 agents available"), ready
+    assert "10/10 agents ready" not in ready["message"]
+    progressing = condition(pool, "Progressing")
+    assert (progressing["reason"], progressing["message"]) == ("RollingOut", ready["message"])
+
+    await cluster.report_agents("kvpool-small", desired=10, ready=10, updated=10, available=10)
+    ready = await cluster.condition_of("small", "Ready", "True", "AgentsReady")
+    assert ready["message"] == "10/10 agents ready, 10 updated"

@@ -40,9 +40,9 @@ def _by_type(conds: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             },
         ),
         (
-            _ds(),
+            _ds(),  # no status yet: its controller has not reported
             None,
-            {"Ready": ("False", "AgentsNotReady"), "Progressing": ("True", "RollingOut")},
+            {"Ready": ("False", "Creating"), "Progressing": ("True", "Creating")},
         ),
         (
             _ds(

@@ -169,6 +169,27 @@ def _condition(
     return cond
 
 
+FIRST_REPORT = (
+    "the agent DaemonSet is created: waiting for the DaemonSet controller's first report "
+    "on its agents"
+)
+"""A DaemonSet without a status yet (brand new): no count of it means anything."""
+
+
+def counts_message(rollout: Rollout) -> str:
+    """The agents' counts, leading with the one that keeps the pool from `Ready`, so a
+    message never reads as ready beside a not-ready reason (one reading of the DaemonSet
+    status decides both)."""
+    if rollout.ready >= rollout.desired and rollout.available < rollout.desired:
+        # Ready agents not yet available: the DaemonSet's minReadySeconds, or a pod that
+        # stopped being ready between the controller's counts.
+        return (
+            f"{rollout.available}/{rollout.desired} agents available, {rollout.ready} ready, "
+            f"{rollout.updated} updated"
+        )
+    return f"{rollout.ready}/{rollout.desired} agents ready, {rollout.updated} updated"
+
+
 def conditions(
     rollout: Rollout,
     problem: Problem | None,
@@ -191,14 +212,12 @@ def conditions(
     def cond(type_: str, status: bool, reason: str, message: str) -> dict[str, Any]:
         return _condition(type_, status, reason, message, generation, prev, now)
 
-    nodes = f"{rollout.ready}/{rollout.desired} agents ready, {rollout.updated} updated"
+    nodes = counts_message(rollout)
     # What is happening, in words: never the previous spec's counts as if current.
     if rollout.exists and not rollout.current_generation:
         waiting: str | None = (
             "rolling out: the DaemonSet controller has not yet taken up the new spec"
         )
-    elif rollout.exists and not rollout.reported:
-        waiting = "waiting for the DaemonSet controller to report on the agents"
     elif rollout.observed and rollout.desired > 0 and rollout.updated < rollout.desired:
         waiting = (
             f"rolling out: {rollout.updated}/{rollout.desired} agents updated, "
@@ -211,6 +230,8 @@ def conditions(
         ready = cond(READY, False, problem.reason, problem.message)
     elif not rollout.exists:
         ready = cond(READY, False, Reason.CREATING, "the agent DaemonSet is being created")
+    elif not rollout.reported:
+        ready = cond(READY, False, Reason.CREATING, FIRST_REPORT)
     elif waiting is not None:
         ready = cond(READY, False, Reason.AGENTS_NOT_READY, waiting)
     elif rollout.observed and rollout.desired == 0:
@@ -226,6 +247,8 @@ def conditions(
         progressing = cond(PROGRESSING, False, problem.reason, "blocked: " + problem.message)
     elif not rollout.exists:
         progressing = cond(PROGRESSING, True, Reason.CREATING, "creating the agent DaemonSet")
+    elif not rollout.reported:
+        progressing = cond(PROGRESSING, True, Reason.CREATING, FIRST_REPORT)
     elif waiting is not None:
         progressing = cond(PROGRESSING, True, Reason.ROLLING_OUT, waiting)
     elif rollout.complete or (rollout.observed and rollout.desired == 0):
