@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent import __version__
-from kvpool.agent.client import KVPoolClient
+from kvpool.agent.client import KVPoolClient, default_socket
 from kvpool.agent.units import human_size
 from kvpool.bench.local import LocalAgent, free_port
 
@@ -308,11 +308,38 @@ def test_stats_reads_the_socket_from_the_environment(agent: LocalAgent,
     assert json.loads(run.stdout)["tiers"]["dram"]["chunks"] == 1
 
 
-def test_stats_without_a_socket_says_how_to_give_one() -> None:
+def test_stats_and_the_client_default_to_the_socket_the_agent_serves_by_default() -> None:
+    """One default everywhere: --socket, else $KVPOOL_SOCKET, else where `kvpool agent`
+    serves when given no --socket. Without either, stats tries the agent's default and says
+    how to name another."""
+    from kvpool.agent.config import AgentConfig
+
+    default = str(AgentConfig().socket_path)
     env = {k: v for k, v in os.environ.items() if k != "KVPOOL_SOCKET"}
-    run = kvpool("stats", env=env, timeout=60)
-    assert run.returncode == 2
-    assert "--socket" in error_line(run) and "KVPOOL_SOCKET" in run.stderr
+    for command in (("stats",), ("events", "--count", "1")):
+        run = kvpool(*command, env=env, timeout=60)
+        assert run.returncode == 2
+        line = error_line(run)
+        assert f"cannot reach the agent at {default}:" in line, line
+        assert "the agent's default" in line and "--socket" in line and "KVPOOL_SOCKET" in line
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("KVPOOL_SOCKET", raising=False)
+        assert default_socket() == default
+        mp.setenv("KVPOOL_SOCKET", "/elsewhere/agent.sock")
+        assert default_socket() == "/elsewhere/agent.sock"
+        assert default_socket("/given.sock") == "/given.sock"
+
+
+def test_a_client_without_arguments_connects_to_the_socket_in_the_environment(
+        agent: LocalAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_SOCKET", str(agent.socket_path))
+    with KVPoolClient() as c:
+        assert c.socket_path == str(agent.socket_path) and c.put(b"d" * 16, b"v")
+    monkeypatch.delenv("KVPOOL_SOCKET")
+    # No agent serves the default here: the client tries it (an OSError), where it used to
+    # refuse to start without a socket (a ValueError).
+    with pytest.raises(FileNotFoundError):
+        KVPoolClient(reconnect_timeout=0)
 
 
 def test_stats_prints_sizes_for_people_and_no_python_structures(

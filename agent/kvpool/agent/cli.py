@@ -10,6 +10,7 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -291,24 +292,42 @@ def cleanup(
 
 # --------------------------------------------------------------------------- stats
 
+_SOCKET_HELP = _with_default("The agent's socket.",
+                             f"${SOCKET_ENV}, else {_DEFAULTS.socket_path}")
+
+
+def _client_socket(socket: Path | None) -> str:
+    """--socket, else $KVPOOL_SOCKET, else the agent's default: the client's own rule."""
+    from .client import default_socket
+
+    return default_socket(socket)
+
+
+def _unreachable(socket: Path | None, path: str, e: OSError) -> str:
+    """Why the agent at `path` did not answer; where no --socket was given, which default
+    was tried and how to name another."""
+    reason = f"cannot reach the agent at {path}: {e.strerror or e}"
+    if socket is not None:
+        return reason
+    source = f"from ${SOCKET_ENV}" if os.environ.get(SOCKET_ENV) else "the agent's default"
+    return f"{reason} ({source}; give --socket PATH or set {SOCKET_ENV} for another)"
+
 
 @app.command()
 def stats(
     socket: Annotated[Path | None, typer.Option(
-        metavar="PATH", envvar=SOCKET_ENV,
-        help=f"The agent's socket [env: {SOCKET_ENV}].", show_envvar=False)] = None,
+        metavar="PATH", help=_SOCKET_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show an agent's tiers, hits, leases and health."""
     from .client import KVPoolClient
 
-    if socket is None:
-        _fail(f"no agent socket: give --socket PATH or set {SOCKET_ENV}")
+    path = _client_socket(socket)
     try:
-        with KVPoolClient(socket, mode="inline", reconnect_timeout=0) as c:
+        with KVPoolClient(path, mode="inline", reconnect_timeout=0) as c:
             data = c.stats()
     except OSError as e:
-        _fail(f"cannot reach the agent at {socket}: {e.strerror or e}")
+        _fail(_unreachable(socket, path, e))
     if as_json:
         typer.echo(json.dumps(data))
         return
@@ -318,9 +337,8 @@ def stats(
 @app.command()
 def events(
     socket: Annotated[Path | None, typer.Option(
-        metavar="PATH", envvar=SOCKET_ENV,
-        help=f"The agent's socket: its STATS says where it publishes [env: {SOCKET_ENV}].",
-        show_envvar=False)] = None,
+        metavar="PATH", help="The agent's socket: its STATS says where it publishes. "
+        + _SOCKET_HELP)] = None,
     endpoint: Annotated[str | None, typer.Option(
         metavar="tcp://HOST:PORT", help="The agent's PUB socket (instead of --socket).")]
     = None,
@@ -335,15 +353,14 @@ def events(
     from .events import tail
 
     if endpoint is None:
-        if socket is None:
-            _fail(f"give --endpoint tcp://HOST:PORT, or --socket PATH (or set {SOCKET_ENV})")
         from .client import KVPoolClient
 
+        path = _client_socket(socket)
         try:
-            with KVPoolClient(socket, mode="inline", reconnect_timeout=0) as c:
+            with KVPoolClient(path, mode="inline", reconnect_timeout=0) as c:
                 endpoint = tail.endpoint_of(c.stats())
         except OSError as e:
-            _fail(f"cannot reach the agent at {socket}: {e.strerror or e}")
+            _fail(_unreachable(socket, path, e))
         except ValueError as e:
             _fail(str(e), 1)
     elif not endpoint.startswith("tcp://"):

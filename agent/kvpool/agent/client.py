@@ -30,7 +30,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import protocol as p
-from .constants import ENV_LOCAL_LOOKUP, ENV_PUT_AHEAD, ENV_SOCKET, ENV_TENANT, TIER_NAMES
+from .constants import (
+    DEFAULT_SOCKET,
+    ENV_LOCAL_LOOKUP,
+    ENV_PUT_AHEAD,
+    ENV_SOCKET,
+    ENV_TENANT,
+    TIER_NAMES,
+)
 from .protocol import EngineBlocks
 from .transport import (
     Buffer,
@@ -57,6 +64,14 @@ BATCH_WINDOW = 128
 """Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
 
 
+def default_socket(socket_path: str | os.PathLike[str] | None = None) -> str:
+    """The agent socket to use: `socket_path`, else `$KVPOOL_SOCKET`, else the socket an
+    agent started without `--socket` serves (one default for the client and the CLI)."""
+    if socket_path is not None and os.fspath(socket_path):
+        return os.fspath(socket_path)
+    return os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+
+
 class AgentUnavailable(ConnectionError):
     """The agent could not be reached within the reconnect budget."""
 
@@ -80,7 +95,10 @@ class KVPoolClient:
         chunk_tokens: int = 0,
         put_ahead: bool | None = None,
     ) -> None:
-        """`registrar` pins each arena mapping for DMA when tensors first use it; by
+        """`socket_path` defaults to `$KVPOOL_SOCKET`, else the agent's default
+        (`/run/kvpool/agent.sock`): where `kvpool agent` serves when given none.
+
+        `registrar` pins each arena mapping for DMA when tensors first use it; by
         default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none.
 
         `local_lookup` answers `lookup` from the DRAM index the agent publishes in shared
@@ -97,10 +115,7 @@ class KVPoolClient:
         the next put of that size needs one round trip, not two; the connection holds one
         spare lease per size (at most `protocol.MAX_SPARE_LEASES` sizes) in the arena
         meanwhile (docs/client.md). None reads `$KVPOOL_PUT_AHEAD`."""
-        path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
-        if not path:
-            raise ValueError("no agent socket: pass socket_path or set KVPOOL_SOCKET")
-        self.socket_path = os.fspath(path)
+        self.socket_path = default_socket(socket_path)
         self.mode = mode
         self.tenant = tenant if tenant is not None else os.environ.get(ENV_TENANT, "")
         self.name = name

@@ -18,7 +18,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .constants import HUGE_PAGE_BYTES, NVME_STORES_RECORD, PAGE_BYTES, STATE_STORES_RECORD
+from .constants import (
+    DEFAULT_SOCKET,
+    HUGE_PAGE_BYTES,
+    NVME_STORES_RECORD,
+    PAGE_BYTES,
+    STATE_STORES_RECORD,
+)
 from .constants import TIER_ORDER as TIER_ORDER
 from .constants import TierName as TierName
 from .units import ByteSize, Duration, human_size
@@ -499,7 +505,7 @@ class AgentConfig(Model):
         "default", min_length=1, max_length=253, description="Pool name (namespace.name)."
     )
     socket_path: Path = Field(
-        Path("/run/kvpool/agent.sock"), description="Unix socket clients connect to."
+        Path(DEFAULT_SOCKET), description="Unix socket clients connect to."
     )
     metrics_addr: str = Field(
         "127.0.0.1:9400", description="host:port for /metrics, /healthz and /readyz."

@@ -44,6 +44,9 @@ HUGE_PAGE_BYTES: Final = 2 << 20
 
 ENV_SOCKET: Final = "KVPOOL_SOCKET"
 """The agent's socket, injected into inference pods; the client's default."""
+DEFAULT_SOCKET: Final = "/run/kvpool/agent.sock"
+"""The socket an agent serves when none is given, and so where a client (and `kvpool stats`,
+`kvpool events`) looks when neither a path nor `KVPOOL_SOCKET` names one."""
 ENV_TENANT: Final = "KVPOOL_TENANT"
 """The pod's tenant, injected into inference pods; the client's default."""
 ENV_LOCAL_LOOKUP: Final = "KVPOOL_LOCAL_LOOKUP"
