@@ -503,8 +503,9 @@ def admission_review(
             "namespace": namespace,
             "operation": operation,
             "userInfo": {"username": username},
-            "object": obj,
-            "oldObject": old,
+            # A DELETE carries the object being deleted as the old one, and no new one.
+            "object": None if operation == "DELETE" else obj,
+            "oldObject": obj if operation == "DELETE" else old,
             "dryRun": False,
         },
     }

@@ -95,3 +95,27 @@ def test_a_ready_pool_gives_no_warning() -> None:
     waiting = {"status": {"conditions": [{"type": "Ready", "status": "False",
                                          "reason": "NoMatchingNodes", "message": "no node"}]}}
     assert "NoMatchingNodes" in (readiness_warning("small", waiting) or "")
+
+
+async def test_an_update_of_a_pod_whose_pool_was_deleted_passes_untouched(
+    cluster: Cluster,
+) -> None:
+    """The webhook acts on CREATE only, whatever operations its registration sends."""
+    await _start_pool(cluster)
+    pod = _pod()
+    pod["metadata"]["name"] = "vllm-0"
+    joined = patched(pod, await _admit(cluster, pod))  # the pod as it was created
+    await cluster.delete(api.API_VERSION, api.POOL_KIND, "small")
+
+    def refused(response: dict[str, Any]) -> bool:
+        return response["allowed"] is False and "not found" in response["status"]["message"]
+
+    # Once the pool is gone, a new pod naming it is refused ...
+    await cluster.admit("kvpool-inject", admission_review(pod, NAMESPACE), until=refused)
+    # ... but an update of a pod that joined it (a label, its status) is not the webhook's.
+    relabelled = copy.deepcopy(joined)
+    relabelled["metadata"].setdefault("labels", {})["rollout"] = "2"
+    review = admission_review(relabelled, NAMESPACE, "UPDATE", old=joined)
+    response = await cluster.admit("kvpool-inject", review)
+    assert response["allowed"] is True, response
+    assert "patch" not in response and "warnings" not in response, response

@@ -648,6 +648,11 @@ def build_registry(
         def inject_pod(
             *, body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any
         ) -> None:
+            if kwargs.get("operation") != "CREATE":
+                # kopf serves whatever the webhook registration sends: a pod's pool is
+                # injected at its creation only, and a pod updated later (its pool since
+                # deleted or edited) passes untouched.
+                return
             # kopf passes the index under its id.
             ctx = context(kwargs["memo"])
             mutate_pod(body, patch, kwargs["pools_by_name"], warnings, ctx.applied)
@@ -655,19 +660,25 @@ def build_registry(
         @kopf.on.validate(
             *POOL, id=VALIDATE_POOL_ID, operations=["CREATE", "UPDATE"], registry=registry
         )
-        def validate_pool(*, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
-            if not spec_changed(kwargs.get("old"), kwargs.get("new")):
+        def validate_pool(
+            *, body: kopf.Body, memo: Any, warnings: list[str], **kwargs: Any
+        ) -> None:
+            if not _checks_spec(kwargs):
                 return
+            ctx = context(memo)
             try:
-                admit_pool(body, context(memo).settings)
+                pool = admit_pool(body, ctx.settings)
             except api.InvalidSpec as e:
                 raise kopf.AdmissionError(str(e), code=422) from e
+            warning = policy_ref_warning(ctx.kube, pool)
+            if warning is not None:
+                warnings.append(warning)
 
         @kopf.on.validate(
             *POLICY, id=VALIDATE_POLICY_ID, operations=["CREATE", "UPDATE"], registry=registry
         )
         def validate_policy(*, body: kopf.Body, **kwargs: Any) -> None:
-            if not spec_changed(kwargs.get("old"), kwargs.get("new")):
+            if not _checks_spec(kwargs):
                 return
             try:
                 admit_policy(body)
@@ -675,6 +686,31 @@ def build_registry(
                 raise kopf.AdmissionError(str(e), code=422) from e
 
     return registry
+
+
+def _checks_spec(request: Mapping[str, Any]) -> bool:
+    """Whether a validating webhook's request is a create or an update that changes the
+    spec: only those are checked, whatever operations the registration sends (a DELETE of
+    a pool a tightened operator policy no longer allows must go through)."""
+    return request.get("operation") in ("CREATE", "UPDATE") and spec_changed(
+        request.get("old"), request.get("new")
+    )
+
+
+def policy_ref_warning(kube: Kube, pool: api.KVCachePool) -> str | None:
+    """An admission warning when the pool's `spec.policyRef` names no usable KVTierPolicy:
+    the pool is admitted (the policy may be created next), but is not applied until then."""
+    try:
+        _resolve_policy(kube, pool)
+    except Problem as problem:
+        when = "exists" if problem.reason == Reason.POLICY_NOT_FOUND else "is fixed"
+        return (
+            f"{problem.message}: the operator applies the pool once the policy {when} "
+            f"(until then the pool is Degraded with reason {problem.reason})"
+        )
+    except KubeError:
+        return None  # cannot tell now; the reconcile reports it in the pool's status
+    return None
 
 
 def mutate_pod(
