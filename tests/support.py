@@ -73,6 +73,7 @@ def shared_node(stack: ExitStack, root: Path, name: str, store: Path, pool: str)
     directory `store`, with 2 s budgets: one node of a pool sharing a store."""
     workdir = root / name
     workdir.mkdir()
+    store.mkdir(exist_ok=True)  # the agent never makes a file:// store's directory
     cfg = workdir / "agent.yaml"
     cfg.write_text(yaml.safe_dump({"pool": pool, "tiers": {"shared": {
         "url": store.as_uri(), "lookupBudget": "2s", "requestTimeout": "2s"}}}))

@@ -271,6 +271,47 @@ def test_a_failed_start_removes_the_record_of_the_shared_store_it_made(
     assert [p.name for p in store.iterdir()] == [".kvpool-store"]  # other nodes may use it
 
 
+def test_agent_refuses_a_file_shared_tier_whose_directory_is_missing(
+        tmp_path: Path, arena_path: Path) -> None:
+    """`--shared file:///mistyped/dir` is one error line naming the flag, and nothing is
+    made: an absent mount never becomes an empty store (as `kvpool gc` refuses it too)."""
+    missing = tmp_path / "mistyped" / "dir"
+    common = ("--socket", str(tmp_path / "agent.sock"), "--arena", str(arena_path), "--dram",
+              "16Mi", "--no-lock", "--metrics-addr", f"127.0.0.1:{free_port()}")
+    run = kvpool("agent", *common, "--shared", missing.as_uri(), timeout=120)
+    assert run.returncode == 2
+    line = error_line(run)
+    assert f"--shared {missing.as_uri()}: {missing} is not a directory" in line
+    assert not (tmp_path / "mistyped").exists() and left_in_shm(arena_path) == []
+    config = tmp_path / "agent.yaml"  # the same from a config file names its field
+    config.write_text(f"tiers: {{shared: {{url: '{missing.as_uri()}'}}}}\n")
+    run = kvpool("agent", *common, "--config", str(config), timeout=120)
+    assert run.returncode == 2 and "tiers.shared.url file://" in error_line(run)
+    assert not (tmp_path / "mistyped").exists()
+
+
+def test_agent_whose_used_store_directory_is_gone_starts_with_the_tier_unhealthy(
+        tmp_path: Path) -> None:
+    """Not a typo but an absent mount of a store this agent has used (its record says so):
+    it starts, serves the local tiers, and waits for the mount, making nothing there."""
+    store = tmp_path / "mnt" / "store"
+    store.mkdir(parents=True)
+    first = LocalAgent("--no-lock", "--shared", store.as_uri(), workdir=tmp_path,
+                       dram="16Mi").start()
+    first.stop(remove_arena=False)
+    try:
+        for p in store.iterdir():
+            p.unlink()
+        store.rmdir()
+        with LocalAgent("--no-lock", "--shared", store.as_uri(), workdir=tmp_path,
+                        dram="16Mi") as again, KVPoolClient(again.socket_path) as c:
+            assert c.put(b"u" * 16, b"local") and c.get(b"u" * 16) == b"local"
+            assert c.stats()["tiers"]["shared"]["healthy"] is False
+        assert not store.exists()
+    finally:
+        first.stop()
+
+
 def test_failed_start_keeps_the_arena_a_previous_run_left(tmp_path: Path) -> None:
     """What existed before a start is not the start's to remove: a warm arena survives a
     start that fails, and the next good start serves its chunks."""
@@ -355,6 +396,7 @@ def test_stats_prints_sizes_for_people_and_no_python_structures(
 
 
 def test_stats_of_every_tier_prints_no_python_structures(tmp_path: Path) -> None:
+    (tmp_path / "shared").mkdir()
     shared = (tmp_path / "shared").as_uri()
     with LocalAgent("--no-lock", "--nvme-dir", str(tmp_path / "nvme"), "--nvme", "64Mi",
                     "--shared", shared, workdir=tmp_path, dram="16Mi") as a:

@@ -182,6 +182,7 @@ def _config(tmp: Path, topic: str, payload: str, *, policy: Path | None = None,
     if nvme is not None:
         tiers.append(f"nvme: {{path: {nvme}, size: 1Mi}}")
     if shared is not None:
+        shared.mkdir(exist_ok=True)  # the agent never makes a file:// store's directory
         tiers.append(f"shared: {{url: 'file://{shared}'}}")
     if tiers:
         lines.append(f"tiers: {{{', '.join(tiers)}}}")

@@ -61,6 +61,7 @@ def agent(tmp_path: Path) -> Iterator[TenantAgent]:
     # A generous lookup budget: a shared-tier LOOKUP slowed by a loaded machine is a miss,
     # which is right for an engine but not what these tests are about.
     cfg = tmp_path / "agent.yaml"
+    (tmp_path / "shared").mkdir()
     cfg.write_text(yaml.safe_dump({"tiers": {"shared": {
         "url": (tmp_path / "shared").as_uri(), "lookupBudget": "5s"}}}))
     with TenantAgent(tmp_path, "--no-lock", "--nvme-dir", str(tmp_path / "nvme"),

@@ -89,6 +89,7 @@ def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
         tmp_path: Path, loads: list[Load]) -> None:
     workdir = tmp_path / "agent"
     nvme = workdir / "nvme"
+    (tmp_path / "shared").mkdir()
     shared = {"url": (tmp_path / "shared").as_uri()}
     # ~9 MB of chunks through 4 MiB of DRAM and 4 MiB of NVMe: both tiers evict.
     with new_agent(workdir, dram="4Mi", nvme="4Mi", shared=shared, policy={}) as agent:

@@ -25,6 +25,7 @@ def shared_reason(c: KVPoolClient) -> str:
 
 def test_a_read_only_shared_mount_is_reported_as_read_only(tmp_path: Path) -> None:
     root = tmp_path / "shared"
+    root.mkdir()
     with LocalAgent("--no-lock", "--shared", root.as_uri(), workdir=tmp_path,
                     dram="16Mi") as agent, KVPoolClient(agent.socket_path) as c:
         # First an outage the probe does not cause (the directory goes), so that the

@@ -29,6 +29,7 @@ def data_for(key: bytes) -> bytes:
 def test_stalled_shared_reads_leave_nvme_reads_alone_turn_the_tier_unhealthy_and_let_it_stop(
         tmp_path: Path) -> None:
     shared = tmp_path / "shared"
+    shared.mkdir()
     config = tmp_path / "agent.yaml"
     config.write_text(f"tiers:\n  shared:\n    url: {shared.as_uri()}\n"
                       "    requestTimeout: 1s\n")

@@ -223,8 +223,37 @@ def agent(
         cfg = _agent_config(config, flags)
     except ConfigError as e:
         _fail(str(e))
+    root = _absent_shared_root(cfg)
+    if root is not None:
+        assert cfg.tiers.shared is not None
+        where = "--shared" if flags["shared"] is not None else "tiers.shared.url"
+        _fail(f"{where} {cfg.tiers.shared.url}: {root} is not a directory: mount the shared "
+              "file system there or make the directory first (the agent never makes it: an "
+              "absent mount must not become an empty store)")
     _setup_logging(cfg.log_level)
     _serve(cfg, flags)
+
+
+def _absent_shared_root(cfg: AgentConfig) -> Path | None:
+    """The root of a `file://` shared tier that is not a directory, where no space of this
+    agent has used a store there (a mistyped path, a mount never made): None otherwise.
+
+    A store the agent has used (by its record) whose directory is gone is an absent mount
+    that may come back: that agent starts, with the tier unhealthy until it does."""
+    from .seenstores import SeenStores
+    from .tiers.sharedfs import root_of
+
+    shared = cfg.tiers.shared
+    if shared is None or not shared.url.startswith("file://"):
+        return None
+    root = root_of(shared.url)
+    if root.is_dir():
+        return None
+    for _, space in cfg.spaces():
+        url = space.tiers.shared.url if space.tiers.shared is not None else shared.url
+        if SeenStores(*space.stores_paths()).id_of(root_of(url).as_uri()) is not None:
+            return None
+    return root
 
 
 def _serve(cfg: AgentConfig, flags: dict[str, Any]) -> None:

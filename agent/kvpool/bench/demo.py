@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -69,6 +70,9 @@ def _load(trace: Path | None, requests: int | None) -> tuple[Path, list[TraceReq
 
 
 def _shared_url(shared: str, tmp: Path) -> str:
+    if shared.startswith("file:///") and not Path(unquote(shared[7:])).is_dir():
+        raise DemoError(f"invalid value for '--shared': {shared}: no such directory (the "
+                        "agent never makes a shared store's directory)")
     if shared in ("", "none") or shared.startswith(("s3://", "file:///")):
         return shared or (tmp / "shared").as_uri()
     raise DemoError(f"invalid value for '--shared': {shared!r}: use s3://bucket/prefix, "
@@ -99,6 +103,8 @@ def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvm
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
     try:
         shared_url = _shared_url(shared, tmp)
+        if not shared:
+            (tmp / "shared").mkdir()  # the agent never makes a file:// store's directory
         tiers = ["--no-lock", "--nvme-dir", str(tmp / "nvme"), "--nvme", str(nvme_bytes)]
         if shared_url != "none":
             tiers += ["--shared", shared_url]
