@@ -312,6 +312,44 @@ def test_agent_whose_used_store_directory_is_gone_starts_with_the_tier_unhealthy
         first.stop()
 
 
+def test_a_socket_path_over_the_kernel_limit_is_one_line_naming_socket_and_the_limit(
+        tmp_path: Path) -> None:
+    too_long = tmp_path / ("s" * 120) / "agent.sock"
+    for command in (("agent", "--no-lock", "--dram", "16Mi"), ("stats",), ("events",),
+                    ("cleanup",)):
+        run = kvpool(*command, "--socket", str(too_long), timeout=60)
+        assert run.returncode == 2, run.stderr
+        line = error_line(run)
+        assert "--socket" in line and "at most 107 bytes" in line, line
+    run = kvpool("stats", env={**os.environ, "KVPOOL_SOCKET": str(too_long)}, timeout=60)
+    assert run.returncode == 2 and "$KVPOOL_SOCKET" in error_line(run)
+    # A tenant's socket is longer than the pool's: it is checked too.
+    pool_socket = tmp_path / ("p" * max(1, 90 - len(str(tmp_path)))) / "a.sock"
+    run = kvpool("agent", "--no-lock", "--socket", str(pool_socket), "--tenant", "t" * 20,
+                 timeout=60)
+    assert run.returncode == 2 and "tenant tttttttttttttttttttt's socket" in error_line(run)
+    assert "at most 107 bytes" in run.stderr
+
+
+def test_stats_on_a_socket_below_a_regular_file_names_the_flag(tmp_path: Path) -> None:
+    (tmp_path / "hostname").write_text("node-1\n")
+    run = kvpool("stats", "--socket", str(tmp_path / "hostname" / "agent.sock"), timeout=60)
+    assert run.returncode == 2
+    assert error_line(run).startswith(f"error: --socket {tmp_path}/hostname/agent.sock: ")
+    assert "Not a directory" in run.stderr
+
+
+def test_crds_into_a_path_that_is_a_file_is_one_line_naming_the_flag(tmp_path: Path) -> None:
+    taken = tmp_path / "crds"
+    taken.write_text("not a directory\n")
+    run = kvpool("crds", "-o", str(taken), timeout=60)
+    assert run.returncode == 2
+    assert error_line(run) == f"error: --output-dir {taken}: exists and is not a directory"
+    run = kvpool("crds", "-o", str(taken / "below"), timeout=60)
+    assert run.returncode == 2 and "--output-dir" in error_line(run)
+    assert taken.read_text() == "not a directory\n"
+
+
 def test_failed_start_keeps_the_arena_a_previous_run_left(tmp_path: Path) -> None:
     """What existed before a start is not the start's to remove: a warm arena survives a
     start that fails, and the next good start serves its chunks."""

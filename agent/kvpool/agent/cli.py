@@ -326,18 +326,24 @@ _SOCKET_HELP = _with_default("The agent's socket.",
 
 
 def _client_socket(socket: Path | None) -> str:
-    """--socket, else $KVPOOL_SOCKET, else the agent's default: the client's own rule."""
+    """--socket, else $KVPOOL_SOCKET, else the agent's default: the client's own rule.
+    A path no socket can have is a usage error naming where it came from."""
     from .client import default_socket
+    from .config import socket_path_too_long
 
-    return default_socket(socket)
+    path = default_socket(socket)
+    if too_long := socket_path_too_long(Path(path)):
+        where = "--socket" if socket is not None else f"${SOCKET_ENV}"
+        _fail(f"{where} {path}: {too_long}")  # "N bytes long: ... at most 107 bytes"
+    return path
 
 
 def _unreachable(socket: Path | None, path: str, e: OSError) -> str:
     """Why the agent at `path` did not answer; where no --socket was given, which default
     was tried and how to name another."""
-    reason = f"cannot reach the agent at {path}: {e.strerror or e}"
     if socket is not None:
-        return reason
+        return f"--socket {path}: cannot reach the agent: {e.strerror or e}"
+    reason = f"cannot reach the agent at {path}: {e.strerror or e}"
     source = f"from ${SOCKET_ENV}" if os.environ.get(SOCKET_ENV) else "the agent's default"
     return f"{reason} ({source}; give --socket PATH or set {SOCKET_ENV} for another)"
 

@@ -23,6 +23,7 @@ from .constants import (
     HUGE_PAGE_BYTES,
     NVME_STORES_RECORD,
     PAGE_BYTES,
+    SOCKET_PATH_MAX,
     STATE_STORES_RECORD,
 )
 from .constants import TIER_ORDER as TIER_ORDER
@@ -332,6 +333,14 @@ def tenant_shares(total: int, sizes: list[int | None], page: int, tier: str) -> 
     return [s if s is not None else share for s in sizes]
 
 
+def socket_path_too_long(path: Path) -> str:
+    """Why `path` cannot be a Unix socket's path ("" when it can): over the kernel's limit."""
+    n = len(os.fsencode(path.absolute()))
+    if n <= SOCKET_PATH_MAX:
+        return ""
+    return f"{n} bytes long: a Unix socket path is at most {SOCKET_PATH_MAX} bytes"
+
+
 def tenant_socket_path(socket_path: Path, tenant: str) -> Path:
     """Where the agent serves `tenant`: `<socket dir>/tenants/<tenant>/<socket name>`."""
     return socket_path.parent / TENANTS_DIR / tenant / socket_path.name
@@ -542,7 +551,18 @@ class AgentConfig(Model):
     @model_validator(mode="after")
     def _tenants_fit(self) -> Self:
         self.tenant_sizes()
+        for tenant in self.tenants:  # each tenant's socket is longer than the pool's
+            path = tenant_socket_path(self.socket_path, tenant.name)
+            if too_long := socket_path_too_long(path):
+                raise ValueError(f"tenant {tenant.name}'s socket {path} is {too_long}")
         return self
+
+    @field_validator("socket_path")
+    @classmethod
+    def _socket_fits(cls, path: Path) -> Path:
+        if too_long := socket_path_too_long(path):
+            raise ValueError(f"{path} is {too_long}")
+        return path
 
     def tenant_sizes(self) -> list[tuple[int, int]]:
         """Each tenant's (DRAM, NVMe) bytes on this node; see `tenant_sizes`."""

@@ -44,6 +44,8 @@ HUGE_PAGE_BYTES: Final = 2 << 20
 
 ENV_SOCKET: Final = "KVPOOL_SOCKET"
 """The agent's socket, injected into inference pods; the client's default."""
+SOCKET_PATH_MAX: Final = 107
+"""Longest Unix socket path, in bytes (Linux's `sun_path` holds 108, its NUL included)."""
 DEFAULT_SOCKET: Final = "/run/kvpool/agent.sock"
 """The socket an agent serves when none is given, and so where a client (and `kvpool stats`,
 `kvpool events`) looks when neither a path nor `KVPOOL_SOCKET` names one."""

@@ -6,6 +6,7 @@ only cost the agent pays for the operator's commands.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -129,7 +130,13 @@ def crds_command(
     if output_dir is None:
         typer.echo(crds_yaml(), nl=False)
         return
-    for path in write_crds(output_dir):
+    try:
+        written = write_crds(output_dir)
+    except OSError as e:  # a file in the directory's place, a read-only place, ...
+        at = f" ({e.filename})" if e.filename and Path(e.filename) != output_dir else ""
+        reason = "exists and is not a directory" if e.errno == errno.EEXIST else e.strerror
+        fail(f"--output-dir {output_dir}: {reason or e}{at}")
+    for path in written:
         typer.echo(str(path))
 
 
