@@ -443,6 +443,7 @@ class Cluster:
         return await self.eventually(post, f"the answer of webhook {webhook}")
 
     def start(self, options: OperatorOptions) -> None:
+        self.options = options
         ready = threading.Event()
         url = str(self.emulator.url).rstrip("/")
         connection = kopf.ConnectionInfo(server=url, insecure=True)
@@ -477,6 +478,14 @@ class Cluster:
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, timeout)
             assert not self.thread.is_alive(), "the operator did not stop"
+
+    async def restart(self) -> None:
+        """Stop the operator and start a new one with the same options (webhook port
+        included): it knows only what the cluster stores, nothing of the first one's memory."""
+        await self.shutdown()
+        self.stop = threading.Event()
+        self.start(self.options)
+        await self.wait_ready()
 
 
 def admission_review(

@@ -1,17 +1,17 @@
 """An invalid edit stored past the validating webhook changes nothing that runs: the agents
-keep the last good spec, Degraded says why, status describes what runs, Ready follows the
-agents, and pods still join the pool."""
+keep the last good spec, Degraded says why, status describes what runs (its capacity
+following the nodes), Ready follows the agents, and pods still join the pool, also after
+the operator restarts (the last good spec is kept in the pool's status)."""
 
 from __future__ import annotations
 
 import base64
-import copy
 import json
 from typing import Any
 
 import pytest
-from op_cluster import NAMESPACE, Cluster, Emulator
-from op_support import example
+from op_cluster import NAMESPACE, Cluster, Emulator, admission_review
+from op_support import condition, pool_body
 from test_op_pod_webhook import _admit, _pod
 
 from kvpool.operator import api
@@ -19,60 +19,37 @@ from kvpool.operator import api
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
 
-def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
-
-
-async def test_an_invalid_edit_keeps_the_agents_and_says_why(cluster: Cluster) -> None:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"]["namespace"] = NAMESPACE
-    await cluster.create(body)
+async def _serving(cluster: Cluster, nodes: int) -> dict[str, Any]:
+    """Pool `small` (8Gi of DRAM per node) with its agents ready on `nodes` nodes; its
+    DaemonSet as the operator made it."""
+    await cluster.create(pool_body())
     ds = await cluster.eventually(
         lambda: cluster.get("apps/v1", "DaemonSet", "kvpool-small"), "the agents"
     )
-    await cluster.patch(
-        "apps/v1",
-        "DaemonSet",
-        "kvpool-small",
-        {
-            "status": {
-                "observedGeneration": ds["metadata"]["generation"],
-                "desiredNumberScheduled": 2,
-                "numberReady": 2,
-                "updatedNumberScheduled": 2,
-                "numberAvailable": 2,
-            }
-        },
-        "status",
-    )
+    await cluster.report_agents("kvpool-small", nodes, nodes, nodes, nodes)
+    await cluster.condition_of("small", "Ready", "True", "AgentsReady")
+    return ds
 
-    async def ready() -> bool:
-        return _condition(await cluster.pool("small"), "Ready").get("status") == "True"
 
-    await cluster.eventually(ready, "Ready")
+async def _edit_invalidly(cluster: Cluster, spec: dict[str, Any]) -> dict[str, Any]:
+    """Store `spec` past the webhook (the emulator has none) and wait for the refusal."""
+    await cluster.patch(api.API_VERSION, api.POOL_KIND, "small", {"spec": spec})
+    await cluster.condition_of("small", "Degraded", "True", "InvalidSpec")
+    pool = await cluster.pool("small")
+    assert pool is not None
+    return pool
 
-    # Stored past the webhook: a DRAM size that is not whole 2Mi pages with hugePages.
-    await cluster.patch(
-        api.API_VERSION,
-        api.POOL_KIND,
-        "small",
-        {"spec": {"tiers": {"dram": {"size": "3Mi", "hugePages": True}}}},
-    )
 
-    async def refused() -> dict[str, Any] | None:
-        pool = await cluster.pool("small")
-        degraded = _condition(pool, "Degraded")
-        return pool if degraded.get("reason") == "InvalidSpec" else None
-
-    pool = await cluster.eventually(refused, "Degraded/InvalidSpec")
-    assert "spec.tiers.dram" in _condition(pool, "Degraded")["message"]
+async def test_an_invalid_edit_keeps_the_agents_and_says_why(cluster: Cluster) -> None:
+    ds = await _serving(cluster, nodes=2)
+    # A DRAM size that is not whole 2Mi pages with hugePages.
+    pool = await _edit_invalidly(cluster, {"tiers": {"dram": {"size": "3Mi", "hugePages": True}}})
+    assert "spec.tiers.dram" in condition(pool, "Degraded")["message"]
     status = pool["status"]
     assert status["observedGeneration"] == 2 and status["appliedGeneration"] == 1
     assert status["capacity"]["dram"]["perNode"] == "8Gi"  # what runs
-    ready_now = _condition(pool, "Ready")
+    assert status["appliedSpec"]["tiers"]["dram"] == {"size": "8Gi"}
+    ready_now = condition(pool, "Ready")
     assert (ready_now["status"], ready_now["reason"]) == ("True", "AgentsReady")
     after = await cluster.get("apps/v1", "DaemonSet", "kvpool-small")
     assert after is not None and after["spec"]["template"] == ds["spec"]["template"]
@@ -83,3 +60,44 @@ async def test_an_invalid_edit_keeps_the_agents_and_says_why(cluster: Cluster) -
     assert any("is invalid" in w for w in response.get("warnings") or [])
     ops = json.loads(base64.b64decode(response["patch"]))
     assert any(op.get("path") == "/spec/volumes" for op in ops)
+
+
+async def test_pods_still_join_a_pool_with_an_invalid_edit_after_the_operator_restarts(
+    cluster: Cluster,
+) -> None:
+    await _serving(cluster, nodes=3)
+    await _edit_invalidly(cluster, {"agent": {"resources": {"limits": {"memory": "1Gi"}}}})
+    await cluster.restart()
+
+    def indexed(response: dict[str, Any]) -> bool:
+        """The new operator's webhook knows the pool (its watch has listed it)."""
+        return response["allowed"] or "not found" not in response["status"]["message"]
+
+    pod = _pod()
+    review = admission_review(pod, NAMESPACE)
+    response = await cluster.admit("kvpool-inject", review, until=indexed)
+    assert response["allowed"] is True, response
+    (invalid,) = response["warnings"]  # the pool is Ready: no other warning
+    assert "at least 8448Mi is needed" in invalid
+    assert invalid.endswith("the pod joins the pool as its agents run it")
+    ops = json.loads(base64.b64decode(response["patch"]))
+    assert any(op.get("path") == "/spec/volumes" for op in ops)
+
+
+async def test_capacity_follows_the_nodes_while_an_invalid_edit_is_stored(
+    cluster: Cluster,
+) -> None:
+    await _serving(cluster, nodes=3)
+    pool = await _edit_invalidly(cluster, {"agent": {"resources": {"limits": {"memory": "1Gi"}}}})
+    assert pool["status"]["capacity"]["dram"] == {"perNode": "8Gi", "total": "24Gi"}
+
+    await cluster.report_agents("kvpool-small", desired=4, ready=3, updated=4, available=3)
+
+    async def four_nodes() -> dict[str, Any] | None:
+        pool = await cluster.pool("small")
+        status = (pool or {}).get("status") or {}
+        return status if status.get("nodes", {}).get("desired") == 4 else None
+
+    status = await cluster.eventually(four_nodes, "status.nodes.desired == 4")
+    assert status["capacity"]["dram"] == {"perNode": "8Gi", "total": "32Gi"}
+    assert condition(await cluster.pool("small"), "Degraded")["reason"] == "InvalidSpec"

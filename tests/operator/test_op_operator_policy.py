@@ -8,8 +8,9 @@ import copy
 from typing import Any
 
 import pytest
-from op_cluster import Cluster, Emulator, admission_review
-from op_support import EXAMPLES, example
+from op_cluster import NAMESPACE, Cluster, Emulator, admission_review
+from op_support import EXAMPLES, example, pool_body
+from test_op_pod_webhook import _pod
 from typer.testing import CliRunner
 
 from kvpool.operator import api
@@ -260,10 +261,36 @@ async def test_a_stored_pool_outside_the_policy_says_why_and_runs_no_agents(
 
     cond = await cluster.eventually(forbidden, "Degraded/Forbidden")
     assert "spec.agent.runAsUser" in cond["message"]
-    ready = _condition(await cluster.pool(name), "Ready")
+    pool = await cluster.pool(name)
+    ready = _condition(pool, "Ready")
     assert ready is not None and ready["status"] == "False" and ready["reason"] == "Forbidden"
+    # No agents run: no last good spec is kept for pods to join.
+    assert "appliedSpec" not in (pool or {})["status"]
 
     async def no_agents() -> bool:
         return await cluster.get("apps/v1", "DaemonSet", ds_name) is None
 
     await cluster.eventually(no_agents, "the DaemonSet to be deleted")
+
+
+@pytest.mark.kmock(cls=Emulator)
+async def test_pods_of_a_stored_pool_outside_the_policy_are_refused_with_the_reason(
+    cluster: Cluster,
+) -> None:
+    """The pod webhook applies the operator policy too: a pod gets none of a forbidden
+    pool's mounts (here a socket directory among the kubelet's pod volumes)."""
+    await cluster.create(pool_body(socketDir="/var/lib/kubelet/pods/kvpool"))  # past the webhook
+    await cluster.condition_of("small", "Degraded", "True", "Forbidden")
+    pod = _pod()
+
+    def indexed(response: dict[str, Any]) -> bool:
+        return response["allowed"] or "not found" not in response["status"]["message"]
+
+    review = admission_review(pod, NAMESPACE, username="alice")
+    response = await cluster.admit("kvpool-inject", review, until=indexed)
+    assert response["allowed"] is False, response
+    message = response["status"]["message"]
+    assert "not allowed by the operator policy" in message
+    assert "spec.socketDir: '/var/lib/kubelet/pods/kvpool' is a system directory" in message
+    assert "patch" not in response
+    assert message in response["warnings"]

@@ -8,7 +8,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from op_support import example
+from op_support import GOLDEN_SETTINGS, example
 from typer.testing import CliRunner
 
 from kvpool.operator import api, cli, metrics, status, webhook
@@ -292,11 +292,11 @@ def test_mutate_pod_through_the_handler_code() -> None:
     body = kopf.Body(copy.deepcopy(pod))
     patch = kopf.Patch(body=body)
     index = {("inference", "llama-70b"): [example("pool.yaml", api.POOL_KIND)]}
-    mutate_pod(body, patch, index)
+    mutate_pod(body, patch, index, GOLDEN_SETTINGS)
     ops = patch.as_json_patch()
     assert any(op["path"] == "/spec/volumes" for op in ops)
     with pytest.raises(kopf.AdmissionError, match="not found"):
-        mutate_pod(body, kopf.Patch(body=body), {})
+        mutate_pod(body, kopf.Patch(body=body), {}, GOLDEN_SETTINGS)
 
 
 # --------------------------------------------------------------------------- apply

@@ -345,6 +345,13 @@ class KVCachePoolStatus(Model):
         "socket below describe it): behind observedGeneration while an invalid or "
         "disallowed edit is refused.",
     )
+    applied_spec: dict[str, Any] | None = Field(
+        None,
+        description="The spec the agents run (of appliedGeneration), as it was stored: while "
+        "an invalid edit is refused, the pod webhook admits pods for it and capacity is "
+        "computed from it, also after an operator restart. Absent while no agents run "
+        "(Forbidden).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Progressing, Degraded."
     )

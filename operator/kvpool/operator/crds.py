@@ -195,7 +195,10 @@ def _type_schema(tp: Any, metadata: list[Any]) -> Schema:
         schema = {"type": "array", "items": _type_schema(item, [])}
     elif origin is dict:
         _, value = get_args(tp)
-        schema = {"type": "object", "additionalProperties": _type_schema(value, [])}
+        if value is Any:  # kept as stored: no schema of its own (a copy of a checked spec)
+            schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        else:
+            schema = {"type": "object", "additionalProperties": _type_schema(value, [])}
     elif isinstance(tp, type) and issubclass(tp, BaseModel):
         schema = model_schema(tp)
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):

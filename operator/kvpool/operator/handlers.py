@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -48,15 +48,18 @@ from .status import (
     INVALID_EDITS,
     Problem,
     Reason,
+    applied_pool,
     changed,
     keep_transition_times,
     pool_status,
     problem_of,
+    running_pool,
 )
 from .webhook import (
     Rejected,
     admit_policy,
     admit_pool,
+    check_allowed,
     check_pool,
     inject,
     readiness_warning,
@@ -89,10 +92,6 @@ class Context:
     """Seconds between checks of a running garbage-collection Job."""
     connection: kopf.ConnectionInfo | None = None
     """Where kopf connects; None: the in-cluster or kubeconfig login."""
-    applied: dict[tuple[str, str], api.KVCachePool] = field(default_factory=dict)
-    """(namespace, name) -> the pool as last applied: what its agents run. The pod webhook
-    admits pods for it while an invalid edit of the pool is refused (in memory: an
-    operator restarted since knows only the stored spec)."""
 
 
 def backoff(retry: int, base: float, cap: float) -> float:
@@ -262,7 +261,8 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
             _sync_policies(ctx, body, logger)
             metrics.failed(api.POOL_KIND, problem.reason)
             status = pool_status(
-                pool=pool,
+                # While an invalid edit is refused, the status describes what runs.
+                pool=running_pool(body, problem),
                 generation=generation,
                 daemon_set=_daemon_set(ctx.kube, ns, name),
                 problem=problem,
@@ -284,13 +284,14 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
             previous=previous,
             policy=resolved,
             socket=socket_path(pool),
+            # Kept in the pool, where the pod webhook and a restarted operator find it.
+            applied_spec=copy.deepcopy(dict(body.get("spec") or {})),
         )
         try:
             _write_status(ctx.kube, body, status)
         except KubeError as e:
             metrics.failed(api.POOL_KIND, Reason.APPLY_FAILED)
             raise kopf.TemporaryError(f"cannot write the status: {e}", delay=delay) from e
-        ctx.applied[(ns, name)] = pool
         _sync_policies(ctx, body, logger)
     metrics.succeeded(api.POOL_KIND)
 
@@ -317,15 +318,12 @@ def refresh_pool_status(
         # The reconcile that created the DaemonSet has not written its status yet; it
         # writes the first conditions, with the generation it observed.
         return
-    try:
-        pool: api.KVCachePool | None = api.parse_pool(body)
-    except api.InvalidSpec:
-        pool = None
+    problem = problem_of(previous)
     status = pool_status(
-        pool=pool,
+        pool=running_pool(body, problem),
         generation=current.get("observedGeneration"),
         daemon_set=daemon_set,
-        problem=problem_of(previous),
+        problem=problem,
         previous=previous,
     )
     _write_status(ctx.kube, body, status)
@@ -655,7 +653,7 @@ def build_registry(
                 return
             # kopf passes the index under its id.
             ctx = context(kwargs["memo"])
-            mutate_pod(body, patch, kwargs["pools_by_name"], warnings, ctx.applied)
+            mutate_pod(body, patch, kwargs["pools_by_name"], ctx.settings, warnings)
 
         @kopf.on.validate(
             *POOL, id=VALIDATE_POOL_ID, operations=["CREATE", "UPDATE"], registry=registry
@@ -717,14 +715,16 @@ def mutate_pod(
     body: Mapping[str, Any],
     patch: kopf.Patch,
     pools: Mapping[tuple[str, str], Any],
+    settings: Settings,
     warnings: list[str] | None = None,
-    applied: Mapping[tuple[str, str], api.KVCachePool] | None = None,
 ) -> None:
     """The webhook's work: find the pool the pod names, and inject it (or reject the pod).
 
     The pod's namespace is the admission request's (`NamespacedWebhookServer` puts it in
     the body). `warnings` get what the user should know: the pool does not serve yet, or
-    why the pod is refused (also shown by `kubectl` on a refusal).
+    why the pod is refused (also shown by `kubectl` on a refusal). The pool is checked
+    against the operator policy as its render is: a pool stored past the validating
+    webhook with a spec the policy forbids runs no agents, and its pods get nothing of it.
     """
     warnings = warnings if warnings is not None else []
     pool_name = requested_pool(body)
@@ -740,11 +740,12 @@ def mutate_pod(
             # An invalid edit stored past the validating webhook changes nothing that runs:
             # pods join the pool as its agents run it.
             deleting = (pool_body or {}).get("metadata", {}).get("deletionTimestamp")
-            last = (applied or {}).get((namespace, pool_name))
-            if pool_body is None or deleting or last is None:
+            last = applied_pool(pool_body) if pool_body is not None else None
+            if deleting or last is None:
                 raise
             pool = last
             warnings.append(f"{e}; the pod joins the pool as its agents run it")
+        check_allowed(pool, settings)
         inject(copy.deepcopy(dict(body)), pool)  # validates the tenant before the patch is built
     except Rejected as e:
         warnings.append(str(e))

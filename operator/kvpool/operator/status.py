@@ -281,6 +281,30 @@ def capacity(pool: api.KVCachePool, desired: int) -> dict[str, Any]:
     return out
 
 
+def applied_pool(body: Mapping[str, Any]) -> api.KVCachePool | None:
+    """The pool as its agents run it: its metadata with `status.appliedSpec`, the last spec
+    the operator applied; None if there is none (or it no longer parses)."""
+    spec = (body.get("status") or {}).get("appliedSpec")
+    if not isinstance(spec, Mapping):
+        return None
+    try:
+        return api.parse_pool({"metadata": dict(body.get("metadata") or {}), "spec": spec})
+    except api.InvalidSpec:
+        return None
+
+
+def running_pool(body: Mapping[str, Any], problem: Problem | None) -> api.KVCachePool | None:
+    """The pool the status describes: the stored spec, or, while an invalid edit of it is
+    refused, the last spec applied (what the agents run). Stored status keeps this across
+    operator restarts, so capacity follows the nodes and pods still join the pool."""
+    if problem is None or problem.reason not in INVALID_EDITS:
+        try:
+            return api.parse_pool(body)
+        except api.InvalidSpec:
+            pass
+    return applied_pool(body)
+
+
 def pool_status(
     *,
     pool: api.KVCachePool | None,
@@ -292,8 +316,13 @@ def pool_status(
     socket: str | None = None,
     now: str | None = None,
     deleting: bool = False,
+    applied_spec: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The status to merge into the pool (keys left out are left as they are)."""
+    """The status to merge into the pool (keys left out are left as they are).
+
+    `applied_spec`: the stored spec just applied (reconciled without a problem), kept as
+    `appliedSpec`. A pool the operator policy forbids runs no agents: its `appliedSpec`
+    goes."""
     rollout = Rollout.of(daemon_set)
     status: dict[str, Any] = {
         "conditions": conditions(
@@ -316,6 +345,10 @@ def pool_status(
         status["observedGeneration"] = generation
         if problem is None and pool is not None and not deleting:
             status["appliedGeneration"] = generation
+    if problem is None and applied_spec is not None and not deleting:
+        status["appliedSpec"] = dict(applied_spec)
+    elif problem is not None and problem.reason == Reason.FORBIDDEN:
+        status["appliedSpec"] = None  # merge patch: removed (its agents were deleted)
     if pool is not None:
         status["tiers"] = "+".join(pool.spec.tiers.served())
         status["capacity"] = capacity(pool, rollout.desired)

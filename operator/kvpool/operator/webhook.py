@@ -38,6 +38,8 @@ from kvpool.agent.constants import (
 )
 
 from . import api
+from .operator_policy import Forbidden
+from .operator_policy import check as check_operator_policy
 from .render import Settings, render, socket_dir, socket_path, tenant_socket_dir
 
 SOCKET_VOLUME = "kvpool-socket"
@@ -200,6 +202,15 @@ def check_pool(pool_name: str, namespace: str, body: Mapping[str, Any] | None) -
         return api.parse_pool(body)
     except api.InvalidSpec as e:
         raise Rejected(f"KVCachePool {pool_name!r} is invalid: {e}") from e
+
+
+def check_allowed(pool: api.KVCachePool, settings: Settings) -> None:
+    """`Rejected` if the operator policy forbids the pool: it runs no agents, and a pod
+    must get none of its mounts (a forbidden host path, say)."""
+    try:
+        check_operator_policy(pool, settings.policy, settings.image())
+    except Forbidden as e:
+        raise Rejected(f"{e} (the pool runs no agents)") from e
 
 
 def admit_pool(body: Mapping[str, Any], settings: Settings) -> api.KVCachePool:
