@@ -451,6 +451,31 @@ def test_stats_of_every_tier_prints_no_python_structures(tmp_path: Path) -> None
         assert python_syntax not in run.stdout, run.stdout
 
 
+def not_a_terminal_env() -> dict[str, str]:
+    """The environment of a pipe or a capture: no terminal width given."""
+    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
+
+def test_output_piped_or_captured_is_printed_in_whole_lines(tmp_path: Path) -> None:
+    """Not a terminal: no line is cut at 80 columns (the demo's hint for `kvpool events`,
+    a stats table's notes, the demo's headline)."""
+    run = kvpool("demo", "--requests", "20", env=not_a_terminal_env())
+    assert run.returncode == 0, run.stderr
+    hint = next(line for line in run.stdout.splitlines() if line.startswith("KV events on"))
+    assert "in another terminal, kvpool events --endpoint tcp://127.0.0.1:" in hint, hint
+    headline = next(line for line in run.stdout.splitlines() if line.startswith("block hit"))
+    assert headline.rstrip().endswith(tuple("0123456789")) and "wrong bytes: 0" in headline
+
+    store = tmp_path / ("a-long-directory-name-for-the-shared-store" * 2)
+    store.mkdir()
+    with LocalAgent("--no-lock", "--shared", store.as_uri(), workdir=tmp_path,
+                    dram="16Mi") as a:
+        run = kvpool("stats", "--socket", str(a.socket_path), env=not_a_terminal_env())
+    assert run.returncode == 0, run.stderr
+    row = next(line for line in run.stdout.splitlines() if "shared" in line)
+    assert store.as_uri() in row and "uploads: 0 pending, 0 in flight" in row, run.stdout
+
+
 def test_human_size_is_one_format_for_every_size() -> None:
     cases = {0: "0 B", 100: "100 B", 1023: "1023 B", 1024: "1.0 KiB", 4096: "4.0 KiB",
              35136 * 1024: "34.3 MiB", 64 << 20: "64.0 MiB", (1 << 20) - 1: "1.0 MiB",

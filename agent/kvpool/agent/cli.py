@@ -434,8 +434,9 @@ def _tier_notes(t: dict[str, Any]) -> str:
 
 
 def _print_stats(data: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from .commandline import console as new_console
 
     title = f"pool {data.get('pool')}"
     if data.get("tenant"):
@@ -448,7 +449,7 @@ def _print_stats(data: dict[str, Any]) -> None:
         table.add_row(name, capacity, human_size(t["used_bytes"]), str(t["chunks"]),
                       str(t["hits"]), str(t["misses"]),
                       "yes" if t["healthy"] else f"no: {t.get('reason', '')}", _tier_notes(t))
-    console = Console()
+    console = new_console()
     console.print(table)
     leases = data.get("leases", {})
     console.print(f"clients {data.get('clients', 0)}, read leases {leases.get('read', 0)}, "

@@ -7,10 +7,14 @@ errors the commands raise themselves, with the same exit status (2).
 
 from __future__ import annotations
 
-from typing import IO, Any, NoReturn
+import sys
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 USAGE = 2
 """Exit status of a usage error, the same as click's own."""
@@ -19,6 +23,22 @@ USAGE = 2
 # click's UsageError, wherever this typer takes click from (newer releases vendor it).
 _UsageError: type[Exception] = next(
     c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+UNBOUNDED_WIDTH = 10_000
+"""Columns of a console whose output is not a terminal: wide enough that no line is cut."""
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console for stdout (or stderr) that cuts lines at the terminal's width only
+    when it writes to a terminal: piped or captured, each line is printed whole (a table
+    takes its natural width), as scripts and logs need."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=UNBOUNDED_WIDTH)
 
 
 def fail(message: str, code: int = USAGE) -> NoReturn:

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.commandline import console as new_console
 from kvpool.agent.constants import PAGE_BYTES as PAGE
 from kvpool.agent.tiers.base import HEADER_BYTES
 from kvpool.agent.units import human_size, parse_size
@@ -82,7 +83,7 @@ def _shared_url(shared: str, tmp: Path) -> str:
 def run_demo(trace: Path | None, as_json: bool, block_bytes: str, dram: str, nvme: str,
              shared: str, requests: int | None, events: bool = True) -> None:
     """Raises DemoError, naming the flag, when a flag's value or the trace cannot be used."""
-    console = Console(stderr=as_json)
+    console = new_console(stderr=as_json)
     bb = _flag("--block-bytes", parse_size, block_bytes)
     _shared_url(shared, Path("/"))  # checked before the trace is read
     trace_path, reqs = _load(trace, requests)

@@ -305,9 +305,9 @@ def run_gpu_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any
     if torch is None or not torch.cuda.is_available():
         print(json.dumps({"gpu": None, "skipped": NO_CUDA}) if as_json else NO_CUDA)
         return None
-    from rich.console import Console
+    from kvpool.agent.commandline import console as new_console
 
-    console = Console(stderr=as_json)
+    console = new_console(stderr=as_json)
     reps = 3 if quick else 7
     result: dict[str, Any] = {"meta": {**_machine(), "quick": quick, "reps": reps}}
     console.print("pinned host <-> GPU limits")

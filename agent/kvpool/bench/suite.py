@@ -27,6 +27,8 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.agent.commandline import console as new_console
+
 from .control import run_control
 from .conversation import conversation_trace
 from .data_path import run_data_path
@@ -73,7 +75,7 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
     if unknown or not parts:
         raise ValueError(f"bench parts are {', '.join(PARTS)}; got {', '.join(sorted(unknown))}"
                          if unknown else "no bench part named")
-    console = Console(stderr=as_json)
+    console = new_console(stderr=as_json)
     reps = 5 if quick else 15
     started = time.perf_counter()
     result: dict[str, Any] = {"meta": {**_machine(), "quick": quick, "reps": reps}}
