@@ -27,7 +27,7 @@ from ..config import AgentConfig, ConfigError, EventsTopic, load_policy
 from ..events import Publisher, TierEvents, node_topic
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
-from ..units import human_size
+from .banner import bound_address, kept_line, tiers_line
 from .connection import Closed, Connection
 from .dispatch import Dispatcher
 from .http import serve_http
@@ -303,11 +303,12 @@ class Agent:
         labeler = NodeLabeler.from_config(self.config)
         self.ready = self.started = True
         labeler.start()
+        metrics = ", ".join(f"http://{bound_address(a)}/metrics" for a in runner.addresses)
         for space in self.spaces:
-            log.info("kvpool agent serving pool %s%s on %s (DRAM %s at %s, metrics %s)",
+            log.info("kvpool agent serving pool %s%s on %s: %s; metrics %s",
                      self.config.pool, f" tenant {space.tenant}" if space.isolated else "",
-                     space.config.socket_path, human_size(space.arena.size), space.arena.path,
-                     self.config.metrics_addr)
+                     space.config.socket_path,
+                     tiers_line(space.config, space.arena.size, space.arena.path), metrics)
         try:
             await stop.wait()
         finally:
@@ -326,7 +327,8 @@ class Agent:
                 space.close()
             if self.publisher is not None:
                 self.publisher.close()
-            log.info("kvpool agent stopped")
+            log.info("kvpool agent stopped; %s", kept_line(
+                self.config, [(s.arena.path, s.arena.size) for s in self.spaces]))
 
 
 def _report_stopped(task: asyncio.Task[None]) -> None:
