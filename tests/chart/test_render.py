@@ -273,6 +273,8 @@ def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
         ("", "serviceaccounts", "create"),
         ("", "services", "create"),
         ("", "secrets", "get"),
+        ("", "secrets", "create"),  # the pool's peer secret (spec.peers), made once
+        ("networking.k8s.io", "networkpolicies", "create"),
         ("", "events", "create"),
         ("", "nodes", "get"),
         ("", "nodes", "patch"),
@@ -283,9 +285,9 @@ def test_cluster_role_grants_what_the_operator_touches_and_no_wildcards(
         ("monitoring.coreos.com", "podmonitors", "create"),
     }
     assert expected <= granted
-    # Secrets: only get, never list or watch; nodes: no more than the agents are granted;
-    # no escalate/bind anywhere.
-    assert {v for g, r, v in granted if r == "secrets"} == {"get"}
+    # Secrets: never list or watch (no Secret but those a pool names or the operator made
+    # is read); nodes: no more than the agents are granted; no escalate/bind anywhere.
+    assert {v for g, r, v in granted if r == "secrets"} == {"get", "create", "patch", "delete"}
     assert {v for g, r, v in granted if r == "nodes"} == {"get", "patch"}
     assert not {v for _, _, v in granted} & {"escalate", "bind", "impersonate"}
     assert not [g for g in granted if g[1] == "customresourcedefinitions"]
@@ -321,10 +323,11 @@ def test_default_render_carries_the_operator_policy_with_the_operators_defaults(
         "KVPOOL_HOST_PATH_ROOTS": " ".join(DEFAULT_HOST_PATH_ROOTS),
         "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS": "false",
         "KVPOOL_ALLOW_EVENTS": "true",
+        "KVPOOL_ALLOW_PEERS": "true",
     }
     default = OperatorPolicy()
     assert not default.allow_root and not default.allow_tolerate_all_taints
-    assert default.allow_events
+    assert default.allow_events and default.allow_peers
     assert env["KVPOOL_HOST_PATH_ROOTS"].split() == list(default.host_path_roots)
 
 
@@ -348,6 +351,7 @@ def test_operator_policy_values_reach_the_operator(render: Any) -> None:
                     "hostPathRoots": ["/scratch"],
                     "allowTolerateAllTaints": True,
                     "allowEvents": False,
+                    "allowPeers": False,
                 }
             }
         )
@@ -358,6 +362,7 @@ def test_operator_policy_values_reach_the_operator(render: Any) -> None:
         "KVPOOL_HOST_PATH_ROOTS": "/scratch",
         "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS": "true",
         "KVPOOL_ALLOW_EVENTS": "false",
+        "KVPOOL_ALLOW_PEERS": "false",
     }
 
 
@@ -663,7 +668,7 @@ def test_cluster_role_lets_the_operator_apply_everything_it_renders(defaults: Re
     kinds = set()
     for obj in objects:
         group = obj["apiVersion"].rpartition("/")[0]
-        resource = obj["kind"].lower() + "s"
+        resource = {"NetworkPolicy": "networkpolicies"}.get(obj["kind"], obj["kind"].lower() + "s")
         kinds.add(obj["kind"])
         verbs = {"get", "create"} if obj["kind"] == "Job" else {"get", "create", "patch"}
         for verb in verbs:
@@ -673,7 +678,8 @@ def test_cluster_role_lets_the_operator_apply_everything_it_renders(defaults: Re
                 for r in rule["resources"]:
                     for v in rule["verbs"]:
                         assert (g, r, v) in granted, f"{obj['kind']} grants {v} {r}"
-    assert {"DaemonSet", "ConfigMap", "ClusterRole", "PodMonitor", "Job"} <= kinds
+    assert {"DaemonSet", "ConfigMap", "ClusterRole", "PodMonitor", "Job", "Secret",
+            "NetworkPolicy"} <= kinds
 
 
 def test_api_server_would_trust_the_webhook_certificate_over_tls(

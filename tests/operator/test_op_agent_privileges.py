@@ -100,7 +100,8 @@ def test_every_path_the_agent_writes_is_a_writable_mount(
     beside_arena = {written["journal"], written["lock"], written["store record"]}
     assert (written["arena"] in beside_arena) is not huge_pages
     read_only = [m["mountPath"] for m in agent["volumeMounts"] if m.get("readOnly")]
-    assert read_only == ["/etc/kvpool"]
+    # The config, and the pool's peer secret (the full example runs the peer tier).
+    assert read_only == ["/etc/kvpool", "/etc/kvpool-peers"]
 
 
 def test_init_container_hands_the_host_dirs_to_the_agent_and_nothing_more(

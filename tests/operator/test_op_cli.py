@@ -57,9 +57,12 @@ def test_render_examples_as_a_new_user_prints_valid_manifests() -> None:
         "ClusterRole",
         "ClusterRoleBinding",
         "ConfigMap",
+        "Secret",  # the example runs the peer tier: its Secret (the value made by the operator),
+        "NetworkPolicy",  # the policy guarding the peer port,
         "DaemonSet",
         "Service",
         "Service",  # the example turns KV events on: their headless Service
+        "Service",  # and the peers' headless Service
     ]
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33.0", strict=True)

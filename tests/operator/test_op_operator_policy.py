@@ -148,6 +148,23 @@ def test_kv_events_are_allowed_by_default_and_refused_where_the_policy_says_so(
     assert result.exit_code == 2 and "spec.events.enabled" in result.stderr
 
 
+def test_peers_are_allowed_by_default_and_refused_where_the_policy_says_so(
+    tmp_path: Any,
+) -> None:
+    pool = _pool(peers={"enabled": True})
+    assert problems(pool, OperatorPolicy(), OPERATOR_IMAGE) == []
+    (found,) = problems(pool, OperatorPolicy(allow_peers=False), OPERATOR_IMAGE)
+    assert found.startswith("spec.peers.enabled: ") and "pod network" in found
+    assert problems(_pool(peers={"enabled": False}), OperatorPolicy(allow_peers=False),
+                    OPERATOR_IMAGE) == []
+    # `kvpool render --no-allow-peers` (env KVPOOL_ALLOW_PEERS for the operator) refuses it.
+    path = tmp_path / "pool.yaml"
+    path.write_text((EXAMPLES / "pool-minimal.yaml").read_text() + "  peers:\n    enabled: true\n")
+    assert runner.invoke(app, ["render", "-f", str(path)]).exit_code == 0
+    result = runner.invoke(app, ["render", "-f", str(path), "--no-allow-peers"])
+    assert result.exit_code == 2 and "spec.peers.enabled" in result.stderr
+
+
 def test_keyed_tolerations_and_the_default_image_pass_the_default_policy() -> None:
     pool = _pool(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}])
     assert problems(pool, OperatorPolicy(), OPERATOR_IMAGE) == []

@@ -1,12 +1,13 @@
 """Least privilege of the operator, shown by the requests it really makes.
 
 The operator runs against the emulator through a pool's whole life (create, drift
-repair, a policy change, rollout status, a deleted DaemonSet, deletion with a gc Job),
-with a namespace pattern and `--pod-monitor`, so every kind of call it can make is
-made. The emulator records each request of the operator (kopf's and its own client's)
-as an RBAC verb on a resource; the chart's ClusterRole must grant exactly those, plus
-what the operator only holds to grant the agents. The same run checks that the pool's
-S3 credentials never leave their Secret: not into another object, not into a log line.
+repair, a policy change, rollout status, a deleted DaemonSet, KV events and peers turned
+off, deletion with a gc Job), with a namespace pattern and `--pod-monitor`, so every kind
+of call it can make is made. The emulator records each request of the operator (kopf's and
+its own client's) as an RBAC verb on a resource; the chart's ClusterRole must grant exactly
+those, plus what the operator only holds to grant the agents. The same run checks that the
+pool's S3 credentials and its peer secret never leave their Secrets: not into another
+object, not into a log line.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ CHART = ROOT / "charts" / "kvpool"
 POOL = "llama-70b"
 CHILD = "kvpool-llama-70b"
 ROLE = Names(NAMESPACE, POOL).cluster_role
+PEERS = Names(NAMESPACE, POOL).peers
 ACCESS_KEY = "AKIAKVPOOLLEAKCHECK7Q"
 SECRET_KEY = "kvpool-leak-check/s3cr3t+9f8e7d6c5b4a"
 RBAC = "rbac.authorization.k8s.io/v1"
@@ -112,8 +114,9 @@ def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     return {}
 
 
-async def _pool_life(cluster: Cluster) -> None:
-    """Everything the operator does for one pool, start to end."""
+async def _pool_life(cluster: Cluster) -> bytes:
+    """Everything the operator does for one pool, start to end; returns the pool's peer
+    secret (the value of the Secret the operator made)."""
     secret = copy.deepcopy(example("pool.yaml", "Secret"))
     secret["stringData"] = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
     # The tests' own client echoes the Secret it creates at DEBUG; only the operator's
@@ -144,6 +147,9 @@ async def _pool_life(cluster: Cluster) -> None:
         ("v1", "ConfigMap", CHILD, NAMESPACE),
         ("v1", "Service", f"{CHILD}-metrics", NAMESPACE),
         ("v1", "Service", f"{CHILD}-events", NAMESPACE),
+        ("v1", "Service", PEERS, NAMESPACE),
+        ("v1", "Secret", PEERS, NAMESPACE),
+        ("networking.k8s.io/v1", "NetworkPolicy", PEERS, NAMESPACE),
         ("apps/v1", "DaemonSet", CHILD, NAMESPACE),
         ("monitoring.coreos.com/v1", "PodMonitor", CHILD, NAMESPACE),
         (RBAC, "ClusterRole", ROLE, None),
@@ -227,6 +233,22 @@ async def _pool_life(cluster: Cluster) -> None:
 
     await cluster.eventually(events_off, "the events Service deleted")
 
+    # Peers turned off: the operator deletes the pool's peer Secret, Service and policy.
+    secret = await cluster.get("v1", "Secret", PEERS)
+    peer_secret = base64.b64decode(((secret or {}).get("data") or {}).get("secret", ""))
+    assert len(peer_secret) == 32
+    peer_objects = [
+        ("v1", "Secret"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy")
+    ]
+    await cluster.patch(
+        api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"peers": {"enabled": False}}}
+    )
+
+    async def peers_off() -> bool:
+        return all([await cluster.get(v, k, PEERS) is None for v, k in peer_objects])
+
+    await cluster.eventually(peers_off, "the peer objects deleted")
+
     # Deletion: the gc Job runs and succeeds, the cluster-scoped RBAC goes.
     pool = await cluster.pool(POOL)
     assert pool is not None
@@ -240,6 +262,7 @@ async def _pool_life(cluster: Cluster) -> None:
 
     await cluster.eventually(gone, "the pool deleted")
     assert await cluster.get(RBAC, "ClusterRole", ROLE, None) is None
+    return peer_secret
 
 
 async def test_chart_grants_exactly_what_the_operator_calls(
@@ -311,13 +334,15 @@ async def test_without_patterns_the_operator_never_lists_namespaces_or_crds(
     assert _used(cluster.emulator.calls) <= granted
 
 
-def _leaks(text: str) -> list[str]:
+def _leaks(text: str, peer_secret: bytes = b"") -> list[str]:
     forms = {
         ACCESS_KEY,
         SECRET_KEY,
         base64.b64encode(ACCESS_KEY.encode()).decode(),
         base64.b64encode(SECRET_KEY.encode()).decode(),
     }
+    if peer_secret:
+        forms |= {base64.b64encode(peer_secret).decode(), peer_secret.hex()}
     return [f for f in forms if f in text]
 
 
@@ -325,7 +350,7 @@ async def test_credentials_never_leave_their_secret(
     patterned: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    await _pool_life(patterned)
+    peer_secret = await _pool_life(patterned)
 
     checked = set()
     for key, obj in patterned.emulator.objects.items():
@@ -338,7 +363,7 @@ async def test_credentials_never_leave_their_secret(
             if plural == "secrets":
                 continue
             checked.add(plural)
-            assert not _leaks(json.dumps(raw)), f"{plural} {name}"
+            assert not _leaks(json.dumps(raw), peer_secret), f"{plural} {name}"
             containers = [
                 c
                 for spec in (((raw.get("spec") or {}).get("template") or {}).get("spec") or {},)
@@ -352,5 +377,5 @@ async def test_credentials_never_leave_their_secret(
     assert {"configmaps", "daemonsets", "jobs", "events", api.POOL_PLURAL} <= checked
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) > 20  # kopf's and the operator's debug logging was captured
-    leaked = [m for m in messages if _leaks(m)]
+    leaked = [m for m in messages if _leaks(m, peer_secret)]
     assert leaked == []

@@ -77,6 +77,7 @@ ENV_ALLOW_ROOT: Final = "KVPOOL_ALLOW_ROOT"
 ENV_HOST_PATH_ROOTS: Final = "KVPOOL_HOST_PATH_ROOTS"
 ENV_ALLOW_TOLERATE_ALL_TAINTS: Final = "KVPOOL_ALLOW_TOLERATE_ALL_TAINTS"
 ENV_ALLOW_EVENTS: Final = "KVPOOL_ALLOW_EVENTS"
+ENV_ALLOW_PEERS: Final = "KVPOOL_ALLOW_PEERS"
 """The operator's settings (`kvpool operator run` options)."""
 
 # -- Kubernetes names shared by the agent, the operator and the chart

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from pydantic.alias_generators import to_camel
 
 from kvpool.agent.config import (
+    PEER_PORT,
     DramTier,
     Events,
     Model,
@@ -78,7 +79,7 @@ class InvalidSpec(ValueError):
 
 
 class PortConflict(InvalidSpec):
-    """Two ports of the agent container are the same (events ports, metrics port)."""
+    """Two ports of the agent container are the same (events, peer, metrics ports)."""
 
 
 # --------------------------------------------------------------------------- pool spec
@@ -246,6 +247,38 @@ class AgentSpec(Model):
     )
 
 
+class PeerTlsSpec(Model):
+    """TLS between the agents of the pool, with a certificate Secret the admin provides;
+    unset: plain TCP (the pool's secret still authenticates every connection, but chunks
+    cross the network unencrypted)."""
+
+    secret_name: str = Field(
+        description="A Secret in the pool's namespace (type kubernetes.io/tls) with keys "
+        "tls.crt, tls.key and ca.crt: the certificate every agent of the pool shows, its key, "
+        "and the CA each agent checks the others' certificate against.",
+        min_length=1,
+        max_length=253,
+    )
+
+
+class PeersSpec(Model):
+    """The peer tier: the agents of the pool read each other's chunks over TCP."""
+
+    enabled: bool = Field(
+        False,
+        description="Every agent serves its DRAM and NVMe chunks to the pool's other agents and "
+        "reads theirs before the shared tier. The operator creates the pool's secret (Secret "
+        "kvpool-<name>-peers, which both sides of a connection prove), the headless Service "
+        "kvpool-<name>-peers the agents find each other through, and a NetworkPolicy "
+        "admitting only the pool's agents on the port (docs/cross-node.md).",
+    )
+    port: int = Field(
+        PEER_PORT, ge=1024, le=65535,
+        description="TCP port the agents serve chunks on (container port kv-peers).",
+    )
+    tls: PeerTlsSpec | None = Field(None, description="TLS between the agents; unset: plain TCP.")
+
+
 class KVCachePoolSpec(Model):
     """A tiered KV-cache pool: one agent per selected node, sharing a G4 store."""
 
@@ -279,6 +312,11 @@ class KVCachePoolSpec(Model):
         "format, with a replay socket for late subscribers. Enabled: the ports are named "
         "container ports of the agent (kv-events, kv-replay) and the headless Service "
         "kvpool-<name>-events lists every agent's pod address (docs/events.md).",
+    )
+    peers: PeersSpec = Field(
+        default_factory=PeersSpec,
+        description="The peer tier: agents read chunks other nodes' agents hold, verified, "
+        "before the shared tier (docs/cross-node.md).",
     )
     socket_dir: str = Field(
         "/run/kvpool",
@@ -453,7 +491,24 @@ ALL_INTERFACES = ("*", "0.0.0.0", "::", "[::]")
 def port_conflict(spec: KVCachePoolSpec) -> str | None:
     """Why the agent container's ports collide or are out of reach, or None: with events
     enabled, the PUB and replay ports must differ from the metrics port, and bind every
-    interface of the agent pod."""
+    interface of the agent pod; with peers enabled, the peer port must differ from the
+    metrics port and from the events ports."""
+    problem = _events_port_conflict(spec)
+    if problem is not None or not spec.peers.enabled:
+        return problem
+    port = spec.peers.port
+    taken = [("spec.agent.metricsPort", spec.agent.metrics_port)]
+    if spec.events.enabled:
+        taken.append(("spec.events.port", spec.events.port))
+        if spec.events.replay_port is not None:
+            taken.append(("spec.events.replayPort", spec.events.replay_port))
+    for field, other in taken:
+        if port == other:
+            return f"spec.peers.port: {port} is also {field}; choose another port"
+    return None
+
+
+def _events_port_conflict(spec: KVCachePoolSpec) -> str | None:
     events = spec.events
     if not events.enabled:
         return None

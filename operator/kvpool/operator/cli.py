@@ -18,6 +18,7 @@ from kvpool.agent.constants import (
     ENV_AGENT_IMAGE,
     ENV_ALL_NAMESPACES,
     ENV_ALLOW_EVENTS,
+    ENV_ALLOW_PEERS,
     ENV_ALLOW_ROOT,
     ENV_ALLOW_TOLERATE_ALL_TAINTS,
     ENV_ALLOWED_IMAGES,
@@ -92,6 +93,14 @@ AllowEvents = Annotated[
         "unauthenticated port on every agent carrying the token ids of cached prefixes.",
     ),
 ]
+AllowPeers = Annotated[
+    bool,
+    typer.Option(
+        envvar=ENV_ALLOW_PEERS,
+        help="Allow pools to serve chunks between their agents over the pod network "
+        "(spec.peers.enabled): authenticated by the pool's secret, unencrypted without TLS.",
+    ),
+]
 
 
 def operator_policy(
@@ -100,6 +109,7 @@ def operator_policy(
     host_path_roots: list[str] | None,
     allow_tolerate_all_taints: bool,
     allow_events: bool,
+    allow_peers: bool,
 ) -> OperatorPolicy:
     """The policy from the flags; `typer.Exit` with an `error:` line for a bad root."""
     images = tuple(i for item in allowed_images or [] for i in item.split())
@@ -115,6 +125,7 @@ def operator_policy(
         host_path_roots=roots or DEFAULT_HOST_PATH_ROOTS,
         allow_tolerate_all_taints=allow_tolerate_all_taints,
         allow_events=allow_events,
+        allow_peers=allow_peers,
     )
 
 
@@ -179,6 +190,7 @@ def render_command(
     host_path_root: HostPathRoots = None,
     allow_tolerate_all_taints: AllowTolerateAll = False,
     allow_events: AllowEvents = True,
+    allow_peers: AllowPeers = True,
 ) -> None:
     """Print the manifests the operator applies for a pool, as multi-document YAML."""
     docs = _load_documents(files)
@@ -194,7 +206,12 @@ def render_command(
         agent_image=agent_image,
         pod_monitor=pod_monitor,
         policy=operator_policy(
-            allowed_image, allow_root, host_path_root, allow_tolerate_all_taints, allow_events
+            allowed_image,
+            allow_root,
+            host_path_root,
+            allow_tolerate_all_taints,
+            allow_events,
+            allow_peers,
         ),
     )
     out: list[dict[str, Any]] = []
@@ -289,6 +306,7 @@ def operator_command(
     host_path_root: HostPathRoots = None,
     allow_tolerate_all_taints: AllowTolerateAll = False,
     allow_events: AllowEvents = True,
+    allow_peers: AllowPeers = True,
 ) -> None:
     """Run the operator (kopf, embedded): reconcile pools, serve the pod webhook."""
     namespaces = [n for item in namespace or [] for n in item.split()]
@@ -316,6 +334,7 @@ def operator_command(
                 host_path_root,
                 allow_tolerate_all_taints,
                 allow_events,
+                allow_peers,
             ),
         ),
         resync_seconds=resync_seconds,

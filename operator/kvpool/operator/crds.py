@@ -68,7 +68,21 @@ _RULES: dict[type[BaseModel], list[Schema]] = {
             " || self.events.replayPort != self.agent.metricsPort))",
             "message": "events.port and events.replayPort must differ from agent.metricsPort",
             "fieldPath": ".events",
-        }
+        },
+        {
+            # The peer port, too (as api.port_conflict checks); the server fills in every
+            # default before the rule runs, but a `has` keeps the rule safe without them.
+            "rule": "!has(self.peers) || !has(self.peers.enabled) || !self.peers.enabled"
+            " || !has(self.peers.port)"
+            " || ((!has(self.agent) || !has(self.agent.metricsPort)"
+            " || self.peers.port != self.agent.metricsPort)"
+            " && (!has(self.events) || !has(self.events.enabled) || !self.events.enabled"
+            " || ((!has(self.events.port) || self.events.port != self.peers.port)"
+            " && (!has(self.events.replayPort) || self.events.replayPort != self.peers.port))))",
+            "message": "peers.port must differ from agent.metricsPort, events.port and "
+            "events.replayPort",
+            "fieldPath": ".peers.port",
+        },
     ],
     api.SharedSpec: [
         {

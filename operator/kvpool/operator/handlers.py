@@ -15,8 +15,10 @@ every event, including a replayed one, converges to the same objects.
 
 from __future__ import annotations
 
+import base64
 import copy
 import logging
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,9 @@ from .operator_policy import Forbidden
 from .operator_policy import check as check_operator_policy
 from .render import (
     MANAGED_BY,
+    PEER_SECRET_BYTES,
+    PEER_SECRET_KEY,
+    PEER_TLS_KEYS,
     POOL_LABEL,
     SECRET_KEYS,
     Names,
@@ -134,23 +139,43 @@ def _resolve_policy(
     )
 
 
-def _check_secret(kube: Kube, pool: api.KVCachePool) -> None:
+def _check_secrets(kube: Kube, pool: api.KVCachePool) -> None:
+    """The Secrets the pool names exist and hold the keys its agents read."""
     shared = pool.spec.tiers.shared
-    if shared is None or not shared.credentials_secret:
-        return
-    ns, name = pool.metadata.namespace, shared.credentials_secret
-    keys = kube.secret_keys(ns, name)
-    if keys is None:
+    if shared is not None and shared.credentials_secret:
+        _check_secret(kube, pool.metadata.namespace, shared.credentials_secret, SECRET_KEYS,
+                      "spec.tiers.shared.credentialsSecret", "the shared tier")
+    tls = pool.spec.peers.tls if pool.spec.peers.enabled else None
+    if tls is not None:
+        _check_secret(kube, pool.metadata.namespace, tls.secret_name, PEER_TLS_KEYS,
+                      "spec.peers.tls.secretName", "TLS between the agents")
+
+
+def _check_secret(
+    kube: Kube, ns: str, name: str, keys: tuple[str, ...], field: str, user: str
+) -> None:
+    found = kube.secret_keys(ns, name)
+    if found is None:
         raise Problem(
-            Reason.SECRET_NOT_FOUND,
-            f"Secret {name!r} (spec.tiers.shared.credentialsSecret) not found in namespace {ns!r}",
+            Reason.SECRET_NOT_FOUND, f"Secret {name!r} ({field}) not found in namespace {ns!r}"
         )
-    missing = [k for k in SECRET_KEYS if k not in keys]
+    missing = [k for k in keys if k not in found]
     if missing:
         raise Problem(
             Reason.SECRET_KEY_MISSING,
-            f"Secret {name!r} has no key {', '.join(missing)} (needed by the shared tier)",
+            f"Secret {name!r} has no key {', '.join(missing)} (needed by {user})",
         )
+
+
+def generated(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Fields the operator makes once for a rendered object, where render (pure) cannot:
+    the pool's random peer secret (the only Secret rendered). `Kube.apply` gives them to
+    the object it creates, or to one that lost them, and never replaces them, so a
+    re-render keeps the secret every agent of the pool holds."""
+    if obj["kind"] != "Secret":
+        return None
+    value = secrets.token_bytes(PEER_SECRET_BYTES)
+    return {"data": {PEER_SECRET_KEY: base64.b64encode(value).decode()}}
 
 
 def _write_status(kube: Kube, body: Mapping[str, Any], status: dict[str, Any]) -> None:
@@ -197,8 +222,8 @@ def _remove_agents(kube: Kube, namespace: str, name: str, logger: Logger) -> Non
 
 
 def _prune(kube: Kube, pool: api.KVCachePool, logger: Logger) -> None:
-    """Delete the pool's optional objects its spec no longer renders (events turned off):
-    only those the operator made for this pool, by their labels."""
+    """Delete the pool's optional objects its spec no longer renders (events or peers turned
+    off): only those the operator made for this pool, by their labels."""
     ns, name = pool.metadata.namespace, pool.metadata.name
     for api_version, kind, obj_name in unrendered(pool):
         live = kube.get(api_version, kind, ns, obj_name)
@@ -232,7 +257,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 raise Problem(Reason.INVALID_SPEC, str(e)) from e
             try:
                 policy, resolved = _resolve_policy(ctx.kube, pool)
-                _check_secret(ctx.kube, pool)
+                _check_secrets(ctx.kube, pool)
             except KubeError as e:
                 raise Problem(Reason.APPLY_FAILED, str(e)) from e
             try:
@@ -246,7 +271,7 @@ def reconcile_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry:
                 raise Problem(Reason.INVALID_SPEC, str(e)) from e
             for obj in objects:
                 try:
-                    result = ctx.kube.apply(obj)
+                    result = ctx.kube.apply(obj, generated(obj))
                 except KubeError as e:
                     raise Problem(
                         Reason.APPLY_FAILED, f"{obj['kind']} {obj['metadata']['name']}: {e}"

@@ -38,6 +38,7 @@ _PLURALS: dict[str, tuple[str, bool]] = {
     "Event": ("events", True),
     "DaemonSet": ("daemonsets", True),
     "Job": ("jobs", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "ClusterRole": ("clusterroles", False),
     "ClusterRoleBinding": ("clusterrolebindings", False),
     "PodMonitor": ("podmonitors", True),
@@ -124,6 +125,21 @@ def deletions(last: Mapping[str, Any], desired: Mapping[str, Any], live: Any) ->
     return patch
 
 
+def missing(live: Any, initial: Mapping[str, Any]) -> Manifest:
+    """The part of `initial` that `live` lacks (maps compared key by key)."""
+    if not isinstance(live, Mapping):
+        return copy.deepcopy(dict(initial))
+    out: Manifest = {}
+    for key, value in initial.items():
+        if key not in live:
+            out[key] = copy.deepcopy(value)
+        elif isinstance(value, Mapping):
+            nested = missing(live[key], value)
+            if nested:
+                out[key] = nested
+    return out
+
+
 def with_last_applied(obj: Manifest) -> Manifest:
     """A copy of `obj` that records itself in the `LAST_APPLIED` annotation."""
     desired = copy.deepcopy(obj)
@@ -150,6 +166,12 @@ def _status_message(body: Any) -> str:
     if isinstance(data, dict):
         return str(data.get("message") or "")
     return ""
+
+
+def _loggable(kind: str) -> bool:
+    """Whether the client may log the bodies of responses about `kind` (at DEBUG, as it does
+    every body it parses): never a Secret's, whose values must reach no log."""
+    return kind != "Secret"
 
 
 class KubeError(Exception):
@@ -274,7 +296,9 @@ class Kube:
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
         try:
-            return self._call("GET", path_of(api_version, kind, namespace, name))
+            return self._call(
+                "GET", path_of(api_version, kind, namespace, name), log_body=_loggable(kind)
+            )
         except KubeError as e:
             if e.status == 404:
                 return None
@@ -312,7 +336,7 @@ class Kube:
     def create(self, obj: Manifest) -> Manifest:
         meta = obj["metadata"]
         path = path_of(obj["apiVersion"], obj["kind"], meta.get("namespace"))
-        return self._call("POST", path, body=obj)
+        return self._call("POST", path, body=obj, log_body=_loggable(obj["kind"]))
 
     def patch(
         self,
@@ -327,7 +351,13 @@ class Kube:
         path = path_of(api_version, kind, namespace, name)
         if subresource:
             path += f"/{subresource}"
-        return self._call("PATCH", path, body=patch, content_type="application/merge-patch+json")
+        return self._call(
+            "PATCH",
+            path,
+            body=patch,
+            content_type="application/merge-patch+json",
+            log_body=_loggable(kind),
+        )
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         """Delete in the background; False if it was already gone."""
@@ -336,6 +366,7 @@ class Kube:
                 "DELETE",
                 path_of(api_version, kind, namespace, name),
                 body={"propagationPolicy": "Background"},
+                log_body=_loggable(kind),
             )
         except KubeError as e:
             if e.status == 404:
@@ -343,27 +374,35 @@ class Kube:
             raise
         return True
 
-    def apply(self, obj: Manifest) -> Applied:
+    def apply(self, obj: Manifest, initial: Manifest | None = None) -> Applied:
         """Create, or three-way merge: patch the fields that differ and remove those the
         operator set before (its `LAST_APPLIED` annotation) and no longer renders;
-        nothing if there is nothing to do."""
+        nothing if there is nothing to do.
+
+        `initial`: fields the object is created with and given only where the live object
+        lacks them, never replaced (a Secret's generated value, which a later render must
+        not change); they are not recorded as applied.
+        """
         meta = obj["metadata"]
         ident = (obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         desired = with_last_applied(obj)
         live = self.get(*ident)
         if live is None:
             try:
-                self.create(desired)
+                self.create(_merge(copy.deepcopy(desired), copy.deepcopy(initial or {})))
                 return Applied.CREATED
             except KubeError as e:
                 if e.status != 409:
                     raise
                 live = self.get(*ident) or {}
-        trim = removals(live, desired)  # objects applied before the annotation existed
+        lacking = missing(live, initial or {})
+        # Objects applied before the annotation existed; an owned map holding initial
+        # fields (a Secret's `data`) keeps them.
+        trim = removals(live, _merge(copy.deepcopy(desired), copy.deepcopy(initial or {})))
         previous = last_applied(live)
         if previous is not None:
             _merge(trim, deletions(previous, obj, live))
-        if contains(live, desired) and not trim:
+        if contains(live, desired) and not trim and not lacking:
             return Applied.UNCHANGED
-        self.patch(*ident, _merge(desired, trim))
+        self.patch(*ident, _merge(_merge(desired, trim), lacking))
         return Applied.PATCHED

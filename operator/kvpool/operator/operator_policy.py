@@ -70,6 +70,12 @@ class OperatorPolicy:
     """Whether pools may publish KV events (`spec.events.enabled`): an unauthenticated port
     on every agent from which anyone on the pod network reads the token ids of cached
     prompt prefixes."""
+    allow_peers: bool = True
+    """Whether pools may run the peer tier (`spec.peers.enabled`): their agents serve chunks
+    to each other on the pod network. Allowed by default: it asks nothing of the nodes,
+    every connection proves the pool's own secret and a NetworkPolicy admits only the
+    pool's agents; an admin refuses it where KV bytes must not cross the pod network
+    (unencrypted without `spec.peers.tls`, or a network that enforces no NetworkPolicy)."""
 
 
 def image_repository(image: str) -> str:
@@ -159,6 +165,11 @@ def problems(pool: api.KVCachePool, policy: OperatorPolicy, default_image: str) 
         out.append(
             "spec.events.enabled: publishing KV events (token ids of cached prefixes, on an "
             "unauthenticated port of every agent) is not allowed"
+        )
+    if spec.peers.enabled and not policy.allow_peers:
+        out.append(
+            "spec.peers.enabled: serving chunks between the pool's agents over the pod network "
+            "is not allowed"
         )
     return out
 

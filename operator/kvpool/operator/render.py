@@ -14,6 +14,7 @@ Layout on a node, for pool `<ns>/<name>`:
 | NVMe chunks | `<nvme.hostPath>/<ns>.<name>/` | `/var/lib/kvpool/nvme/` |
 | agent state | `/var/lib/kvpool/state/<ns>.<name>/` | `/var/lib/kvpool/state/` |
 | config | ConfigMap `kvpool-<name>` | `/etc/kvpool/` |
+| peer secret, TLS | Secrets `kvpool-<name>-peers`, `spec.peers.tls` | `/etc/kvpool-peers/` |
 
 The arena lives on the host's tmpfs, so an agent restart or rolling upgrade
 keeps the DRAM tier warm. The state directory is on the node's disk: what the
@@ -36,6 +37,8 @@ from kvpool.agent.config import (
     AgentConfig,
     DramTier,
     NvmeTier,
+    Peers,
+    PeerTls,
     SharedTier,
     TierPolicy,
     Tiers,
@@ -61,6 +64,17 @@ NVME_MOUNT = "/var/lib/kvpool/nvme"
 STATE_MOUNT = "/var/lib/kvpool/state"
 STATE_HOST_DIR = "/var/lib/kvpool/state"
 """On the node: one directory per pool below it (`<ns>.<name>`), on disk, not tmpfs."""
+PEERS_MOUNT = "/etc/kvpool-peers"
+"""The pool's peer secret (and TLS files) in the agent: beside the config, not below it, as
+the ConfigMap's volume is read-only and a mount point cannot be made inside it."""
+PEER_SECRET_KEY = "secret"
+"""The key of the pool's peer Secret holding the shared secret (random, made by the
+operator once: `handlers`), and its file name in `PEERS_MOUNT`."""
+PEER_SECRET_BYTES = 32
+PEER_TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
+"""Keys the Secret named by `spec.peers.tls.secretName` must hold."""
+POD_IP_ENV = "POD_IP"
+"""The agent pod's address (downward API), which it advertises to its peers."""
 CONFIG_CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
 POOL_LABEL = "kvpool.io/pool"
 POOL_NAMESPACE_LABEL = "kvpool.io/pool-namespace"
@@ -158,6 +172,11 @@ class Names:
     def events_service(self) -> str:
         """The headless Service listing every agent's KV-events endpoints (DNS-1035)."""
         return dns_label("kvpool", self.pool, "events")
+
+    @property
+    def peers(self) -> str:
+        """The peer Secret, headless Service and NetworkPolicy (one DNS-1035 name for all)."""
+        return dns_label("kvpool", self.pool, "peers")
 
     @property
     def cluster_role(self) -> str:
@@ -291,6 +310,28 @@ def _shared_file_path(shared: api.SharedSpec | None) -> str | None:
     return None
 
 
+def peers_config(pool: api.KVCachePool) -> Peers:
+    """The agents' `peers` section: their port, the pod address they advertise (expanded
+    from the pod's env by the agent), the pool's secret and TLS files as mounted, and the
+    headless Service whose DNS name lists every agent of the pool."""
+    spec = pool.spec.peers
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    mount = Path(PEERS_MOUNT)
+    return Peers(
+        enabled=True,
+        port=spec.port,
+        advertise=f"$({POD_IP_ENV})",
+        secret_file=mount / PEER_SECRET_KEY,
+        discovery=f"{names.peers}.{names.namespace}.svc",
+        **(
+            {"tls": PeerTls(cert_file=mount / "tls.crt", key_file=mount / "tls.key",
+                            ca_file=mount / "ca.crt")}
+            if spec.tls is not None
+            else {}
+        ),
+    )
+
+
 def agent_config(pool: api.KVCachePool) -> AgentConfig:
     """The `AgentConfig` every agent of the pool runs with (`agent.yaml`)."""
     spec = pool.spec
@@ -327,6 +368,7 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
         # Only when enabled: a disabled section means nothing to the agent, and every
         # other pool's agent.yaml (and its config checksum, so its pods) stays as it was.
         **({"events": spec.events} if spec.events.enabled else {}),
+        **({"peers": peers_config(pool)} if spec.peers.enabled else {}),
     )
 
 
@@ -334,6 +376,10 @@ EVENTS_PORT_NAME = "kv-events"
 """Container and Service port name of the agent's ZMQ PUB socket."""
 REPLAY_PORT_NAME = "kv-replay"
 """Container and Service port name of the agent's ZMQ ROUTER replay socket."""
+
+
+PEERS_PORT_NAME = "kv-peers"
+"""Container and Service port name of the agent's peer port."""
 
 
 def events_ports(pool: api.KVCachePool) -> list[tuple[str, int]]:
@@ -524,6 +570,9 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
     if shared_path is not None:
         volumes.append(_host_dir("shared", shared_path, "Directory"))
         mounts.append({"name": "shared", "mountPath": shared_path})
+    if spec.peers.enabled:
+        volumes.append(_peers_volume(pool))
+        mounts.append({"name": "peers", "mountPath": PEERS_MOUNT, "readOnly": True})
     env: list[Manifest] = [
         {"name": ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {
@@ -531,6 +580,11 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
         *credential_env(pool),
+        *(
+            [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+            if spec.peers.enabled
+            else []
+        ),
     ]
     pod_security, container_security = _security(pool)
 
@@ -552,7 +606,7 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
             {"name": "metrics", "containerPort": agent.metrics_port, "protocol": "TCP"},
             *(
                 {"name": name, "containerPort": port, "protocol": "TCP"}
-                for name, port in events_ports(pool)
+                for name, port in (*events_ports(pool), *peers_ports(pool))
             ),
         ],
         "startupProbe": probe("/healthz", 5, 60),
@@ -591,6 +645,87 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
                 },
                 "spec": pod_spec,
             },
+        },
+    }
+
+
+def peers_ports(pool: api.KVCachePool) -> list[tuple[str, int]]:
+    """(name, port) of the agents' peer port; none when peers are off."""
+    return [(PEERS_PORT_NAME, pool.spec.peers.port)] if pool.spec.peers.enabled else []
+
+
+def _peers_volume(pool: api.KVCachePool) -> Manifest:
+    """One read-only volume with the pool's peer secret and, with TLS, the certificate files
+    (their Secrets projected side by side, so a rotated certificate reaches the pod)."""
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    sources: list[Manifest] = [
+        {
+            "secret": {
+                "name": names.peers,
+                "items": [{"key": PEER_SECRET_KEY, "path": PEER_SECRET_KEY}],
+            }
+        }
+    ]
+    tls = pool.spec.peers.tls
+    if tls is not None:
+        sources.append(
+            {
+                "secret": {
+                    "name": tls.secret_name,
+                    "items": [{"key": key, "path": key} for key in PEER_TLS_KEYS],
+                }
+            }
+        )
+    return {"name": "peers", "projected": {"sources": sources}}
+
+
+def _peer_secret(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    """The pool's peer Secret without its value: render is pure, so the random secret is
+    made by the operator when it creates the Secret, and no later apply replaces it
+    (`handlers`). Owned by the pool, so it goes with it."""
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(pool, settings, names.peers),
+        "type": "Opaque",
+    }
+
+
+def _peers_service(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    """The headless Service the agents find each other through (DNS: every agent pod's
+    address). Not-ready agents are listed too: an agent that is starting is a peer the
+    others may already reach, and its readiness does not depend on theirs."""
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    service = _headless_service(pool, settings, names.peers, peers_ports(pool))
+    service["spec"]["publishNotReadyAddresses"] = True
+    return service
+
+
+def _peers_network_policy(pool: api.KVCachePool, settings: Settings) -> Manifest:
+    """Only the pool's own agents reach the peer port.
+
+    A NetworkPolicy that selects a pod isolates it for all ingress but what some policy
+    admits, so this one also admits the agent's other ports (metrics, KV events) from
+    anywhere, as without it: it restricts the peer port and nothing else. Egress is not
+    touched. (Traffic from the node itself, the kubelet's probes, is always allowed.)
+    """
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    others = [("metrics", pool.spec.agent.metrics_port), *events_ports(pool)]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(pool, settings, names.peers),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(pool)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": selector_labels(pool)}}],
+                    "ports": [{"protocol": "TCP", "port": pool.spec.peers.port}],
+                },
+                {"ports": [{"protocol": "TCP", "port": port} for _, port in others]},
+            ],
         },
     }
 
@@ -713,14 +848,20 @@ def render(
     tier_policy = policy.spec if policy is not None else TierPolicy()
     config_map = _config_map(pool, tier_policy, settings)
     data = config_map["data"]
+    peers = pool.spec.peers.enabled
     objects = [
         *_rbac(pool, settings),
         config_map,
+        # Before the agents: their volume needs the Secret, and the policy guards the port
+        # before it opens.
+        *([_peer_secret(pool, settings), _peers_network_policy(pool, settings)] if peers else []),
         _daemon_set(pool, settings, checksum(data[AGENT_CONFIG_KEY])),
         _service(pool, settings),
     ]
     if pool.spec.events.enabled:
         objects.append(_events_service(pool, settings))
+    if peers:
+        objects.append(_peers_service(pool, settings))
     if settings.pod_monitor:
         objects.append(_pod_monitor(pool, settings))
     return objects
@@ -731,9 +872,16 @@ def unrendered(pool: api.KVCachePool) -> list[tuple[str, str, str]]:
     what the reconcile deletes when a pool turns a feature off (a three-way merge prunes
     fields of an object, never the object)."""
     names = Names(pool.metadata.namespace, pool.metadata.name)
-    if pool.spec.events.enabled:
-        return []
-    return [("v1", "Service", names.events_service)]
+    off: list[tuple[str, str, str]] = []
+    if not pool.spec.events.enabled:
+        off.append(("v1", "Service", names.events_service))
+    if not pool.spec.peers.enabled:
+        off += [
+            ("v1", "Service", names.peers),
+            ("networking.k8s.io/v1", "NetworkPolicy", names.peers),
+            ("v1", "Secret", names.peers),
+        ]
+    return off
 
 
 def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Manifest:
