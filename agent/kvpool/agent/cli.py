@@ -512,11 +512,17 @@ def bench(
         "there is none it says so and exits 0).")] = False,
     part: Annotated[list[str] | None, typer.Option(
         "--part", metavar="NAME",
-        help="Run only this part (repeatable): data, events, control, tiers, hit-ratio, "
-        "scale. Default: every part.")] = None,
+        help="Run only this part (repeatable): data (needs redis-server and the redis "
+        "package), events, control, tiers (its G4 figures need moto[server]), hit-ratio "
+        "(its libCacheSim peers need libcachesim), scale. Default: every part.")] = None,
 ) -> None:
     """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU,
-    Belady and libCacheSim), in one run on this machine."""
+    Belady and libCacheSim), in one run on this machine.
+
+    What this machine lacks for a part (a baseline's program or package) is named with how
+    to get it, before anything runs, and that part (or its section) is left out; with
+    nothing left to run, that is an error. `pip install '.[bench]'` from a checkout and
+    `apt-get install redis-server` give every part."""
     if gpu:
         from kvpool.bench.gpu import run_gpu_bench
 
@@ -530,6 +536,11 @@ def bench(
     if unknown:
         _fail(f"--part {unknown[0]}: not a bench part (one of {', '.join(PARTS)})")
 
+    from kvpool.bench.needs import left_out
+
+    unrunnable = {p: why for p, why in left_out(parts, plots=False).items() if p in parts}
+    if len(unrunnable) == len(set(parts)):  # every part asked for: nothing would run
+        _fail("; ".join(f"--part {p} {why}" for p, why in unrunnable.items()))
     if trace is not None:
         try:  # a bad trace is a clear error before any part runs, not a traceback after
             load_trace(trace, limit=1)

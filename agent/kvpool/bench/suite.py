@@ -34,6 +34,7 @@ from .conversation import conversation_trace
 from .data_path import run_data_path
 from .events import run_events
 from .hit_ratio import run_admission, run_trace
+from .needs import left_out
 from .scale import run_nvme_index, run_scale
 from .stats import KiB, MiB
 from .tiers import run_g3, run_g4
@@ -54,6 +55,11 @@ PARTS = ("data", "events", "control", "tiers", "hit-ratio", "scale")
 """The parts a run takes, in order (`--part`): G2 vs memcpy and Redis; KV events on vs
 off; control latency; G3 and G4; the trace, conversation and NVMe admission figures
 (`trace`, `conversation`, `admission`); scale."""
+
+
+_WHAT = {"data": "the data part: G2 vs memcpy and Redis", "g4": "the tiers part's G4 figures",
+         "libcachesim": "the hit-ratio part's libCacheSim peers", "plots": "the PNG plots"}
+"""What each name `needs.left_out` may give stands for, in words."""
 
 
 def _machine() -> dict[str, Any]:
@@ -79,6 +85,12 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
     reps = 5 if quick else 15
     started = time.perf_counter()
     result: dict[str, Any] = {"meta": {**_machine(), "quick": quick, "reps": reps}}
+    skipped = left_out(parts, plots=out is not None)
+    for name, why in skipped.items():  # before any part runs, not after
+        console.print(f"left out: {name} ({_WHAT[name]}): {why}", markup=False)
+    if skipped:
+        result["meta"]["skipped"] = skipped
+    parts = [p for p in parts if p not in skipped]
     if set(parts) != set(PARTS):
         result["meta"]["parts"] = [p for p in PARTS if p in parts]
     g3: dict[str, Any] = {}
@@ -100,9 +112,11 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
         part("G3 tier vs raw file I/O")
         g3 = run_g3(16 * MiB, reps, rebuild_files=10**4 if quick else 10**5)
         result["g3"] = {k: v for k, v in g3.items() if not k.startswith("rebuild")}
-        part("G4 through agents vs boto3 on a local moto S3 server")
-        # moto serves ~20 MB/s here: --quick (CI) only shows the path works, at 4 MiB chunks.
-        result["g4"] = run_g4(4 * MiB if quick else 16 * MiB, 2 if quick else 7)
+        if "g4" not in skipped:
+            part("G4 through agents vs boto3 on a local moto S3 server")
+            # moto serves ~20 MB/s here: --quick (CI) only shows the path works, at 4 MiB
+            # chunks.
+            result["g4"] = run_g4(4 * MiB if quick else 16 * MiB, 2 if quick else 7)
     if "hit-ratio" in parts:
         part("trace replay vs LRU, Belady MIN and libCacheSim's online policies")
         trace = load_trace(trace_path, limit=QUICK_TRACE_REQUESTS if quick else None)
@@ -133,10 +147,12 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
         result["meta"]["nvme_index_order"] = scale.pop("nvme_index_order")  # a word
         result["scale"] = scale
     result["meta"]["seconds"] = round(time.perf_counter() - started, 1)
-    if out is not None:
+    if out is not None and "plots" not in skipped:
         from .plots import write_plots
 
         result["meta"]["plots"] = [str(p) for p in write_plots(result, out)]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     _print_tables(console, result)
     if as_json:
@@ -183,19 +199,21 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                             for q in ("p50", "p99")))
         console.print(t)
     if "g3" in r:
-        g3, g4 = r["g3"], r["g4"]
+        g3 = r["g3"]
         t = Table(title="G3 / G4, GB/s (16 MiB chunks)")
         for col in ("", "kvpool write/put", "baseline", "kvpool read/get", "baseline"):
             t.add_column(col, justify="right")
         t.add_row("G3 tier vs raw file", f"{g3['write_gbps']:.2f}",
                   f"{g3['raw_write_gbps']:.2f}", f"{g3['read_gbps']:.2f}",
                   f"{g3['raw_read_gbps']:.2f}")
-        t.add_row("G4 through agents vs boto3", f"{g4['put_gbps']:.3f}",
-                  f"{g4['boto3_put_gbps']:.3f}", f"{g4['get_gbps']:.3f}",
-                  f"{g4['boto3_get_gbps']:.3f}")
-        t.add_row("G4 tier in process vs boto3", f"{g4['tier_put_gbps']:.3f}",
-                  f"{g4['boto3_put_gbps']:.3f}", f"{g4['tier_get_gbps']:.3f}",
-                  f"{g4['boto3_get_gbps']:.3f}")
+        if "g4" in r:
+            g4 = r["g4"]
+            t.add_row("G4 through agents vs boto3", f"{g4['put_gbps']:.3f}",
+                      f"{g4['boto3_put_gbps']:.3f}", f"{g4['get_gbps']:.3f}",
+                      f"{g4['boto3_get_gbps']:.3f}")
+            t.add_row("G4 tier in process vs boto3", f"{g4['tier_put_gbps']:.3f}",
+                      f"{g4['boto3_put_gbps']:.3f}", f"{g4['tier_get_gbps']:.3f}",
+                      f"{g4['boto3_get_gbps']:.3f}")
         console.print(t)
     if "trace" in r:
         tr = r["trace"]
