@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,26 +25,9 @@ def policy_full() -> dict[str, Any]:
 
 
 @pytest.fixture
-async def cluster(kmock: Any) -> Any:
+async def cluster(kmock: Any) -> AsyncIterator[Any]:
     """The operator, running against the emulator; stopped (bounded) at teardown."""
-    from op_cluster import (
-        Cluster,
-        client_for_tests,
-        declare_resources,
-        free_port,
-        options_for_tests,
-    )
+    from op_cluster import cluster_on
 
-    declare_resources(kmock)
-    port = free_port()
-    c = Cluster(
-        emulator=kmock,
-        kube=client_for_tests(str(kmock.url)),
-        webhook_url=f"http://127.0.0.1:{port}",
-    )
-    c.start(options_for_tests(port))
-    try:
-        await c.wait_ready()
+    async with cluster_on(kmock).running() as c:
         yield c
-    finally:
-        await c.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import datetime
 import json
@@ -21,7 +22,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -324,6 +325,9 @@ class Cluster:
     emulator: kmock.KubernetesEmulator
     kube: Kube
     webhook_url: str
+    options: OperatorOptions
+    """What the operator runs with: the tests' options (`options_for_tests`) until started
+    with others."""
     thread: threading.Thread | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     errors: list[BaseException] = field(default_factory=list)
@@ -356,6 +360,15 @@ class Cluster:
     ) -> None:
         await self.call(self.kube.delete, api_version, kind, namespace, name)
 
+    async def edit_pool(self, name: str, spec: dict[str, Any]) -> None:
+        """Merge `spec` into the pool's, as `kubectl patch --type merge` stores it (the
+        emulator runs no admission webhook: an edit they would refuse is stored too)."""
+        await self.patch(api.API_VERSION, api.POOL_KIND, name, {"spec": spec})
+
+    async def edit_policy(self, name: str, spec: dict[str, Any]) -> None:
+        """Merge `spec` into the KVTierPolicy's, as `edit_pool` does."""
+        await self.patch(api.API_VERSION, api.POLICY_KIND, name, {"spec": spec})
+
     async def pool(self, name: str) -> dict[str, Any] | None:
         return await self.get(api.API_VERSION, api.POOL_KIND, name)
 
@@ -387,6 +400,24 @@ class Cluster:
             return c if (c.get("status"), c.get("reason")) == (status, reason) else None
 
         return await self.eventually(probe, f"{pool}: {type_}={status}/{reason}")
+
+    async def admit_pod(
+        self,
+        pod: dict[str, Any],
+        operation: str = "CREATE",
+        old: dict[str, Any] | None = None,
+        until: Callable[[dict[str, Any]], bool] = lambda _: True,
+    ) -> dict[str, Any]:
+        """The pod webhook's answer to `pod` in the operator's namespace (see `admit`)."""
+        review = admission_review(pod, NAMESPACE, operation, old)
+        return await self.admit("kvpool-inject", review, until=until)
+
+    async def admit_pool(
+        self, pool: dict[str, Any], operation: str = "CREATE", old: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The pool validating webhook's answer to `pool` (see `admit`)."""
+        review = admission_review(pool, NAMESPACE, operation, old, username="alice")
+        return await self.admit("kvpool-validate-pool", review)
 
     async def eventually(
         self,
@@ -442,6 +473,17 @@ class Cluster:
 
         return await self.eventually(post, f"the answer of webhook {webhook}")
 
+    @contextlib.asynccontextmanager
+    async def running(self, options: OperatorOptions | None = None) -> AsyncIterator[Cluster]:
+        """The operator runs (with `options`, by default the tests' own) inside the block;
+        stopped, bounded, at its end."""
+        self.start(options or self.options)
+        try:
+            await self.wait_ready()
+            yield self
+        finally:
+            await self.shutdown()
+
     def start(self, options: OperatorOptions) -> None:
         self.options = options
         ready = threading.Event()
@@ -488,6 +530,19 @@ class Cluster:
         await self.wait_ready()
 
 
+def cluster_on(emulator: kmock.KubernetesEmulator, https: bool = False) -> Cluster:
+    """The emulator with kvpool's resources, and an operator not started yet, its webhook
+    on a free port (TLS with `https`: give it a certificate directory in its options)."""
+    declare_resources(emulator)
+    port = free_port()
+    return Cluster(
+        emulator=emulator,
+        kube=client_for_tests(str(emulator.url)),
+        webhook_url=f"{'https' if https else 'http'}://127.0.0.1:{port}",
+        options=options_for_tests(port),
+    )
+
+
 def admission_review(
     obj: dict[str, Any],
     namespace: str,
@@ -518,6 +573,12 @@ def admission_review(
             "dryRun": False,
         },
     }
+
+
+def pool_known(response: dict[str, Any]) -> bool:
+    """Whether the pod webhook's answer comes from an index that holds the pool (an
+    operator that just started may not have listed it yet): `until` of `Cluster.admit`."""
+    return bool(response["allowed"]) or "not found" not in response["status"]["message"]
 
 
 def patched(obj: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:

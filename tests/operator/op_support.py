@@ -55,6 +55,30 @@ def pool_body(
     return body
 
 
+def policy_body(name: str | None = None, namespace: str = NAMESPACE) -> dict[str, Any]:
+    """The KVTierPolicy of docs/examples/policy.yaml (its own name unless `name`)."""
+    body = copy.deepcopy(example("policy.yaml", api.POLICY_KIND))
+    body["metadata"]["namespace"] = namespace
+    if name is not None:
+        body["metadata"]["name"] = name
+    return body
+
+
+def secret_body() -> dict[str, Any]:
+    """The credentials Secret of docs/examples/pool.yaml's shared tier."""
+    return copy.deepcopy(example("pool.yaml", "Secret"))
+
+
+def pod_body(pool: str = "small", **spec: Any) -> dict[str, Any]:
+    """The pod of docs/examples/pod.yaml as a ReplicaSet controller creates it (no
+    metadata.namespace), asking for `pool` only (no tenant annotation), `spec` keys replaced."""
+    pod = copy.deepcopy(example("pod.yaml", "Pod"))
+    pod["metadata"].pop("namespace", None)
+    pod["metadata"]["annotations"] = {api.POOL_ANNOTATION: pool}
+    pod["spec"].update(spec)
+    return pod
+
+
 def condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     """The pool's condition of `type_`, or {} when it has none (yet)."""
     for c in ((pool or {}).get("status") or {}).get("conditions") or []:

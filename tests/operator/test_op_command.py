@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import signal
 import sys
 import urllib.request
@@ -13,9 +12,8 @@ from typing import Any
 import pytest
 import yaml
 from op_cluster import Emulator, declare_resources, free_port
-from op_support import example
+from op_support import pool_body
 
-from kvpool.operator import api
 from kvpool.operator.kube import Kube
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
@@ -70,9 +68,7 @@ async def test_operator_command_reconciles_and_serves_metrics(kmock: Any, tmp_pa
     )
     kube = Kube.for_url(server)
     try:
-        pool = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-        pool["metadata"]["namespace"] = "inference"
-        await asyncio.to_thread(kube.create, pool)
+        await asyncio.to_thread(kube.create, pool_body())
 
         async def daemon_set() -> dict[str, Any] | None:
             assert proc.returncode is None, "the operator exited"

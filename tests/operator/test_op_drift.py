@@ -9,14 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from op_cluster import (
-    Cluster,
-    Emulator,
-    client_for_tests,
-    declare_resources,
-    free_port,
-    options_for_tests,
-)
+from op_cluster import Cluster, Emulator, cluster_on
 from op_support import example
 
 from kvpool.operator import api
@@ -42,19 +35,11 @@ def test_deletions_remove_only_what_was_applied_and_is_no_longer_rendered() -> N
 @pytest.fixture
 async def root_allowed(kmock: Any) -> AsyncIterator[Cluster]:
     """The operator with an operator policy that lets pools run their agent as root."""
-    declare_resources(kmock)
-    port = free_port()
-    cluster = Cluster(
-        emulator=kmock, kube=client_for_tests(str(kmock.url)), webhook_url=f"http://127.0.0.1:{port}"
-    )
-    base = options_for_tests(port)
+    cluster = cluster_on(kmock)
+    base = cluster.options
     settings = dataclasses.replace(base.settings, policy=OperatorPolicy(allow_root=True))
-    cluster.start(dataclasses.replace(base, settings=settings))
-    try:
-        await cluster.wait_ready()
+    async with cluster.running(dataclasses.replace(base, settings=settings)):
         yield cluster
-    finally:
-        await cluster.shutdown()
 
 
 def _pool() -> dict[str, Any]:
@@ -77,17 +62,13 @@ async def test_removed_fields_leave_the_live_daemon_set(root_allowed: Cluster) -
 
     # Tolerations, the priority class, a nodeSelector entry and a tenant go; the agent
     # becomes root (no init container then).
-    await cluster.patch(
-        api.API_VERSION,
-        api.POOL_KIND,
+    await cluster.edit_pool(
         POOL,
         {
-            "spec": {
-                "tolerations": None,
-                "nodeSelector": {"zone": None},
-                "tenants": [{"name": "chat"}],
-                "agent": {"priorityClassName": None, "runAsUser": 0},
-            }
+            "tolerations": None,
+            "nodeSelector": {"zone": None},
+            "tenants": [{"name": "chat"}],
+            "agent": {"priorityClassName": None, "runAsUser": 0},
         },
     )
 
@@ -121,7 +102,7 @@ async def test_fields_others_set_are_left_alone(root_allowed: Cluster) -> None:
             "spec": {"revisionHistoryLimit": 10},
         },
     )
-    await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"tolerations": None}})
+    await cluster.edit_pool(POOL, {"tolerations": None})
 
     async def applied() -> dict[str, Any] | None:
         live = await cluster.get("apps/v1", "DaemonSet", AGENTS)

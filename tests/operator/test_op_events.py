@@ -4,7 +4,6 @@ and off and refusing a port conflict while the agents keep running."""
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 import yaml
 from crd_admission import admit
 from op_cluster import NAMESPACE, Cluster, Emulator
-from op_support import example
+from op_support import pool_body
 
 from kvpool.agent.config import AgentConfig, EventsPayload, EventsTopic
 from kvpool.operator import api, crds, render
@@ -26,11 +25,7 @@ EVENTS_SERVICE = render.Names(NAMESPACE, POOL).events_service
 
 
 def _pool(**events: Any) -> dict[str, Any]:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"]["namespace"] = NAMESPACE
-    if events:
-        body["spec"]["events"] = events
-    return body
+    return pool_body(events=events) if events else pool_body()
 
 
 def _by_kind(objects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -165,13 +160,6 @@ def test_the_server_defaults_of_events_are_the_agents() -> None:
 # ----------------------------------------------------------------------------- operator
 
 
-def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
-
-
 def _ports(ds: dict[str, Any] | None) -> dict[str, int]:
     containers = (ds or {}).get("spec", {}).get("template", {}).get("spec", {}).get(
         "containers"
@@ -195,27 +183,16 @@ async def test_operator_turns_events_on_and_off_and_refuses_a_port_conflict(
 
     # A conflicting port stored past the webhook: refused with its own reason, nothing
     # that runs changes.
-    await cluster.patch(
-        api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"events": {"port": 9400}}}
-    )
+    await cluster.edit_pool(POOL, {"events": {"port": 9400}})
 
-    async def refused() -> dict[str, Any] | None:
-        pool = await cluster.pool(POOL)
-        return pool if _condition(pool, "Degraded").get("reason") == "PortConflict" else None
-
-    pool = await cluster.eventually(refused, "Degraded/PortConflict")
-    assert "spec.events.port: 9400" in _condition(pool, "Degraded")["message"]
+    degraded = await cluster.condition_of(POOL, "Degraded", "True", "PortConflict")
+    assert "spec.events.port: 9400" in degraded["message"]
     after = await cluster.get("apps/v1", "DaemonSet", AGENTS)
     assert after is not None and after["spec"]["template"] == ds["spec"]["template"]
     assert await service() is not None
 
     # Events off: the ports leave the agents and the Service is deleted.
-    await cluster.patch(
-        api.API_VERSION,
-        api.POOL_KIND,
-        POOL,
-        {"spec": {"events": {"enabled": False, "port": 5557}}},
-    )
+    await cluster.edit_pool(POOL, {"events": {"enabled": False, "port": 5557}})
 
     async def off() -> bool:
         ds = await cluster.get("apps/v1", "DaemonSet", AGENTS)
@@ -229,8 +206,4 @@ async def test_operator_turns_events_on_and_off_and_refuses_a_port_conflict(
 
     await cluster.eventually(off, "the events ports and Service gone")
 
-    async def healthy() -> bool:
-        degraded = _condition(await cluster.pool(POOL), "Degraded")
-        return (degraded.get("status"), degraded.get("reason")) == ("False", "AsExpected")
-
-    await cluster.eventually(healthy, "Degraded=False once the conflict is gone")
+    await cluster.condition_of(POOL, "Degraded", "False", "AsExpected")  # the conflict is gone

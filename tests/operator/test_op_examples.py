@@ -48,22 +48,21 @@ def test_every_example_file_has_a_custom_resource() -> None:
     assert kinds == {api.POOL_KIND, api.POLICY_KIND}
 
 
-def _pool(**spec: Any) -> dict[str, Any]:
+def _resource(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": api.API_VERSION,
-        "kind": api.POOL_KIND,
+        "kind": kind,
         "metadata": {"name": "p", "namespace": "ns"},
         "spec": spec,
     }
+
+
+def _pool(**spec: Any) -> dict[str, Any]:
+    return _resource(api.POOL_KIND, spec)
 
 
 def _policy(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.POLICY_KIND,
-        "metadata": {"name": "p", "namespace": "ns"},
-        "spec": spec,
-    }
+    return _resource(api.POLICY_KIND, spec)
 
 
 INVALID = [

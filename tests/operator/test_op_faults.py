@@ -8,13 +8,12 @@ without them.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import yaml
 from op_cluster import NAMESPACE, Cluster, Emulator, Fault
-from op_support import example
+from op_support import condition, policy_body, pool_body, secret_body
 
 from kvpool.operator import api, metrics
 from kvpool.operator.handlers import backoff
@@ -25,23 +24,16 @@ POOL = "llama-70b"
 DS = "kvpool-llama-70b"
 
 
-def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return None
-
-
 async def _create_all(cluster: Cluster) -> None:
-    await cluster.create(copy.deepcopy(example("pool.yaml", "Secret")))
-    await cluster.create(copy.deepcopy(example("policy.yaml", api.POLICY_KIND)))
-    await cluster.create(copy.deepcopy(example("pool.yaml", api.POOL_KIND)))
+    await cluster.create(secret_body())
+    await cluster.create(policy_body())
+    await cluster.create(pool_body(source="pool.yaml"))
 
 
 async def _healthy(cluster: Cluster, name: str = POOL) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         pool = await cluster.pool(name)
-        degraded = _condition(pool, "Degraded")
+        degraded = condition(pool, "Degraded")
         status = (pool or {}).get("status") or {}
         if degraded and degraded["status"] == "False" and status.get("policy") is not None:
             return pool
@@ -58,7 +50,7 @@ def _reasons_seen(cluster: Cluster, name: str = POOL) -> set[str]:
     for version in obj.history:
         if version is None:
             continue
-        cond = _condition(dict(version), "Degraded")
+        cond = condition(dict(version), "Degraded")
         if cond and cond["status"] == "True":
             reasons.add(cond["reason"])
     return reasons
@@ -80,9 +72,7 @@ async def test_server_errors_on_apply_are_retried_with_backoff_until_healthy(
     cluster.emulator.faults.append(create_ds)
     # No policy: only the pool's own handler creates the DaemonSet, so its attempts are
     # the handler's retries and nothing else.
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"]["namespace"] = NAMESPACE
-    await cluster.create(body)
+    await cluster.create(pool_body())
     await _healthy(cluster, "small")
 
     assert create_ds.hits == 3
@@ -122,12 +112,7 @@ async def test_conflicts_on_patches_are_retried_and_the_policy_change_lands(
     patch_status = Fault("patch", f"{api.POOL_PLURAL}/status", 409, times=2)
     cluster.emulator.faults.extend([patch_cm, patch_status])
 
-    await cluster.patch(
-        api.API_VERSION,
-        api.POLICY_KIND,
-        "llama-70b",
-        {"spec": {"prefetch": {"lookaheadChunks": 3}}},
-    )
+    await cluster.edit_policy("llama-70b", {"prefetch": {"lookaheadChunks": 3}})
 
     async def landed() -> dict[str, Any] | None:
         pool = await cluster.pool(POOL)
@@ -140,7 +125,7 @@ async def test_conflicts_on_patches_are_retried_and_the_policy_change_lands(
 
     pool = await cluster.eventually(landed, "the new policy in ConfigMap and status", timeout=60)
     assert (patch_cm.hits, patch_status.hits) == (2, 2)
-    assert _condition(pool, "Degraded")["status"] == "False"  # type: ignore[index]
+    assert condition(pool, "Degraded")["status"] == "False"
 
 
 async def test_a_create_race_is_resolved_by_patching(cluster: Cluster) -> None:
@@ -179,31 +164,12 @@ async def test_dropped_watches_are_resumed_and_every_change_is_seen(cluster: Clu
     cluster.emulator.watch_cuts = 30
     await _create_all(cluster)
     await _healthy(cluster)
-    await cluster.patch(
-        api.API_VERSION,
-        api.POLICY_KIND,
-        "llama-70b",
-        {"spec": {"prefetch": {"lookaheadChunks": 5}}},
-    )
-    await cluster.patch(
-        "apps/v1",
-        "DaemonSet",
-        DS,
-        {
-            "status": {
-                "observedGeneration": 1,
-                "desiredNumberScheduled": 2,
-                "numberReady": 2,
-                "updatedNumberScheduled": 2,
-                "numberAvailable": 2,
-            }
-        },
-        "status",
-    )
+    await cluster.edit_policy("llama-70b", {"prefetch": {"lookaheadChunks": 5}})
+    await cluster.report_agents(DS, desired=2, ready=2, updated=2, available=2)
 
     async def converged() -> dict[str, Any] | None:
         pool = await cluster.pool(POOL)
-        ready = _condition(pool, "Ready")
+        ready = condition(pool, "Ready")
         policy = ((pool or {}).get("status") or {}).get("policy") or {}
         if ready and ready["status"] == "True" and policy.get("generation") == 2:
             return pool
@@ -221,16 +187,14 @@ async def test_a_hundred_pools_reconcile_without_error(cluster: Cluster) -> None
     ok_before, failed_before = ok._value.get(), failed._value.get()
     names = [f"pool-{i:03d}" for i in range(100)]
     for name in names:
-        body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-        body["metadata"] = {"name": name, "namespace": NAMESPACE}
-        await cluster.create(body)
+        await cluster.create(pool_body(name))
 
     async def all_reconciled() -> bool:
         pools = await cluster.call(cluster.kube.list, api.API_VERSION, api.POOL_KIND, NAMESPACE)
         done = {
             p["metadata"]["name"]
             for p in pools
-            if (_condition(p, "Degraded") or {}).get("status") == "False"
+            if condition(p, "Degraded").get("status") == "False"
             and (p.get("status") or {}).get("policy") is not None
         }
         return done == set(names)

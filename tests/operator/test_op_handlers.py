@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
-from op_cluster import NAMESPACE, Cluster, Emulator, admission_review, patched
-from op_support import example
+from op_cluster import NAMESPACE, Cluster, Emulator, patched
+from op_support import condition, example, policy_body, pool_body, secret_body
 
 from kvpool.operator import api, metrics
 from kvpool.operator.handlers import Context, reconcile_pool
@@ -24,30 +23,16 @@ ROLE = Names(NAMESPACE, POOL_NAME).cluster_role
 """The pool's ClusterRole and ClusterRoleBinding (kvpool-agent-inference-llama-70b-<hash>)."""
 
 
-def _pool(**spec_changes: Any) -> dict[str, Any]:
-    body = copy.deepcopy(example("pool.yaml", api.POOL_KIND))
-    body["spec"].update(spec_changes)
-    return body
+def _pool(**spec: Any) -> dict[str, Any]:
+    """The full example pool (llama-70b: DRAM, NVMe and an S3 tier, policy llama-70b)."""
+    return pool_body(source="pool.yaml", **spec)
 
 
-def _policy() -> dict[str, Any]:
-    return copy.deepcopy(example("policy.yaml", api.POLICY_KIND))
-
-
-def _secret() -> dict[str, Any]:
-    return copy.deepcopy(example("pool.yaml", "Secret"))
-
-
-def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return None
 
 
 async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> None:
-    await cluster.create(_secret())
-    await cluster.create(_policy())
+    await cluster.create(secret_body())
+    await cluster.create(policy_body())
     await cluster.create(_pool())
 
     ds = await cluster.eventually(
@@ -88,7 +73,7 @@ async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> N
     )
 
     async def progressing() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Progressing")
+        c = condition(await cluster.pool(POOL_NAME), "Progressing")
         return c if c and c["status"] == "True" else None
 
     cond = await cluster.eventually(progressing, "Progressing=True")
@@ -99,15 +84,15 @@ async def test_pool_and_policy_create_owned_agent_objects(cluster: Cluster) -> N
     assert status["tiers"] == "dram+nvme+shared"
     assert status["socket"] == "/run/kvpool/inference.llama-70b/agent.sock"
     assert status["observedGeneration"] == 1
-    assert _condition(pool, "Degraded")["status"] == "False"
-    assert _condition(pool, "Ready")["status"] == "False"
+    assert condition(pool, "Degraded")["status"] == "False"
+    assert condition(pool, "Ready")["status"] == "False"
     assert cond["observedGeneration"] == 1
 
 
 async def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
     """A replayed event (kmock replays every object on each new watch) is a no-op."""
-    await cluster.create(_secret())
-    await cluster.create(_policy())
+    await cluster.create(secret_body())
+    await cluster.create(policy_body())
     await cluster.create(_pool())
     await cluster.eventually(
         lambda: cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b"), "the DaemonSet"
@@ -139,8 +124,8 @@ async def test_second_reconcile_changes_nothing(cluster: Cluster) -> None:
 
 
 async def _start_pool(cluster: Cluster, **spec_changes: Any) -> dict[str, Any]:
-    await cluster.create(_secret())
-    await cluster.create(_policy())
+    await cluster.create(secret_body())
+    await cluster.create(policy_body())
     await cluster.create(_pool(**spec_changes))
 
     async def reconciled() -> dict[str, Any] | None:
@@ -157,12 +142,7 @@ async def test_policy_update_changes_config_map_and_pool_status(cluster: Cluster
     assert cm is not None and ds is not None
     assert yaml.safe_load(cm["data"]["policy.yaml"])["prefetch"]["lookaheadChunks"] == 8
 
-    await cluster.patch(
-        api.API_VERSION,
-        api.POLICY_KIND,
-        POLICY_NAME,
-        {"spec": {"prefetch": {"lookaheadChunks": 32}}},
-    )
+    await cluster.edit_policy(POLICY_NAME, {"prefetch": {"lookaheadChunks": 32}})
 
     async def new_policy_in_config_map() -> dict[str, Any] | None:
         c = await cluster.get("v1", "ConfigMap", "kvpool-llama-70b")
@@ -194,53 +174,22 @@ async def test_policy_update_changes_config_map_and_pool_status(cluster: Cluster
 
 async def test_daemon_set_rollout_drives_the_conditions(cluster: Cluster) -> None:
     await _start_pool(cluster)
-    ds = await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b")
-    assert ds is not None
-    generation = ds["metadata"]["generation"]
+    await cluster.report_agents("kvpool-llama-70b", desired=3, ready=1, updated=3, available=1)
+    rolling = await cluster.condition_of(POOL_NAME, "Progressing", "True", "RollingOut")
+    assert rolling["message"] == "1/3 agents ready, 3 updated"
+    ready = condition(await cluster.pool(POOL_NAME), "Ready")
+    assert ready["reason"] == "AgentsNotReady"
 
-    async def ds_status(**st: int) -> None:
-        await cluster.patch(
-            "apps/v1",
-            "DaemonSet",
-            "kvpool-llama-70b",
-            {"status": {"observedGeneration": generation, **st}},
-            "status",
-        )
-
-    async def condition_is(
-        type_: str, status: str, reason: str, message: str = ""
-    ) -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), type_)
-        if c and (c["status"], c["reason"]) == (status, reason) and message in c["message"]:
-            return c
-        return None
-
-    await ds_status(
-        desiredNumberScheduled=3, numberReady=1, updatedNumberScheduled=3, numberAvailable=1
-    )
-    await cluster.eventually(
-        lambda: condition_is("Progressing", "True", "RollingOut", "1/3 agents ready"),
-        "Progressing/RollingOut with 1/3 agents ready",
-    )
-    ready = _condition(await cluster.pool(POOL_NAME), "Ready")
-    assert ready is not None and ready["reason"] == "AgentsNotReady"
-
-    await ds_status(
-        desiredNumberScheduled=3, numberReady=3, updatedNumberScheduled=3, numberAvailable=3
-    )
-    await cluster.eventually(lambda: condition_is("Ready", "True", "AgentsReady"), "Ready")
+    await cluster.report_agents("kvpool-llama-70b", desired=3, ready=3, updated=3, available=3)
+    await cluster.condition_of(POOL_NAME, "Ready", "True", "AgentsReady")
     pool = await cluster.pool(POOL_NAME)
     assert pool is not None
-    assert _condition(pool, "Progressing")["reason"] == "RolloutComplete"
+    assert condition(pool, "Progressing")["reason"] == "RolloutComplete"
     assert pool["status"]["nodes"] == {"desired": 3, "ready": 3, "updated": 3, "available": 3}
     assert pool["status"]["capacity"]["dram"] == {"perNode": "64Gi", "total": "192Gi"}
 
-    await ds_status(
-        desiredNumberScheduled=0, numberReady=0, updatedNumberScheduled=0, numberAvailable=0
-    )
-    await cluster.eventually(
-        lambda: condition_is("Ready", "False", "NoMatchingNodes"), "Ready/NoMatchingNodes"
-    )
+    await cluster.report_agents("kvpool-llama-70b", desired=0, ready=0, updated=0, available=0)
+    await cluster.condition_of(POOL_NAME, "Ready", "False", "NoMatchingNodes")
 
 
 async def test_a_deleted_daemon_set_is_put_back(cluster: Cluster) -> None:
@@ -256,53 +205,35 @@ async def test_a_deleted_daemon_set_is_put_back(cluster: Cluster) -> None:
 
 
 async def test_missing_policy_is_degraded_until_it_exists(cluster: Cluster) -> None:
-    await cluster.create(_secret())
+    await cluster.create(secret_body())
     await cluster.create(_pool())
 
-    async def degraded(reason: str) -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["status"] == "True" and c["reason"] == reason else None
-
-    cond = await cluster.eventually(lambda: degraded("PolicyNotFound"), "Degraded/PolicyNotFound")
+    cond = await cluster.condition_of(POOL_NAME, "Degraded", "True", "PolicyNotFound")
     assert "'llama-70b'" in cond["message"] and "spec.policyRef" in cond["message"]
     assert await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b") is None
-    ready = _condition(await cluster.pool(POOL_NAME), "Ready")
-    assert ready is not None and ready["reason"] == "PolicyNotFound"
+    ready = condition(await cluster.pool(POOL_NAME), "Ready")
+    assert ready["reason"] == "PolicyNotFound"
 
-    await cluster.create(_policy())  # the policy's handler re-reconciles the pool
+    await cluster.create(policy_body())  # the policy's handler re-reconciles the pool
 
-    async def healthy() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["status"] == "False" else None
-
-    await cluster.eventually(healthy, "Degraded=False once the policy exists")
+    await cluster.condition_of(POOL_NAME, "Degraded", "False", "AsExpected")
     assert await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b") is not None
 
 
 async def test_missing_secret_is_degraded_and_retried(cluster: Cluster) -> None:
-    await cluster.create(_policy())
+    await cluster.create(policy_body())
     await cluster.create(_pool())
 
-    async def degraded(reason: str) -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["status"] == "True" and c["reason"] == reason else None
-
-    cond = await cluster.eventually(lambda: degraded("SecretNotFound"), "Degraded/SecretNotFound")
+    cond = await cluster.condition_of(POOL_NAME, "Degraded", "True", "SecretNotFound")
     assert "kvpool-s3" in cond["message"]
-    secret = _secret()
+    secret = secret_body()
     del secret["stringData"]["AWS_SECRET_ACCESS_KEY"]
     await cluster.create(secret)
-    cond = await cluster.eventually(
-        lambda: degraded("SecretKeyMissing"), "Degraded/SecretKeyMissing (retried)"
-    )
+    cond = await cluster.condition_of(POOL_NAME, "Degraded", "True", "SecretKeyMissing")
     assert "AWS_SECRET_ACCESS_KEY" in cond["message"]
     await cluster.patch("v1", "Secret", "kvpool-s3", {"stringData": {"AWS_SECRET_ACCESS_KEY": "x"}})
 
-    async def healthy() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["status"] == "False" else None
-
-    await cluster.eventually(healthy, "Degraded=False after the retry")
+    await cluster.condition_of(POOL_NAME, "Degraded", "False", "AsExpected")  # retried
     errors = metrics.RECONCILE_ERRORS.labels(kind="KVCachePool", reason="SecretNotFound")
     assert errors._value.get() >= 1
 
@@ -312,11 +243,7 @@ async def test_invalid_pool_is_degraded_and_renders_nothing(cluster: Cluster) ->
     del body["spec"]["policyRef"]
     await cluster.create(body)
 
-    async def degraded() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["reason"] == "InvalidSpec" else None
-
-    cond = await cluster.eventually(degraded, "Degraded/InvalidSpec")
+    cond = await cluster.condition_of(POOL_NAME, "Degraded", "True", "InvalidSpec")
     assert "spec.tiers.dram" in cond["message"]
     assert await cluster.get("v1", "ConfigMap", "kvpool-llama-70b") is None
 
@@ -333,11 +260,7 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
     gc = job["spec"]["template"]["spec"]["containers"][0]
     assert gc["command"] == ["kvpool", "gc", "--shared", "s3://kv-cache/llama-70b", "--all"]
 
-    async def deleting() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Progressing")
-        return c if c and c["reason"] == "Deleting" else None
-
-    await cluster.eventually(deleting, "Progressing/Deleting")
+    await cluster.condition_of(POOL_NAME, "Progressing", "True", "Deleting")
     # The finalizer holds the pool while the Job runs.
     assert await cluster.pool(POOL_NAME) is not None
 
@@ -362,11 +285,7 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
         "status",
     )
 
-    async def gc_failed() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["reason"] == "GarbageCollectionFailed" else None
-
-    cond = await cluster.eventually(gc_failed, "Degraded/GarbageCollectionFailed")
+    cond = await cluster.condition_of(POOL_NAME, "Degraded", "True", "GarbageCollectionFailed")
     assert "backoff limit" in cond["message"] and "reclaimPolicy" in cond["message"]
     assert await cluster.pool(POOL_NAME) is not None
 
@@ -434,16 +353,10 @@ async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
     )
 
 
-async def _admit(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
-    review = admission_review(pod, pod["metadata"]["namespace"],
-                              username="system:serviceaccount:inference:default")
-    return await cluster.admit("kvpool-inject", review)
-
-
 async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None:
     await _start_pool(cluster)
     pod = example("pod.yaml", "Pod")
-    mutated = patched(pod, await _admit(cluster, pod))
+    mutated = patched(pod, await cluster.admit_pod(pod))
     spec = mutated["spec"]
     assert {
         "name": "kvpool-socket",
@@ -477,7 +390,7 @@ async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None
 async def test_webhook_rejects_a_pod_naming_an_unknown_pool(cluster: Cluster) -> None:
     pod = example("pod.yaml", "Pod")
     pod["metadata"]["annotations"]["kvpool.io/pool"] = "no-such-pool"
-    response = await _admit(cluster, pod)
+    response = await cluster.admit_pod(pod)
     assert response["allowed"] is False
     assert "no-such-pool" in response["status"]["message"]
     assert "not found" in response["status"]["message"]
@@ -486,21 +399,17 @@ async def test_webhook_rejects_a_pod_naming_an_unknown_pool(cluster: Cluster) ->
 async def test_webhook_leaves_other_pods_alone(cluster: Cluster) -> None:
     pod = example("pod.yaml", "Pod")
     del pod["metadata"]["annotations"]
-    response = await _admit(cluster, pod)
+    response = await cluster.admit_pod(pod)
     assert response["allowed"] is True and "patch" not in response
 
 
 async def test_invalid_policy_degrades_its_pools_with_the_field(cluster: Cluster) -> None:
-    policy = _policy()
+    policy = policy_body()
     policy["spec"]["tiers"]["dram"]["lowWatermark"] = 0.99  # above highWatermark 0.92
-    await cluster.create(_secret())
+    await cluster.create(secret_body())
     await cluster.create(policy)
     await cluster.create(_pool())
 
-    async def degraded() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(POOL_NAME), "Degraded")
-        return c if c and c["reason"] == "InvalidPolicy" else None
-
-    cond = await cluster.eventually(degraded, "Degraded/InvalidPolicy")
+    cond = await cluster.condition_of(POOL_NAME, "Degraded", "True", "InvalidPolicy")
     assert "spec.tiers.dram" in cond["message"]
     assert await cluster.get("v1", "ConfigMap", "kvpool-llama-70b") is None

@@ -5,16 +5,11 @@ the operator restarts (the last good spec is kept in the pool's status)."""
 
 from __future__ import annotations
 
-import base64
-import json
 from typing import Any
 
 import pytest
-from op_cluster import NAMESPACE, Cluster, Emulator, admission_review
-from op_support import condition, pool_body
-from test_op_pod_webhook import _admit, _pod
-
-from kvpool.operator import api
+from op_cluster import Cluster, Emulator, patched, pool_known
+from op_support import condition, pod_body, pool_body
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
@@ -31,9 +26,15 @@ async def _serving(cluster: Cluster, nodes: int) -> dict[str, Any]:
     return ds
 
 
+def _joined(response: dict[str, Any]) -> bool:
+    """Whether the pod webhook admitted the pod into pool `small`, with its socket."""
+    volumes = patched(pod_body(), response)["spec"]["volumes"]  # asserts it was allowed
+    return any(v["name"] == "kvpool-socket" for v in volumes)
+
+
 async def _edit_invalidly(cluster: Cluster, spec: dict[str, Any]) -> dict[str, Any]:
     """Store `spec` past the webhook (the emulator has none) and wait for the refusal."""
-    await cluster.patch(api.API_VERSION, api.POOL_KIND, "small", {"spec": spec})
+    await cluster.edit_pool("small", spec)
     await cluster.condition_of("small", "Degraded", "True", "InvalidSpec")
     pool = await cluster.pool("small")
     assert pool is not None
@@ -54,12 +55,9 @@ async def test_an_invalid_edit_keeps_the_agents_and_says_why(cluster: Cluster) -
     after = await cluster.get("apps/v1", "DaemonSet", "kvpool-small")
     assert after is not None and after["spec"]["template"] == ds["spec"]["template"]
 
-    pod = _pod()
-    response = await _admit(cluster, pod)
-    assert response["allowed"] is True, response
+    response = await cluster.admit_pod(pod_body())
     assert any("is invalid" in w for w in response.get("warnings") or [])
-    ops = json.loads(base64.b64decode(response["patch"]))
-    assert any(op.get("path") == "/spec/volumes" for op in ops)
+    assert _joined(response)
 
 
 async def test_pods_still_join_a_pool_with_an_invalid_edit_after_the_operator_restarts(
@@ -69,19 +67,12 @@ async def test_pods_still_join_a_pool_with_an_invalid_edit_after_the_operator_re
     await _edit_invalidly(cluster, {"agent": {"resources": {"limits": {"memory": "1Gi"}}}})
     await cluster.restart()
 
-    def indexed(response: dict[str, Any]) -> bool:
-        """The new operator's webhook knows the pool (its watch has listed it)."""
-        return response["allowed"] or "not found" not in response["status"]["message"]
-
-    pod = _pod()
-    review = admission_review(pod, NAMESPACE)
-    response = await cluster.admit("kvpool-inject", review, until=indexed)
-    assert response["allowed"] is True, response
-    (invalid,) = response["warnings"]  # the pool is Ready: no other warning
+    # The new operator's webhook answers once its watch has listed the pool.
+    response = await cluster.admit_pod(pod_body(), until=pool_known)
+    (invalid,) = response.get("warnings") or [""]  # the pool is Ready: no other warning
     assert "at least 8448Mi is needed" in invalid
     assert invalid.endswith("the pod joins the pool as its agents run it")
-    ops = json.loads(base64.b64decode(response["patch"]))
-    assert any(op.get("path") == "/spec/volumes" for op in ops)
+    assert _joined(response)
 
 
 async def test_capacity_follows_the_nodes_while_an_invalid_edit_is_stored(

@@ -3,20 +3,16 @@ is shared memory, charged to the agent pod's memory cgroup."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
-from op_support import example
+from op_support import pool_body
 
 from kvpool.operator import api
 
 
 def _pool(dram: dict[str, Any], limits: dict[str, str]) -> dict[str, Any]:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["spec"]["tiers"]["dram"] = dram
-    body["spec"]["agent"] = {"resources": {"limits": limits}}
-    return body
+    return pool_body(tiers={"dram": dram}, agent={"resources": {"limits": limits}})
 
 
 def test_a_memory_limit_below_the_arena_is_refused_with_the_minimum() -> None:

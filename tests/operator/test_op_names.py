@@ -3,23 +3,13 @@ for every pool name the CRD accepts, and cleaned up per pool by labels."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from op_cluster import (
-    NAMESPACE,
-    Cluster,
-    Emulator,
-    client_for_tests,
-    declare_resources,
-    free_port,
-    name_problem,
-    options_for_tests,
-)
-from op_support import example
+from op_cluster import NAMESPACE, Cluster, Emulator, cluster_on, name_problem
+from op_support import pool_body
 
 from kvpool.operator import api
 from kvpool.operator.render import Names, Settings, render
@@ -38,9 +28,7 @@ PLURALS = {
 
 
 def _pool(namespace: str, name: str) -> dict[str, Any]:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"] = {"name": name, "namespace": namespace}
-    return body
+    return pool_body(name, namespace=namespace)
 
 
 def _names(namespace: str, name: str) -> dict[str, str]:
@@ -103,17 +91,11 @@ def test_operator_upgrade_alone_changes_no_pod_template() -> None:
 @pytest.fixture
 async def two_namespaces(kmock: Any) -> AsyncIterator[Cluster]:
     """The operator serving namespaces `inference` and `inference-b`."""
-    declare_resources(kmock)
-    port = free_port()
-    cluster = Cluster(
-        emulator=kmock, kube=client_for_tests(str(kmock.url)), webhook_url=f"http://127.0.0.1:{port}"
-    )
-    cluster.start(dataclasses.replace(options_for_tests(port), namespaces=[NAMESPACE, OTHER]))
-    try:
-        await cluster.wait_ready()
+    cluster = cluster_on(kmock)
+    async with cluster.running(
+        dataclasses.replace(cluster.options, namespaces=[NAMESPACE, OTHER])
+    ):
         yield cluster
-    finally:
-        await cluster.shutdown()
 
 
 def _ready_pool(cluster: Cluster, namespace: str, name: str) -> Any:

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import yaml
 from op_cluster import Cluster, EmulatorWithoutGenerations
-from op_support import example
-
-from kvpool.operator import api
+from op_support import policy_body, pool_body
 
 pytestmark = pytest.mark.kmock(cls=EmulatorWithoutGenerations)
 
 
 async def test_policy_change_shows_in_status_without_generations(cluster: Cluster) -> None:
-    await cluster.create(copy.deepcopy(example("policy.yaml", api.POLICY_KIND)))
-    pool = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    pool["metadata"]["namespace"] = "inference"
-    pool["spec"]["policyRef"] = {"name": "llama-70b"}
-    await cluster.create(pool)
+    await cluster.create(policy_body())
+    await cluster.create(pool_body(policyRef={"name": "llama-70b"}))
 
     async def status() -> dict[str, Any] | None:
         p = await cluster.pool("small")
@@ -31,12 +25,7 @@ async def test_policy_change_shows_in_status_without_generations(cluster: Cluste
     p = await cluster.pool("small")
     assert p is not None and "observedGeneration" not in p["status"]
 
-    await cluster.patch(
-        api.API_VERSION,
-        api.POLICY_KIND,
-        "llama-70b",
-        {"spec": {"prefetch": {"lookaheadChunks": 2}}},
-    )
+    await cluster.edit_policy("llama-70b", {"prefetch": {"lookaheadChunks": 2}})
 
     async def new_checksum() -> dict[str, Any] | None:
         st = await status()

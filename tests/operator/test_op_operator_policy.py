@@ -8,9 +8,8 @@ import copy
 from typing import Any
 
 import pytest
-from op_cluster import NAMESPACE, Cluster, Emulator, admission_review
-from op_support import EXAMPLES, example, pool_body
-from test_op_pod_webhook import _pod
+from op_cluster import Cluster, Emulator, pool_known
+from op_support import EXAMPLES, condition, example, pod_body, pool_body
 from typer.testing import CliRunner
 
 from kvpool.operator import api
@@ -29,9 +28,7 @@ OPERATOR_IMAGE = "ghcr.io/kvpool/kvpool:1.2.3"
 
 
 def _pool(**spec: Any) -> api.KVCachePool:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["spec"].update(spec)
-    return api.parse_pool(body)
+    return api.parse_pool(pool_body(**spec))
 
 
 @pytest.mark.parametrize(
@@ -210,53 +207,28 @@ def test_render_refuses_a_relative_host_path_root(tmp_path: Any) -> None:
 # --------------------------------------------------------------------------- operator
 
 
-def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return None
-
-
-async def admit(
-    cluster: Cluster,
-    webhook: str,
-    obj: dict[str, Any],
-    operation: str = "CREATE",
-    old: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    review = admission_review(obj, obj["metadata"]["namespace"], operation, old, "alice")
-    return await cluster.admit(webhook, review)
-
-
-def _minimal(**spec: Any) -> dict[str, Any]:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"]["namespace"] = "inference"
-    body["spec"].update(spec)
-    return body
-
-
 @pytest.mark.kmock(cls=Emulator)
 async def test_admission_refuses_a_pool_outside_the_policy_with_the_reason(
     cluster: Cluster,
 ) -> None:
-    response = await admit(cluster, "kvpool-validate-pool", _minimal(agent={"runAsUser": 0}))
+    response = await cluster.admit_pool(pool_body(agent={"runAsUser": 0}))
     assert response["allowed"] is False
     assert "spec.agent.runAsUser" in response["status"]["message"]
-    response = await admit(cluster, "kvpool-validate-pool", _minimal())
+    response = await cluster.admit_pool(pool_body())
     assert response["allowed"] is True
 
 
 @pytest.mark.kmock(cls=Emulator)
 async def test_admission_never_refuses_an_update_that_leaves_the_spec(cluster: Cluster) -> None:
     """A pool a tightened policy no longer allows can still get its finalizer removed."""
-    old = _minimal(agent={"runAsUser": 0})
+    old = pool_body(agent={"runAsUser": 0})
     new = copy.deepcopy(old)
     new["metadata"]["finalizers"] = []
-    response = await admit(cluster, "kvpool-validate-pool", new, "UPDATE", old)
+    response = await cluster.admit_pool(new, "UPDATE", old)
     assert response["allowed"] is True
     edited = copy.deepcopy(old)
     edited["spec"]["agent"]["image"] = "evil.io/miner:1"
-    response = await admit(cluster, "kvpool-validate-pool", edited, "UPDATE", old)
+    response = await cluster.admit_pool(edited, "UPDATE", old)
     assert response["allowed"] is False and "evil.io/miner:1" in response["status"]["message"]
 
 
@@ -264,23 +236,19 @@ async def test_admission_never_refuses_an_update_that_leaves_the_spec(cluster: C
 async def test_a_stored_pool_outside_the_policy_says_why_and_runs_no_agents(
     cluster: Cluster,
 ) -> None:
-    name = _minimal()["metadata"]["name"]
+    name = pool_body()["metadata"]["name"]
     ds_name = f"kvpool-{name}"
-    await cluster.create(_minimal())
+    await cluster.create(pool_body())
     await cluster.eventually(lambda: cluster.get("apps/v1", "DaemonSet", ds_name), "agents")
 
     # Edited past the webhook (down, or not installed): the agents go.
-    await cluster.patch(api.API_VERSION, api.POOL_KIND, name, {"spec": {"agent": {"runAsUser": 0}}})
+    await cluster.edit_pool(name, {"agent": {"runAsUser": 0}})
 
-    async def forbidden() -> dict[str, Any] | None:
-        c = _condition(await cluster.pool(name), "Degraded")
-        return c if c and c["status"] == "True" and c["reason"] == "Forbidden" else None
-
-    cond = await cluster.eventually(forbidden, "Degraded/Forbidden")
+    cond = await cluster.condition_of(name, "Degraded", "True", "Forbidden")
     assert "spec.agent.runAsUser" in cond["message"]
     pool = await cluster.pool(name)
-    ready = _condition(pool, "Ready")
-    assert ready is not None and ready["status"] == "False" and ready["reason"] == "Forbidden"
+    ready = condition(pool, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "Forbidden"
     # No agents run: no last good spec is kept for pods to join.
     assert "appliedSpec" not in (pool or {})["status"]
 
@@ -298,13 +266,7 @@ async def test_pods_of_a_stored_pool_outside_the_policy_are_refused_with_the_rea
     pool's mounts (here a socket directory among the kubelet's pod volumes)."""
     await cluster.create(pool_body(socketDir="/var/lib/kubelet/pods/kvpool"))  # past the webhook
     await cluster.condition_of("small", "Degraded", "True", "Forbidden")
-    pod = _pod()
-
-    def indexed(response: dict[str, Any]) -> bool:
-        return response["allowed"] or "not found" not in response["status"]["message"]
-
-    review = admission_review(pod, NAMESPACE, username="alice")
-    response = await cluster.admit("kvpool-inject", review, until=indexed)
+    response = await cluster.admit_pod(pod_body(), until=pool_known)
     assert response["allowed"] is False, response
     message = response["status"]["message"]
     assert "not allowed by the operator policy" in message

@@ -7,8 +7,8 @@ import copy
 from typing import Any
 
 import pytest
-from op_cluster import NAMESPACE, Cluster, Emulator, admission_review, patched
-from op_support import example
+from op_cluster import Cluster, Emulator, patched
+from op_support import condition, pod_body, pool_body
 
 from kvpool.operator import api
 
@@ -17,37 +17,21 @@ pytestmark = pytest.mark.kmock(cls=Emulator)
 SOCKET_DIR = "/run/kvpool/inference.small"
 
 
-async def _admit(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
-    return await cluster.admit("kvpool-inject", admission_review(pod, NAMESPACE))
-
-
-def _pod(**spec: Any) -> dict[str, Any]:
-    """A pod as a ReplicaSet controller creates it: no metadata.namespace."""
-    pod = copy.deepcopy(example("pod.yaml", "Pod"))
-    pod["metadata"].pop("namespace", None)
-    pod["metadata"]["annotations"] = {"kvpool.io/pool": "small"}
-    pod["spec"].update(spec)
-    return pod
-
-
 async def _start_pool(cluster: Cluster) -> None:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"]["namespace"] = NAMESPACE
-    await cluster.create(body)
+    await cluster.create(pool_body())
 
-    async def indexed() -> bool:
-        pool = await cluster.pool("small")
-        return bool(pool and (pool.get("status") or {}).get("conditions"))
+    async def reconciled() -> bool:
+        return bool(condition(await cluster.pool("small"), "Degraded"))
 
-    await cluster.eventually(indexed, "the pool reconciled")
+    await cluster.eventually(reconciled, "the pool reconciled")
 
 
 async def test_a_pod_without_metadata_namespace_joins_the_pool_of_its_request(
     cluster: Cluster,
 ) -> None:
     await _start_pool(cluster)
-    pod = _pod()
-    mutated = patched(pod, await _admit(cluster, pod))
+    pod = pod_body()
+    mutated = patched(pod, await cluster.admit_pod(pod))
     env = {e["name"]: e["value"] for e in mutated["spec"]["containers"][0]["env"]}
     assert env["KVPOOL_POOL"] == "inference.small"
     assert "namespace" not in mutated["metadata"]  # the patch adds nothing but the pool's
@@ -59,8 +43,8 @@ async def test_native_sidecars_get_the_socket_and_env_but_other_init_containers_
     await _start_pool(cluster)
     sidecar = {"name": "cache-proxy", "image": "proxy:1", "restartPolicy": "Always"}
     setup = {"name": "download", "image": "fetch:1"}
-    pod = _pod(initContainers=[setup, sidecar])
-    mutated = patched(pod, await _admit(cluster, pod))
+    pod = pod_body(initContainers=[setup, sidecar])
+    mutated = patched(pod, await cluster.admit_pod(pod))
     setup_out, sidecar_out = mutated["spec"]["initContainers"]
     assert {"name": "kvpool-socket", "mountPath": SOCKET_DIR} in sidecar_out["volumeMounts"]
     assert "KVPOOL_SOCKET" in {e["name"] for e in sidecar_out["env"]}
@@ -71,7 +55,7 @@ async def test_a_pod_joining_a_pool_that_does_not_serve_yet_gets_a_warning(
     cluster: Cluster,
 ) -> None:
     await _start_pool(cluster)  # no agent is ready on the emulator
-    response = await _admit(cluster, _pod())
+    response = await cluster.admit_pod(pod_body())
     assert response["allowed"] is True
     (warning,) = response["warnings"]
     assert "KVCachePool 'small'" in warning
@@ -79,9 +63,9 @@ async def test_a_pod_joining_a_pool_that_does_not_serve_yet_gets_a_warning(
 
 
 async def test_a_pod_naming_an_unknown_pool_is_refused_with_a_warning(cluster: Cluster) -> None:
-    pod = _pod()
+    pod = pod_body()
     pod["metadata"]["annotations"]["kvpool.io/pool"] = "nope"
-    response = await _admit(cluster, pod)
+    response = await cluster.admit_pod(pod)
     assert response["allowed"] is False
     assert "'nope' not found in namespace 'inference'" in response["status"]["message"]
     assert any("not found" in w for w in response["warnings"])
@@ -102,20 +86,19 @@ async def test_an_update_of_a_pod_whose_pool_was_deleted_passes_untouched(
 ) -> None:
     """The webhook acts on CREATE only, whatever operations its registration sends."""
     await _start_pool(cluster)
-    pod = _pod()
+    pod = pod_body()
     pod["metadata"]["name"] = "vllm-0"
-    joined = patched(pod, await _admit(cluster, pod))  # the pod as it was created
+    joined = patched(pod, await cluster.admit_pod(pod))  # the pod as it was created
     await cluster.delete(api.API_VERSION, api.POOL_KIND, "small")
 
     def refused(response: dict[str, Any]) -> bool:
         return response["allowed"] is False and "not found" in response["status"]["message"]
 
     # Once the pool is gone, a new pod naming it is refused ...
-    await cluster.admit("kvpool-inject", admission_review(pod, NAMESPACE), until=refused)
+    await cluster.admit_pod(pod, until=refused)
     # ... but an update of a pod that joined it (a label, its status) is not the webhook's.
     relabelled = copy.deepcopy(joined)
     relabelled["metadata"].setdefault("labels", {})["rollout"] = "2"
-    review = admission_review(relabelled, NAMESPACE, "UPDATE", old=joined)
-    response = await cluster.admit("kvpool-inject", review)
+    response = await cluster.admit_pod(relabelled, "UPDATE", old=joined)
     assert response["allowed"] is True, response
     assert "patch" not in response and "warnings" not in response, response

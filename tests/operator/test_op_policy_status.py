@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 from op_cluster import Cluster, Emulator
-from op_support import example
+from op_support import policy_body, pool_body
 
 from kvpool.operator import api
 from kvpool.operator.handlers import policy_pools
@@ -15,7 +14,7 @@ from kvpool.operator.handlers import policy_pools
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
 
-def test_policy_pools_lists_live_referencing_pools_by_policy() -> None:
+def test_policy_pools_lists_live_referencing_pools_bypolicy_body() -> None:
     pools = [
         {"metadata": {"name": "b"}, "spec": {"policyRef": {"name": "p"}}},
         {"metadata": {"name": "a"}, "spec": {"policyRef": {"name": "p"}}},
@@ -25,17 +24,8 @@ def test_policy_pools_lists_live_referencing_pools_by_policy() -> None:
     assert policy_pools(pools) == {"p": ["a", "b"]}
 
 
-def _policy(name: str) -> dict[str, Any]:
-    body = copy.deepcopy(example("policy.yaml", api.POLICY_KIND))
-    body["metadata"]["name"] = name
-    return body
-
-
 def _pool(name: str, policy: str) -> dict[str, Any]:
-    body = copy.deepcopy(example("pool-minimal.yaml", api.POOL_KIND))
-    body["metadata"] = {"name": name, "namespace": "inference"}
-    body["spec"]["policyRef"] = {"name": policy}
-    return body
+    return pool_body(name, policyRef={"name": policy})
 
 
 async def _pools_of(cluster: Cluster, policy: str, want: list[str]) -> None:
@@ -47,15 +37,14 @@ async def _pools_of(cluster: Cluster, policy: str, want: list[str]) -> None:
 
 
 async def test_policy_status_follows_pools_created_repointed_and_deleted(cluster: Cluster) -> None:
-    await cluster.create(_policy("fast"))
-    await cluster.create(_policy("slow"))
+    await cluster.create(policy_body("fast"))
+    await cluster.create(policy_body("slow"))
     await _pools_of(cluster, "fast", [])
     await cluster.create(_pool("a", "fast"))
     await cluster.create(_pool("b", "fast"))
     await _pools_of(cluster, "fast", ["a", "b"])
 
-    repoint = {"spec": {"policyRef": {"name": "slow"}}}
-    await cluster.patch(api.API_VERSION, api.POOL_KIND, "a", repoint)
+    await cluster.edit_pool("a", {"policyRef": {"name": "slow"}})
     await _pools_of(cluster, "slow", ["a"])
     await _pools_of(cluster, "fast", ["b"])
 

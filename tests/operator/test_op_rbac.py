@@ -24,17 +24,8 @@ import helm_python
 import kmock as kmock_module
 import pytest
 import yaml
-from op_cluster import (
-    NAMESPACE,
-    Call,
-    Cluster,
-    Emulator,
-    client_for_tests,
-    declare_resources,
-    free_port,
-    options_for_tests,
-)
-from op_support import ROOT, example
+from op_cluster import NAMESPACE, Call, Cluster, Emulator, cluster_on
+from op_support import ROOT, condition, example
 
 from kvpool.operator import api
 from kvpool.operator.render import Names
@@ -80,38 +71,18 @@ def _used(calls: list[Call]) -> set[Grant]:
 async def patterned(kmock: Any) -> AsyncIterator[Cluster]:
     """The operator serving the pattern `infer*` (as `--namespace 'infer*'`), with
     `--pod-monitor`; namespaces `inference` and `other` exist."""
-    declare_resources(kmock)
+    cluster = cluster_on(kmock)
     kmock.resources["monitoring.coreos.com/v1/podmonitors"] = kmock_module.ResourceInfo(
         kind="PodMonitor", namespaced=True, verbs={"create", "get", "list", "patch", "watch"}
     )
-    port = free_port()
-    cluster = Cluster(
-        emulator=kmock,
-        kube=client_for_tests(str(kmock.url)),
-        webhook_url=f"http://127.0.0.1:{port}",
-    )
     for ns in (NAMESPACE, "other"):
         await cluster.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-    base = options_for_tests(port)
-    cluster.start(
-        dataclasses.replace(
-            base,
-            namespaces=["infer*"],
-            settings=dataclasses.replace(base.settings, pod_monitor=True),
-        )
-    )
-    try:
-        await cluster.wait_ready()
+    base = cluster.options
+    settings = dataclasses.replace(base.settings, pod_monitor=True)
+    async with cluster.running(
+        dataclasses.replace(base, namespaces=["infer*"], settings=settings)
+    ):
         yield cluster
-    finally:
-        await cluster.shutdown()
-
-
-def _condition(pool: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    for c in ((pool or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 async def _pool_life(cluster: Cluster) -> bytes:
@@ -135,7 +106,7 @@ async def _pool_life(cluster: Cluster) -> bytes:
 
     async def healthy() -> dict[str, Any] | None:
         pool = await cluster.pool(POOL)
-        ok = _condition(pool, "Degraded").get("status") == "False"
+        ok = condition(pool, "Degraded").get("status") == "False"
         return pool if ok and ((pool or {}).get("status") or {}).get("policy") else None
 
     await cluster.eventually(healthy, "the pool healthy")
@@ -164,7 +135,7 @@ async def _pool_life(cluster: Cluster) -> bytes:
             name,
             {"metadata": {"labels": {"app.kubernetes.io/part-of": "drifted"}}},
         )
-    await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"chunkTokens": 512}})
+    await cluster.edit_pool(POOL, {"chunkTokens": 512})
 
     async def repaired() -> bool:
         for api_version, kind, name, ns in children:
@@ -178,28 +149,9 @@ async def _pool_life(cluster: Cluster) -> bytes:
     await cluster.eventually(repaired, "every child repaired")
 
     # A policy change, a rollout, a deleted DaemonSet.
-    await cluster.patch(
-        api.API_VERSION,
-        api.POLICY_KIND,
-        "llama-70b",
-        {"spec": {"prefetch": {"lookaheadChunks": 4}}},
-    )
-    ds = await cluster.get("apps/v1", "DaemonSet", CHILD)
-    assert ds is not None
-    rollout = {
-        "observedGeneration": ds["metadata"]["generation"],
-        "desiredNumberScheduled": 1,
-        "numberReady": 1,
-        "updatedNumberScheduled": 1,
-    }
-    await cluster.patch(
-        "apps/v1", "DaemonSet", CHILD, {"status": {**rollout, "numberAvailable": 1}}, "status"
-    )
-
-    async def ready() -> bool:
-        return _condition(await cluster.pool(POOL), "Ready").get("status") == "True"
-
-    await cluster.eventually(ready, "Ready")
+    await cluster.edit_policy("llama-70b", {"prefetch": {"lookaheadChunks": 4}})
+    await cluster.report_agents(CHILD, desired=1, ready=1, updated=1, available=1)
+    await cluster.condition_of(POOL, "Ready", "True", "AgentsReady")
     await cluster.delete("apps/v1", "DaemonSet", CHILD)
 
     async def recreated() -> bool:
@@ -209,24 +161,20 @@ async def _pool_life(cluster: Cluster) -> bytes:
 
     # An edit the operator policy does not allow (stored past the webhook): no agents; and
     # back within it: the agents return.
-    await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"agent": {"runAsUser": 0}}})
+    await cluster.edit_pool(POOL, {"agent": {"runAsUser": 0}})
 
     async def no_agents() -> bool:
         return await cluster.get("apps/v1", "DaemonSet", CHILD) is None
 
     await cluster.eventually(no_agents, "the DaemonSet deleted")
-    await cluster.patch(
-        api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"agent": {"runAsUser": 65532}}}
-    )
+    await cluster.edit_pool(POOL, {"agent": {"runAsUser": 65532}})
     await cluster.eventually(recreated, "the DaemonSet back")
 
     # KV events turned off (last: it changes the agents' template, which the rollout steps
     # above read): the operator deletes the pool's events Service.
     events_service = Names(NAMESPACE, POOL).events_service
     assert await cluster.get("v1", "Service", events_service) is not None
-    await cluster.patch(
-        api.API_VERSION, api.POOL_KIND, POOL, {"spec": {"events": {"enabled": False}}}
-    )
+    await cluster.edit_pool(POOL, {"events": {"enabled": False}})
 
     async def events_off() -> bool:
         return await cluster.get("v1", "Service", events_service) is None

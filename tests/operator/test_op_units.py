@@ -23,6 +23,22 @@ def _ds(generation: int | None = 2, **st: int) -> dict[str, Any]:
     return {"metadata": meta, "status": st}
 
 
+def _all_ready(
+    nodes: int, observed: int | None = None, generation: int | None = 2
+) -> dict[str, Any]:
+    """A DaemonSet whose `nodes` agents are all scheduled, updated, ready and available, as
+    its controller reported having observed generation `observed` (None: no generations)."""
+    counts = dict(
+        desiredNumberScheduled=nodes,
+        numberReady=nodes,
+        updatedNumberScheduled=nodes,
+        numberAvailable=nodes,
+    )
+    if observed is not None:
+        counts["observedGeneration"] = observed
+    return _ds(generation, **counts)
+
+
 def _by_type(conds: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in conds}
 
@@ -45,35 +61,17 @@ def _by_type(conds: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             {"Ready": ("False", "Creating"), "Progressing": ("True", "Creating")},
         ),
         (
-            _ds(
-                observedGeneration=1,
-                desiredNumberScheduled=2,
-                numberReady=2,
-                updatedNumberScheduled=2,
-                numberAvailable=2,
-            ),
+            _all_ready(2, observed=1),
             None,
             {"Ready": ("False", "AgentsNotReady"), "Progressing": ("True", "RollingOut")},
         ),
         (
-            _ds(
-                observedGeneration=2,
-                desiredNumberScheduled=2,
-                numberReady=2,
-                updatedNumberScheduled=2,
-                numberAvailable=2,
-            ),
+            _all_ready(2, observed=2),
             None,
             {"Ready": ("True", "AgentsReady"), "Progressing": ("False", "RolloutComplete")},
         ),
         (
-            _ds(
-                None,
-                desiredNumberScheduled=2,
-                numberReady=2,
-                updatedNumberScheduled=2,
-                numberAvailable=2,
-            ),
+            _all_ready(2, generation=None),
             None,
             {"Ready": ("True", "AgentsReady")},
         ),
@@ -83,13 +81,7 @@ def _by_type(conds: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
             {"Ready": ("False", "NoMatchingNodes")},
         ),
         (
-            _ds(
-                observedGeneration=2,
-                desiredNumberScheduled=2,
-                numberReady=2,
-                updatedNumberScheduled=2,
-                numberAvailable=2,
-            ),
+            _all_ready(2, observed=2),
             Problem(Reason.SECRET_NOT_FOUND, "Secret 's' not found"),
             {
                 "Ready": ("False", "SecretNotFound"),
@@ -116,13 +108,7 @@ def test_unchanged_condition_keeps_its_transition_time() -> None:
         Rollout.of(None), None, 1, previous=first, now="2026-02-02T00:00:00Z"
     )
     assert [c["lastTransitionTime"] for c in second] == ["2026-01-01T00:00:00Z"] * 3
-    ready = _ds(
-        observedGeneration=2,
-        desiredNumberScheduled=1,
-        numberReady=1,
-        updatedNumberScheduled=1,
-        numberAvailable=1,
-    )
+    ready = _all_ready(1, observed=2)
     third = status.conditions(
         Rollout.of(ready), None, 1, previous=second, now="2026-03-03T00:00:00Z"
     )

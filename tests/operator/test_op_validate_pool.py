@@ -3,24 +3,18 @@ requests it leaves alone whatever its registration sends."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from op_cluster import NAMESPACE, Cluster, Emulator, admission_review
-from op_support import example, pool_body
-
-from kvpool.operator import api
+from op_cluster import Cluster, Emulator
+from op_support import policy_body, pool_body
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
-
-WEBHOOK = "kvpool-validate-pool"
 
 
 async def test_a_pool_naming_a_missing_policy_is_admitted_with_a_warning(
     cluster: Cluster,
 ) -> None:
     pool = pool_body(policyRef={"name": "fast"})
-    response = await cluster.admit(WEBHOOK, admission_review(pool, NAMESPACE))
+    response = await cluster.admit_pool(pool)
     assert response["allowed"] is True, response
     (warning,) = response["warnings"]
     assert warning.startswith(
@@ -28,10 +22,8 @@ async def test_a_pool_naming_a_missing_policy_is_admitted_with_a_warning(
     ), warning
     assert "Degraded with reason PolicyNotFound" in warning
 
-    policy = copy.deepcopy(example("policy.yaml", api.POLICY_KIND))
-    policy["metadata"].update(name="fast", namespace=NAMESPACE)
-    await cluster.create(policy)
-    response = await cluster.admit(WEBHOOK, admission_review(pool, NAMESPACE))
+    await cluster.create(policy_body("fast"))
+    response = await cluster.admit_pool(pool)
     assert response["allowed"] is True and "warnings" not in response, response
 
 
@@ -41,7 +33,7 @@ async def test_a_pool_the_operator_policy_forbids_can_still_be_deleted(
     """A registration that also sends DELETE (or CONNECT) gets no refusal for a stored
     spec a tightened operator policy no longer allows."""
     forbidden = pool_body(agent={"runAsUser": 0})
-    response = await cluster.admit(WEBHOOK, admission_review(forbidden, NAMESPACE))
+    response = await cluster.admit_pool(forbidden)
     assert response["allowed"] is False  # as a create it is refused ...
-    response = await cluster.admit(WEBHOOK, admission_review(forbidden, NAMESPACE, "DELETE"))
+    response = await cluster.admit_pool(forbidden, "DELETE")
     assert response["allowed"] is True, response  # ... as a deletion it goes through

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import datetime
 import ipaddress
-import json
 import ssl
 from pathlib import Path
 from typing import Any
 
 import pytest
-from op_cluster import (
-    Cluster,
-    Emulator,
-    admission_review,
-    client_for_tests,
-    declare_resources,
-    free_port,
-    options_for_tests,
-)
-from op_support import example
-
-from kvpool.operator import api
+from op_cluster import NAMESPACE, Emulator, admission_review, cluster_on, patched
+from op_support import pod_body, pool_body
 
 pytestmark = pytest.mark.kmock(cls=Emulator)
 
@@ -66,31 +54,14 @@ def _self_signed(directory: Path) -> Path:
 
 async def test_webhook_serves_https_with_the_given_certificate(kmock: Any, tmp_path: Path) -> None:
     ca = _self_signed(tmp_path)
-    declare_resources(kmock)
-    port = free_port()
-    options = dataclasses.replace(
-        options_for_tests(port), webhook_insecure=False, webhook_cert_dir=tmp_path
-    )
-    cluster = Cluster(
-        emulator=kmock,
-        kube=client_for_tests(str(kmock.url)),
-        webhook_url=f"https://127.0.0.1:{port}",
-    )
-    cluster.start(options)
-    try:
-        await cluster.wait_ready()
-        await cluster.create(
-            example("pool-minimal.yaml", api.POOL_KIND)
-            | {"metadata": {"name": "small", "namespace": "inference"}}
-        )
+    cluster = cluster_on(kmock, https=True)
+    tls = dataclasses.replace(cluster.options, webhook_insecure=False, webhook_cert_dir=tmp_path)
+    async with cluster.running(tls):
+        await cluster.create(pool_body())
         context = ssl.create_default_context(cafile=str(ca))
-        pod = example("pod.yaml", "Pod")
-        pod["metadata"]["annotations"] = {"kvpool.io/pool": "small"}
+        pod = pod_body()
         # The pool reaches the webhook's index through the watch: wait for it.
-        response = await cluster.admit("kvpool-inject", admission_review(pod, "inference"),
+        response = await cluster.admit("kvpool-inject", admission_review(pod, NAMESPACE),
                                        ssl_context=context, until=lambda r: r["allowed"])
-        ops = json.loads(base64.b64decode(response["patch"]))
-        env_ops = [op for op in ops if op["path"].startswith("/spec/containers/0/env")]
-        assert env_ops, ops
-    finally:
-        await cluster.shutdown()
+        env = patched(pod, response)["spec"]["containers"][0]["env"]
+        assert "KVPOOL_SOCKET" in {e["name"] for e in env}, env
