@@ -7,7 +7,9 @@
 - A change of an agent DaemonSet's status updates its pool's conditions.
 - A pool's deletion runs its finalizer: with `reclaimPolicy: Delete` a Job runs
   `kvpool gc --shared <url> --all` first; the cluster-scoped RBAC goes last.
-- The mutating webhook `kvpool-inject` injects socket, env and affinity into pods.
+- The mutating webhook `kvpool-inject` injects socket, env and affinity into pods at
+  their creation (a pool the operator policy forbids gets none); the validating webhooks
+  check pools and policies as the reconcile would.
 
 Handlers are synchronous (they run in kopf's thread pool) and idempotent:
 every event, including a replayed one, converges to the same objects.

@@ -5,8 +5,9 @@ Conditions (Kubernetes API conventions: `type`, `status`, CamelCase `reason`,
 
 - `Ready`: every desired node runs a ready agent of the current template. An invalid
   spec stored past the admission webhook changes nothing that runs: `Ready` keeps
-  following the agents of the last good spec (`status.appliedGeneration`), and
-  `Degraded`/`InvalidSpec` says why the edit is not applied.
+  following the agents of the last good spec (`status.appliedGeneration`; the spec
+  itself is kept in `status.appliedSpec`, where the pod webhook and a restarted operator
+  find it), and `Degraded`/`InvalidSpec` says why the edit is not applied.
 - `Progressing`: the agent DaemonSet is rolling out (or being created).
 - `Degraded`: something the user must fix — the reason says what.
 
