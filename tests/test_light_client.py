@@ -12,6 +12,9 @@ import textwrap
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
+from kvpool.agent import __version__
 from kvpool.bench.local import LocalAgent
 
 from .support import REPO_ROOT
@@ -70,8 +73,10 @@ _ROUND_TRIP = textwrap.dedent("""
 """)
 
 
-def test_the_light_install_recipe_gives_a_working_client_without_the_agents_dependencies(
-        tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment where docs/client.md's recipe installed the client."""
+    tmp_path = tmp_path_factory.mktemp("light")
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     # The recipe's build step; --no-build-isolation builds with the setuptools at hand
@@ -84,11 +89,16 @@ def test_the_light_install_recipe_gives_a_working_client_without_the_agents_depe
     # A fresh environment of the machine's Python, nothing from this one.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=300)
-    light_python = str(venv / "bin" / "python")
     # The recipe's install step, aimed at that environment.
-    subprocess.run([*pip, "--python", light_python, "install", "--quiet", "--no-deps",
-                    "--no-index", "--find-links", str(wheels), "kvpool", "msgspec", "xxhash"],
-                   check=True, timeout=600)
+    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--quiet",
+                    "--no-deps", "--no-index", "--find-links", str(wheels), "kvpool",
+                    "msgspec", "xxhash"], check=True, timeout=600)
+    return venv
+
+
+def test_the_light_install_recipe_gives_a_working_client_without_the_agents_dependencies(
+        tmp_path: Path, light_venv: Path) -> None:
+    light_python = str(light_venv / "bin" / "python")
 
     (tmp_path / "agent").mkdir()
     with LocalAgent("--no-lock", workdir=tmp_path / "agent", dram="16Mi") as agent:
@@ -102,3 +112,39 @@ def test_the_light_install_recipe_gives_a_working_client_without_the_agents_depe
     fp = Fingerprint("llama-3-8b", "bfloat16", layers=2, kv_heads=2, head_dim=8,
                      chunk_tokens=4, tenant="team-a")
     assert run.stdout.strip() == chunk_keys(fp, list(range(12)))[-1].hex()
+
+
+def test_the_kvpool_command_of_the_light_install_shows_the_agents_stats(
+        tmp_path: Path, light_venv: Path) -> None:
+    """`kubectl exec <inference pod> -- kvpool stats` (docs/cli.md, integrations.md) works
+    where only the client is installed; the commands that need the agent's dependencies
+    say so in one line."""
+    kvpool = str(light_venv / "bin" / "kvpool")
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([kvpool, *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**_without_pythonpath(), **env})
+
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"kvpool {__version__}"
+    with LocalAgent("--no-lock", workdir=tmp_path, dram="16Mi") as agent:
+        stats = run("stats", KVPOOL_SOCKET=str(agent.socket_path))
+        as_json = run("stats", "--json", "--socket", str(agent.socket_path))
+    assert stats.returncode == 0, stats.stderr
+    assert stats.stdout.splitlines()[0] == "pool default"
+    assert stats.stdout.splitlines()[1].split() == [
+        "tier", "capacity", "used", "chunks", "hits", "misses", "healthy", "notes"]
+    assert stats.stdout.splitlines()[2].split()[:3] == ["dram", "16.0", "MiB"]
+    assert "read leases 0" in stats.stdout
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["tiers"]["dram"]["capacity_bytes"] == 16 << 20
+    agent_cmd = run("agent")
+    assert agent_cmd.returncode == 2
+    assert agent_cmd.stderr.strip().splitlines() == [
+        "error: kvpool agent needs the full kvpool install (typer and the rest of its "
+        "dependencies are not installed here); this client-only install runs kvpool stats "
+        "and kvpool --version"]
+    away = run("stats", "--socket", str(tmp_path / "none.sock"))
+    assert away.returncode == 2
+    assert away.stderr.strip() == (f"error: --socket {tmp_path / 'none.sock'}: cannot reach "
+                                   "the agent: No such file or directory")

@@ -1,5 +1,5 @@
 """`python -m kvpool.agent` is the `kvpool` command."""
 
-from .cli import main
+from .command import main
 
 main()

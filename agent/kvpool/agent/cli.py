@@ -414,47 +414,20 @@ def events(
         return
 
 
-def _tier_notes(t: dict[str, Any]) -> str:
-    """What a tier reports beyond the table's columns, in words (never a Python repr)."""
-    notes = []
-    if t.get("url"):
-        notes.append(str(t["url"]))
-    if t.get("lock_error"):
-        notes.append(f"not locked: {t['lock_error']}")
-    if t.get("inflight"):
-        notes.append(f"{t['inflight']} being demoted")
-    if t.get("removing"):
-        notes.append(f"{t['removing']} being removed")
-    queue = t.get("queue")
-    if isinstance(queue, dict) and queue:
-        notes.append(f"uploads: {queue.get('pending', 0)} pending, "
-                     f"{queue.get('in_flight', 0)} in flight, {queue.get('written', 0)} "
-                     f"written, {queue.get('dropped', 0)} dropped")
-    return "; ".join(notes)
-
-
 def _print_stats(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     from .commandline import console as new_console
+    from .statsview import COLUMNS, summary, tier_rows, title
 
-    title = f"pool {data.get('pool')}"
-    if data.get("tenant"):
-        title += f", tenant {data['tenant']}"
-    table = Table(title=title)
-    for col in ("tier", "capacity", "used", "chunks", "hits", "misses", "healthy", "notes"):
+    table = Table(title=title(data))
+    for col in COLUMNS:
         table.add_column(col)
-    for name, t in data.get("tiers", {}).items():
-        capacity = human_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
-        table.add_row(name, capacity, human_size(t["used_bytes"]), str(t["chunks"]),
-                      str(t["hits"]), str(t["misses"]),
-                      "yes" if t["healthy"] else f"no: {t.get('reason', '')}", _tier_notes(t))
+    for row in tier_rows(data):
+        table.add_row(*row)
     console = new_console()
     console.print(table)
-    leases = data.get("leases", {})
-    console.print(f"clients {data.get('clients', 0)}, read leases {leases.get('read', 0)}, "
-                  f"write leases {leases.get('write', 0)}, pins {data.get('pins', 0)}, "
-                  f"agent {data.get('agent_version', '?')}")
+    console.print(summary(data))
 
 
 # --------------------------------------------------------------------------- tools

@@ -11,6 +11,8 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, PlainSerializer
 
+from .sizes import human_size as human_size
+
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i|[kMGTPE])?\s*$")
@@ -50,19 +52,6 @@ def format_size(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale}{suffix}"
     return str(n)
-
-
-_HUMAN_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-
-
-def human_size(n: int) -> str:
-    """n bytes for people, one way everywhere: `100 B`, `4.0 KiB`, `64.0 MiB`, `1.5 GiB`."""
-    value = float(n)
-    for unit in _HUMAN_UNITS:
-        if abs(round(value, 1)) < 1024 or unit == _HUMAN_UNITS[-1]:
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def parse_duration(value: int | float | str) -> float:

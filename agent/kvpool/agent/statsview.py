@@ -1,0 +1,65 @@
+"""What `kvpool stats` shows of an agent's STATS reply, in words, with the standard library
+only: the full command prints it as a rich table, the light install's as plain columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sizes import human_size
+
+COLUMNS = ("tier", "capacity", "used", "chunks", "hits", "misses", "healthy", "notes")
+
+
+def title(data: dict[str, Any]) -> str:
+    text = f"pool {data.get('pool')}"
+    if data.get("tenant"):
+        text += f", tenant {data['tenant']}"
+    return text
+
+
+def tier_notes(t: dict[str, Any]) -> str:
+    """What a tier reports beyond the table's columns, in words (never a Python repr)."""
+    notes = []
+    if t.get("url"):
+        notes.append(str(t["url"]))
+    if t.get("lock_error"):
+        notes.append(f"not locked: {t['lock_error']}")
+    if t.get("inflight"):
+        notes.append(f"{t['inflight']} being demoted")
+    if t.get("removing"):
+        notes.append(f"{t['removing']} being removed")
+    queue = t.get("queue")
+    if isinstance(queue, dict) and queue:
+        notes.append(f"uploads: {queue.get('pending', 0)} pending, "
+                     f"{queue.get('in_flight', 0)} in flight, {queue.get('written', 0)} "
+                     f"written, {queue.get('dropped', 0)} dropped")
+    return "; ".join(notes)
+
+
+def tier_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row of `COLUMNS` per tier."""
+    rows: list[tuple[str, ...]] = []
+    for name, t in data.get("tiers", {}).items():
+        capacity = human_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        rows.append((name, capacity, human_size(t["used_bytes"]), str(t["chunks"]),
+                     str(t["hits"]), str(t["misses"]),
+                     "yes" if t["healthy"] else f"no: {t.get('reason', '')}", tier_notes(t)))
+    return rows
+
+
+def summary(data: dict[str, Any]) -> str:
+    leases = data.get("leases", {})
+    return (f"clients {data.get('clients', 0)}, read leases {leases.get('read', 0)}, "
+            f"write leases {leases.get('write', 0)}, pins {data.get('pins', 0)}, "
+            f"agent {data.get('agent_version', '?')}")
+
+
+def plain(data: dict[str, Any]) -> str:
+    """The whole view as plain text: the title, aligned columns, the summary line."""
+    rows = [COLUMNS, *tier_rows(data)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = [title(data)]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    lines.append(summary(data))
+    return "\n".join(lines)
