@@ -171,3 +171,24 @@ def test_docs_example_runs(block: Block, agent: LocalAgent, checkout: Path,
     run = subprocess.run(argv, cwd=cwd, env=_env(agent), capture_output=True, text=True,
                          timeout=300, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, f"{block} failed:\n{block.code}\n{run.stdout}\n{run.stderr}"
+
+
+_PIP_INSTALL = re.compile(r"pip install\b[^`\n]*(?:\\\n[^`\n]*)*")
+
+
+def test_no_doc_installs_kvpool_from_a_package_index() -> None:
+    """kvpool is on no package index: every `pip install` of it in the docs installs a
+    checkout (`.`) or wheels found locally (`--no-index --find-links`), never its name
+    from an index (`pip install 'kvpool[lmcache]'` failed for every reader)."""
+    from_index = []
+    for path in doc_files():
+        for m in _PIP_INSTALL.finditer(path.read_text()):
+            words = m.group(0).replace("\\\n", " ").split()
+            ends = [i for i, w in enumerate(words) if w in ("&&", "||", "|", ";")
+                    or w.startswith("#")]
+            words = words[:ends[0]] if ends else words  # this command only
+            names = [w.strip("'\"") for w in words[2:] if not w.startswith("-")]
+            if any(re.fullmatch(r"kvpool(\[.*\])?", n) for n in names) \
+                    and "--no-index" not in words:
+                from_index.append(f"{path.relative_to(REPO_ROOT)}: {m.group(0)}")
+    assert from_index == []

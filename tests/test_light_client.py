@@ -148,3 +148,52 @@ def test_the_kvpool_command_of_the_light_install_shows_the_agents_stats(
     assert away.returncode == 2
     assert away.stderr.strip() == (f"error: --socket {tmp_path / 'none.sock'}: cannot reach "
                                    "the agent: No such file or directory")
+
+
+INTEGRATIONS = ["kvpool.agent.integrations.lmcache", "kvpool.agent.integrations.sglang"]
+ENGINE_STACKS = {"torch", "lmcache", "sglang"}
+"""What an engine image has of its own: the engines and their torch."""
+
+
+def test_the_engine_image_recipe_brings_everything_the_connectors_import_but_the_engine(
+        tmp_path: Path, light_venv: Path) -> None:
+    """docs/integrations.md installs kvpool into an engine image the light way: there, every
+    module each connector imports, but its engine and torch, imports (the connector modules
+    themselves need the engine: tests/integrations runs them with it)."""
+    probe = textwrap.dedent("""
+        import ast, importlib, importlib.util, json, sys
+        engine = set(sys.argv[1].split(","))
+        failed, imported = {}, []
+        for module in sys.argv[2:]:
+            origin = importlib.util.find_spec(module).origin
+            package = module.rpartition(".")[0]
+            for node in ast.walk(ast.parse(open(origin).read())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                    base = node.module or ""
+                    if node.level:
+                        parent = package.rsplit(".", node.level - 1)[0]
+                        base = f"{parent}.{base}" if base else parent
+                    names = [base]
+                else:
+                    continue
+                for name in names:
+                    if name.split(".")[0] in engine:
+                        continue
+                    try:
+                        importlib.import_module(name)
+                        imported.append(name)
+                    except ImportError as e:
+                        failed[name] = str(e)
+        print(json.dumps({"failed": failed, "imported": sorted(set(imported))}))
+    """)
+    run = subprocess.run([str(light_venv / "bin" / "python"), "-c", probe,
+                          ",".join(ENGINE_STACKS), *INTEGRATIONS],
+                         cwd=tmp_path, env=_without_pythonpath(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout)
+    assert found["failed"] == {}
+    assert {"msgspec", "kvpool.agent.client", "kvpool.agent.keys",
+            "kvpool.agent.integrations"} <= set(found["imported"])
