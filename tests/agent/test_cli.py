@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -494,6 +495,27 @@ def test_help_shows_defaults_and_no_type_noise() -> None:
     assert "--socket PATH Unix socket to serve on. [default: /run/kvpool/agent.sock]" in text
     assert "--no-lock Do not mlock the arena." in text
     assert "<bool>" not in text and "<str>" not in text and "<path>" not in text, run.stdout
+
+
+COMMANDS = ("agent", "cleanup", "stats", "events", "demo", "bench", "gc", "crds", "render",
+            "operator")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_commands_help_shows_what_a_flag_takes_not_its_python_type(command: str) -> None:
+    """The operator's commands too (`kvpool operator --help` showed `<str>`)."""
+    run = kvpool(command, "--help", timeout=60)
+    assert run.returncode == 0, run.stderr
+    types = re.findall(r"<(?:bool|str|text|int|integer|float|path|list[^>]*|dict[^>]*)>",
+                       run.stdout)
+    assert types == [], run.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_commands_unknown_flag_is_one_error_line(command: str) -> None:
+    run = kvpool(command, "--no-such-flag", timeout=60)
+    assert run.returncode == 2
+    assert error_line(run).startswith("error: No such option: --no-such-flag")
 
 
 # --------------------------------------------------------------------------- cleanup
