@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -181,6 +183,11 @@ class KVPoolClient:
         return self._transport
 
     @property
+    def connected(self) -> bool:
+        """Whether the connection is open (a call made now would not reconnect first)."""
+        return self._transport is not None and not self._transport.conn.closed
+
+    @property
     def _arena(self) -> memoryview | None:
         """The mapped arena in zero-copy mode (None inline); for tests that write it."""
         t = self._transport
@@ -236,11 +243,24 @@ class KVPoolClient:
                 break
         return tiers
 
-    def _local_lookup(self, window: Sequence[bytes]) -> list[str] | None:
+    def lookup_nowait(self, keys: Sequence[bytes]) -> int | None:
+        """How many leading keys the pool holds, answered from the agent's shared-memory
+        index alone, whatever `local_lookup` says; None where only the socket can say (see
+        `local_lookup`) or while the connection is down. It never waits on the agent (for a
+        caller that must not block, e.g. an engine's scheduler) and never reconnects."""
+        t = self._transport
+        if t is not None and _peer_gone(t.conn.sock):
+            self._drop_transport()  # the agent went away: `connected` says so
+        if len(keys) > p.MAX_LOOKUP_KEYS:
+            return None
+        found = self._local_lookup(keys, always=True)
+        return None if found is None else len(found)
+
+    def _local_lookup(self, window: Sequence[bytes], always: bool = False) -> list[str] | None:
         """The window's answer from the shared-memory index, or None: ask the socket."""
         t = self._transport
-        if not self.local_lookup or not isinstance(t, ZeroCopyTransport) or t.index is None \
-                or t.conn.closed:
+        if not (self.local_lookup or always) or not isinstance(t, ZeroCopyTransport) \
+                or t.index is None or t.conn.closed:
             return None
         count = t.index.lookup(window)
         if count is None:
@@ -449,6 +469,20 @@ class KVPoolClient:
             assert isinstance(reply, p.StatsReply)
             return reply.stats
         return self._retrying(call)
+
+
+def _peer_gone(sock: socket.socket | None) -> bool:
+    """Whether the agent closed this socket (EOF waiting), without reading or waiting."""
+    if sock is None:
+        return True
+    readable = select.poll()
+    readable.register(sock, select.POLLIN)
+    if not readable.poll(0):
+        return False  # nothing to read: the agent has not closed it
+    try:  # readable: a reply owed to a told request, or the end of the stream
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _get_window(keys: Sequence[bytes], start: int, target: ReadTarget, sizes: list[int],

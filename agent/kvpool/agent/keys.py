@@ -86,6 +86,13 @@ def _tokens_le(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of the chunk of `tokens` after the chunk keyed `parent` (the first chunk's
+    parent is the fingerprint's digest): `H(parent || tokens)`. For a caller that extends
+    a prefix's keys as its tokens arrive; `chunk_keys` computes a whole prefix's."""
+    return xxhash.xxh3_128_digest(parent + _tokens_le(tokens))
+
+
 def chunk_keys(
     fingerprint: Fingerprint, token_ids: Sequence[int], *, include_partial: bool = False
 ) -> list[bytes]:
@@ -95,7 +102,7 @@ def chunk_keys(
     parent = fingerprint.digest()
     end = len(token_ids) if include_partial else len(token_ids) - len(token_ids) % n
     for start in range(0, end, n):
-        parent = xxhash.xxh3_128_digest(parent + _tokens_le(token_ids[start : start + n]))
+        parent = chain_key(parent, token_ids[start : start + n])
         keys.append(parent)
     return keys
 

@@ -1,0 +1,49 @@
+"""What the scheduler side asks the workers to do in one engine step (pure data, no vLLM).
+
+It travels inside vLLM's connector metadata to every worker; each worker takes the keys of
+its own rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...protocol import EngineBlocks
+
+Rank = tuple[int, int]
+"""(tensor-parallel rank, pipeline-parallel rank)."""
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Copy a request's stored chunks from the pool into its vLLM blocks."""
+
+    req_id: str
+    keys: dict[Rank, list[bytes]]
+    """Per rank, the keys of the chunks to load, in token order."""
+    block_ids: list[list[int]]
+    """Per chunk, the vLLM blocks it fills."""
+    skip_blocks: int = 0
+    """Leading blocks of the first chunk that vLLM already holds (its own prefix cache):
+    never written, their bytes are read past."""
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Copy a request's newly computed whole chunks from its vLLM blocks into the pool."""
+
+    req_id: str
+    keys: dict[Rank, list[bytes]]
+    block_ids: list[list[int]]
+    engine_blocks: list[EngineBlocks | None]
+    """Per chunk, vLLM's block hashes, tokens and parent hash: what KV events say of it."""
+
+
+@dataclass(slots=True)
+class StepJobs:
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps until the worker says their saves are done."""
+    preempted: set[str] = field(default_factory=set)
+    """Requests preempted this step: their blocks may be reused, so their saves finish first."""

@@ -1,0 +1,244 @@
+"""The connector's worker side: copies between vLLM's KV cache and the pool's arena.
+
+One thread of its own per worker does the pool's I/O, in the order the steps asked for it,
+so the model's forward never waits on the agent:
+
+- a load copies a request's chunks from the arena straight into the vLLM blocks it was
+  given (`get_many_into` with each chunk's segments: one per layer and block), checking each
+  chunk's checksum; a chunk that is missing (evicted since the lookup), fails its checksum,
+  or has another layout is reported with its blocks (`get_block_ids_with_load_errors`) and
+  vLLM recomputes from the first of them. The request is reported loaded either way.
+- a save copies newly computed whole chunks from their vLLM blocks into the arena
+  (`put_many`), once the step's forward has written them (on CUDA: after an event recorded
+  at the end of the step, on a stream of the connector's own).
+
+On CPU the copies go through the zero-copy transport between the KV tensors and the arena
+(no intermediate bytes); on CUDA the same calls take the client's GPU path
+(`kvpool.agent.gpu`: the arena registered with CUDA, copies on a side stream, leases
+released after an event).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...client import KVPoolClient
+from .. import engine_pod
+from .jobs import LoadJob, Rank, SaveJob, StepJobs
+from .layout import chunk_meta, meta_matches
+from .link import LOGGER, AgentLink
+from .settings import Settings
+
+log = logging.getLogger(LOGGER)
+_cuda: Any = torch.cuda
+
+
+def pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t` as contiguous tensors whose bytes, in order, are `t`'s in logical order."""
+    if t.is_contiguous():
+        return [t]
+    if t.dim() <= 1:
+        return [t[i : i + 1] for i in range(t.shape[0])] if t.dim() else [t.reshape(1)]
+    return [p for i in range(t.shape[0]) for p in pieces(t[i])]
+
+
+class WorkerSide:
+    def __init__(self, settings: Settings, model: str, rank: Rank) -> None:
+        self.settings = settings
+        self.layout = settings.layout
+        self.rank = rank
+        self.link = AgentLink(settings.socket, what=f"worker {rank[0]}/{rank[1]}",
+                              name="vllm-worker", timeout=settings.timeout, pod=engine_pod(),
+                              model=model, block_size=self.layout.block_size,
+                              chunk_tokens=self.layout.chunk_tokens, tenant=self.layout.tenant)
+        self.fault_hook: Callable[[list[bytes]], None] | None = None
+        """Called in the I/O thread with a load's keys before it reads the pool: where a
+        test injects a fault between the scheduler's lookup and the load."""
+        self._layers: list[torch.Tensor] = []
+        self._per_block = 1
+        self._meta = b""
+        self._chunk_bytes = 0
+        self._queue: queue.Queue[tuple[LoadJob | SaveJob, Any] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._saves: collections.Counter[str] = collections.Counter()
+        self._held: set[str] = set()
+        self._loaded: set[str] = set()
+        self._bad_blocks: set[int] = set()
+        self._thread: threading.Thread | None = None
+        self._stream: Any = None
+
+    # -- set-up
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        layers = list(kv_caches.values())
+        first = layers[0]
+        if any(t.shape != first.shape or t.dtype != first.dtype for t in layers):
+            raise ValueError("kvpool: vLLM's KV cache layers differ in shape or dtype")
+        if first.shape[0] % num_blocks:
+            raise ValueError(f"kvpool: a KV cache layer of shape {tuple(first.shape)} does not "
+                             f"hold {num_blocks} blocks in its first dimension")
+        self._layers = layers
+        self._per_block = first.shape[0] // num_blocks
+        block_shape = [self._per_block, *first.shape[1:]]
+        self._meta = chunk_meta(self.layout, block_shape)
+        block_bytes = first[: self._per_block].numel() * first.element_size()
+        self._chunk_bytes = block_bytes * len(layers) * self.layout.blocks_per_chunk
+        self._thread = threading.Thread(target=self._run, name="kvpool-io", daemon=True)
+        self._thread.start()
+
+    def _block(self, layer: torch.Tensor, block_id: int) -> torch.Tensor:
+        return layer[block_id * self._per_block : (block_id + 1) * self._per_block]
+
+    def _segments(self, block_ids: list[int], scratch_blocks: int = 0) -> list[torch.Tensor]:
+        """A chunk's segments: for each layer, its blocks in order; the first
+        `scratch_blocks` blocks go to scratch tensors (their bytes are read past)."""
+        out: list[torch.Tensor] = []
+        for layer in self._layers:
+            for i, b in enumerate(block_ids):
+                block = self._block(layer, b)
+                out += [torch.empty_like(block)] if i < scratch_blocks else pieces(block)
+        return out
+
+    # -- what the model runner calls, on its own thread
+
+    def start_step(self, jobs: StepJobs) -> None:
+        """Start this step's loads (`start_load_kv`)."""
+        fence = self._fence()
+        with self._cond:
+            self._held.update(jobs.held)
+        for job in jobs.loads:
+            self._queue.put((job, fence))
+
+    def end_step(self, jobs: StepJobs) -> None:
+        """Queue this step's saves once its forward is issued (`wait_for_save`)."""
+        if not jobs.saves:
+            return
+        fence = self._fence()
+        with self._cond:
+            for job in jobs.saves:
+                self._saves[job.req_id] += 1
+        for job in jobs.saves:
+            self._queue.put((job, fence))
+
+    def wait_for_saves(self, req_ids: set[str]) -> None:
+        """Until the saves of `req_ids` are done (preempted: their blocks may be reused)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not any(self._saves[r] for r in req_ids),
+                                timeout=4 * self.settings.timeout)
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        with self._cond:
+            saved = {r for r in self._held if not self._saves[r]}
+            self._held -= saved
+            for r in saved:
+                del self._saves[r]
+            loaded, self._loaded = self._loaded, set()
+        return saved or None, loaded or None
+
+    def load_errors(self) -> set[int]:
+        with self._cond:
+            bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
+
+    def drain(self, timeout: float) -> bool:
+        """Whether every queued job finished within `timeout` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.drain(4 * self.settings.timeout)
+            self._queue.put(None)
+            self._thread.join(timeout=4 * self.settings.timeout)
+            self._thread = None
+
+    def _fence(self) -> Any:
+        """On CUDA, an event after what the step issued so far on the compute stream."""
+        if not self._layers or self._layers[0].device.type != "cuda":
+            return None
+        event = _cuda.Event()
+        event.record(_cuda.current_stream(self._layers[0].device))
+        return event
+
+    # -- the I/O thread
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self.link.close()
+                return
+            job, fence = item
+            try:
+                if fence is not None:
+                    if self._stream is None:
+                        self._stream = _cuda.Stream(self._layers[0].device)
+                    self._stream.wait_event(fence)
+                if isinstance(job, LoadJob):
+                    self._load(job)
+                else:
+                    self._save(job)
+            except Exception:  # the I/O thread must outlive any one job
+                log.exception("kvpool: %s of request %s failed", type(job).__name__,
+                              job.req_id)
+                if isinstance(job, LoadJob):
+                    self._report_load(job, [0] * len(job.block_ids))
+                else:
+                    self._report_save(job)
+            finally:
+                with self._cond:
+                    self._queue.task_done()
+                    self._cond.notify_all()
+
+    def _load(self, job: LoadJob) -> None:
+        keys = job.keys[self.rank]
+        if self.fault_hook is not None:
+            self.fault_hook(keys)
+        chunks = [self._segments(bids, job.skip_blocks if i == 0 else 0)
+                  for i, bids in enumerate(job.block_ids)]
+
+        def target(i: int, size: int, meta: bytes) -> list[torch.Tensor] | None:
+            return chunks[i] if size == self._chunk_bytes and meta_matches(meta, self._meta) \
+                else None
+
+        def get(client: KVPoolClient) -> list[int]:
+            return client.get_many_into(keys, target, verify=True, stream=self._stream)
+        sizes = self.link.call(get) or [0] * len(keys)
+        self._report_load(job, sizes)
+
+    def _report_load(self, job: LoadJob, sizes: list[int]) -> None:
+        bad = [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
+               if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
+        if bad and self.link.client is not None:
+            missing = sum(1 for s in sizes if not s)
+            log.info("kvpool: %d of %d chunks of request %s not loaded (evicted, failing "
+                     "their checksum, or of another layout): vLLM recomputes them",
+                     missing, len(sizes), job.req_id)
+        with self._cond:
+            self._bad_blocks.update(bad)
+            self._loaded.add(job.req_id)
+
+    def _save(self, job: SaveJob) -> None:
+        keys = job.keys[self.rank]
+        chunks = [self._segments(bids) for bids in job.block_ids]
+
+        def put(client: KVPoolClient) -> list[Any]:
+            return client.put_many(keys, chunks, [self._meta] * len(keys),
+                                   blocks=job.engine_blocks, stream=self._stream)
+        results = self.link.call(put)
+        refused = [r for r in results or () if not isinstance(r, bool)]
+        if refused:
+            log.debug("kvpool: the agent refused %d of %d chunks of request %s: %s",
+                      len(refused), len(keys), job.req_id, refused[0])
+        self._report_save(job)
+
+    def _report_save(self, job: SaveJob) -> None:
+        with self._cond:
+            self._saves[job.req_id] -= 1

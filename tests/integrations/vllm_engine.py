@@ -1,0 +1,222 @@
+"""One vLLM engine (vLLM's own CPU build), driven by a test over a pipe.
+
+Runs in the vLLM test environment (tests/install-vllm), as a pod's vLLM would::
+
+    python vllm_engine.py model DIR          # write the test model into DIR, then exit
+    python vllm_engine.py serve DIR [CONNECTOR_JSON]
+
+`serve` starts `vllm.LLM` on the model in DIR (with `kv_transfer_config` = CONNECTOR_JSON,
+if given) in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker in one
+process, so one start costs one set of imports), says {"ready": ...}, then answers one JSON
+command per stdin line with one JSON line on the stdout it was started with (everything
+else vLLM prints goes to stderr):
+
+- {"op": "generate", "prompts": [[ids]], "max_tokens": N}: greedy outputs, vLLM's cached
+  token counts, and the change of vLLM's prefix-cache counters (its own and the
+  connector's: `vllm:prefix_cache_hits`, `vllm:external_prefix_cache_hits`) across the
+  call. vLLM's own prefix cache is emptied first, so what is not computed came from the
+  connector.
+- {"op": "fault", "kind": "corrupt" | "evict" | "pause", "chunk": i}: before the next load
+  the connector starts (its `fault_hook`, between the scheduler's lookup and the load),
+  flip a byte of that load's chunk i in the arena, delete it from the pool, or say
+  {"event": "loading"} and wait for a "go" line (the test kills the agent meanwhile).
+- {"op": "drain"}: wait until the connector's queued loads and saves are done.
+- {"op": "block_hashes", "prompt": [ids]}: vLLM's block hashes of the prompt, as its KV
+  events publish them.
+- {"op": "quit"}.
+
+The model is Llama-shaped with random weights and a tokenizer trained here: nothing comes
+from a model hub (HF_HUB_OFFLINE=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 256, 4, 2, 64
+BLOCK = 32
+"""vLLM's CPU attention takes block sizes that are multiples of 32."""
+
+
+def make_model(path: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = [f"w{i}" for i in range(3000)]
+    tok.train_from_iterator([" ".join(words[i : i + 50]) for i in range(0, 3000, 7)],
+                            trainers.BpeTrainer(vocab_size=1000,
+                                                special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=HIDDEN,
+                         intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, max_position_embeddings=4096, bos_token_id=1,
+                         eos_token_id=2, torch_dtype="float32",
+                         # Large weights: greedy outputs that depend on the whole context,
+                         # so wrong KV shows in them (small ones repeat one token).
+                         initializer_range=0.5)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+class Engine:
+    def __init__(self, model: str, connector: dict[str, Any] | None, reply: Any) -> None:
+        t0 = time.monotonic()
+        from vllm import LLM
+
+        self.imported_s = time.monotonic() - t0
+        self.reply = reply
+        self.llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK,
+                       max_model_len=4096, max_num_seqs=8, disable_log_stats=False, seed=0,
+                       kv_transfer_config=connector)
+        self.started_s = time.monotonic() - t0
+        self.fault: dict[str, Any] | None = None
+        self.worker: Any = None
+        if connector is not None:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            self.worker = get_kv_transfer_group().worker
+            self.worker.fault_hook = self._fault
+
+    def say(self, obj: dict[str, Any]) -> None:
+        self.reply.write(json.dumps(obj) + "\n")
+        self.reply.flush()
+
+    def counters(self) -> dict[str, float]:
+        return {m.name: float(m.value) for m in self.llm.get_metrics()
+                if m.name in ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+                              "vllm:prompt_tokens")}
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        for _ in range(200):  # blocks kept for pending saves make a reset wait
+            if self.llm.reset_prefix_cache():
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("vLLM's prefix cache could not be reset")
+        before = self.counters()
+        t0 = time.monotonic()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                ignore_eos=True, detokenize=False),
+                                 use_tqdm=False)
+        seconds = time.monotonic() - t0
+        self.settle()
+        after = self.counters()
+        return {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [o.num_cached_tokens for o in outs], "seconds": seconds,
+                **{k.removeprefix("vllm:"): after.get(k, 0) - before.get(k, 0) for k in after}}
+
+    def settle(self) -> None:
+        """Let the connector's saves finish and vLLM free the blocks it kept for them: a
+        server's engine loop steps while finished requests hold blocks; `LLM.generate`
+        returns as soon as the outputs are done, so step here until nothing is held."""
+        if self.worker is None:
+            return
+        assert self.worker.drain(120.0), "the connector's saves did not finish"
+        core = self.llm.llm_engine.engine_core.engine_core
+        for _ in range(1000):
+            if not core.scheduler.has_requests():
+                return
+            self.llm.llm_engine.step()
+            time.sleep(0.001)
+        raise RuntimeError("vLLM still holds finished requests' blocks")
+
+    def _fault(self, keys: list[bytes]) -> None:
+        fault, self.fault = self.fault, None
+        if fault is None:
+            return
+        from kvpool.agent import protocol as p
+        from kvpool.agent.client import KVPoolClient
+
+        key = keys[fault["chunk"]]
+        if fault["kind"] == "pause":
+            self.say({"event": "loading"})
+            assert sys.stdin.readline().strip() == "go"
+            return
+        with KVPoolClient(tenant=self.worker.layout.tenant) as kv:
+            if fault["kind"] == "evict":
+                assert kv.delete(key)
+                return
+            conn = kv._live().conn
+            lease = conn.call(p.Acquire(conn.rid(), key))
+            assert isinstance(lease, p.AcquireReply)
+            offset, nbytes = lease.extents[0]
+            arena = kv._arena
+            assert arena is not None
+            arena[offset + nbytes // 2] ^= 0xFF
+            conn.call(p.Release(conn.rid(), lease.lease))
+
+    def block_hashes(self, prompt: list[int]) -> list[int]:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+        from kvpool.agent.integrations.vllm.layout import engine_hash
+
+        algo = self.llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo
+        fn = get_hash_fn_by_name(algo)
+        init_none_hash(fn)
+        out, parent = [], None
+        for i in range(len(prompt) // BLOCK):
+            parent = hash_block_tokens(fn, parent, prompt[i * BLOCK : (i + 1) * BLOCK])
+            out.append(engine_hash(parent))
+        return out
+
+    def serve(self) -> None:
+        self.say({"ready": True, "import_s": self.imported_s, "start_s": self.started_s})
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "quit":
+                break
+            if op == "generate":
+                self.say(self.generate(cmd["prompts"], cmd.get("max_tokens", 8)))
+            elif op == "fault":
+                self.fault = cmd
+                self.say({"armed": cmd["kind"]})
+            elif op == "drain":
+                self.settle()
+                self.say({"drained": True})
+            elif op == "block_hashes":
+                self.say({"hashes": self.block_hashes(cmd["prompt"])})
+            else:
+                self.say({"error": f"unknown op {op!r}"})
+
+
+def main(argv: list[str]) -> int:
+    if argv[0] == "model":
+        make_model(argv[1])
+        return 0
+    # Replies go to the stdout the test reads; all else (vLLM's logs, prints) to stderr.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    connector = json.loads(argv[2]) if len(argv) > 2 else None
+    engine = Engine(argv[1], connector, reply)
+    engine.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
