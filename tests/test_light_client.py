@@ -150,8 +150,10 @@ def test_the_kvpool_command_of_the_light_install_shows_the_agents_stats(
                                    "the agent: No such file or directory")
 
 
-INTEGRATIONS = ["kvpool.agent.integrations.lmcache", "kvpool.agent.integrations.sglang"]
-ENGINE_STACKS = {"torch", "lmcache", "sglang"}
+INTEGRATIONS = ["kvpool.agent.integrations.lmcache", "kvpool.agent.integrations.sglang",
+                *(f"kvpool.agent.integrations.vllm.{m}" for m in (
+                    "scheduler", "worker", "settings", "layout", "link", "jobs"))]
+ENGINE_STACKS = {"torch", "lmcache", "sglang", "vllm"}
 """What an engine image has of its own: the engines and their torch."""
 
 
