@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import checksums
 from .constants import PAGE_BYTES
 from .protocol import Extents
@@ -164,6 +166,15 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_MAPPED_WRITE_FAULTS = (errno.EFAULT, errno.ENOMEM)
+"""What process_vm_writev answers for a page it cannot fault in: past the file's end (a
+resize), or no free huge page to back a hole a resize left."""
+
+
 class Arena:
     """The arena file, mapped shared, pre-faulted and (when permitted) locked.
 
@@ -178,9 +189,11 @@ class Arena:
     it could overwrite anyway: see the trust model in docs/reliability.md); a read that
     verifies them finds a checksum mismatch, a miss.
 
-    hugetlbfs files cannot be written with pwrite, so an arena on huge pages is written
-    through the mapping after a size check: there a resize racing that check can still
-    fault the agent (docs/reliability.md).
+    hugetlbfs files take no write(2), so an arena on huge pages is written with
+    process_vm_writev into the agent's own mapping: the kernel faults the pages in on the
+    agent's behalf and answers a page past a shrunk end with EFAULT, where the agent's own
+    store would be SIGBUS; the agent then puts the file back and writes on. Reads use
+    pread on both file systems.
     """
 
     def __init__(self, path: Path, size: int, *, lock: bool = True, huge_pages: bool = False):
@@ -210,15 +223,28 @@ class Arena:
             os.close(fd)
             raise
         self.fd = fd
-        self.view = memoryview(self.mm)
         self._piece = bytearray(_HASH_PIECE_BYTES)
-        self._anchor: Any = None
+        self._anchor: Any = ctypes.c_char.from_buffer(self.mm)
+        self._base = ctypes.addressof(self._anchor)
+        self._vm_writev = _libc().process_vm_writev
+        if huge_pages:
+            self._check_mapped_writes()
         if lock:
             self._lock()
 
+    def _check_mapped_writes(self) -> None:
+        """Fail at start, not at the first PUT, where process_vm_writev is refused (a
+        seccomp profile stricter than the container runtimes' defaults, which allow it)."""
+        first = os.pread(self.fd, 1, 0)
+        try:
+            self._write_mapped(0, memoryview(first))
+        except OSError as e:
+            self.close()
+            raise OSError(e.errno, f"DRAM arena {self.path} is on huge pages, which the agent "
+                                   f"writes with process_vm_writev: {e.strerror}") from None
+
     def _lock(self) -> None:
-        self._anchor = ctypes.c_char.from_buffer(self.mm)
-        addr = ctypes.addressof(self._anchor)
+        addr = self._base
         if _libc().mlock(ctypes.c_void_p(addr), ctypes.c_size_t(self.size)) == 0:
             self.locked_bytes = self.size
         else:
@@ -254,17 +280,36 @@ class Arena:
         pos = 0
         for offset, nbytes in extents:
             if self.huge_pages:
-                self.view[offset : offset + nbytes] = src[pos : pos + nbytes]
+                self._write_mapped(offset, src[pos : pos + nbytes])
             else:
                 done = 0
                 while done < nbytes:
                     done += os.pwrite(self.fd, src[pos + done : pos + nbytes], offset + done)
             pos += nbytes
 
+    def _write_mapped(self, offset: int, src: memoryview) -> None:
+        """Copy `src` into the mapping at `offset` through the kernel (process_vm_writev to
+        this process), so a page that cannot be faulted in is an error code, never SIGBUS."""
+        if not len(src):
+            return
+        # numpy gives the address of any buffer, read-only ones (bytes) included, uncopied.
+        held = np.frombuffer(src, dtype=np.uint8)
+        local, remote = _IoVec(), _IoVec()
+        done, nbytes = 0, len(src)
+        while done < nbytes:
+            local.base, local.len = held.ctypes.data + done, nbytes - done
+            remote.base, remote.len = self._base + offset + done, nbytes - done
+            got = self._vm_writev(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote),
+                                  1, 0)
+            if got > 0:
+                done += got
+                continue
+            err = ctypes.get_errno() if got < 0 else errno.EFAULT
+            if err not in _MAPPED_WRITE_FAULTS or not self.restore_size():
+                raise OSError(err, f"arena {self.path} cannot be written at {offset + done}: "
+                                   f"{os.strerror(err)}")
+
     def _pread(self, offset: int, nbytes: int) -> bytes:
-        if self.huge_pages:
-            self.restore_size()
-            return bytes(self.view[offset : offset + nbytes])
         data = os.pread(self.fd, nbytes, offset)
         if len(data) < nbytes:
             # Shrunk behind the agent: what was past the end is gone; read zeros there.
@@ -286,10 +331,6 @@ class Arena:
         """The extents' bytes in order, in pieces valid until the next one is asked for."""
         piece = memoryview(self._piece)
         for offset, nbytes in extents:
-            if self.huge_pages:
-                self.restore_size()
-                yield self.view[offset : offset + nbytes]
-                continue
             done = 0
             while done < nbytes:
                 n = min(nbytes - done, len(piece))
@@ -305,10 +346,8 @@ class Arena:
     def close(self) -> None:
         if self._anchor is not None:
             if self.locked_bytes:
-                _libc().munlock(ctypes.c_void_p(ctypes.addressof(self._anchor)),
-                                ctypes.c_size_t(self.size))
+                _libc().munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(self.size))
             self._anchor = None
             self.locked_bytes = 0
-        self.view.release()
         self.mm.close()
         os.close(self.fd)
