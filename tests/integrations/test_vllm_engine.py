@@ -25,8 +25,8 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import wait_until
-from ..support import REPO_ROOT
 from ..agent.test_events import MapBatch, Mirror, events_agent
+from ..support import REPO_ROOT
 from . import vllm_engine
 
 HARNESS = Path(vllm_engine.__file__)
@@ -132,9 +132,9 @@ class Run:
 
     def __init__(self, agent: LocalAgent, mirror: Mirror, reference: dict[str, list[int]],
                  stored: dict[str, Any], after_a: dict[str, Any], b: Engine,
-                 c: Engine) -> None:
+                 c: Engine, odd: Engine) -> None:
         self.agent, self.mirror, self.reference = agent, mirror, reference
-        self.stored, self.after_a, self.b, self.c = stored, after_a, b, c
+        self.stored, self.after_a, self.b, self.c, self.odd = stored, after_a, b, c, odd
 
     def expected(self, prompt: list[int]) -> list[int]:
         return self.reference[json.dumps(prompt)]
@@ -166,10 +166,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             a.quit()
             b = Engine("b", model, agent, work)
             c = Engine("c", model, agent, work, tenant="team-b")
-            engines += [b, c]
+            # 48 tokens a chunk: not whole blocks of 32. It must not start.
+            odd = Engine("odd-chunk", model, agent, work, chunk_tokens=48)
+            engines += [b, c, odd]
             b.ready()
             c.ready()
-            yield Run(agent, mirror, reference, stored, after_a, b, c)
+            odd.proc.wait(timeout=START_TIMEOUT)
+            yield Run(agent, mirror, reference, stored, after_a, b, c, odd)
         finally:
             for e in engines:
                 e.quit()
@@ -188,6 +191,12 @@ def test_the_documented_kv_transfer_config_is_the_one_tested() -> None:
 def whole_chunks(prompt: list[int]) -> int:
     """Chunks a prompt can take from the pool: whole ones, before its last token."""
     return (len(prompt) - 1) // CHUNK
+
+
+def test_a_chunk_size_that_is_not_whole_vllm_blocks_is_refused_at_start(run: Run) -> None:
+    assert run.odd.proc.returncode != 0
+    assert ("kvpool: the pool's chunk size (KVPOOL_CHUNK_TOKENS / chunk_tokens = 48) must be "
+            "a positive multiple of vLLM's block size (32)") in run.odd.log()
 
 
 def test_engine_a_stores_every_whole_chunk_of_its_prompts(run: Run) -> None:
