@@ -24,15 +24,15 @@ CLIENT_MODULES = ["kvpool.agent.client", "kvpool.agent.keys"]
 LIGHT_KVPOOL_MODULES = {
     "kvpool", "kvpool.agent", "kvpool.agent.client", "kvpool.agent.transport",
     "kvpool.agent.keys", "kvpool.agent.protocol", "kvpool.agent.checksums",
-    "kvpool.agent.constants", "kvpool.agent.lookupindex",
+    "kvpool.agent.wsumkernel", "kvpool.agent.constants", "kvpool.agent.lookupindex",
 }
 """Every kvpool module the client may pull in (the server side, the operator, the tools
 and the pydantic config model are none of them)."""
 HEAVY = ["kopf", "kubernetes", "boto3", "botocore", "typer", "rich", "aiohttp",
          "prometheus_client", "pydantic", "yaml"]
-OPTIONAL = ["torch", "numpy"]
+OPTIONAL = ["torch", "numpy", "llvmlite"]
 """Imported only when a call needs them: torch when a tensor is passed (kvpool.agent.gpu),
-numpy when a WSUM checksum is computed on the CPU (kvpool.agent.checksums)."""
+numpy and llvmlite when a WSUM checksum is computed on the CPU (kvpool.agent.checksums)."""
 
 
 def _without_pythonpath() -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.agent import checksums
+from kvpool.agent import checksums, wsumkernel
 from kvpool.agent import protocol as p
 from kvpool.agent.gpu import Piece, plan_copies, wsum_from_partials, wsum_partials
 from kvpool.agent.tiers import base
@@ -43,6 +43,50 @@ def test_the_cpu_wsum_is_the_definition_however_the_bytes_are_cut(size: int) -> 
 def test_the_cpu_wsum_wraps_sums_modulo_2_64_like_the_definition() -> None:
     data = b"\xff" * (1 << 20)  # S1 far beyond 2^64
     assert checksums.compute(checksums.WSUM, [data]) == wsum_by_definition(data)
+
+
+ROW = wsumkernel.ROW_BYTES
+
+
+def test_the_compiled_wsum_loop_is_there_where_the_agent_is_installed() -> None:
+    # llvmlite is the agent's dependency: without the loop WSUM falls back to numpy,
+    # several times slower than XXH3, and nothing else would say so
+    assert wsumkernel.kernel() is not None
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("size", [
+    ROW - 1, ROW, ROW + 1, 2 * ROW + 3, 5 * ROW + 126, 64 * KiB + 5, 257 * KiB + 2])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, 5, 60])
+def test_both_cpu_wsums_are_the_definition_at_any_size_alignment_and_cut(
+        kernel: bool, size: int, offset: int) -> None:
+    rng = random.Random(size * 64 + offset)
+    data = rng.randbytes(size)
+    # the chunk's bytes start `offset` bytes into their buffer: unaligned words and rows
+    whole = memoryview(bytearray(rng.randbytes(offset)) + data)[offset:]
+    cuts = sorted({0, size, *rng.sample(range(size + 1), 6)})
+    parts = [whole[a:b] for a, b in itertools.pairwise(cuts)]
+    want = wsum_by_definition(data, b"meta")
+    assert checksums.wsum_finish(*checksums.wsum_sums(parts, kernel), b"meta") == want
+    assert checksums.wsum_finish(*checksums.wsum_sums([whole], kernel), b"meta") == want
+
+
+def test_the_streaming_wsum_takes_parts_down_to_single_bytes() -> None:
+    data = random.Random(3).randbytes(3 * ROW + 7)
+    h = checksums.Wsum()
+    for i in range(len(data)):
+        h.update(data[i : i + 1])
+    assert h.intdigest(b"m") == wsum_by_definition(data, b"m")
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["compiled", "numpy"])
+def test_both_cpu_wsums_wrap_every_sum_modulo_2_64_on_a_large_chunk(kernel: bool) -> None:
+    # all words 2^32 - 1: S0 = n u and S1 = u n (n - 1) / 2, both far beyond 2^64 (the
+    # compiled loop's row and lane sums wrap many times over), in closed form
+    size = 64 << 20
+    n, u = size // 4, 2**32 - 1
+    got = checksums.wsum_sums([b"\xff" * size], kernel)
+    assert got == (size, n * u % 2**64, u * n * (n - 1) // 2 % 2**64)
 
 
 @pytest.mark.parametrize("sizes", [[4096], [1000, 2000, 7], [4, 4, 4, 1], [65536, 12]])

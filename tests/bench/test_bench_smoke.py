@@ -56,7 +56,8 @@ def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> No
     for size in SIZES_QUICK:
         assert {"put_gbps", "put_ahead_gbps", "get_gbps", "memcpy_gbps", "xxh3_gbps",
                 "copy_xxh3_gbps", "put_many_gbps", "get_many_gbps", "put_many_vs_memcpy",
-                "get_many_vs_memcpy"} <= set(result["g2"][size])
+                "get_many_vs_memcpy", "wsum_gbps", "wsum_vs_xxh3", "verify_xxh3_gbps",
+                "verify_wsum_gbps", "verify_wsum_vs_xxh3"} <= set(result["g2"][size])
         assert {"put_gbps", "get_gbps"} <= set(result["inline"][size])
         assert {"put_gbps", "get_gbps"} <= set(result["redis"][size])
     assert set(CONTROL) <= set(result["control"])

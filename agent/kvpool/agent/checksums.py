@@ -10,7 +10,7 @@ every move between tiers and every read from G3/G4, whatever its kind:
   made of elementwise integer operations and two reductions, so a client can compute
   it on the GPU from the source tensor (`kvpool.agent.gpu`) instead of hashing the
   arena bytes on the CPU after the DMA; the agent computes the same function on the
-  CPU (numpy) wherever it verifies a chunk.
+  CPU wherever it verifies a chunk, as fast as XXH3 (`kvpool.agent.wsumkernel`).
 
 WSUM, exactly: pad the chunk's `size` bytes with zeros to a multiple of 4 and read
 them as little-endian unsigned 32-bit words u_0 .. u_{n-1}. With
@@ -35,7 +35,8 @@ It is not a cryptographic hash: like XXH3 it protects against accidents (a bad c
 a torn write, a flipped bit in memory, on disk or in the object store), not against
 a client that forges a matching checksum for bytes it wrote itself.
 
-The agent's computation needs numpy (imported only when a WSUM chunk is verified).
+The CPU computation (`Wsum`) needs numpy, and llvmlite for its speed (both imported only
+when a WSUM chunk is summed on the CPU; without llvmlite, numpy alone, several times slower).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from typing import Any
 
 import xxhash
 
+from . import wsumkernel
+
 XXH3 = 0
 WSUM = 1
 KINDS = {XXH3: "xxh3", WSUM: "wsum"}
@@ -54,7 +57,7 @@ KINDS = {XXH3: "xxh3", WSUM: "wsum"}
 WSUM_DOMAIN = b"kvpool-wsum-v1\x00"
 U64 = (1 << 64) - 1
 _BLOCK_WORDS = 1 << 18
-"""Words the CPU computation takes at once: 1 MiB of chunk."""
+"""Words numpy takes at once: 1 MiB of chunk."""
 _ramp: Any = None
 
 
@@ -73,45 +76,92 @@ def wsum_finish(size: int, s0: int, s1: int, meta: bytes = b"") -> int:
     return int(xxhash.xxh3_64_intdigest(head + meta))
 
 
-def wsum_sums(parts: Iterable[Any]) -> tuple[int, int, int]:
-    """(size, S0, S1) of the chunk made of `parts` (buffers, in order), on the CPU."""
+class Wsum:
+    """WSUM's sums over a chunk fed in parts (`update`, any cut, like `xxhash.xxh3_64`).
+
+    Whole 128-byte rows go through the compiled loop of `kvpool.agent.wsumkernel` (as
+    fast as XXH3); what it cannot take (the few words after the last row, a word split
+    between two parts) and everything where it is not available (`kernel=False`, or no
+    llvmlite: the client's light install) is summed with numpy."""
+
+    def __init__(self, kernel: bool = True) -> None:
+        self.size = 0
+        self.s0 = self.s1 = 0
+        self._words = 0
+        self._carry = b""
+        self._kernel = kernel
+
+    def update(self, part: Any) -> None:
+        raw = memoryview(part).cast("B")
+        self.size += raw.nbytes
+        if self._carry:  # the previous part ended inside a word: finish it with these bytes
+            take = min(4 - len(self._carry), raw.nbytes)
+            self._carry += bytes(raw[:take])
+            raw = raw[take:]
+            if len(self._carry) < 4:
+                return
+            self._add(self._carry)
+            self._carry = b""
+        whole = raw.nbytes - raw.nbytes % 4
+        if whole:
+            self._add(raw[:whole])
+        self._carry = bytes(raw[whole:])
+
+    def sums(self) -> tuple[int, int, int]:
+        """(size, S0, S1) of the bytes so far, the last word padded with zeros."""
+        s0, s1 = self.s0, self.s1
+        if self._carry:
+            last = int.from_bytes(self._carry.ljust(4, b"\0"), "little")
+            s0 += last
+            s1 += self._words * last
+        return self.size, s0 & U64, s1 & U64
+
+    def intdigest(self, meta: bytes = b"") -> int:
+        """The WSUM checksum of the bytes so far with `meta`."""
+        return wsum_finish(*self.sums(), meta)
+
+    def _add(self, whole_words: Any) -> None:
+        import numpy as np
+
+        data = np.frombuffer(whole_words, dtype=np.uint8)
+        rows = data.nbytes // wsumkernel.ROW_BYTES if self._kernel else 0
+        done = wsumkernel.row_sums(data.ctypes.data, rows) if rows else None
+        if done is None:
+            rows, done = 0, (0, 0)
+        s0, s1 = done
+        head = rows * wsumkernel.ROW_BYTES
+        if head < data.nbytes:  # the words after the last whole row (or all of them)
+            rest0, rest1 = _numpy_word_sums(data[head:].view("<u4"))
+            s0 += rest0
+            s1 += rest1 + head // 4 * rest0  # the rest's words come after the rows'
+        self.s1 = (self.s1 + s1 + self._words * s0) & U64
+        self.s0 = (self.s0 + s0) & U64
+        self._words += data.nbytes // 4
+
+
+def _numpy_word_sums(words: Any) -> tuple[int, int]:
+    """(S0, S1) modulo 2^64 of a uint32 array, word indices from 0, with numpy."""
     import numpy as np
 
     global _ramp
     if _ramp is None:
         _ramp = np.arange(_BLOCK_WORDS, dtype=np.uint64)
     s0 = s1 = 0
-    size = word = 0
-    carry = b""
+    for start in range(0, len(words), _BLOCK_WORDS):
+        u = words[start : start + _BLOCK_WORDS].astype(np.uint64)
+        total = int(u.sum(dtype=np.uint64))
+        s0 += total
+        # uint64 arithmetic wraps modulo 2^64, as the definition does
+        s1 += int(np.dot(u, _ramp[: len(u)])) + start * total
+    return s0 & U64, s1 & U64
+
+
+def wsum_sums(parts: Iterable[Any], kernel: bool = True) -> tuple[int, int, int]:
+    """(size, S0, S1) of the chunk made of `parts` (buffers, in order), on the CPU."""
+    h = Wsum(kernel)
     for part in parts:
-        raw = memoryview(part).cast("B")
-        size += raw.nbytes
-        blocks: list[Any] = []
-        if carry:  # the previous part ended inside a word: finish it with this one's bytes
-            take = min(4 - len(carry), raw.nbytes)
-            carry += bytes(raw[:take])
-            raw = raw[take:]
-            if len(carry) < 4:
-                continue
-            blocks.append(carry)
-            carry = b""
-        whole = raw.nbytes - raw.nbytes % 4
-        carry = bytes(raw[whole:])
-        blocks.append(raw[:whole])
-        for block in blocks:
-            words = np.frombuffer(block, dtype="<u4")
-            for start in range(0, len(words), _BLOCK_WORDS):
-                u = words[start : start + _BLOCK_WORDS].astype(np.uint64)
-                total = int(u.sum(dtype=np.uint64))
-                s0 += total
-                # uint64 arithmetic wraps modulo 2^64, as the definition does
-                s1 += int(np.dot(u, _ramp[: len(u)])) + word * total
-                word += len(u)
-    if carry:
-        last = int.from_bytes(carry.ljust(4, b"\0"), "little")
-        s0 += last
-        s1 += word * last
-    return size, s0 & U64, s1 & U64
+        h.update(part)
+    return h.sums()
 
 
 def compute(kind: int, parts: Iterable[Any], meta: bytes = b"") -> int:
@@ -119,8 +169,7 @@ def compute(kind: int, parts: Iterable[Any], meta: bytes = b"") -> int:
     if kind == XXH3:
         return xxh3(parts, meta)
     if kind == WSUM:
-        size, s0, s1 = wsum_sums(parts)
-        return wsum_finish(size, s0, s1, meta)
+        return wsum_finish(*wsum_sums(parts), meta)
     raise ValueError(f"unknown checksum kind {kind}; known: {sorted(KINDS)}")
 
 

@@ -10,7 +10,12 @@ Buffers are pre-faulted; one process, one thread:
   beside it, two diagnostics: `xxh3_gbps`, the XXH3-64 checksum over the
   same bytes on its own, and `copy_xxh3_gbps`, the put's copy-and-hash pass
   (`transport.copy_and_checksum`) between the same two buffers: what a put
-  costs without its two round trips (ALLOC, COMMIT);
+  costs without its two round trips (ALLOC, COMMIT); `wsum_gbps`, the WSUM
+  checksum (`checksums.Wsum`) over the same bytes, `wsum_vs_xxh3` its speed against
+  XXH3's; and the agent's verification of a chunk of either kind as it runs it
+  before a demotion or at a re-admission (`Arena.checksum`: the chunk read out of an
+  arena file in /dev/shm piece by piece, each piece checksummed while in cache):
+  `verify_xxh3_gbps`, `verify_wsum_gbps` and `verify_wsum_vs_xxh3`;
 - G2 put: `KVPoolClient.put` of a new key (ALLOC, copy into the arena with
   the checksum computed per 1 MiB block as it is copied, COMMIT);
 - G2 put ahead: the same with `put_ahead=True` (one round trip: the previous put's
@@ -41,6 +46,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvpool.agent import checksums
+from kvpool.agent.arena import Arena
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.protocol import checksum
 from kvpool.agent.transport import copy_and_checksum
@@ -51,6 +58,10 @@ from .stats import child_server, size_label, throughput, timed
 KEY_PREFIX = b"kvpool-bench-key"
 BATCH = 4
 """Chunks per put_many / get_many window."""
+
+
+def _shm() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def bench_key(i: int, salt: bytes = b"") -> bytes:
@@ -93,10 +104,11 @@ def redis_server() -> Iterator[Path]:
 
 
 def _round(nbytes: int, data: bytes, zc: KVPoolClient, ahead: KVPoolClient,
-           inline: KVPoolClient, rds: Any,
+           inline: KVPoolClient, rds: Any, arena: Arena,
            ) -> tuple[dict[str, Callable[[int], object]], Callable[[int], object]]:
     """The operations one round times, in turn, and the clean-up after a round."""
     src, dst = prefaulted(nbytes, 1), prefaulted(nbytes, 2)
+    arena.write([(0, nbytes)], data)
     s, d = memoryview(src), memoryview(dst)
     out = memoryview(prefaulted(nbytes))
     src[:] = data  # the same bytes every path moves
@@ -141,6 +153,9 @@ def _round(nbytes: int, data: bytes, zc: KVPoolClient, ahead: KVPoolClient,
 
     ops: dict[str, Callable[[int], object]] = {
         "memcpy": copy, "xxh3": lambda _: checksum(s), "copy_xxh3": copy_and_hash,
+        "wsum": lambda _: checksums.compute(checksums.WSUM, [s]),
+        "verify_xxh3": lambda _: arena.checksum([(0, nbytes)], b"", checksums.XXH3),
+        "verify_wsum": lambda _: arena.checksum([(0, nbytes)], b"", checksums.WSUM),
         "put": put(zc, b"g2"), "put_ahead": put(ahead, b"ahead"), "get": get(zc, b"g2"),
         "get_verified": get(zc, b"g2", True), "put_many": put_many, "get_many": get_many,
         "inline_put": put(inline, b"inline"), "inline_get": get(inline, b"inline"),
@@ -171,32 +186,44 @@ def run_data_path(sizes: list[int], reps: int) -> dict[str, Any]:
             KVPoolClient(agent.socket_path) as zc, \
             KVPoolClient(agent.socket_path, put_ahead=True) as ahead, \
             KVPoolClient(agent.socket_path, mode="inline") as ic, \
-            contextlib.closing(redis.Redis(unix_socket_path=str(rsock))) as rds:
+            contextlib.closing(redis.Redis(unix_socket_path=str(rsock))) as rds, \
+            tempfile.TemporaryDirectory(dir=_shm()) as scratch:
         rds.ping()
-        for nbytes in sizes:
-            label = size_label(nbytes)
-            ops, clean = _round(nbytes, payload(nbytes), zc, ahead, ic, rds)
-            t = timed(ops, reps, warmup=2, after=clean)
-            g2[label] = throughput(nbytes, {
-                "put_gbps": t["put"], "put_ahead_gbps": t["put_ahead"], "get_gbps": t["get"],
-                "memcpy_gbps": t["memcpy"],
-                "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"],
-                "get_verified_gbps": t["get_verified"]})
-            g2[label].update(throughput(BATCH * nbytes, {
-                "put_many_gbps": t["put_many"], "get_many_gbps": t["get_many"]}))
-            inline[label] = throughput(nbytes, {"put_gbps": t["inline_put"],
-                                                "get_gbps": t["inline_get"]})
-            peer[label] = throughput(nbytes, {"put_gbps": t["redis_put"],
-                                              "get_gbps": t["redis_get"]})
-            memcpy = g2[label]["memcpy_gbps"]
-            g2[label]["put_ahead_vs_memcpy"] = round(g2[label]["put_ahead_gbps"] / memcpy, 3)
-            for op in ("put_many", "get_many"):
-                g2[label][f"{op}_vs_memcpy"] = round(g2[label][f"{op}_gbps"] / memcpy, 3)
-            for op in ("put", "get"):
-                g2[label][f"{op}_vs_memcpy"] = round(g2[label][f"{op}_gbps"] / memcpy, 3)
-                peer[label][f"kvpool_{op}_vs_redis"] = round(
-                    g2[label][f"{op}_gbps"] / peer[label][f"{op}_gbps"], 3)
-            # What verify=True costs a zero-copy read (hashed in the same pass as the copy).
-            g2[label]["get_verified_vs_get"] = round(
-                g2[label]["get_verified_gbps"] / g2[label]["get_gbps"], 3)
+        # the agent's own arena class, on a file where the agent keeps its arena
+        arena = Arena(Path(scratch) / "arena", max(sizes), lock=False)
+        try:
+            for nbytes in sizes:
+                label = size_label(nbytes)
+                ops, clean = _round(nbytes, payload(nbytes), zc, ahead, ic, rds, arena)
+                t = timed(ops, reps, warmup=2, after=clean)
+                g2[label], inline[label], peer[label] = _figures(nbytes, t)
+        finally:
+            arena.close()
     return {"g2": g2, "inline": inline, "redis": peer}
+
+
+def _figures(nbytes: int, t: dict[str, list[float]]
+             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """One chunk size's `g2`, `inline` and `redis` entries from its rounds' timings."""
+    g2 = throughput(nbytes, {
+        "put_gbps": t["put"], "put_ahead_gbps": t["put_ahead"], "get_gbps": t["get"],
+        "memcpy_gbps": t["memcpy"],
+        "xxh3_gbps": t["xxh3"], "copy_xxh3_gbps": t["copy_xxh3"], "wsum_gbps": t["wsum"],
+        "verify_xxh3_gbps": t["verify_xxh3"], "verify_wsum_gbps": t["verify_wsum"],
+        "get_verified_gbps": t["get_verified"]})
+    g2.update(throughput(BATCH * nbytes, {
+        "put_many_gbps": t["put_many"], "get_many_gbps": t["get_many"]}))
+    inline = throughput(nbytes, {"put_gbps": t["inline_put"], "get_gbps": t["inline_get"]})
+    peer = throughput(nbytes, {"put_gbps": t["redis_put"], "get_gbps": t["redis_get"]})
+    memcpy = g2["memcpy_gbps"]
+    g2["wsum_vs_xxh3"] = round(g2["wsum_gbps"] / g2["xxh3_gbps"], 3)
+    g2["verify_wsum_vs_xxh3"] = round(g2["verify_wsum_gbps"] / g2["verify_xxh3_gbps"], 3)
+    g2["put_ahead_vs_memcpy"] = round(g2["put_ahead_gbps"] / memcpy, 3)
+    for op in ("put_many", "get_many"):
+        g2[f"{op}_vs_memcpy"] = round(g2[f"{op}_gbps"] / memcpy, 3)
+    for op in ("put", "get"):
+        g2[f"{op}_vs_memcpy"] = round(g2[f"{op}_gbps"] / memcpy, 3)
+        peer[f"kvpool_{op}_vs_redis"] = round(g2[f"{op}_gbps"] / peer[f"{op}_gbps"], 3)
+    # What verify=True costs a zero-copy read (hashed in the same pass as the copy).
+    g2["get_verified_vs_get"] = round(g2["get_verified_gbps"] / g2["get_gbps"], 3)
+    return g2, inline, peer

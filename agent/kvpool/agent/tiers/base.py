@@ -141,9 +141,9 @@ def read_chunk_file(f: io.FileIO, expect_key: bytes | None = None,
     The chunk bytes go into one buffer sized from the header, `block` bytes at a time,
     and an XXH3 chunk hashes each block right after reading it, while it is still in
     the CPU cache: reading the whole file and then hashing it read the chunk from
-    memory twice (the streaming digest of meta then data equals `checksums.xxh3`).
-    A WSUM chunk is summed once the whole chunk is in. (numpy is imported here, not at
-    start, as for WSUM: only an agent with an NVMe tier needs it.)
+    memory twice (the streaming digest of meta then data equals `checksums.xxh3`); a
+    WSUM chunk is summed block by block the same way (`checksums.Wsum`). (numpy is
+    imported here, not at start: only an agent with an NVMe tier needs it.)
     """
     head = f.read(HEADER_BYTES)
     head += f.read(max(0, header_length(head) - len(head)))
@@ -161,6 +161,7 @@ def read_chunk_file(f: io.FileIO, expect_key: bytes | None = None,
 
     view = np.empty(h.size, dtype=np.uint8).data
     hasher = xxhash.xxh3_64(h.meta) if h.checksum_kind == checksums.XXH3 else None
+    wsum = checksums.Wsum() if h.checksum_kind == checksums.WSUM else None
     pos = 0
     while pos < h.size:
         got = f.readinto(view[pos : pos + min(block, h.size - pos)])
@@ -168,10 +169,17 @@ def read_chunk_file(f: io.FileIO, expect_key: bytes | None = None,
             raise IntegrityError(f"chunk is {pos} bytes, header says {h.size}")
         if hasher is not None:
             hasher.update(view[pos : pos + got])
+        elif wsum is not None:
+            wsum.update(view[pos : pos + got])
         pos += got
     rec = ChunkRecord(h.key, view, h.checksum, h.meta, h.tenant, h.fingerprint_id,
                       h.checksum_kind)
-    ok = hasher.intdigest() == h.checksum if hasher is not None else rec.verify()
+    if hasher is not None:
+        ok = hasher.intdigest() == h.checksum
+    elif wsum is not None:
+        ok = wsum.intdigest(h.meta) == h.checksum
+    else:
+        ok = rec.verify()  # an unknown kind: verify() says so
     if not ok:
         raise IntegrityError(f"checksum mismatch for {h.key.hex()}")
     return rec
