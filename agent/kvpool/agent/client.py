@@ -43,6 +43,7 @@ from .constants import (
 from .protocol import EngineBlocks
 from .transport import (
     Buffer,
+    BufferCopies,
     Mode,
     PutResult,
     ReadTarget,
@@ -50,8 +51,6 @@ from .transport import (
     ZeroCopyTransport,
     as_bytes_view,
     connect,
-    copy_out,
-    fits,
 )
 
 if TYPE_CHECKING:
@@ -426,11 +425,10 @@ class KVPoolClient:
         from . import gpu
 
         if isinstance(t, ZeroCopyTransport):
-            def copy_buffer(reply: p.AcquireReply, out: Buffer, verify: bool) -> bool:
-                dst = fits(as_bytes_view(out), reply.size)
-                return copy_out(t.arena, reply.extents, dst, reply if verify else None)
+            # a buffer among the tensors is copied as without tensors (verified by default)
+            buffers = BufferCopies(t.arena, verify=verify is not False)
             self._device(t).get_window(t.conn, keys, start, target, sizes, verify, stream,
-                                       copy_buffer)
+                                       buffers)
             return
         # Inline: the chunk arrives in the frame; tensors are filled from the host bytes.
         staged: dict[int, tuple[Any, bytearray]] = {}

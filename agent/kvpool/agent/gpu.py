@@ -31,7 +31,7 @@ import torch
 
 from . import checksums
 from . import protocol as p
-from .transport import acquired
+from .transport import Check, Copies, Digest, WindowConnection, read_window, write_window
 
 Segments = list[torch.Tensor]
 log = logging.getLogger(__name__)
@@ -297,23 +297,6 @@ def wsum_from_partials(size: int, partials: torch.Tensor, firsts: list[int],
 # --------------------------------------------------------------------------- the arena
 
 
-def _settle(copier: CopyStream) -> None:
-    """Wait for the copies issued so far, on a path that is already failing: its own
-    error is the one to report."""
-    with contextlib.suppress(Exception):
-        copier.record().wait()
-
-
-class Connection(Protocol):
-    """What the device path needs of the client's connection to the agent."""
-
-    def rid(self) -> int: ...
-
-    def exchange(self, reqs: Sequence[p.Request]) -> list[p.Reply]: ...
-
-    def cast(self, *reqs: p.Request) -> None: ...
-
-
 ReadTarget = Callable[[int, int, bytes], Any]
 
 
@@ -350,106 +333,29 @@ class DeviceArena:
             else:
                 seg.copy_(arena, non_blocking=True)
 
-    # -- batch windows (the same contract as the client's zero-copy windows)
+    # -- batch windows: the client's window loops (`transport.write_window` and
+    # `read_window`) with tensor copies as their copy step
 
-    def put_window(self, conn: Connection, keys: Sequence[bytes], chunks: Sequence[Segments],
-                   metas: Sequence[bytes], start: int, results: list[Any],
-                   stream: object, blocks: Sequence[p.EngineBlocks | None] | None = None,
-                   ) -> None:
-        """ALLOC each chunk, copy its segments into the extents and compute its WSUM on
-        the device, wait for the window's fence, then COMMIT: a write is committed only
-        after its copies completed."""
-        copier = as_copy_stream(stream, device_of(chunks))
-        sizes = [sum(s.numel() for s in segs) for segs in chunks]
-        replies = conn.exchange([p.Alloc(conn.rid(), k, n, m)
-                                 for k, n, m in zip(keys, sizes, metas, strict=True)])
-        leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
-        written: list[tuple[int, p.AllocReply, tuple[torch.Tensor, list[int]] | None]] = []
-        fenced = False
-        try:
-            with copier.issue():
-                for i, reply in enumerate(replies):
-                    if isinstance(reply, p.ErrorReply):
-                        results[start + i] = p.ProtocolError(reply.code, reply.message)
-                        continue
-                    assert isinstance(reply, p.AllocReply)
-                    if reply.exists:
-                        results[start + i] = False
-                        continue
-                    segs = chunks[i]
-                    written.append((i, reply, None))  # before its copies: fenced on failure
-                    self._copy(plan_copies(reply.extents, [s.numel() for s in segs], sizes[i]),
-                               segs, to_arena=True)
-                    written[-1] = (i, reply, wsum_partials(segs) if wsum_aligned(segs)
-                                   else None)
-            copier.record().wait()
-            fenced = True
-            commits: list[tuple[int, p.Commit | p.Put]] = []
-            for i, reply, partials in written:
-                if partials is None:  # segments cut mid-word: hash the arena bytes
-                    digest = checksums.xxh3(
-                        (self.tensor[o : o + n].numpy() for o, n in reply.extents),
-                        metas[i])
-                    kind = checksums.XXH3
-                else:
-                    digest = wsum_from_partials(sizes[i], *partials, metas[i])
-                    kind = checksums.WSUM
-                commits.append((i, p.with_blocks(p.Commit(conn.rid(), reply.lease, digest, kind),
-                                                 blocks[i] if blocks is not None else None)))
-        except BaseException:
-            if written and not fenced:
-                _settle(copier)  # no ABORT while a DMA may still write the lease's pages
-            conn.cast(*[p.Abort(conn.rid(), lease) for lease in leases])
-            raise
-        done = conn.exchange([c for _, c in commits])
-        for (i, _), reply in zip(commits, done, strict=True):
-            if isinstance(reply, p.ErrorReply):
-                results[start + i] = p.ProtocolError(reply.code, reply.message)
-            else:  # False: another client committed the key first (its copy is kept)
-                assert isinstance(reply, p.CommitReply)
-                results[start + i] = reply.stored
+    def put_window(self, conn: WindowConnection, keys: Sequence[bytes],
+                   chunks: Sequence[Segments], metas: Sequence[bytes], start: int,
+                   results: list[Any], stream: object,
+                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+        """Put a window of chunks from tensors: their copies into the leases and their
+        WSUMs go to `stream`, the window COMMITs once they completed."""
+        device_of(chunks)  # one device, checked before any ALLOC
+        copies = _TensorCopies(self, stream, chunks=chunks, metas=metas)
+        write_window(conn, copies, keys, copies.sizes, metas, start, results, blocks)
 
-    def get_window(self, conn: Connection, keys: Sequence[bytes], start: int,
+    def get_window(self, conn: WindowConnection, keys: Sequence[bytes], start: int,
                    target: ReadTarget, sizes: list[int], verify: bool | None, stream: object,
-                   copy_buffer: Callable[[p.AcquireReply, Any, bool], bool]) -> None:
-        """ACQUIRE the window, copy each chunk into the tensor(s) or buffer `target` gives,
-        wait for the window's fence, then RELEASE: a lease ends only after the copies
-        that read it completed. A buffer (not a tensor) is copied by `copy_buffer`, the way
-        the client copies without tensors, and verified unless `verify` is False; a tensor
-        is verified only if `verify` is True (`KVPoolClient.get_many_into`)."""
-        replies = conn.exchange([p.Acquire(conn.rid(), k) for k in keys])
-        granted = [r for r in replies if isinstance(r, p.AcquireReply)]
-        issued: list[tuple[int, p.AcquireReply, Segments]] = []
-        copier: CopyStream | None = None
-        fenced = False
-        try:
-            for i, reply, out in acquired(replies, start, target):
-                if not is_chunk(out):
-                    if copy_buffer(reply, out, verify is not False):
-                        sizes[start + i] = reply.size
-                    continue
-                segs = segments_of(out, f"the destination of key {start + i}")
-                if copier is None:
-                    copier = as_copy_stream(stream, segs[0].device)
-                elif issued and segs[0].device != issued[0][2][0].device:
-                    raise ValueError(f"the destination of key {start + i} is on "
-                                     f"{segs[0].device}, an earlier one on "
-                                     f"{issued[0][2][0].device}: one call, one device")
-                pieces = plan_copies(reply.extents, [s.numel() for s in segs], reply.size)
-                issued.append((i, reply, segs))
-                with copier.issue():
-                    self._copy(pieces, segs, to_arena=False)
-            if copier is not None:
-                copier.record().wait()
-            fenced = True
-            for i, reply, segs in issued:
-                if verify and not self._verified(reply, segs):
-                    continue
-                sizes[start + i] = reply.size
-        finally:
-            if copier is not None and issued and not fenced:
-                _settle(copier)  # no RELEASE while a DMA may still read the lease's pages
-            conn.cast(*[p.Release(conn.rid(), r.lease) for r in granted])
+                   buffers: Copies) -> None:
+        """Read a window into the tensors (or buffers) `target` gives: a tensor's copies go
+        to `stream` (the first tensor's device's current one by default) and are verified,
+        after the window's fence, only if `verify` is True; a buffer is copied by
+        `buffers`, the way the client copies without tensors
+        (`KVPoolClient.get_many_into`)."""
+        read_window(conn, _TensorCopies(self, stream, buffers=buffers, verify=verify is True),
+                    keys, start, target, sizes)
 
     def _verified(self, reply: p.AcquireReply, segs: Segments) -> bool:
         """The destination's bytes match the chunk's checksum (read after the fence)."""
@@ -464,6 +370,75 @@ class DeviceArena:
                                       reply.meta) == reply.checksum
         host = [s.cpu().numpy() for s in parts]
         return checksums.compute(reply.checksum_kind, host, reply.meta) == reply.checksum
+
+
+class _TensorCopies(Copies):
+    """The copy step of a tensor window: copies between the arena and the segments issued
+    on one `CopyStream`, fenced once for the window. A write's checksum is WSUM computed
+    where the segments are (XXH3 of the arena bytes when they are cut inside a word); a
+    read into a buffer goes to `buffers`."""
+
+    def __init__(self, arena: DeviceArena, stream: object, chunks: Sequence[Segments] = (),
+                 metas: Sequence[bytes] = (), buffers: Copies | None = None,
+                 verify: bool = False) -> None:
+        self.arena = arena
+        self.chunks = chunks
+        self.metas = metas
+        self.sizes = [sum(s.numel() for s in segs) for segs in chunks]
+        self.buffers = buffers
+        self.verify = verify
+        self._stream = stream
+        self._copier: CopyStream | None = None
+        """Made at the first tensor: the default stream is its device's current one."""
+        self._device: torch.device | None = None
+
+    def _on(self, segs: Segments, what: str) -> CopyStream:
+        device = segs[0].device
+        if self._copier is None:
+            self._copier = as_copy_stream(self._stream, device)
+        if self._device is None:
+            self._device = device
+        elif device != self._device:
+            raise ValueError(f"{what} is on {device}, an earlier one on {self._device}: "
+                             "one call, one device")
+        return self._copier
+
+    def write(self, index: int, lease: p.AllocReply) -> Digest:
+        segs, size, meta = self.chunks[index], self.sizes[index], self.metas[index]
+        with self._on(segs, f"the chunk of key {index}").issue():
+            self.arena._copy(plan_copies(lease.extents, [s.numel() for s in segs], size),
+                             segs, to_arena=True)
+            partials = wsum_partials(segs) if wsum_aligned(segs) else None
+        tensor = self.arena.tensor
+
+        def digest() -> tuple[int, int]:
+            if partials is None:  # segments cut mid-word: hash the arena bytes
+                return checksums.xxh3((tensor[o : o + n].numpy() for o, n in lease.extents),
+                                      meta), checksums.XXH3
+            return wsum_from_partials(size, *partials, meta), checksums.WSUM
+        return digest
+
+    def read(self, index: int, lease: p.AcquireReply, out: Any) -> Check:
+        if not is_chunk(out):
+            assert self.buffers is not None
+            return self.buffers.read(index, lease, out)
+        what = f"the destination of key {index}"
+        segs = segments_of(out, what)
+        pieces = plan_copies(lease.extents, [s.numel() for s in segs], lease.size)
+        with self._on(segs, what).issue():
+            self.arena._copy(pieces, segs, to_arena=False)
+        if not self.verify:
+            return lambda: True
+        return lambda: self.arena._verified(lease, segs)
+
+    def fence(self) -> None:
+        if self._copier is not None:
+            self._copier.record().wait()
+
+    def settle(self) -> None:
+        if self._copier is not None:
+            with contextlib.suppress(Exception):
+                self._copier.record().wait()
 
 
 def chunk_bytes(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> bytes:

@@ -17,7 +17,7 @@ import select
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import xxhash
 
@@ -133,6 +133,141 @@ def copy_out(arena: memoryview, extents: Sequence[tuple[int, int]], dst: memoryv
         block[:] = arena[offset : offset + step]
         h.update(block)
     return int(h.intdigest()) == check.checksum
+
+
+Digest = Callable[[], tuple[int, int]]
+"""A write's (checksum, kind), asked for once its window's copies completed."""
+Check = Callable[[], bool]
+"""Whether a read's copy holds the chunk, asked for once its window's copies completed."""
+
+
+class Copies(ABC):
+    """The copy step of a batch window: how chunk bytes move between the window's lease
+    extents and the caller's buffers or tensors. The window around it (the requests, the
+    replies, the per-key results, when leases end) is one loop, `write_window` and
+    `read_window`, whatever moves the bytes."""
+
+    @abstractmethod
+    def write(self, index: int, lease: p.AllocReply) -> Digest:
+        """Start copying the window's chunk `index` into the write lease's extents."""
+
+    @abstractmethod
+    def read(self, index: int, lease: p.AcquireReply, out: Any) -> Check:
+        """Start copying a read lease's chunk into `out`, what the caller's target gave
+        for the key at `index` of its call."""
+
+    def fence(self) -> None:
+        """Wait until every copy started so far completed (CPU copies complete as they
+        are made): leases end only after it."""
+        return None
+
+    def settle(self) -> None:
+        """The same on a failing path, whose own error is the one to report: a lease
+        is not ended while a copy may still use its pages."""
+        return None
+
+
+class WindowConnection(Protocol):
+    """What a batch window needs of the connection to the agent."""
+
+    def rid(self) -> int: ...
+
+    def exchange(self, reqs: Sequence[p.Request]) -> list[p.Reply]: ...
+
+    def cast(self, *reqs: p.Request) -> None: ...
+
+
+def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
+                 sizes: Sequence[int], metas: Sequence[bytes], start: int,
+                 results: list[PutResult],
+                 blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+    """ALLOC the window's chunks (one write), copy each into its lease, wait for the
+    copies, then COMMIT them (one write): a write is committed only after its copies
+    completed, and ABORTed, on failure, only once no copy may still write its pages."""
+    replies = conn.exchange([p.Alloc(conn.rid(), k, n, m)
+                             for k, n, m in zip(keys, sizes, metas, strict=True)])
+    leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
+    written: list[tuple[int, p.AllocReply]] = []
+    digests: list[Digest] = []
+    fenced = False
+    try:
+        for i, reply in enumerate(replies):
+            if isinstance(reply, p.ErrorReply):
+                results[start + i] = p.ProtocolError(reply.code, reply.message)
+                continue
+            assert isinstance(reply, p.AllocReply)
+            if reply.exists:
+                results[start + i] = False
+                continue
+            written.append((i, reply))  # before its copies: settled on failure
+            digests.append(copies.write(i, reply))
+        copies.fence()
+        fenced = True
+        commits: list[tuple[int, p.Commit | p.Put]] = []
+        for (i, reply), digest in zip(written, digests, strict=True):
+            checksum, kind = digest()
+            commits.append((i, p.with_blocks(p.Commit(conn.rid(), reply.lease, checksum, kind),
+                                             blocks[i] if blocks is not None else None)))
+    except BaseException:
+        if written and not fenced:
+            copies.settle()
+        conn.cast(*[p.Abort(conn.rid(), lease) for lease in leases])
+        raise
+    done = conn.exchange([c for _, c in commits])
+    for (i, _), reply in zip(commits, done, strict=True):
+        if isinstance(reply, p.ErrorReply):
+            results[start + i] = p.ProtocolError(reply.code, reply.message)
+        else:  # False: another client committed the key first (its copy is kept)
+            assert isinstance(reply, p.CommitReply)
+            results[start + i] = reply.stored
+
+
+def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], start: int,
+                target: ReadTarget, sizes: list[int]) -> None:
+    """ACQUIRE the window's chunks (one write), copy each granted one into what `target`
+    gives, wait for the copies, then RELEASE every lease (one write, not waited for): a
+    read lease ends only after the copies that read it completed."""
+    replies = conn.exchange([p.Acquire(conn.rid(), k) for k in keys])
+    granted = [r for r in replies if isinstance(r, p.AcquireReply)]
+    started: list[tuple[int, p.AcquireReply]] = []
+    checks: list[Check] = []
+    fenced = False
+    try:
+        for i, reply, out in acquired(replies, start, target):
+            started.append((i, reply))  # before its copies: settled on failure
+            checks.append(copies.read(start + i, reply, out))
+        copies.fence()
+        fenced = True
+        for (i, reply), check in zip(started, checks, strict=True):
+            if check():
+                sizes[start + i] = reply.size
+    finally:
+        if started and not fenced:
+            copies.settle()
+        conn.cast(*[p.Release(conn.rid(), r.lease) for r in granted])
+
+
+class BufferCopies(Copies):
+    """Copies between the mapped arena and buffers, made by the CPU as they are asked for;
+    a write's checksum (XXH3) is computed block by block as it is copied, a read's
+    verified the same way unless `verify` is False."""
+
+    def __init__(self, arena: memoryview, sources: Sequence[memoryview] = (),
+                 metas: Sequence[bytes] = (), verify: bool = True) -> None:
+        self.arena = arena
+        self.sources = sources
+        self.metas = metas
+        self.verify = verify
+
+    def write(self, index: int, lease: p.AllocReply) -> Digest:
+        digest = copy_and_checksum(self.arena, lease.extents, self.sources[index],
+                                   self.metas[index])
+        return lambda: (digest, checksums.XXH3)
+
+    def read(self, index: int, lease: p.AcquireReply, out: Any) -> Check:
+        dst = fits(as_bytes_view(out), lease.size)
+        intact = copy_out(self.arena, lease.extents, dst, lease if self.verify else None)
+        return lambda: intact
 
 
 class Connection:
@@ -487,15 +622,8 @@ class ZeroCopyTransport(Transport):
 
     def get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                    sizes: list[int], verify: bool) -> None:
-        replies = self.conn.exchange([p.Acquire(self.conn.rid(), k) for k in keys])
-        granted = [r for r in replies if isinstance(r, p.AcquireReply)]
-        try:
-            for i, reply, out in acquired(replies, start, target):
-                dst = fits(as_bytes_view(out), reply.size)
-                if copy_out(self.arena, reply.extents, dst, reply if verify else None):
-                    sizes[start + i] = reply.size
-        finally:
-            self.conn.cast(*[p.Release(self.conn.rid(), r.lease) for r in granted])
+        read_window(self.conn, BufferCopies(self.arena, verify=verify), keys, start, target,
+                    sizes)
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],
@@ -504,32 +632,8 @@ class ZeroCopyTransport(Transport):
         # budget it had without put-ahead.
         self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease, _ in self.spares.values()])
         self.spares.clear()
-        replies = self.conn.exchange([p.Alloc(self.conn.rid(), k, v.nbytes, m)
-                                      for k, v, m in zip(keys, views, metas, strict=True)])
-        commits: list[tuple[int, p.Commit | p.Put]] = []
-        leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
-        try:
-            for i, reply in enumerate(replies):
-                if isinstance(reply, p.ErrorReply):
-                    results[start + i] = p.ProtocolError(reply.code, reply.message)
-                    continue
-                assert isinstance(reply, p.AllocReply)
-                if reply.exists:
-                    results[start + i] = False
-                    continue
-                digest = copy_and_checksum(self.arena, reply.extents, views[i], metas[i])
-                commits.append((i, p.with_blocks(p.Commit(self.conn.rid(), reply.lease, digest),
-                                                 blocks[i] if blocks is not None else None)))
-        except BaseException:
-            self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease in leases])
-            raise
-        done = self.conn.exchange([c for _, c in commits])
-        for (i, _), reply in zip(commits, done, strict=True):
-            if isinstance(reply, p.ErrorReply):
-                results[start + i] = p.ProtocolError(reply.code, reply.message)
-            else:  # False: another client committed the key first (its copy is kept)
-                assert isinstance(reply, p.CommitReply)
-                results[start + i] = reply.stored
+        write_window(self.conn, BufferCopies(self.arena, views, metas), keys,
+                     [v.nbytes for v in views], metas, start, results, blocks)
 
 
 def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,
