@@ -138,6 +138,18 @@ def _agent_config(config: Path | None, flags: dict[str, Any]) -> AgentConfig:
         raise ConfigError(_flag_errors(e)) from e
 
 
+def _checked_config(config: Path | None, flags: dict[str, Any]) -> AgentConfig:
+    """`_agent_config`, its errors and a socket path over the kernel's limit one line each."""
+    try:
+        cfg = _agent_config(config, flags)
+    except ConfigError as e:
+        _fail(str(e))
+    if problem := cfg.socket_problem():
+        _fail(f"{'--socket' if flags['socket_path'] is not None else 'socketPath'} "
+              f"{cfg.socket_path}: {problem}")
+    return cfg
+
+
 def _start_error(e: OSError, cfg: AgentConfig, flags: dict[str, Any]) -> tuple[str, int]:
     """One line for an OSError of a failed start, naming the flag (or field) of its path."""
     reason = e.strerror or str(e)
@@ -219,10 +231,7 @@ def agent(
         "arena": arena, "no_lock": no_lock, "nvme_dir": nvme_dir, "nvme": nvme,
         "shared": shared, "policy": policy, "state_dir": state_dir,
     }
-    try:
-        cfg = _agent_config(config, flags)
-    except ConfigError as e:
-        _fail(str(e))
+    cfg = _checked_config(config, flags)
     root = _absent_shared_root(cfg)
     if root is not None:
         assert cfg.tiers.shared is not None
@@ -300,10 +309,7 @@ def cleanup(
         ("metrics_addr", "max_chunk_bytes", "log_level", "dram", "nvme_dir", "nvme",
          "shared", "policy", "state_dir"))
     flags.update(socket_path=socket, pool=pool, arena=arena, tenant=tenant, no_lock=False)
-    try:
-        cfg = _agent_config(config, flags)
-    except ConfigError as e:
-        _fail(str(e))
+    cfg = _checked_config(config, flags)
     removed = []
     for space in space_files(cfg):
         try:

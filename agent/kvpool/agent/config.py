@@ -551,18 +551,19 @@ class AgentConfig(Model):
     @model_validator(mode="after")
     def _tenants_fit(self) -> Self:
         self.tenant_sizes()
-        for tenant in self.tenants:  # each tenant's socket is longer than the pool's
-            path = tenant_socket_path(self.socket_path, tenant.name)
-            if too_long := socket_path_too_long(path):
-                raise ValueError(f"tenant {tenant.name}'s socket {path} is {too_long}")
         return self
 
-    @field_validator("socket_path")
-    @classmethod
-    def _socket_fits(cls, path: Path) -> Path:
-        if too_long := socket_path_too_long(path):
-            raise ValueError(f"{path} is {too_long}")
-        return path
+    def socket_problem(self) -> str:
+        """Why a socket of this agent (the pool's, or a tenant's, which is longer) cannot be
+        made: "" when every one can. Checked by `kvpool agent` and `kvpool cleanup` before
+        they touch anything (the operator's pools use short paths)."""
+        if too_long := socket_path_too_long(self.socket_path):
+            return too_long
+        for tenant in self.tenants:
+            path = tenant_socket_path(self.socket_path, tenant.name)
+            if too_long := socket_path_too_long(path):
+                return f"tenant {tenant.name}'s socket {path} is {too_long}"
+        return ""
 
     def tenant_sizes(self) -> list[tuple[int, int]]:
         """Each tenant's (DRAM, NVMe) bytes on this node; see `tenant_sizes`."""
