@@ -294,6 +294,11 @@ def _secret_value(secret: dict[str, Any] | None) -> bytes:
     return base64.b64decode(((secret or {}).get("data") or {}).get("secret") or "")
 
 
+def _random_32_bytes(value: bytes) -> bool:
+    """The secret's form: 32 random bytes as 64 hex digits (text the agent reads whole)."""
+    return len(value) == 64 and len(bytes.fromhex(value.decode())) == 32
+
+
 def _ports(ds: dict[str, Any] | None) -> set[str]:
     containers = (ds or {}).get("spec", {}).get("template", {}).get("spec", {}).get(
         "containers"
@@ -321,7 +326,7 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
             api.POOL_KIND, POOL, pool["metadata"]["uid"]
         )
     first = _secret_value(objects["Secret"])
-    assert len(first) == 32 and first != bytes(32)
+    assert _random_32_bytes(first) and first != b"0" * 64
     ds = await cluster.get("apps/v1", "DaemonSet", NAMES.agent)
     assert "kv-peers" in _ports(ds)
 
@@ -356,7 +361,7 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
         return value or None
 
     second = await cluster.eventually(refilled, "the Secret given a value again")
-    assert len(second) == 32 and second != first
+    assert _random_32_bytes(second) and second != first
 
     # Peers off: the port leaves the agents, the three objects are deleted.
     await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
@@ -380,7 +385,7 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
                         {"spec": {"peers": {"enabled": True}}})
     objects = await cluster.eventually(created, "the peer objects again")
     third = _secret_value(objects["Secret"])
-    assert len(third) == 32 and third not in (first, second)
+    assert _random_32_bytes(third) and third not in (first, second)
 
 
 @pytest.mark.kmock(cls=Emulator)

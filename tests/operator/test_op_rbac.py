@@ -184,7 +184,7 @@ async def _pool_life(cluster: Cluster) -> bytes:
     # Peers turned off: the operator deletes the pool's peer Secret, Service and policy.
     secret = await cluster.get("v1", "Secret", PEERS)
     peer_secret = base64.b64decode(((secret or {}).get("data") or {}).get("secret", ""))
-    assert len(peer_secret) == 32
+    assert len(bytes.fromhex(peer_secret.decode())) == 32
     peer_objects = [
         ("v1", "Secret"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy")
     ]
@@ -290,7 +290,7 @@ def _leaks(text: str, peer_secret: bytes = b"") -> list[str]:
         base64.b64encode(SECRET_KEY.encode()).decode(),
     }
     if peer_secret:
-        forms |= {base64.b64encode(peer_secret).decode(), peer_secret.hex()}
+        forms |= {base64.b64encode(peer_secret).decode(), peer_secret.decode()}
     return [f for f in forms if f in text]
 
 

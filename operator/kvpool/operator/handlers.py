@@ -176,7 +176,7 @@ def generated(obj: Mapping[str, Any]) -> dict[str, Any] | None:
     re-render keeps the secret every agent of the pool holds."""
     if obj["kind"] != "Secret":
         return None
-    value = secrets.token_bytes(PEER_SECRET_BYTES)
+    value = secrets.token_hex(PEER_SECRET_BYTES).encode()
     return {"data": {PEER_SECRET_KEY: base64.b64encode(value).decode()}}
 
 

@@ -71,6 +71,8 @@ PEER_SECRET_KEY = "secret"
 """The key of the pool's peer Secret holding the shared secret (random, made by the
 operator once: `handlers`), and its file name in `PEERS_MOUNT`."""
 PEER_SECRET_BYTES = 32
+"""Random bytes of a pool's peer secret, kept as hex digits (text: the agent strips
+whitespace around the secret it reads, which raw bytes could end with)."""
 PEER_TLS_KEYS = ("tls.crt", "tls.key", "ca.crt")
 """Keys the Secret named by `spec.peers.tls.secretName` must hold."""
 POD_IP_ENV = "POD_IP"
