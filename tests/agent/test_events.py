@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -597,3 +598,68 @@ def test_an_agent_withdraws_its_oldest_shared_chunk_past_its_bound(
         assert tracker.announced() == {"dram": 0, "nvme": 0, "shared": 2}
     finally:
         pub.close()
+
+
+def _replayed(ctx: zmq.Context[Any], replay: str, topic: bytes) -> list[ArrStored]:
+    """The BlockStored events the replay socket keeps of `topic`, from its start."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(replay)
+    decoder = msgspec.msgpack.Decoder(ArrBatch)
+    stored: list[ArrStored] = []
+    try:
+        dealer.send_multipart([b"", topic, (0).to_bytes(8, "big")])
+        while True:
+            assert dealer.poll(30_000), "the replay did not end"
+            _, seq_b, payload = dealer.recv_multipart()
+            if seq_b == END_SEQ:
+                return stored
+            stored += [e for e in decoder.decode(payload).events if isinstance(e, ArrStored)]
+    finally:
+        dealer.close()
+
+
+def test_a_restarted_agent_names_the_engines_blocks_as_before(
+        tmp_path: Path, ctx: zmq.Context[Any]) -> None:
+    """An engine stores chunks with its block hashes, some demoted to NVMe, one deleted;
+    the agent is SIGKILLed and restarted warm. When the engine's pod says HELLO again, the
+    inventory of its topic (read through the replay socket) names every chunk by the
+    engine's blocks, tokens, parent and block size, in the tier that holds it. Before,
+    the identities lived in the agent's memory only: the inventory named kvpool's keys,
+    and a router keyed by the engine's hashes matched nothing the agent had kept."""
+    chunks = range(1, 25)  # 24 chunks of 64 KiB through 1 MiB of DRAM into 1 MiB of NVMe
+    with events_agent(tmp_path, "pod", "array", "1Mi", nvme=tmp_path / "nvme") as (
+            agent, _, replay):
+        with KVPoolClient(agent.socket_path, pod="p", model="m", block_size=16,
+                          chunk_tokens=32) as c:
+            for i in chunks:
+                assert c.put(key(i), b"z" * CHUNK, blocks=blocks(i))
+            c.delete(key(1))
+            wait_until(lambda: (_stats(c) or {}).get("nvme", 0) > 0, "demotions to NVMe")
+        agent.kill(signal.SIGKILL)
+        agent.start()
+        nvme = tmp_path / "nvme"
+        on_nvme = {i for i in chunks if (nvme / key(i).hex()[:2] / f"{key(i).hex()}.kvc").exists()}
+        with KVPoolClient(agent.socket_path, pod="p", model="m", block_size=16,
+                          chunk_tokens=32) as c:
+            c.stats()  # its HELLO starts the pod's topic; nothing is looked up or read
+            in_dram = {i for i in chunks if i != 1 and i not in on_nvme}
+            expect = {blocks(i).hashes[0]: (i, "DISK" if i in on_nvme else "CPU_PINNED")
+                      for i in on_nvme | in_dram}
+            assert on_nvme and 1 not in on_nvme and len(in_dram) > 8
+
+            def inventory() -> dict[int, ArrStored]:
+                return {e.block_hashes[0]: e for e in _replayed(ctx, replay, b"kv@p@m")}
+
+            wait_until(lambda: len(inventory()) >= len(expect), "the pod's inventory")
+            got = inventory()
+            # Every chunk the agent kept (the deleted one is forgotten with it), and only
+            # those, named as the engine named it, in the tier that holds it.
+            assert set(got) == set(expect)
+            for h, e in got.items():
+                i, where = expect[h]
+                b = blocks(i)
+                assert (e.block_hashes, e.token_ids, e.parent_block_hash, e.block_size,
+                        e.medium) == (b.hashes, b.token_ids, b.parent, 16, where)
+            assert c.stats()["tiers"]["dram"]["chunks"] == len(in_dram)
+    assert "warm restart" in agent.log()

@@ -34,13 +34,17 @@ class SpaceFiles:
     """Held (flock) by the agent serving the space; see `claim`."""
     stores: Path
     """The record of the `file://` shared stores the space has used (`seenstores`)."""
+    identities: Path | None = None
+    """The chunks' identities for KV events (`events.remembered`) when they live with the
+    journal; None: in the NVMe directory, with the chunks."""
 
 
 def space_files(config: AgentConfig) -> list[SpaceFiles]:
     """The socket, arena, journal, lock file and store record of every space `config`
     describes."""
     return [SpaceFiles(tenant, cfg.socket_path, cfg.arena_path(), cfg.journal_path(),
-                       cfg.lock_path(), cfg.stores_path())
+                       cfg.lock_path(), cfg.stores_path(),
+                       None if cfg.tiers.nvme is not None else cfg.identities_path())
             for tenant, cfg in config.spaces()]
 
 
@@ -74,7 +78,9 @@ def remove_space_files(space: SpaceFiles) -> list[tuple[Path, int]]:
                         f"{', '.join(map(str, holders))} (an agent or its clients): "
                         "stop them first")
         removed = []
-        for path in (space.arena, space.journal, space.stores, space.lock):
+        for path in (space.arena, space.journal, space.stores, space.identities, space.lock):
+            if path is None:
+                continue
             try:
                 size = path.stat().st_size
                 path.unlink()
@@ -146,7 +152,7 @@ class StartFiles:
             files += [space.socket, space.arena, space.journal, space.lock]
             dirs += [space.socket.parent, space.arena.parent]
         for _, cfg in config.spaces():
-            files += cfg.stores_paths()
+            files += [*cfg.stores_paths(), cfg.identities_path()]
             if cfg.tiers.nvme is not None:
                 dirs.append(cfg.tiers.nvme.path)
             if cfg.state_dir is not None:

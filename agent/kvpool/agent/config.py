@@ -21,6 +21,7 @@ from pydantic.alias_generators import to_camel
 from .constants import (
     DEFAULT_SOCKET,
     HUGE_PAGE_BYTES,
+    NVME_IDENTITIES,
     NVME_STORES_RECORD,
     PAGE_BYTES,
     SOCKET_PATH_MAX,
@@ -611,6 +612,14 @@ class AgentConfig(Model):
         """The record of the `file://` shared stores this agent has used (`seenstores`),
         with the journal (`_with_arena`)."""
         return self._with_arena(".stores")
+
+    def identities_path(self) -> Path:
+        """The identities the engines gave the chunks, for KV events after a restart
+        (`events.remembered`): in the NVMe directory, where chunk files outlive a reboot of
+        the node; without NVMe with the journal (`_with_arena`), as long-lived as DRAM's."""
+        if self.tiers.nvme is not None:
+            return self.tiers.nvme.path / NVME_IDENTITIES
+        return self._with_arena(".identities")
 
     def stores_paths(self) -> list[Path]:
         """`stores_path`, and a copy of the record in the NVMe directory and in the state

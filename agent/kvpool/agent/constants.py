@@ -22,6 +22,10 @@ NVME_STORES_RECORD: Final = ".kvpool-stores"
 """In the NVMe directory: the agent's record of the `file://` shared stores it has used (a
 file, so the NVMe tier's scan of its fan-out directories never takes it for chunks)."""
 
+NVME_IDENTITIES: Final = ".kvpool-identities"
+"""In the NVMe directory: the identities engines gave the chunks, for KV events after a
+restart (`events.remembered`; a file, like `NVME_STORES_RECORD`)."""
+
 STATE_STORES_RECORD: Final = "shared-stores.json"
 """In the agent's state directory (`stateDir`): its copy of the same record."""
 

@@ -3,7 +3,8 @@
 `TierEvents` is the store's observer (`store.observer.TierObserver`). It keeps,
 per chunk any tier holds (as far as this agent knows), the tiers announced so far,
 and the chunk's identity when its storing client gave one (the engine blocks it
-named; without one, events name kvpool's own key), so every `BlockRemoved` names
+named; without one, events name kvpool's own key), also on file for a restart
+(`remembered`), so every `BlockRemoved` names
 what its `BlockStored` named, and a topic that starts gets an inventory of
 everything held. Announcing is idempotent per (tier, key): a tier's index may
 briefly hold an entry the store never made visible (a demotion overtaken by a
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from ..config import TIER_ORDER, TierName
 from .identity import Identity
 from .publisher import Publisher, TopicEnd, TopicStart
+from .remembered import IdentityLog
 
 _BIT: dict[TierName, int] = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
 _SHARED = _BIT["shared"]
@@ -30,6 +32,12 @@ SHARED_ANNOUNCED = 1 << 20
 """Most shared-tier chunks one space announces at once. The shared store has no size
 the agent manages, so what the agent remembers of it is bounded here (about 150 bytes
 a chunk): past it, the oldest announcement is withdrawn (`BlockRemoved`)."""
+
+LEAVING = 4096
+"""Identities kept after their chunk left every tier, for it to take again: a chunk being
+demoted is in no tier until its file lands (a few hundred at most are: the store bounds
+the demotions in flight), then NVMe holds it, as its engine named it. Past this many, the
+oldest is forgotten, and forgotten on file too."""
 
 _NO_IDENTITY: contextlib.nullcontext[None] = contextlib.nullcontext()
 
@@ -55,7 +63,8 @@ class TierEvents:
     """Turns one space's tier changes into queued events (see the module's doc)."""
 
     def __init__(self, space: str, publisher: Publisher, *, node_topic: str | None,
-                 shared_announced: int = SHARED_ANNOUNCED) -> None:
+                 shared_announced: int = SHARED_ANNOUNCED,
+                 remembered: IdentityLog | None = None) -> None:
         self.space = space
         self.publisher = publisher
         self._offer = publisher.offer
@@ -74,6 +83,12 @@ class TierEvents:
         """Connections of each (pod, model) that said HELLO with a pod name."""
         self.pending: dict[bytes, Identity] = {}
         """Identities of chunks being stored (a PUT may wait for room meanwhile)."""
+        self.leaving: dict[bytes, Identity] = {}
+        """Identities of chunks that just left every tier, oldest first (`LEAVING`)."""
+        self.remembered = remembered
+        """The identities on file, for a restart (`remembered`); None: kept in memory only."""
+        if remembered is not None:
+            remembered.live = self.identities.items
 
     # -- what the store tells
 
@@ -83,10 +98,15 @@ class TierEvents:
         bit = _BIT[tier]
         if bits & bit:
             return
-        if not bits and self.pending:
-            ident = self.pending.get(key)
+        if not bits:
+            ident = self.pending.get(key) if self.pending else None
+            left = self.leaving.pop(key, None) if self.leaving else None
             if ident is not None:
                 self.identities[key] = ident
+                if self.remembered is not None:
+                    self.remembered.keep(key, ident)
+            elif left is not None:  # back from a demotion: the file still has it
+                self.identities[key] = left
         held[key] = bits | bit
         self._count[bit] += 1
         self._offer((self.space, True, tier, key, self.identities.get(key)))
@@ -110,6 +130,12 @@ class TierEvents:
             del held[key]
             if ident is not None:
                 del self.identities[key]
+                self.leaving[key] = ident
+                if len(self.leaving) > LEAVING:
+                    gone = next(iter(self.leaving))
+                    del self.leaving[gone]
+                    if self.remembered is not None:
+                        self.remembered.forget(gone)
         if bit == _SHARED:
             del self.shared[key]
         self._offer((self.space, False, tier, key, ident))
@@ -123,13 +149,15 @@ class TierEvents:
     # -- topics
 
     def start(self, held: Iterable[tuple[TierName, bytes]]) -> None:
-        """The store as it is at start (recovered DRAM, NVMe's index); in node mode the
-        topic starts with it."""
+        """The store as it is at start (recovered DRAM, NVMe's index), with the identities
+        remembered for its chunks; in node mode the topic starts with it."""
         for tier, key in held:
             bits, bit = self.held.get(key, 0), _BIT[tier]
             if not bits & bit:
                 self.held[key] = bits | bit
                 self._count[bit] += 1
+        if self.remembered is not None:
+            self.identities.update(self.remembered.load(self.held.keys()))
         if self.node_topic is not None:
             self._offer(TopicStart(self.space, self.node_topic, "", self._inventory()))
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from .. import protocol as p
 from ..config import AgentConfig, ConfigError, EventsTopic, load_policy
-from ..events import Publisher, TierEvents, node_topic
+from ..events import IdentityLog, Publisher, TierEvents, node_topic
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
 from .banner import bound_address, kept_line, tiers_line
@@ -124,7 +124,9 @@ class Agent:
             topic = None
             if ev.topic is EventsTopic.NODE:
                 topic = node_topic(node, self.config.pool, space.tenant)
-            space.attach_events(TierEvents(space.tenant, publisher, node_topic=topic))
+            space.attach_events(TierEvents(
+                space.tenant, publisher, node_topic=topic,
+                remembered=IdentityLog(space.config.identities_path())))
         log.info("KV events on %s (replay %s), %s topics, %s payload", publisher.endpoint,
                  publisher.replay_endpoint or "off", ev.topic.value, ev.payload.value)
         return publisher

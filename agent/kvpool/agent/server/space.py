@@ -78,6 +78,8 @@ class Space:
 
     def close(self) -> None:
         self.store.close()
+        if self.events is not None and self.events.remembered is not None:
+            self.events.remembered.close()
         if self.store.journal is not None:
             self.store.journal.close()
         self.arena.close()
