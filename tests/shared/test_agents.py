@@ -51,6 +51,7 @@ def uploaded(client: KVPoolClient, n: int) -> bool:
 @pytest.fixture(params=["file", "s3"])
 def shared_cfg(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     if request.param == "file":
+        (tmp_path / "mount").mkdir()  # the agent never makes a file:// store's directory
         return {"url": (tmp_path / "mount").as_uri()}
     endpoint: str = request.getfixturevalue("moto_endpoint")
     bucket: str = request.getfixturevalue("bucket")
@@ -99,6 +100,7 @@ def test_lookup_stops_at_the_first_key_no_tier_holds(
 def test_object_overwritten_behind_the_agents_back_is_a_miss_and_counted(
         tmp_path: Path) -> None:
     mount = tmp_path / "mount"
+    mount.mkdir()
     with ExitStack() as stack:
         a = node(stack, tmp_path, "a", {"url": mount.as_uri()})
         b = node(stack, tmp_path, "b", {"url": mount.as_uri()})
