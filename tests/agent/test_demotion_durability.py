@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.store.demotion import DEMOTION_BYTES_SHARE, DEMOTIONS_IN_FLIGHT
 from kvpool.bench.local import LocalAgent
@@ -92,6 +94,9 @@ def test_sigkill_while_small_chunks_stream_into_nvme_loses_no_acknowledged_chunk
         agent.stop()
 
 
+# Alone: the writers must outrun NVMe to fill the backlog it checks ("nothing was ever being
+# demoted" where the writers share the CPU with other tests).
+@pytest.mark.alone
 def test_the_demotion_backlog_stays_within_its_bound_under_fast_small_chunk_writers(
         tmp_path: Path) -> None:
     """Six writers of 4-32 KiB chunks through a 16 MiB DRAM tier whose watermark evicts

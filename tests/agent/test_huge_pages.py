@@ -25,6 +25,9 @@ from kvpool.bench.local import LocalAgent
 
 from .test_tenants import hello
 
+# The huge-page reservation and its free count are the machine's, not the test's.
+pytestmark = pytest.mark.alone
+
 HUGE_PAGES = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 ARENA_PAGES = 8  # a 16 MiB arena of 2 MiB pages
 _RESERVING = Path(tempfile.gettempdir()) / "kvpool-tests-hugepages.lock"

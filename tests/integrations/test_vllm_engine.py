@@ -29,6 +29,10 @@ from ..agent.test_events import MapBatch, Mirror, events_agent
 from ..support import REPO_ROOT
 from . import vllm_engine
 
+# Two engines at a time, each a process that takes a core or more: beside other tests they
+# would only slow each other down (tests/run runs `alone` tests one at a time, after the rest).
+pytestmark = pytest.mark.alone
+
 HARNESS = Path(vllm_engine.__file__)
 CHUNK = 64
 """Tokens per chunk: two vLLM blocks of 32."""

@@ -85,6 +85,7 @@ def socket_kinds() -> dict[str, str]:
 
 
 @pytest.mark.soak
+@pytest.mark.alone  # the load it makes is the test: all of the machine's CPU
 def test_soak_eight_clients_over_all_tiers_leaves_nothing_wrong_leaked_or_lost(
         tmp_path: Path, loads: list[Load]) -> None:
     workdir = tmp_path / "agent"

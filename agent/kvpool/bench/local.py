@@ -21,6 +21,14 @@ def free_port() -> int:
         return port
 
 
+PORT_TRIES = 3
+"""Starts with a new metrics port when the one picked was taken meanwhile."""
+
+
+class MetricsPortTaken(RuntimeError):
+    """The agent could not bind the metrics port picked for it: another process has it."""
+
+
 class LocalAgent:
     """`kvpool agent` as a child process with its socket, arena and metrics in a temp dir."""
 
@@ -47,6 +55,22 @@ class LocalAgent:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalAgent:
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self._start()
+            except MetricsPortTaken:
+                # free_port's port was free when it looked, and another process (a test
+                # running beside this one) bound it before the agent did: take another.
+                self._use_metrics_port(free_port())
+        return self._start()
+
+    def _use_metrics_port(self, port: int) -> None:
+        at = self.args.index("--metrics-addr") + 1
+        self.args[at] = f"127.0.0.1:{port}"
+        self.metrics_port, self.metrics_url = port, f"http://127.0.0.1:{port}"
+
+    def _start(self) -> LocalAgent:
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.agent", "agent", *self.args],
@@ -56,6 +80,9 @@ class LocalAgent:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                taken = f"--metrics-addr 127.0.0.1:{self.metrics_port}: ".encode()
+                if taken in self.log_path.read_bytes()[log_start:]:
+                    raise MetricsPortTaken(self.metrics_port)
                 raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
             if self._answers():
                 return self
