@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ CONNECTOR = {"kv_connector": "KVPoolConnector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 """What docs/integrations.md tells a user to pass as --kv-transfer-config."""
 START_TIMEOUT = 300
+DOWN = "serving without the pool (recomputing) until it is back"
+"""The connector's warning when it finds the agent unreachable: once per incident."""
 
 
 def vllm_python() -> Path:
@@ -249,6 +252,12 @@ def test_a_chunk_lost_between_lookup_and_load_is_recomputed(run: Run, fault: str
     assert got["external_prefix_cache_hits"] == whole_chunks(prompt) * CHUNK  # looked up
     assert re.search(r"1 of 6 chunks of request \S+ not loaded", run.b.log())
     assert got["outputs"] == [run.expected(prompt)]
+    # The bad chunk is out of the pool (deleted when it failed its checksum), so the next
+    # request takes the two before it and stores it again; the one after takes all six.
+    again = run.b.generate(prompt)
+    assert again["external_prefix_cache_hits"] == 2 * CHUNK
+    assert again["outputs"] == [run.expected(prompt)]
+    assert run.b.generate(prompt)["external_prefix_cache_hits"] == 6 * CHUNK
 
 
 def test_two_engines_at_once_store_and_serve_their_own_prompts(run: Run) -> None:
@@ -294,11 +303,11 @@ def test_agent_killed_between_lookup_and_load_then_back(run: Run) -> None:
     assert got["outputs"] == [run.expected(KILLED)]
 
     down = run.b.generate(MAIN)
-    warnings = run.b.log().count("unreachable")
+    warnings = run.b.log().count(DOWN)
     assert 1 <= warnings <= 3  # the scheduler's and the worker's connections
     for _ in range(3):
         assert run.b.generate(MAIN)["outputs"] == [run.expected(MAIN)]
-    assert run.b.log().count("unreachable") == warnings
+    assert run.b.log().count(DOWN) == warnings
     assert down["external_prefix_cache_hits"] == 0
     assert down["outputs"] == [run.expected(MAIN)]
 
@@ -308,3 +317,28 @@ def test_agent_killed_between_lookup_and_load_then_back(run: Run) -> None:
         return bool(run.b.generate(MAIN)["external_prefix_cache_hits"] == 8 * CHUNK)
     wait_until(hits_again, "the connector to reconnect and hit again")
     assert "is back after" in run.b.log()
+
+
+def test_a_stalled_agent_costs_one_timeout_then_vllm_recomputes_until_it_answers(
+        run: Run) -> None:
+    """The agent stops answering (SIGSTOP) with a load due: the load gives up after the
+    connector's timeout and vLLM recomputes; once the agent answers again the connector
+    is back by itself, and no lease is left over."""
+    warnings = run.b.log().count(DOWN)
+    assert run.b.generate(MAIN)["external_prefix_cache_hits"] == 8 * CHUNK
+    assert run.agent.proc is not None
+    run.agent.proc.send_signal(signal.SIGSTOP)
+    try:
+        got = run.b.generate(MAIN)
+    finally:
+        run.agent.proc.send_signal(signal.SIGCONT)
+
+    assert got["outputs"] == [run.expected(MAIN)]
+    assert run.b.log().count(DOWN) == warnings + 1  # the worker's connection
+
+    def hits_again() -> bool:
+        return bool(run.b.generate(MAIN)["external_prefix_cache_hits"] == 8 * CHUNK)
+    wait_until(hits_again, "the connector to come back after the stall")
+    # The timed-out connection's leases end when the agent, running again, sees it closed.
+    wait_until(lambda: stats(run.agent)["leases"] == {"read": 0, "write": 0},
+               "the stalled load's leases to end")

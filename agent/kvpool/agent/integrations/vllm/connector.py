@@ -20,9 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from .jobs import StepJobs
+from .jobs import StepJobs, WorkerReport
 from .link import LOGGER
 from .scheduler import SchedulerSide
 from .settings import settings as read_settings
@@ -34,6 +35,16 @@ log = logging.getLogger(LOGGER)
 @dataclass
 class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     jobs: StepJobs
+
+
+@dataclass
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    report: WorkerReport
+
+    def aggregate(self, other: Any) -> KVPoolWorkerMetadata:
+        down = self.report.agent_down or bool(getattr(other, "report", None)
+                                               and other.report.agent_down)
+        return KVPoolWorkerMetadata(WorkerReport(agent_down=down))
 
 
 def _rank() -> tuple[int, int]:
@@ -93,9 +104,12 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVPoolConnectorMetadata(self.scheduler.step_jobs(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        # Loads and saves report through get_finished; the scheduler side keeps no state
-        # past request_finished.
-        return
+        # Loads and saves report through get_finished; the workers' metadata says whether
+        # they reach the agent.
+        assert self.scheduler is not None
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVPoolWorkerMetadata):
+            self.scheduler.workers_down = meta.report.agent_down
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -147,6 +161,10 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
         return self.worker.load_errors()
+
+    def build_connector_worker_meta(self) -> KVPoolWorkerMetadata | None:
+        assert self.worker is not None
+        return KVPoolWorkerMetadata(WorkerReport(agent_down=self.worker.agent_down()))
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -47,3 +47,11 @@ class StepJobs:
     """Finished requests whose blocks vLLM keeps until the worker says their saves are done."""
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step: their blocks may be reused, so their saves finish first."""
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What workers tell the scheduler side after a step."""
+
+    agent_down: bool = False
+    """This worker cannot reach the agent (any worker down: all are, for the scheduler)."""

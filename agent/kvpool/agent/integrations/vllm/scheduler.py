@@ -43,6 +43,10 @@ class _Request:
     saved_chunks: int = 0
     """Leading chunks known to be in the pool or handed to a save."""
     saving: bool = False
+    loaded: bool = False
+    """A load from the pool was planned: a request loads once. If it failed, vLLM recomputes
+    and may ask again (from scratch when the first block failed): the answer is then 0, or
+    a pool that keeps answering (a stalled agent's index) would have it try forever."""
     lookup: concurrent.futures.Future[int | None] | None = None
     lookup_since: float = 0.0
     hashes: list[int] = field(default_factory=list)
@@ -65,6 +69,9 @@ class SchedulerSide:
             1, thread_name_prefix="kvpool-lookup")
         self._reqs: dict[str, _Request] = {}
         self._jobs = StepJobs()
+        self.workers_down = False
+        """A worker last said it cannot reach the agent: no lookups until one says it can
+        (each load would wait for the worker's timeout to fail)."""
         if settings.loads:
             self.index.connected()
 
@@ -88,7 +95,8 @@ class SchedulerSide:
         n = self.layout.chunk_tokens
         # Whole chunks before the prompt's last token (vLLM recomputes that one).
         most = min((request.num_prompt_tokens - 1) // n, MAX_LOOKUP_KEYS)
-        if not self.settings.loads or most * n <= num_computed_tokens \
+        if not self.settings.loads or st.loaded or self.workers_down \
+                or most * n <= num_computed_tokens \
                 or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         hit = self._lookup(st, most)
@@ -148,6 +156,7 @@ class SchedulerSide:
         end = (st.local_tokens + num_external_tokens) // n
         block_ids = blocks.get_block_ids()[0]
         keys = self._keys(st, end)
+        st.loaded = True
         self._jobs.loads.append(LoadJob(
             request.request_id, {r: k[first:end] for r, k in keys.items()},
             [list(block_ids[c * per : (c + 1) * per]) for c in range(first, end)],

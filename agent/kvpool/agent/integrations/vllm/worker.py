@@ -7,7 +7,9 @@ so the model's forward never waits on the agent:
   given (`get_many_into` with each chunk's segments: one per layer and block), checking each
   chunk's checksum; a chunk that is missing (evicted since the lookup), fails its checksum,
   or has another layout is reported with its blocks (`get_block_ids_with_load_errors`) and
-  vLLM recomputes from the first of them. The request is reported loaded either way.
+  vLLM recomputes from the first of them. The request is reported loaded either way. A
+  chunk that was there but failed its checksum is deleted from the pool, so that the next
+  request computing it stores a good copy.
 - a save copies newly computed whole chunks from their vLLM blocks into the arena
   (`put_many`), once the step's forward has written them (on CUDA: after an event recorded
   at the end of the step, on a stream of the connector's own).
@@ -147,6 +149,9 @@ class WorkerSide:
             bad, self._bad_blocks = self._bad_blocks, set()
         return bad
 
+    def agent_down(self) -> bool:
+        return self.link.down_since is not None
+
     def drain(self, timeout: float) -> bool:
         """Whether every queued job finished within `timeout` seconds."""
         with self._cond:
@@ -171,7 +176,12 @@ class WorkerSide:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.link.retry_every)
+            except queue.Empty:
+                if self.agent_down():
+                    self.link.connected()  # is it back? (the scheduler waits for this)
+                continue
             if item is None:
                 self.link.close()
                 return
@@ -209,7 +219,15 @@ class WorkerSide:
                 else None
 
         def get(client: KVPoolClient) -> list[int]:
-            return client.get_many_into(keys, target, verify=True, stream=self._stream)
+            sizes = client.get_many_into(keys, target, verify=True, stream=self._stream)
+            # A chunk still stored but not loadable (its checksum failed: corrupt) is deleted,
+            # so that the next request that computes it stores it again; one that is gone
+            # costs a DELETE that finds nothing.
+            for key, size in zip(keys, sizes, strict=True):
+                if not size and client.delete(key):
+                    log.warning("kvpool: a stored chunk failed its checksum and was deleted "
+                                "from the pool")
+            return sizes
         sizes = self.link.call(get) or [0] * len(keys)
         self._report_load(job, sizes)
 
