@@ -342,8 +342,9 @@ class DeviceArena:
                    blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
         """Put a window of chunks from tensors: their copies into the leases and their
         WSUMs go to `stream`, the window COMMITs once they completed."""
-        device_of(chunks)  # one device, checked before any ALLOC
-        copies = _TensorCopies(self, stream, chunks=chunks, metas=metas)
+        device = device_of(chunks)  # one device, checked before any ALLOC
+        copies = _TensorCopies(self, stream, chunks=chunks, metas=metas,
+                               dma=device is not None and device.type == "cuda")
         write_window(conn, copies, keys, copies.sizes, metas, start, results, blocks)
 
     def get_window(self, conn: WindowConnection, keys: Sequence[bytes], start: int,
@@ -354,8 +355,10 @@ class DeviceArena:
         after the window's fence, only if `verify` is True; a buffer is copied by
         `buffers`, the way the client copies without tensors
         (`KVPoolClient.get_many_into`)."""
-        read_window(conn, _TensorCopies(self, stream, buffers=buffers, verify=verify is True),
-                    keys, start, target, sizes)
+        # the destinations' device is known only once the ACQUIREs are answered
+        copies = _TensorCopies(self, stream, buffers=buffers, verify=verify is True,
+                               dma=torch.cuda.is_available())
+        read_window(conn, copies, keys, start, target, sizes)
 
     def _verified(self, reply: p.AcquireReply, segs: Segments) -> bool:
         """The destination's bytes match the chunk's checksum (read after the fence)."""
@@ -380,7 +383,8 @@ class _TensorCopies(Copies):
 
     def __init__(self, arena: DeviceArena, stream: object, chunks: Sequence[Segments] = (),
                  metas: Sequence[bytes] = (), buffers: Copies | None = None,
-                 verify: bool = False) -> None:
+                 verify: bool = False, dma: bool = False) -> None:
+        self.dma = dma
         self.arena = arena
         self.chunks = chunks
         self.metas = metas

@@ -136,6 +136,9 @@ class Alloc(Request, tag=int(Op.ALLOC)):
     key: bytes
     size: int
     meta: bytes = b""
+    dma: bool = False
+    """The lease's copies run on a device (a GPU's DMA) and may outlive the connection:
+    if it closes, the agent keeps the pages from reuse for `writeLeaseTimeout` (a drain)."""
 
 
 class Commit(Request, tag=int(Op.COMMIT)):
@@ -166,6 +169,8 @@ class Abort(Request, tag=int(Op.ABORT)):
 
 class Acquire(Request, tag=int(Op.ACQUIRE)):
     key: bytes
+    dma: bool = False
+    """As ALLOC's: if the connection closes, the chunk stays leased for the drain."""
 
 
 class Release(Request, tag=int(Op.RELEASE)):

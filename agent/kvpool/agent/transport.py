@@ -147,6 +147,11 @@ class Copies(ABC):
     replies, the per-key results, when leases end) is one loop, `write_window` and
     `read_window`, whatever moves the bytes."""
 
+    dma = False
+    """The copies run on a device and may outlive this process's connection (a GPU's
+    DMA): the window's ALLOCs and ACQUIREs say so, and the agent drains the leases of a
+    connection that closes with them (docs/protocol.md, "Leases")."""
+
     @abstractmethod
     def write(self, index: int, lease: p.AllocReply) -> Digest:
         """Start copying the window's chunk `index` into the write lease's extents."""
@@ -184,7 +189,7 @@ def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
     """ALLOC the window's chunks (one write), copy each into its lease, wait for the
     copies, then COMMIT them (one write): a write is committed only after its copies
     completed, and ABORTed, on failure, only once no copy may still write its pages."""
-    replies = conn.exchange([p.Alloc(conn.rid(), k, n, m)
+    replies = conn.exchange([p.Alloc(conn.rid(), k, n, m, copies.dma)
                              for k, n, m in zip(keys, sizes, metas, strict=True)])
     leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
     written: list[tuple[int, p.AllocReply]] = []
@@ -227,7 +232,7 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
     """ACQUIRE the window's chunks (one write), copy each granted one into what `target`
     gives, wait for the copies, then RELEASE every lease (one write, not waited for): a
     read lease ends only after the copies that read it completed."""
-    replies = conn.exchange([p.Acquire(conn.rid(), k) for k in keys])
+    replies = conn.exchange([p.Acquire(conn.rid(), k, copies.dma) for k in keys])
     granted = [r for r in replies if isinstance(r, p.AcquireReply)]
     started: list[tuple[int, p.AcquireReply]] = []
     checks: list[Check] = []

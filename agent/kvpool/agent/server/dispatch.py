@@ -87,7 +87,7 @@ async def _put(c: Connection, r: p.Put) -> p.PutReply:
 
 
 async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
-    granted = await c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id)
+    granted = await c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id, r.dma)
     if granted is None:
         return p.AllocReply(r.rid, 0, [], exists=True)
     return p.AllocReply(r.rid, granted.lease, granted.extents)
@@ -144,7 +144,7 @@ def _unpin(c: Connection, r: p.Unpin) -> p.UnpinReply:
 
 
 async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
-    g = await c.store.acquire(r.key, c.id)
+    g = await c.store.acquire(r.key, c.id, r.dma)
     return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
                           g.checksum_kind)
 

@@ -123,6 +123,8 @@ class ChunkStore:
         """Allocations waiting for demotions to land (their pages to be freed)."""
         self.uncommitted: dict[int, int] = {}
         """Arena bytes (whole pages) under each connection's open write leases."""
+        self.dma_owners: set[int] = set()
+        """Connections that took a lease with `dma`: their leases drain when they close."""
         self.dram_queue = new_queue(policy.tiers.dram.eviction, dram)
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-io")
         """Background writes and deletes: demotions, file removals, shared deletes and probes."""
@@ -305,9 +307,12 @@ class ChunkStore:
     # -- zero-copy writes
 
     async def alloc(self, key: bytes, size: int, meta: bytes, tenant: str,
-                    owner: int) -> Granted | None:
-        """A write lease on fresh extents, or None when the key is already stored."""
+                    owner: int, dma: bool = False) -> Granted | None:
+        """A write lease on fresh extents, or None when the key is already stored. `dma`:
+        the owner copies by DMA (its leases drain when it disconnects, `disconnect`)."""
         check_key(key)
+        if dma:
+            self.dma_owners.add(owner)
         self._check_size(size, meta)
         if self.contains(key):
             return None
@@ -429,8 +434,10 @@ class ChunkStore:
 
     # -- reads
 
-    async def acquire(self, key: bytes, owner: int) -> Granted:
+    async def acquire(self, key: bytes, owner: int, dma: bool = False) -> Granted:
         check_key(key)
+        if dma:
+            self.dma_owners.add(owner)
         self._check_lease_budget(owner)
         found = await self._find(key)
         tier, transient = 2, False
@@ -573,14 +580,25 @@ class ChunkStore:
         self.dram.pins.discard(key)
 
     def disconnect(self, owner: int) -> None:
-        """A connection closed: abort its writes and end its reads."""
+        """A connection closed: abort its writes and end its reads. One that copied by DMA
+        (an ALLOC or ACQUIRE with `dma`) drains instead: a device may still be copying
+        into its write leases' pages or out of its read leases' chunks (its process died
+        mid-copy, or is alive and finishing the window its connection lost), so the pages
+        stay from reuse and the reads open for `writeLeaseTimeout`, the time the agent
+        gives any writer to copy a chunk; its writes are never committed."""
+        self.uncommitted.pop(owner, None)
+        if owner in self.dma_owners:
+            self.dma_owners.discard(owner)
+            writes_ = [w for w in self.dram.writes.values() if w.owner == owner]
+            self.dram.drain(owner, writes_,
+                            time.monotonic() + self.config.write_lease_timeout)
+            return
         writes, reads = self.dram.leases_of(owner)
         for lease_id in writes:
             self.abort(lease_id, owner)
         for lease_id in reads:
             self.dram.close_read(lease_id, owner)
         self.dram.unfence(owner)
-        self.uncommitted.pop(owner, None)  # expired writes' fenced pages counted till now
 
     # -- eviction and demotion
 
@@ -771,6 +789,7 @@ class ChunkStore:
         """Writes idle past their lease timeout, and chunks past their tier's TTL."""
         mono = time.monotonic()
         self.dram.expire_writes(mono)  # their pages stay fenced until the writer disconnects
+        self.dram.end_drains(mono)
         wall = time.time() if now is None else now
         # Within the bound on demotions in flight: the rest go at a later sweep.
         self._evict_dram(self._admissible(pol.expired(
@@ -862,7 +881,7 @@ class ChunkStore:
         return StoreSnapshot(tiers, LookupCounts(dict(c.hits), dict(c.misses)), len(d.reads),
                              len(d.writes), len(d.pins), d.arena.locked_bytes,
                              d.arena.lock_error or "", demoting, demoting_bytes, removing, url,
-                             queue)
+                             queue, sum(len(x.reads) for x in d.draining), d.draining_bytes)
 
     # -- checks
 

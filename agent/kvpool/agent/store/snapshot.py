@@ -60,6 +60,12 @@ class StoreSnapshot:
     shared_url: str = ""
     queue: QueueStats | None = None
     """The shared tier's write-behind queue, when there is one."""
+    draining_reads: int = 0
+    """Read leases of closed DMA connections, open until their drain ends (among
+    `read_leases`)."""
+    draining_bytes: int = 0
+    """Arena pages of closed DMA connections' write leases, kept from reuse until their
+    drain ends (among the DRAM tier's used bytes)."""
 
 
 def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
@@ -89,6 +95,7 @@ def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
         "pool": pool,
         "tiers": tiers,
         "leases": {"read": snap.read_leases, "write": snap.write_leases},
+        "draining": {"read_leases": snap.draining_reads, "bytes": snap.draining_bytes},
         "pins": snap.pins,
     }
 

@@ -98,6 +98,17 @@ class ReadLease:
     owner: int
 
 
+@dataclass(slots=True)
+class Drain:
+    """What a closed connection that copied by DMA still held, kept until `deadline`: its
+    write leases' pages (open or fenced) from reuse, its read leases open."""
+
+    deadline: float
+    owner: int
+    extents: Extents
+    reads: list[int]
+
+
 _LIVE, _HIDDEN, _DETACHED = 0, 1, 2
 """A slot's chunk is visible; read after it was deleted or evicted; being demoted."""
 
@@ -119,6 +130,9 @@ class DramTier:
     """Open leases (read and write) per owner, for the per-client budget."""
     fenced: dict[int, Extents] = field(default_factory=dict)
     """Pages of expired write leases, per owner, kept from reuse until it disconnects."""
+    draining: list[Drain] = field(default_factory=list)
+    """Closed DMA connections' pages and read leases, kept until their drain ends (oldest
+    first: every drain is as long)."""
     published: SharedIndex | None = None
     """The visible keys as clients read them from shared memory (`lookupindex`), if any."""
     _next_lease: int = 1
@@ -369,6 +383,36 @@ class DramTier:
         if extents:
             self.alloc.free(extents)
 
+    def drain(self, owner: int, writes: list[WriteLease], deadline: float) -> None:
+        """The owner's connection closed while a device may still copy into its write
+        leases' pages or out of its read leases' chunks: end its writes, but keep their
+        pages (and those of its expired writes) from reuse and its reads open until
+        `deadline` (`end_drains`)."""
+        extents = self.fenced.pop(owner, [])
+        for lease in writes:
+            if self.close_write(lease.id, owner) is not None:
+                extents.extend(lease.extents)
+        reads = [i for i, r in self.reads.items() if r.owner == owner]
+        if extents or reads:
+            self.draining.append(Drain(deadline, owner, extents, reads))
+
+    def end_drains(self, now: float) -> int:
+        """Free the pages and end the reads of the drains past their deadline; how many."""
+        ended = 0
+        while self.draining and self.draining[0].deadline <= now:
+            d = self.draining.pop(0)
+            if d.extents:
+                self.alloc.free(d.extents)
+            for lease_id in d.reads:
+                self.close_read(lease_id, d.owner)
+            ended += 1
+        return ended
+
     @property
     def fenced_bytes(self) -> int:
         return sum(n for extents in self.fenced.values() for _, n in extents)
+
+    @property
+    def draining_bytes(self) -> int:
+        """Pages of write leases held by drains (read chunks count as chunks)."""
+        return sum(n for d in self.draining for _, n in d.extents)
