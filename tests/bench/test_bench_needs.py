@@ -67,3 +67,6 @@ def test_the_bench_runs_what_it_can_and_names_what_it_left_out_first(tmp_path: P
     assert all("libcachesim" not in cap for cap in result["trace"]["capacities"])
     assert json.loads((out / "bench.json").read_text())["g3"] == result["g3"]
     assert not list(out.glob("*.png"))
+    # Captured, not a terminal: the tables are printed whole, no header cut to `capa…`.
+    assert "…" not in run.stderr and "capacity" in run.stderr
+    assert any("adaptive" in line and "MIN (sim)" in line for line in told), run.stderr
