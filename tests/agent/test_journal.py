@@ -137,3 +137,17 @@ def test_pending_shared_deletes_are_replayed_and_kept_by_every_rewrite(tmp_path:
         assert pending_shared_deletes(path) == [key_of(3)]
     finally:
         journal.close()
+
+
+def test_a_rewrite_keeps_the_journal_private_as_it_was_created(tmp_path: Path) -> None:
+    """Compaction replaces the journal by a new file: it keeps the journal's owner-only
+    mode (it names every chunk's key and tenant) rather than the umask's."""
+    path = tmp_path / "arena.journal"
+    journal = Journal(path)
+    try:
+        assert path.stat().st_mode & 0o777 == 0o600
+        journal.rewrite([JournalEntry(key_of(1), [(0, 1)], PAGE, 1, b"", "")])
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert [e.key for e in replay(path)] == [key_of(1)]
+    finally:
+        journal.close()

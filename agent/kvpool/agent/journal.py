@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from . import atomicfile
 from .protocol import Extents
 
 log = logging.getLogger(__name__)
@@ -148,17 +149,14 @@ class Journal:
         """Replace the journal by one commit record per live chunk and one delete record
         per pending shared-tier delete (compaction)."""
         deletes = [] if deletes is None else deletes
-        tmp = self.path.with_suffix(".journal.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                for kind, payloads in ((COMMIT, map(_enc.encode, live)),
-                                       (SHARED_DELETE, map(_enc.encode, deletes))):
-                    for payload in payloads:
-                        f.write(_RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload)
-            os.replace(tmp, self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+        records = (_RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload
+                   for kind, payloads in ((COMMIT, map(_enc.encode, live)),
+                                          (SHARED_DELETE, map(_enc.encode, deletes)))
+                   for payload in payloads)
+        # No fsync: the journal outlives the agent's crash, not the node's (its arena is in
+        # memory and gone with a reboot), and its appends are not synced either.
+        atomicfile.replace(self.path, records, tmp=self.path.with_suffix(".journal.tmp"),
+                           fsync=False, fsync_dir=False, mode=0o600)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self.size = os.fstat(self.fd).st_size

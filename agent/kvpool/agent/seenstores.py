@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from pathlib import Path
+
+from . import atomicfile
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +96,7 @@ def _load(path: Path) -> dict[str, str]:
 
 def _save(path: Path, ids: dict[str, str]) -> None:
     """Replace the file whole: a reader (the next start) sees the old record or the new."""
-    tmp = path.with_name(f"{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"version": _VERSION, "stores": ids}, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    text = json.dumps({"version": _VERSION, "stores": ids}, indent=1, sort_keys=True) + "\n"
+    # Synced, file and directory: the copy on disk must outlive a reboot (a node that boots
+    # without its network mount is the case this record is for).
+    atomicfile.replace(path, [text.encode()], tmp=path.with_name(f"{path.name}.tmp"))

@@ -23,11 +23,12 @@ import os
 import struct
 import zlib
 from array import array
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 import msgspec
 
+from .. import atomicfile
 from .identity import Identity
 
 log = logging.getLogger("kvpool.agent.events")
@@ -145,20 +146,23 @@ class IdentityLog:
         return len(live) if isinstance(live, Collection) else sum(1 for _ in live)
 
     def _rewrite(self, live: Iterable[tuple[bytes, Identity]]) -> None:
-        """Replace the file by one `KEEP` record per live identity (temp file, rename)."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        """Replace the file by one `KEEP` record per live identity (written whole)."""
         n = 0
+
+        def records() -> Iterator[bytes]:
+            nonlocal n
+            for key, ident in live:
+                yield _frame(KEEP, _pack(key, ident))
+                n += 1
+
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                for key, ident in live:
-                    f.write(_frame(KEEP, _pack(key, ident)))
-                    n += 1
-            os.replace(tmp, self.path)
+            # Not synced, as the appends are not: the file outlives the agent's crash; what a
+            # power loss takes costs names (those chunks' events carry kvpool's keys).
+            atomicfile.replace(self.path, records(), tmp=self.path.with_name(
+                self.path.name + ".tmp"), fsync=False, fsync_dir=False)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             self._give_up(e)
             return
         self.close()

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
+from .. import atomicfile
 from ..constants import CHUNK_SUFFIX as SUFFIX
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
@@ -160,30 +161,28 @@ class NvmeTier(ChunkTier):
         if path.parent.name not in self._subdirs:
             self._make_subdir(path.parent)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}")
-        try:
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            except FileNotFoundError:
-                # The fan-out directory was removed behind the agent: make it again (the
-                # chunks it held are found gone by `vanished_keys`).
-                self._make_subdir(path.parent)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(rec.data)
-                for buf in (header, view):
-                    written = 0
-                    while written < len(buf):
-                        written += os.write(fd, buf[written:])
-            finally:
-                os.close(fd)
+
+        def publish(tmp: Path, path: Path) -> None:
             with self._lock:  # serialised with remove_file: an old unlink never hits this file
                 os.replace(tmp, path)
                 # Stamped now, not 0: until the store files the entry in its eviction
                 # order, a TTL sweep of the index must not take it for an ancient chunk.
                 self._used += total - self.index.put(rec.key, total, rec.tenant, time.time())
+
+        # Not synced: G3 is a cache. A power loss may leave a file torn under its real name;
+        # every read checks the checksum, and a bad file is a miss (quarantined).
+        data = (header, memoryview(rec.data))
+        try:
+            try:
+                atomicfile.replace(path, data, tmp=tmp, fsync=False, fsync_dir=False,
+                                   mode=0o600, publish=publish)
+            except FileNotFoundError:
+                # The fan-out directory was removed behind the agent: make it again (the
+                # chunks it held are found gone by `vanished_keys`).
+                self._make_subdir(path.parent)
+                atomicfile.replace(path, data, tmp=tmp, fsync=False, fsync_dir=False,
+                                   mode=0o600, publish=publish)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._unhealthy = f"filesystem full: {e.strerror}"
             raise

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
+from .. import atomicfile
 from . import base
 from .base import ChunkRecord
 from .shared import ObjectInfo, SharedChunkTier, key_of, object_name
@@ -113,7 +114,8 @@ def _write_marker(root: Path) -> tuple[str, bool]:
 
     The marker appears whole (written aside, then linked into place, which fails if it
     exists): another node reading it meanwhile never sees it without its id, and of two
-    nodes initialising the store at once one wins and both use its id."""
+    nodes initialising the store at once one wins and both use its id. (Not
+    `atomicfile.replace`: a rename would replace a marker another node has just written.)"""
     store_id = uuid.uuid4().hex
     marker = root / STORE_MARKER
     text = _MARKER_TEXT + _ID_FIELD + store_id.encode() + b"\n"
@@ -257,22 +259,11 @@ class FileSharedTier(SharedChunkTier):
         if self._mount_absent():  # or the object would land in the empty mount point
             raise FileNotFoundError(errno.ENOENT, f"{STORE_MARKER} is gone", str(self.marker))
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                for buf in base.encode(rec):
-                    _write_all(fd, memoryview(buf))
-                # The rename publishes the file to every node: its bytes must be
-                # on the server first, or another node may read a hole.
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # The rename publishes the file to every node: its bytes must be on the server
+        # first (fsync), or another node may read a hole. The directory is not synced: a
+        # rename the server loses in a crash is a chunk missing from a cache, a miss.
+        atomicfile.replace(path, base.encode(rec), tmp=path.with_name(
+            f"{path.name}{TMP_MARK}{uuid.uuid4().hex}"), fsync_dir=False, mode=0o644)
 
     def _store_delete(self, key: bytes) -> bool:
         try:
@@ -339,12 +330,6 @@ class FileSharedTier(SharedChunkTier):
 
     def _is_full(self, exc: BaseException) -> bool:
         return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.write(fd, buf[done:])
 
 
 def _info(entry: os.DirEntry[str]) -> ObjectInfo | None:
