@@ -36,7 +36,7 @@ from op_support import NAMESPACE, condition
 
 from kvpool.operator import api
 from kvpool.operator.kube import Kube
-from kvpool.operator.render import Settings
+from kvpool.operator.render import Names, Settings
 from kvpool.operator.run import OperatorOptions, operate
 
 T = TypeVar("T")
@@ -389,6 +389,16 @@ class Cluster:
         if generation is not None:
             status["observedGeneration"] = generation
         await self.patch("apps/v1", "DaemonSet", daemon_set, {"status": status}, "status")
+
+    async def report_reclaimed(self, pool: str, nodes: int = 1) -> dict[str, Any]:
+        """Wait for the reclaim DaemonSet a deleted pool's finalizer starts (the default
+        `nodeReclaimPolicy: Delete`) and report it ready on `nodes` nodes, as its
+        controller would once every node's directories are removed; return it."""
+        name = Names(NAMESPACE, pool).reclaim
+        ds = await self.eventually(lambda: self.get("apps/v1", "DaemonSet", name),
+                                   f"the reclaim DaemonSet of {pool}")
+        await self.report_agents(name, nodes, nodes, nodes, nodes)
+        return ds
 
     async def condition_of(
         self, pool: str, type_: str, status: str, reason: str

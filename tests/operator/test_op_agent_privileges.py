@@ -243,3 +243,40 @@ def test_hostdirs_fails_with_the_directory_named(tmp_path: Path) -> None:
     result = _run_hostdirs(f"--owner={os.getuid()}", str(blocker / "below"))
     assert result.returncode == 1
     assert str(blocker / "below") in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing owners needs root, as in the pod")
+def test_hostdirs_removes_a_deleted_pools_directories_with_only_its_two_capabilities(
+        tmp_path: Path) -> None:
+    """The reclaim DaemonSet's init container (`nodeReclaimPolicy: Delete`), run as it runs
+    there: root with CHOWN and DAC_READ_SEARCH only (no DAC_OVERRIDE, so the agent-owned
+    tree must be given back to root before it can be deleted). The pool's directories go,
+    a symbolic link's target and the next pool's directory stay, a missing one is fine."""
+    state, nvme = tmp_path / "state", tmp_path / "nvme"
+    pool, other = state / "inference.llama", state / "inference.other"
+    for d in (pool / "tenants" / "a", other, nvme):
+        d.mkdir(parents=True)
+    (pool / "shared-stores.json").write_bytes(b"{}")
+    (pool / "tenants" / "a" / "shared-stores.json").write_bytes(b"{}")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"o")
+    (pool / "link").symlink_to(outside)
+    for path in (pool, pool / "tenants", pool / "tenants" / "a", pool / "shared-stores.json",
+                 pool / "tenants" / "a" / "shared-stores.json"):
+        os.lchown(path, 65532, 65532)
+    os.chmod(pool / "tenants" / "a", 0o500)  # not even its owner may write in it
+
+    result = subprocess.run(
+        ["setpriv", "--bounding-set=-all,+chown,+dac_read_search", "--inh-caps=-all", "--",
+         sys.executable, "-m", "kvpool.operator.hostdirs", "--remove", str(pool),
+         str(nvme / "inference.llama")],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "removed (6 entries)" in result.stdout
+    assert not pool.exists() and not (nvme / "inference.llama").exists()
+    assert other.is_dir() and outside.read_bytes() == b"o"
+
+
+def test_hostdirs_refuses_to_remove_a_top_level_directory(tmp_path: Path) -> None:
+    result = _run_hostdirs("--remove", "/mnt")
+    assert result.returncode == 1 and "not a pool's directory" in result.stderr

@@ -309,6 +309,7 @@ async def test_delete_with_reclaim_delete_runs_gc_job_then_lets_go(cluster: Clus
         },
         "status",
     )
+    await cluster.report_reclaimed(POOL_NAME)
 
     async def gone() -> bool:
         return await cluster.pool(POOL_NAME) is None
@@ -336,6 +337,7 @@ async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
     pool = await _start_pool(cluster)
     gc_job = Names(NAMESPACE, POOL_NAME).gc_job(pool["metadata"]["uid"])
     await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
+    await cluster.report_reclaimed(POOL_NAME)
 
     async def gone() -> bool:
         return await cluster.pool(POOL_NAME) is None
@@ -351,6 +353,55 @@ async def test_delete_with_retain_lets_go_without_gc(cluster: Cluster) -> None:
         )
         is None
     )
+
+
+async def test_delete_stops_the_agents_then_removes_the_node_directories_on_every_node(
+        cluster: Cluster) -> None:
+    """`nodeReclaimPolicy: Delete` (the default): the finalizer deletes the agents'
+    DaemonSet in the foreground, then runs a DaemonSet on the pool's nodes that removes the
+    pool's state directory (below `stateHostPath`) and NVMe directory, and lets the pool go
+    once it is ready on every node. Before, both stayed on every node for good."""
+    await _start_pool(cluster, stateHostPath="/data/kvpool-state",
+                      nodeSelector={"gpu": "h100"})
+    reclaim = Names(NAMESPACE, POOL_NAME).reclaim
+    await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
+
+    ds = await cluster.eventually(lambda: cluster.get("apps/v1", "DaemonSet", reclaim),
+                                  "the reclaim DaemonSet")
+    # The agents went first (a real API server keeps their DaemonSet, deleted in the
+    # foreground, until their pods are gone: only then does the reclaim start).
+    assert await cluster.get("apps/v1", "DaemonSet", "kvpool-llama-70b") is None
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}  # the agents' nodes
+    (init,) = pod["initContainers"]
+    assert init["command"][-2:] == ["/var/lib/kvpool/reclaim/state/inference.llama-70b",
+                                    "/var/lib/kvpool/reclaim/nvme/inference.llama-70b"]
+    assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]} == {
+        "state": "/data/kvpool-state", "nvme": "/mnt/nvme0/kvpool"}
+    # The finalizer holds the pool until every node reports its directories gone.
+    await cluster.report_agents(reclaim, 3, 2, 3, 2)
+    await cluster.condition_of(POOL_NAME, "Progressing", "True", "Deleting")
+    assert await cluster.pool(POOL_NAME) is not None
+    await cluster.report_reclaimed(POOL_NAME, nodes=3)
+
+    async def gone() -> bool:
+        return await cluster.pool(POOL_NAME) is None
+
+    await cluster.eventually(gone, "the pool to be deleted")
+    assert await cluster.get("apps/v1", "DaemonSet", reclaim) is None
+
+
+async def test_delete_with_node_reclaim_retain_keeps_the_node_directories(
+        cluster: Cluster) -> None:
+    await _start_pool(cluster, nodeReclaimPolicy="Retain")
+    await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL_NAME)
+
+    async def gone() -> bool:
+        return await cluster.pool(POOL_NAME) is None
+
+    await cluster.eventually(gone, "the pool to be deleted")
+    reclaim = Names(NAMESPACE, POOL_NAME).reclaim
+    assert not [c for c in cluster.emulator.calls if c.name == reclaim]
 
 
 async def test_webhook_injects_socket_env_and_affinity(cluster: Cluster) -> None:

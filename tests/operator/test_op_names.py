@@ -121,6 +121,7 @@ async def test_deleting_one_of_two_colliding_pools_keeps_the_others_rbac(
         assert binding is not None, kind
 
     await cluster.delete(api.API_VERSION, api.POOL_KIND, "b-x", NAMESPACE)
+    await cluster.report_reclaimed("b-x")
 
     async def gone() -> bool:
         return await cluster.get(api.API_VERSION, api.POOL_KIND, "b-x", NAMESPACE) is None

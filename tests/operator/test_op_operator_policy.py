@@ -96,6 +96,7 @@ def test_default_policy_refuses_what_roots_the_nodes() -> None:
             "shared": {"url": "file:///proc"},
         },
         socketDir="/var/lib/kubelet",
+        stateHostPath="/etc/kvpool",
     )
     found = problems(pool, OperatorPolicy(), OPERATOR_IMAGE)
     fields = [p.split(":")[0] for p in found]
@@ -103,6 +104,7 @@ def test_default_policy_refuses_what_roots_the_nodes() -> None:
         "spec.agent.image",
         "spec.agent.runAsUser",
         "spec.socketDir",
+        "spec.stateHostPath",
         "spec.tiers.nvme.hostPath",
         "spec.tiers.shared.url",
         "spec.tolerations[0]",
@@ -117,6 +119,7 @@ def test_a_permissive_policy_allows_each_in_turn() -> None:
         tolerations=[{"operator": "Exists", "effect": "NoSchedule"}],
         agent={"image": "registry.local/ml/agent:1", "runAsUser": 0},
         tiers={"dram": {"size": "1Gi"}, "nvme": {"hostPath": "/scratch/kv", "size": "1Gi"}},
+        stateHostPath="/scratch/state",
     )
     policy = OperatorPolicy(
         allowed_images=("registry.local/ml/",),

@@ -90,6 +90,7 @@ async def test_an_update_of_a_pod_whose_pool_was_deleted_passes_untouched(
     pod["metadata"]["name"] = "vllm-0"
     joined = patched(pod, await cluster.admit_pod(pod))  # the pod as it was created
     await cluster.delete(api.API_VERSION, api.POOL_KIND, "small")
+    await cluster.report_reclaimed("small")
 
     def refused(response: dict[str, Any]) -> bool:
         return response["allowed"] is False and "not found" in response["status"]["message"]

@@ -49,5 +49,6 @@ async def test_policy_status_follows_pools_created_repointed_and_deleted(cluster
     await _pools_of(cluster, "fast", ["b"])
 
     await cluster.delete(api.API_VERSION, api.POOL_KIND, "b")
+    await cluster.report_reclaimed("b")
     await _pools_of(cluster, "fast", [])
     await _pools_of(cluster, "slow", ["a"])

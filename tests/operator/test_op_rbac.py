@@ -204,6 +204,7 @@ async def _pool_life(cluster: Cluster) -> bytes:
     await cluster.delete(api.API_VERSION, api.POOL_KIND, POOL)
     await cluster.eventually(lambda: cluster.get("batch/v1", "Job", job), "the gc Job")
     await cluster.patch("batch/v1", "Job", job, {"status": {"succeeded": 1}}, "status")
+    await cluster.report_reclaimed(POOL)
 
     async def gone() -> bool:
         return await cluster.pool(POOL) is None

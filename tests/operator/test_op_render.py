@@ -13,6 +13,7 @@ from op_support import GOLDEN_SETTINGS, check_golden
 from kvpool.agent.config import AgentConfig, TierPolicy
 from kvpool.operator import api, render
 from kvpool.operator.crds import to_yaml
+from kvpool.operator.operator_policy import Forbidden
 
 K8S_VERSION = "1.33.0"
 UID = "6f1e3c1a-2b7d-4c55-9a0e-1d2c3b4a5f60"
@@ -173,6 +174,46 @@ def test_the_agent_keeps_its_state_in_a_host_dir_on_disk_that_its_config_names(
     assert mount in agent["volumeMounts"]
     (init,) = pod["initContainers"]
     assert mount in init["volumeMounts"] and str(cfg.state_dir) in init["command"]
+
+
+def test_the_state_directory_is_a_pool_setting_and_a_deleted_pool_reclaims_it(
+    pool_minimal: dict,
+) -> None:
+    """`spec.stateHostPath` places the pool's state directory (`<dir>/<ns>.<name>`); the
+    reclaim DaemonSet of a deleted pool mounts its parent (and the NVMe directory's) on
+    the agents' nodes and removes the pool's directories there, as root with the host-dirs
+    container's two capabilities. Before, the path was fixed and nothing removed it."""
+    pool_minimal["spec"].update(stateHostPath="/data/kvpool/state/",
+                                tiers={"dram": {"size": "1Gi"},
+                                       "nvme": {"hostPath": "/mnt/nvme", "size": "1Gi"}},
+                                nodeSelector={"gpu": "yes"})
+    pool = api.parse_pool(pool_minimal)
+    pod = _by_kind(render.render(pool, None))["DaemonSet"]["spec"]["template"]["spec"]
+    state = next(v for v in pod["volumes"] if v["name"] == "state")
+    assert state["hostPath"]["path"] == "/data/kvpool/state/default.small"
+
+    reclaim = render.render_reclaim_daemon_set(pool)
+    _validate([reclaim])
+    spec = reclaim["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpu": "yes"}
+    assert {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]} == {
+        "state": "/data/kvpool/state", "nvme": "/mnt/nvme"}
+    (init,) = spec["initContainers"]
+    assert init["command"] == [
+        "python3", "-m", "kvpool.operator.hostdirs", "--remove",
+        f"{render.RECLAIM_MOUNT}/state/default.small", f"{render.RECLAIM_MOUNT}/nvme/default.small"]
+    assert init["securityContext"]["runAsUser"] == 0
+    assert init["securityContext"]["capabilities"] == {
+        "drop": ["ALL"], "add": list(render.HOST_DIRS_CAPABILITIES)}
+    (done,) = spec["containers"]
+    assert done["securityContext"]["runAsNonRoot"] and "volumeMounts" not in done
+    # Not the agents' pods: no Service, PodMonitor or agent selector takes them.
+    labels = reclaim["spec"]["template"]["metadata"]["labels"]
+    assert not render.selector_labels(pool).items() <= labels.items()
+
+    pool_minimal["spec"]["stateHostPath"] = "/opt/state"
+    with pytest.raises(Forbidden, match=r"spec\.stateHostPath"):
+        render.render(api.parse_pool(pool_minimal), None)
 
 
 def test_agent_config_change_rolls_the_pods_policy_change_does_not(

@@ -48,6 +48,10 @@ AGENT_UID = 65532
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
+STATE_HOST_PATH = "/var/lib/kvpool/state"
+"""The default `spec.stateHostPath`."""
+
+
 def pool_id(namespace: str, name: str) -> str:
     """The pool's cluster-wide id, `<namespace>.<name>`: the agent's `pool`."""
     return f"{namespace}.{name}"
@@ -87,9 +91,10 @@ class PortConflict(InvalidSpec):
 
 class ReclaimPolicy(StrEnum):
     RETAIN = "Retain"
-    """Deleting the pool keeps its chunks in the shared store."""
+    """Deleting the pool keeps what it stored (in the shared store, or on the nodes)."""
     DELETE = "Delete"
-    """Deleting the pool runs `kvpool gc --all` on its shared prefix first."""
+    """Deleting the pool removes it first: `kvpool gc --all` on its shared prefix, or its
+    directories on every node (`spec.nodeReclaimPolicy`)."""
 
 
 class DramSpec(Model):
@@ -325,7 +330,23 @@ class KVCachePoolSpec(Model):
         pattern=r"^/.*",
     )
 
-    @field_validator("socket_dir")
+    state_host_path: str = Field(
+        STATE_HOST_PATH,
+        description="Host directory, on the node's disk, for what agents must remember "
+        "across a reboot of the node (the tmpfs forgets it); the pool uses "
+        "<stateHostPath>/<namespace>.<name> below it. It must lie below one of the "
+        "operator policy's hostPathRoots.",
+        pattern=r"^/.*",
+    )
+    node_reclaim_policy: ReclaimPolicy = Field(
+        ReclaimPolicy.DELETE,
+        description="What deleting the pool does to its directories on the nodes (the "
+        "state directory and the NVMe directory, <namespace>.<name> below stateHostPath "
+        "and tiers.nvme.hostPath): Delete removes them on every node of the pool once its "
+        "agents are gone; Retain keeps them.",
+    )
+
+    @field_validator("socket_dir", "state_host_path")
     @classmethod
     def _no_trailing_slash(cls, v: str) -> str:
         return v.rstrip("/") or "/"

@@ -72,8 +72,8 @@ HostPathRoots = Annotated[
         "--host-path-root",
         metavar="DIR",
         envvar=ENV_HOST_PATH_ROOTS,
-        help="Directory below which a pool's nvme.hostPath, file:// shared URL and socketDir "
-        "may lie (repeatable; from env: space-separated). Default: "
+        help="Directory below which a pool's nvme.hostPath, file:// shared URL, socketDir and "
+        "stateHostPath may lie (repeatable; from env: space-separated). Default: "
         + " ".join(DEFAULT_HOST_PATH_ROOTS)
         + ". System directories (/, /etc, /proc, ...) are refused whatever this says.",
     ),

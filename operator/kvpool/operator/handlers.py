@@ -6,7 +6,9 @@
 - A policy's create/update/resume/delete re-reconciles every pool that references it.
 - A change of an agent DaemonSet's status updates its pool's conditions.
 - A pool's deletion runs its finalizer: with `reclaimPolicy: Delete` a Job runs
-  `kvpool gc --shared <url> --all` first; the cluster-scoped RBAC goes last.
+  `kvpool gc --shared <url> --all` first; with `nodeReclaimPolicy: Delete` (the default)
+  the agents are stopped and a DaemonSet removes the pool's state and NVMe directories on
+  every node; the cluster-scoped RBAC goes last.
 - The mutating webhook `kvpool-inject` injects socket, env and affinity into pods at
   their creation (a pool the operator policy forbids gets none); the validating webhooks
   check pools and policies as the reconcile would.
@@ -47,6 +49,7 @@ from .render import (
     policy_yaml,
     render,
     render_gc_job,
+    render_reclaim_daemon_set,
     socket_path,
     unrendered,
 )
@@ -481,6 +484,22 @@ def _job_succeeded(job: Mapping[str, Any]) -> bool:
     )
 
 
+def _write_deleting(ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any]) -> None:
+    """Progressing=True/Deleting: the finalizer has started removing what the pool stored."""
+    _write_status(
+        ctx.kube,
+        body,
+        pool_status(
+            pool=pool,
+            generation=(body.get("status") or {}).get("observedGeneration"),
+            daemon_set=_daemon_set(ctx.kube, pool.metadata.namespace, pool.metadata.name),
+            problem=None,
+            previous=(body.get("status") or {}).get("conditions") or [],
+            deleting=True,
+        ),
+    )
+
+
 def collect_garbage(
     ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any], logger: Logger
 ) -> None:
@@ -501,18 +520,7 @@ def collect_garbage(
                 logger.warning("namespace %s is terminating: %s is kept", ns, shared.url)
                 return
             raise
-        _write_status(
-            ctx.kube,
-            body,
-            pool_status(
-                pool=pool,
-                generation=(body.get("status") or {}).get("observedGeneration"),
-                daemon_set=_daemon_set(ctx.kube, ns, pool.metadata.name),
-                problem=None,
-                previous=previous,
-                deleting=True,
-            ),
-        )
+        _write_deleting(ctx, pool, body)
         raise kopf.TemporaryError(f"deleting {shared.url} (Job {job_name})", delay=ctx.gc_poll)
     if _job_succeeded(job):
         return
@@ -541,6 +549,51 @@ def collect_garbage(
     raise kopf.TemporaryError(str(problem), delay=ctx.retry_delay)
 
 
+def _rolled_out(ds: Mapping[str, Any]) -> bool:
+    """Every pod the DaemonSet's controller wants is ready (as last reported)."""
+    st = ds.get("status") or {}
+    if "desiredNumberScheduled" not in st:
+        return False  # not reported yet
+    generation = (ds.get("metadata") or {}).get("generation")
+    if generation is not None and int(st.get("observedGeneration") or 0) < int(generation):
+        return False
+    return int(st.get("numberReady") or 0) >= int(st["desiredNumberScheduled"])
+
+
+def reclaim_node_dirs(ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any],
+                      logger: Logger) -> None:
+    """Remove the deleted pool's state and NVMe directories on every node
+    (`spec.nodeReclaimPolicy: Delete`): stop the agents (their DaemonSet deleted in the
+    foreground, so it stays until their pods are gone), then run the reclaim DaemonSet
+    until it is ready on every node, then delete it. Raises `kopf.TemporaryError` while
+    waiting."""
+    ns, name = pool.metadata.namespace, pool.metadata.name
+    names = Names(ns, name)
+    if ctx.kube.get("apps/v1", "DaemonSet", ns, names.agent) is not None:
+        _write_deleting(ctx, pool, body)
+        ctx.kube.delete("apps/v1", "DaemonSet", ns, names.agent, propagation="Foreground")
+        raise kopf.TemporaryError(f"waiting for the agents of {name} to stop before "
+                                  "removing its node directories", delay=ctx.gc_poll)
+    reclaim = ctx.kube.get("apps/v1", "DaemonSet", ns, names.reclaim)
+    if reclaim is None:
+        try:
+            ctx.kube.create(render_reclaim_daemon_set(pool, ctx.settings))
+        except KubeError as e:
+            if e.status == 403 and "being terminated" in str(e):
+                # No pod starts in a namespace being deleted (as for the gc Job).
+                logger.warning("namespace %s is terminating: the node directories of %s "
+                               "are kept", ns, name)
+                return
+            raise
+        raise kopf.TemporaryError(f"removing the node directories of {name} (DaemonSet "
+                                  f"{names.reclaim})", delay=ctx.gc_poll)
+    if not _rolled_out(reclaim):
+        raise kopf.TemporaryError(f"waiting for DaemonSet {names.reclaim} on every node",
+                                  delay=ctx.gc_poll)
+    ctx.kube.delete("apps/v1", "DaemonSet", ns, names.reclaim)
+    logger.info("removed the node directories of %s", name)
+
+
 def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: int = 0) -> None:
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
@@ -559,6 +612,14 @@ def finalize_pool(ctx: Context, body: Mapping[str, Any], logger: Logger, retry: 
             else:
                 collect_garbage(ctx, pool, body, logger)
                 logger.info("deleted the pool's chunks in %s", shared.url)
+        if pool is not None and pool.spec.node_reclaim_policy == "Delete":
+            try:
+                check_operator_policy(pool, ctx.settings.policy, ctx.settings.image())
+            except Forbidden as e:
+                # Its pods would mount what the policy does not allow: the directories stay.
+                logger.warning("the node directories of %s are kept: %s", name, e)
+            else:
+                reclaim_node_dirs(ctx, pool, body, logger)
         # Cluster-scoped objects cannot be owned by the pool: delete them here, found by
         # the pool's labels (namespace and name), never by a name another pool might share.
         for kind in ("ClusterRoleBinding", "ClusterRole"):

@@ -359,13 +359,15 @@ class Kube:
             log_body=_loggable(kind),
         )
 
-    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
-        """Delete in the background; False if it was already gone."""
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str,
+               propagation: str = "Background") -> bool:
+        """Delete (dependents in the background, or first with `Foreground`: the object
+        stays until they are gone); False if it was already gone."""
         try:
             self._call(
                 "DELETE",
                 path_of(api_version, kind, namespace, name),
-                body={"propagationPolicy": "Background"},
+                body={"propagationPolicy": propagation},
                 log_body=_loggable(kind),
             )
         except KubeError as e:

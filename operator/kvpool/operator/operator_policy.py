@@ -62,7 +62,8 @@ class OperatorPolicy:
     allow_root: bool = False
     """Whether `spec.agent.runAsUser: 0` is allowed."""
     host_path_roots: tuple[str, ...] = DEFAULT_HOST_PATH_ROOTS
-    """Directories below which `nvme.hostPath`, a `file://` shared URL and `socketDir` may lie."""
+    """Directories below which `nvme.hostPath`, a `file://` shared URL, `socketDir` and
+    `stateHostPath` may lie."""
     allow_tolerate_all_taints: bool = False
     """Whether a toleration without a key and with `operator: Exists` (one that matches
     every taint) is allowed."""
@@ -144,7 +145,7 @@ def problems(pool: api.KVCachePool, policy: OperatorPolicy, default_image: str) 
         )
     if spec.agent.run_as_user == 0 and not policy.allow_root:
         out.append("spec.agent.runAsUser: running the agent as root (0) is not allowed")
-    paths = [("spec.socketDir", spec.socket_dir)]
+    paths = [("spec.socketDir", spec.socket_dir), ("spec.stateHostPath", spec.state_host_path)]
     if spec.tiers.nvme is not None:
         paths.append(("spec.tiers.nvme.hostPath", spec.tiers.nvme.host_path))
     shared_path = _shared_file_path(pool)

@@ -12,14 +12,15 @@ Layout on a node, for pool `<ns>/<name>`:
 | DRAM arena | `/dev/shm/kvpool/<ns>.<name>/` (or `/dev/hugepages/...`) | `/var/lib/kvpool/dram/` |
 | its journal, on huge pages | `/dev/shm/kvpool/<ns>.<name>/` | `/var/lib/kvpool/journal/` |
 | NVMe chunks | `<nvme.hostPath>/<ns>.<name>/` | `/var/lib/kvpool/nvme/` |
-| agent state | `/var/lib/kvpool/state/<ns>.<name>/` | `/var/lib/kvpool/state/` |
+| agent state | `<stateHostPath>/<ns>.<name>/` | `/var/lib/kvpool/state/` |
 | config | ConfigMap `kvpool-<name>` | `/etc/kvpool/` |
 | peer secret, TLS | Secrets `kvpool-<name>-peers`, `spec.peers.tls` | `/etc/kvpool-peers/` |
 
 The arena lives on the host's tmpfs, so an agent restart or rolling upgrade
 keeps the DRAM tier warm. The state directory is on the node's disk: what the
 agent must remember across a reboot of the node (`stateDir`), which empties
-the tmpfs.
+the tmpfs. A deleted pool's state and NVMe directories are removed on every node
+by its reclaim DaemonSet (`render_reclaim_daemon_set`, `spec.nodeReclaimPolicy`).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ JOURNAL_MOUNT = "/var/lib/kvpool/journal"
 takes no write(2), so they are on the host's tmpfs (`_journal_host_dir`)."""
 NVME_MOUNT = "/var/lib/kvpool/nvme"
 STATE_MOUNT = "/var/lib/kvpool/state"
-STATE_HOST_DIR = "/var/lib/kvpool/state"
-"""On the node: one directory per pool below it (`<ns>.<name>`), on disk, not tmpfs."""
+RECLAIM_MOUNT = "/var/lib/kvpool/reclaim"
+"""Where the reclaim DaemonSet mounts the parents of a deleted pool's directories."""
 PEERS_MOUNT = "/etc/kvpool-peers"
 """The pool's peer secret (and TLS files) in the agent: beside the config, not below it, as
 the ConfigMap's volume is read-only and a mount point cannot be made inside it."""
@@ -189,6 +190,11 @@ class Names:
             "kvpool-agent", self.namespace, self.pool, pool_hash(self.namespace, self.pool),
             limit=253,
         )
+
+    @property
+    def reclaim(self) -> str:
+        """The DaemonSet that removes a deleted pool's directories on its nodes."""
+        return dns_name("kvpool", self.pool, "reclaim")
 
     def gc_job(self, uid: str | None) -> str:
         """The garbage-collection Job of one incarnation of the pool (uid: a re-created pool
@@ -561,7 +567,7 @@ def _daemon_set(pool: api.KVCachePool, settings: Settings, config_sum: str) -> M
         host = f"{spec.tiers.nvme.host_path.rstrip('/')}/{names.pool_id}"
         volumes.append(_host_dir("nvme", host))
         mounts.append({"name": "nvme", "mountPath": NVME_MOUNT})
-    volumes.append(_host_dir("state", f"{STATE_HOST_DIR}/{names.pool_id}"))
+    volumes.append(_host_dir("state", f"{spec.state_host_path}/{names.pool_id}"))
     mounts.append({"name": "state", "mountPath": STATE_MOUNT})
     # The per-pool host directories the agent writes (the shared file:// mount is the
     # user's to prepare: it spans nodes and often squashes root).
@@ -940,6 +946,88 @@ def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Ma
                     **_scheduling(pool),
                     "securityContext": pod_security,
                     "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def _node_dir_parents(pool: api.KVCachePool) -> list[tuple[str, str]]:
+    """(name, host directory) of the parents of the pool's directories on disk that
+    `spec.nodeReclaimPolicy: Delete` removes: the state directory's, the NVMe directory's."""
+    out = [("state", pool.spec.state_host_path)]
+    if pool.spec.tiers.nvme is not None:
+        out.append(("nvme", pool.spec.tiers.nvme.host_path.rstrip("/") or "/"))
+    return out
+
+
+def render_reclaim_daemon_set(pool: api.KVCachePool,
+                              settings: Settings | None = None) -> Manifest:
+    """The DaemonSet that removes a deleted pool's state and NVMe directories on every node
+    its agents ran on (`spec.nodeReclaimPolicy: Delete`), started once they are gone.
+
+    Its init container (`hostdirs --remove`) deletes `<parent>/<ns>.<name>` below each
+    parent, mounted whole so the directory itself goes too; a pod is ready once its node is
+    clean, and the finalizer waits for every one. Root with the host-dirs init container's
+    two capabilities (`hostdirs`); the main container only waits to be deleted."""
+    settings = settings or Settings()
+    check_operator_policy(pool, settings.policy, settings.image())
+    names = Names(pool.metadata.namespace, pool.metadata.name)
+    image = pool.spec.agent.image or settings.image()
+    parents = _node_dir_parents(pool)
+    volumes = [_host_dir(name, host) for name, host in parents]
+    mounts = [{"name": name, "mountPath": f"{RECLAIM_MOUNT}/{name}"} for name, _ in parents]
+    root: Manifest = {
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+    }
+    resources = {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}}
+    meta = {
+        "name": names.reclaim,
+        "namespace": pool.metadata.namespace,
+        "labels": {**labels(pool, settings), "app.kubernetes.io/component": "reclaim"},
+    }
+    selector = {**selector_labels(pool), "app.kubernetes.io/component": "reclaim"}
+    # No owner reference (as the gc Job): the finalizer deletes it once every node is clean.
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": selector},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    **_scheduling(pool),
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "terminationGracePeriodSeconds": 1,
+                    "initContainers": [{
+                        "name": "reclaim",
+                        "image": image,
+                        "imagePullPolicy": pool.spec.agent.image_pull_policy,
+                        "command": ["python3", "-m", "kvpool.operator.hostdirs", "--remove",
+                                    *(f"{m['mountPath']}/{names.pool_id}" for m in mounts)],
+                        "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+                        "resources": resources,
+                        "securityContext": {**root, "capabilities": {
+                            "drop": ["ALL"], "add": list(HOST_DIRS_CAPABILITIES)}},
+                        "volumeMounts": mounts,
+                    }],
+                    "containers": [{
+                        "name": "done",
+                        "image": image,
+                        "imagePullPolicy": pool.spec.agent.image_pull_policy,
+                        "command": ["python3", "-c", "import signal; signal.pause()"],
+                        "resources": resources,
+                        "securityContext": {**root, "runAsUser": 65534, "runAsGroup": 65534,
+                                            "runAsNonRoot": True,
+                                            "capabilities": {"drop": ["ALL"]}},
+                    }],
                     "volumes": volumes,
                 },
             },
