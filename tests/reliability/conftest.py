@@ -129,6 +129,10 @@ class Load:
         """Keys whose last mutation was an acknowledged put: they must still be stored."""
         return [chunk_key(self.space, i) for s in statuses for i in s["acked"]]
 
+    def deleted(self, statuses: list[dict[str, Any]]) -> list[bytes]:
+        """Keys whose last mutation was an acknowledged delete: they must stay misses."""
+        return [chunk_key(self.space, i) for s in statuses for i in s["deleted"]]
+
 
 @pytest.fixture
 def loads() -> Iterator[list[Load]]:

@@ -125,6 +125,9 @@ class Worker:
                 self.misses += 1
             elif got != chunk_bytes(key):
                 self.wrong.append(key.hex())
+            elif self.state.get(index) == "deleted" and index not in self.uncertain:
+                # Only this worker writes its own keys: what it deleted stays deleted.
+                self.wrong.append(f"{key.hex()} deleted and readable again")
         elif op == "put":
             c.put(key, chunk_bytes(key))
             self.state[index] = "put"
@@ -145,11 +148,13 @@ class Worker:
 
     def report(self, done: bool) -> None:
         acked = sorted(i for i, s in self.state.items() if s == "put" and i not in self.uncertain)
+        deleted = sorted(i for i, s in self.state.items()
+                         if s == "deleted" and i not in self.uncertain)
         out = {
             "worker": self.worker, "done": done, "ok": dict(self.ok),
             "errors": dict(self.errors), "misses": self.misses, "wrong": self.wrong,
             "reconnects": self.reconnects, "errors_then_ok": self.errors_then_ok,
-            "acked": acked, "uncertain": sorted(self.uncertain),
+            "acked": acked, "deleted": deleted, "uncertain": sorted(self.uncertain),
         }
         tmp = self.status.with_name(self.status.name + ".tmp")
         tmp.write_text(json.dumps(out))
