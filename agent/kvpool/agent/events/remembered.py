@@ -108,7 +108,9 @@ class IdentityLog:
         self.fd = -1
         self.records = 0
         self.live: Callable[[], Iterable[tuple[bytes, Identity]]] = tuple
-        """The identities held now, for compaction (set by the tracker that owns them)."""
+        """The identities to keep now, for compaction (set by the tracker that owns them)."""
+        self.live_count: Callable[[], int] = int
+        """How many `live` gives, asked at every append once the file is large: O(1)."""
         self._failed = False
 
     def load(self, held: Collection[bytes]) -> dict[bytes, Identity]:
@@ -127,7 +129,7 @@ class IdentityLog:
     def _append(self, kind: int, payload: bytes) -> None:
         if self.fd < 0:
             return  # not loaded, or the file could not be written: nothing to append to
-        if self.records >= COMPACT_FLOOR and self.records > 2 * self._live_count():
+        if self.records >= COMPACT_FLOOR and self.records > 2 * self.live_count():
             self._rewrite(self.live())
             if self.fd < 0:
                 return
@@ -140,10 +142,6 @@ class IdentityLog:
             self._give_up(e)
             return
         self.records += 1
-
-    def _live_count(self) -> int:
-        live = self.live()
-        return len(live) if isinstance(live, Collection) else sum(1 for _ in live)
 
     def _rewrite(self, live: Iterable[tuple[bytes, Identity]]) -> None:
         """Replace the file by one `KEEP` record per live identity (written whole)."""

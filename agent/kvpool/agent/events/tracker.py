@@ -88,7 +88,10 @@ class TierEvents:
         self.remembered = remembered
         """The identities on file, for a restart (`remembered`); None: kept in memory only."""
         if remembered is not None:
-            remembered.live = self.identities.items
+            # What a compaction keeps: the chunks held, and those on their way to a tier
+            # (a demotion's chunk is in none until its file lands: `leaving`).
+            remembered.live = lambda: [*self.identities.items(), *self.leaving.items()]
+            remembered.live_count = lambda: len(self.identities) + len(self.leaving)
 
     # -- what the store tells
 
