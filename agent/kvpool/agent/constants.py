@@ -36,7 +36,15 @@ TIER_ORDER: Final[tuple[TierName, ...]] = ("dram", "nvme", "shared")
 """Fastest first: G2 host DRAM, G3 local NVMe, G4 shared store."""
 TIER_CODES: Final[dict[TierName, int]] = {"dram": 2, "nvme": 3, "shared": 4}
 """A tier's code in LOOKUP replies (one byte per hit; docs/protocol.md)."""
-TIER_NAMES: Final[dict[int, TierName]] = {code: name for name, code in TIER_CODES.items()}
+PEER_TIER: Final = "peer"
+"""Chunks another agent of the pool holds (the peer tier, between NVMe and the shared
+tier; docs/cross-node.md). Not a tier of the config's `tiers`: `peers` turns it on."""
+PEER_TIER_CODE: Final = 5
+"""The peer tier's code in LOOKUP replies."""
+LOOKUP_TIERS: Final[tuple[str, ...]] = ("dram", "nvme", PEER_TIER, "shared")
+"""Every tier a LOOKUP can report a key in, in the order it asks them."""
+TIER_NAMES: Final[dict[int, str]] = {
+    **{code: name for name, code in TIER_CODES.items()}, PEER_TIER_CODE: PEER_TIER}
 
 # -- the DRAM arena's pages (the operator checks pool sizes against them)
 

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .config import TIER_ORDER, TierName
-from .constants import TIER_CODES
+from .constants import PEER_TIER, PEER_TIER_CODE, TIER_CODES
 from .protocol import ErrorCode, Op
 
 EVICTION_REASONS = ("watermark", "capacity", "ttl", "quota")
@@ -145,6 +145,7 @@ class AgentMetrics:
         tokens = Counter("kvpool_tokens", "Prefill tokens LOOKUPs asked for: hits by the tier "
                          "holding them, misses (tier none)", [*p, "result", "tier"], registry=r)
         self._token_hits = [(TIER_CODES[t], tokens.labels(pool, "hit", t)) for t in TIER_ORDER]
+        self._token_hits.append((PEER_TIER_CODE, tokens.labels(pool, "hit", PEER_TIER)))
         self._token_misses = tokens.labels(pool, "miss", "none")
         Gauge("kvpool_agent_info", "Agent build and placement", [*p, "version", "node"],
               registry=r).labels(pool, __version__, node).set(1)

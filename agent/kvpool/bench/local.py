@@ -34,7 +34,8 @@ class LocalAgent:
 
     def __init__(self, *args: str, workdir: Path | None = None, dram: str = "64Mi",
                  start_timeout: float = 30.0, log_path: Path | None = None,
-                 arena: Path | None = None) -> None:
+                 arena: Path | None = None, prefix: list[str] | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvpool-")
         self.workdir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.socket_path = self.workdir / "agent.sock"
@@ -45,11 +46,13 @@ class LocalAgent:
         digest = hashlib.sha256(str(self.workdir.resolve()).encode()).hexdigest()[:12]
         self.arena_path = arena or Path("/dev/shm") / f"kvpool-{self.workdir.name}-{digest}.arena"
         self.metrics_port = free_port()
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
+        self.metrics_url = f"http://{metrics_host}:{self.metrics_port}"
+        self.prefix = prefix or []
+        """Run the agent under this command (e.g. `ip netns exec NS`: another node)."""
         self.log_path = log_path or self.workdir / "agent.log"
         self.args = [
             "--socket", str(self.socket_path), "--arena", str(self.arena_path),
-            "--metrics-addr", f"127.0.0.1:{self.metrics_port}", "--dram", dram, *args,
+            "--metrics-addr", f"{metrics_host}:{self.metrics_port}", "--dram", dram, *args,
         ]
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -73,7 +76,7 @@ class LocalAgent:
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.agent", "agent", *self.args],
+            [*self.prefix, sys.executable, "-m", "kvpool.agent", "agent", *self.args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         log.close()

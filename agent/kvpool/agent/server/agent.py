@@ -27,6 +27,9 @@ from ..config import AgentConfig, ConfigError, EventsTopic, load_policy
 from ..events import IdentityLog, Publisher, TierEvents, node_topic
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
+from ..peers.network import PeerNetwork
+from ..peers.server import Watch
+from ..tiers.peer import PeerTier
 from .banner import bound_address, kept_line, tiers_line
 from .connection import Closed, Connection
 from .dispatch import Dispatcher
@@ -109,6 +112,20 @@ class Agent:
         self.publisher: Publisher | None = None
         if config.events.enabled:
             self.publisher = self._publish_events()
+        self.peers: PeerNetwork | None = None
+        if config.peers.enabled:
+            self.peers = self._join_peers()
+
+    def _join_peers(self) -> PeerNetwork:
+        """The peer tier (docs/cross-node.md): serve this agent's chunks to the pool's
+        other agents, and count and read theirs in every space."""
+        network = PeerNetwork(self.config.peers, {s.tenant: s.store for s in self.spaces},
+                              self.metrics.registry, self.config.pool)
+        for space in self.spaces:
+            space.store.attach_peer(PeerTier(network, space.tenant))
+            space.store.observe(Watch(network.server, space.tenant, space.store))
+        self.metrics.add_state(network.samples)
+        return network
 
     def _publish_events(self) -> Publisher:
         """Open the KV-event sockets and hand each space its tracker (docs/events.md)."""
@@ -290,6 +307,8 @@ class Agent:
         listeners = [(space, self._bind(space)) for space in self.spaces]
         runner = await serve_http(self.config.metrics_addr, self.metrics.registry,
                                   self.serving)
+        if self.peers is not None:
+            await self.peers.start()
         # Only now can a client connect: one that can finds the whole agent up (its
         # metrics endpoint too; a test that counts the agent's descriptors once its
         # socket answers once saw the HTTP listener open after the count).
@@ -325,6 +344,8 @@ class Agent:
             for conn in list(self.connections.values()):
                 conn.sock.close()
             await runner.cleanup()
+            if self.peers is not None:
+                await self.peers.close()
             for space in self.spaces:
                 space.close()
             if self.publisher is not None:

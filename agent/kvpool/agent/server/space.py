@@ -48,7 +48,8 @@ class Space:
         # The DRAM keys in shared memory, for clients that answer LOOKUP themselves; a
         # chunk takes at least a page, so the arena's pages bound the keys it holds.
         self.index = SharedIndex(slots_for(self.arena.size // PAGE_BYTES),
-                                 lower_tiers=nvme is not None or shared is not None)
+                                 lower_tiers=nvme is not None or shared is not None
+                                 or config.peers.enabled)
         dram.published = self.index
         self.store = ChunkStore(config, dram, nvme, metrics, policy, journal, shared)
         self.events: TierEvents | None = None

@@ -39,29 +39,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .. import checksums
 from .. import policy as pol
 from ..config import AgentConfig, TierName, TierPolicy
-from ..constants import KEY_BYTES
+from ..constants import KEY_BYTES, PEER_TIER, PEER_TIER_CODE
 from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
 from ..journal import Journal, JournalEntry, replay
 from ..metrics import AgentMetrics
+from ..peers.links import Fetched
+from ..peers.server import ChunkSource
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
-from ..tiers.base import ChunkRecord
+from ..tiers import base
+from ..tiers.base import ChunkRecord, IntegrityError
 from ..tiers.dram import DramChunk, DramTier
 from ..tiers.nvme import NvmeTier
+from ..tiers.peer import PeerTier
 from ..tiers.shared import SharedChunkTier
 from .demotion import IO_THREADS, Demotion
 from .errors import OpError, check_key
 from .loads import Loaded, Loads
-from .observer import NO_OBSERVER, TierObserver
+from .observer import NO_OBSERVER, Observers, TierObserver
 from .sharedlink import SharedLink
 from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot
 
@@ -143,9 +148,20 @@ class ChunkStore:
         self._background: set[asyncio.Task[None]] = set()
         self.observer: TierObserver = NO_OBSERVER
         """Told of every chunk entering and leaving a tier (`observe`)."""
+        self.peer: PeerTier | None = None
+        """The chunks the pool's other agents hold (`attach_peer`); None: peers are off."""
+        self._fetching: dict[bytes, asyncio.Future[DramChunk | None]] = {}
+        """Reads from peers under way, one per key however many ask."""
+
+    def attach_peer(self, peer: PeerTier) -> None:
+        """Count and read the chunks the pool's other agents hold, from now on."""
+        self.peer = peer
 
     def observe(self, observer: TierObserver) -> None:
-        """Tell `observer` of chunks entering and leaving every tier from now on."""
+        """Tell `observer` of chunks entering and leaving every tier from now on (as well
+        as those told already)."""
+        if self.observer is not NO_OBSERVER:
+            observer = Observers([self.observer, observer])
         self.observer = observer
         if self.nvme is not None:
             self.nvme.observer = observer
@@ -236,10 +252,27 @@ class ChunkStore:
         local = len(tiers)
         if 3 in tiers:  # its NVMe chunks are about to be read: one read can take several
             self.loads.ahead.remember_prompt(seq, keys[:local])
-        if local < len(keys) and self.shared is not None:
+        peer = self.peer
+        if peer is not None:
+            # Past the local prefix, the directory of what peers hold (memory only: no
+            # network on LOOKUP's path); a key that is local after all is reported local.
+            for depth in range(local, len(keys)):
+                k = keys[depth]
+                slot = find(k)
+                if slot >= 0:
+                    self._hit_dram(slot, seq, depth, now)
+                    tiers.append(2)
+                elif self._below(k):
+                    tiers.append(3)
+                elif peer.holds(k):
+                    tiers.append(PEER_TIER_CODE)
+                else:
+                    break
+        reached = len(tiers)
+        if reached < len(keys) and self.shared is not None:
             # Past the local prefix the shared tier decides how far the prefix goes, but a
             # key of it that is local after all is reported (and counted) in its local tier.
-            for depth in range(local, local + await self.shared.prefix(keys[local:])):
+            for depth in range(reached, reached + await self.shared.prefix(keys[reached:])):
                 k = keys[depth]
                 slot = find(k)
                 if slot >= 0:
@@ -252,11 +285,14 @@ class ChunkStore:
         count = len(tiers)
         in_dram = tiers.count(2)
         in_nvme = tiers.count(3)
+        in_peer = tiers.count(PEER_TIER_CODE)
         self.counts.add("dram", in_dram, len(keys) - in_dram)
         if self.nvme is not None:
             self.counts.add("nvme", in_nvme, len(keys) - in_dram - in_nvme)
+        if peer is not None:
+            self.counts.add(PEER_TIER, in_peer, len(keys) - in_dram - in_nvme - in_peer)
         if self.shared is not None:
-            self.counts.add("shared", count - in_dram - in_nvme, len(keys) - count)
+            self.counts.add("shared", count - in_dram - in_nvme - in_peer, len(keys) - count)
         for k in pol.prefetch_keys(self.policy, keys, count, bytes(tiers)):
             self._spawn(self._prefetch(k))
         return count, bytes(tiers)
@@ -280,6 +316,10 @@ class ChunkStore:
             chunk = self.dram.get(key)
             if chunk is not None:
                 return chunk
+            if self.peer is not None and not self._below(key):
+                fetched = await self._from_peer(key)
+                if fetched is not None:
+                    return fetched
             loaded = await self._load(key)
             if loaded is not None:
                 return loaded
@@ -288,6 +328,129 @@ class ChunkStore:
         log.warning("%s moved between DRAM and NVMe during %d reads of it: a miss",
                     key.hex(), FIND_TRIES)
         return None
+
+    async def _from_peer(self, key: bytes) -> DramChunk | None:
+        """The chunk read from the peer the directory names (`_fetch_peer`), one read per
+        key however many ask; None: the shared tier, then a miss, decide."""
+        pending = self._fetching.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
+        self._fetching[key] = fut
+        try:
+            chunk = await self._fetch_peer(key)
+            fut.set_result(chunk)
+            return chunk
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: waiting readers get it, nobody else must
+            raise
+        finally:
+            if self._fetching.get(key) is fut:
+                del self._fetching[key]
+
+    async def _fetch_peer(self, key: bytes) -> DramChunk | None:
+        """Reserve arena extents for a chunk a peer holds, receive it into them and, once
+        its checksum matches, make it a DRAM chunk like a promotion (announced as this
+        node's from then on). A stale entry, a failed, slow or lying peer: None, and the
+        extents are free again, only once the worker that writes into them is done."""
+        assert self.peer is not None
+        got = self.peer.holder(key)
+        if got is None:
+            return None
+        link, size = got
+        mark = self.deletes
+        try:
+            extents = await self._room(size)  # NVMe holders announce their file's size
+        except OpError:
+            return None  # no room now: the shared tier, or a miss
+        arena = self.dram.arena
+        arena.restore_size()
+        views = [arena.view[offset : offset + n] for offset, n in extents]
+        work = asyncio.ensure_future(self.peer.fetch(link, key, views))
+
+        def done(_: object) -> None:
+            for v in views:
+                v.release()
+        work.add_done_callback(done)
+        try:
+            result = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(lambda _: self.dram.alloc.free(extents))
+            raise
+        if not isinstance(result, Fetched):
+            self.dram.alloc.free(extents)
+            return None
+        extents = self._trim(extents, result.size)
+        if self._deleted_since(key, mark) or self.contains(key):
+            self.dram.alloc.free(extents)
+            return self.dram.get(key)
+        return self._insert(key, extents, result.size, result.checksum, result.meta,
+                            result.tenant, hits=1, kind=result.kind)
+
+    def _trim(self, extents: Extents, size: int) -> Extents:
+        """The first `size` bytes of `extents`; the whole pages past them freed (a peer
+        that holds a chunk in NVMe announces its file's size, header included)."""
+        page = self.dram.alloc.page
+        kept: Extents = []
+        freed: Extents = []
+        left = size
+        for offset, n in extents:
+            take = min(n, left)
+            if take:
+                kept.append((offset, take))
+                left -= take
+            used, have = -(-take // page) * page, -(-n // page) * page
+            if have > used:
+                freed.append((offset + used, have - used))
+        if freed:
+            self.dram.alloc.free(freed)
+        return kept
+
+    # -- what this store offers its peers (`peers.server.Holdings`)
+
+    async def peer_source(self, key: bytes, owner: int) -> ChunkSource | None:
+        """Where a peer's read of `key` takes the bytes from: the arena (under a read lease
+        until sent) or the chunk's NVMe file (open: a rewrite or removal meanwhile leaves
+        this read its own inode); None when neither holds it."""
+        chunk = self.dram.get(key)
+        if chunk is not None:
+            lease = self.dram.open_read(chunk, owner)
+            self.m.read_bytes["dram"].inc(chunk.size)
+
+            def release() -> None:
+                self.dram.close_read(lease.id, owner)
+            return ChunkSource(chunk.size, chunk.checksum, chunk.checksum_kind, chunk.meta,
+                               chunk.tenant, os.dup(self.dram.arena.fd), list(chunk.extents),
+                               release)
+        if self.nvme is not None and self.nvme.entry(key) is not None:
+            loop = asyncio.get_running_loop()
+            source = await loop.run_in_executor(self.loads.pool, open_nvme_source,
+                                                str(self.nvme.nvme.path_of(key)), key)
+            if source is not None:
+                self.m.read_bytes["nvme"].inc(source.size)
+            return source
+        return None
+
+    def peer_size(self, key: bytes) -> int:
+        chunk = self.dram.get(key)
+        if chunk is not None:
+            return chunk.size
+        if self.nvme is not None:
+            entry = self.nvme.entry(key)
+            if entry is not None:
+                return entry.size
+            copy = self.nvme.copy_of(key)
+            if copy is not None:
+                return copy.size
+        return 0
+
+    def peer_inventory(self) -> Iterator[tuple[bytes, int]]:
+        for chunk in self.dram.entries():
+            yield chunk.key, chunk.size
+        if self.nvme is not None:
+            for entry in self.nvme.nvme.index.values():
+                yield entry.key, entry.size
 
     def _deleted_since(self, key: bytes, mark: int) -> bool:
         n = self.deleted.get(key)
@@ -881,7 +1044,8 @@ class ChunkStore:
         return StoreSnapshot(tiers, LookupCounts(dict(c.hits), dict(c.misses)), len(d.reads),
                              len(d.writes), len(d.pins), d.arena.locked_bytes,
                              d.arena.lock_error or "", demoting, demoting_bytes, removing, url,
-                             queue, sum(len(x.reads) for x in d.draining), d.draining_bytes)
+                             queue, sum(len(x.reads) for x in d.draining), d.draining_bytes,
+                             None if self.peer is None else self.peer.chunks)
 
     # -- checks
 
@@ -903,6 +1067,27 @@ class ChunkStore:
         if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT:
             raise OpError(ErrorCode.TOO_MANY_LEASES,
                           f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
+
+
+def open_nvme_source(path: str, key: bytes) -> ChunkSource | None:
+    """The chunk bytes of an NVMe chunk file, for a peer (a worker thread): its header read
+    and checked against the key and the file's size; the bytes are not (the reader
+    verifies them). None when the file is gone or damaged."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, base.HEADER_BYTES, 0)
+        head += os.pread(fd, max(0, base.header_length(head) - len(head)), len(head))
+        h = base.decode_header(head)
+        if h.key != key or os.fstat(fd).st_size != h.data_offset + h.size:
+            raise IntegrityError("size or key does not match the header")
+    except (OSError, IntegrityError):
+        os.close(fd)
+        return None
+    return ChunkSource(h.size, h.checksum, h.checksum_kind, h.meta, h.tenant, fd,
+                       [(h.data_offset, h.size)])
 
 
 def open_journal(config: AgentConfig) -> tuple[Journal, list[JournalEntry]]:

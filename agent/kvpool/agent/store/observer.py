@@ -29,3 +29,18 @@ class NoObserver:
 
 
 NO_OBSERVER = NoObserver()
+
+
+class Observers:
+    """Several listeners (KV events and the peer tier), told in order."""
+
+    def __init__(self, observers: list[TierObserver]) -> None:
+        self.observers = observers
+
+    def stored(self, tier: TierName, key: bytes) -> None:
+        for o in self.observers:
+            o.stored(tier, key)
+
+    def removed(self, tier: TierName, key: bytes) -> None:
+        for o in self.observers:
+            o.removed(tier, key)

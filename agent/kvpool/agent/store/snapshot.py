@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..config import TIER_ORDER, TierName
+from ..constants import LOOKUP_TIERS, PEER_TIER
 from ..metrics import Sample
 from ..writebehind import QueueStats
 
@@ -20,10 +21,10 @@ from ..writebehind import QueueStats
 class LookupCounts:
     """Looked-up keys found (hits) and not found (misses) in each tier, since start."""
 
-    hits: dict[TierName, int] = field(default_factory=lambda: dict.fromkeys(TIER_ORDER, 0))
-    misses: dict[TierName, int] = field(default_factory=lambda: dict.fromkeys(TIER_ORDER, 0))
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOOKUP_TIERS, 0))
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOOKUP_TIERS, 0))
 
-    def add(self, tier: TierName, hits: int, misses: int) -> None:
+    def add(self, tier: str, hits: int, misses: int) -> None:
         self.hits[tier] += hits
         self.misses[tier] += misses
 
@@ -66,6 +67,8 @@ class StoreSnapshot:
     draining_bytes: int = 0
     """Arena pages of closed DMA connections' write leases, kept from reuse until their
     drain ends (among the DRAM tier's used bytes)."""
+    peer_chunks: int | None = None
+    """Remote chunks in the peer directory; None: the peer tier is off."""
 
 
 def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
@@ -91,6 +94,9 @@ def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
                 "pending": q.pending, "in_flight": q.in_flight, "written": q.written,
                 "dropped": q.dropped} if q is not None else {}}
         tiers[t.tier] = row
+    if snap.peer_chunks is not None:
+        tiers[PEER_TIER] = {"chunks": snap.peer_chunks, "hits": snap.counts.hits[PEER_TIER],
+                            "misses": snap.counts.misses[PEER_TIER], "healthy": True}
     return {
         "pool": pool,
         "tiers": tiers,
@@ -102,7 +108,8 @@ def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
 
 def samples(snap: StoreSnapshot) -> Iterator[Sample]:
     """The store's series for the scrape-time collector (names in docs/metrics.md)."""
-    for tier in TIER_ORDER:
+    peer = (PEER_TIER,) if snap.peer_chunks is not None else ()
+    for tier in (*TIER_ORDER, *peer):
         labels: dict[str, str] = {"tier": tier}
         yield Sample("kvpool_tier_hits", "Looked-up keys found in the tier", labels,
                      snap.counts.hits[tier], counter=True)
@@ -120,6 +127,9 @@ def samples(snap: StoreSnapshot) -> Iterator[Sample]:
         yield Sample("kvpool_tier_chunks", "Chunks held in the tier", labels, t.chunks)
         yield Sample("kvpool_tier_healthy", "1 when the tier serves", labels,
                      1 if t.healthy else 0)
+    if snap.peer_chunks is not None:
+        yield Sample("kvpool_tier_chunks", "Chunks held in the tier", {"tier": PEER_TIER},
+                     snap.peer_chunks)
     if any(t.tier == "nvme" for t in snap.tiers):
         yield Sample("kvpool_nvme_demotions_in_flight", "Chunks on their way from DRAM to NVMe",
                      {}, snap.demoting)

@@ -1,0 +1,315 @@
+"""What an agent reads from one peer: its inventory (a subscription) and its chunks.
+
+The subscription is an asyncio stream on the event loop: it feeds the directories (one
+per tenant space) with the peer's inventory and changes, and drops the peer's entries
+when it ends (a gap, the peer's restart, or silence past `DEAD_AFTER`: unreachable); the
+next inventory brings them back. Fetches run in worker threads on blocking sockets from
+a bounded pool (`peers.connections`): a chunk's bytes are received straight into the
+arena extents it will be served from (`recv_into`), then verified, all within the
+read's deadline (every wait on the socket is bounded by what is left of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import checksums
+from . import auth, wire
+from .directory import PeerDirectory
+from .metrics import PeerMetrics
+
+log = logging.getLogger(__name__)
+
+DEAD_AFTER = 10.0
+"""Seconds of silence on a subscription (heartbeats come every half second) after which
+the peer counts as unreachable: its entries are dropped."""
+RETRY_MIN, RETRY_MAX = 0.2, 2.0
+"""Seconds between attempts to reach a peer, doubling."""
+SUSPECT_SECONDS = 30.0
+"""A peer that served bytes failing their checksum is not read from for this long."""
+
+
+class SelfPeer(Exception):
+    """The address is this agent's own (a discovery name resolves to every agent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    size: int
+    checksum: int
+    kind: int
+    meta: bytes
+    tenant: str
+
+
+ABSENT = "absent"
+FAILED = "error"
+TIMEOUT = "timeout"
+CORRUPT = "corrupt"
+
+
+class PeerLink:
+    def __init__(self, index: int, host: str, port: int, *, secret: bytes, agent_id: bytes,
+                 connections: int, tls: ssl.SSLContext | None,
+                 directories: dict[str, PeerDirectory], metrics: PeerMetrics) -> None:
+        self.index = index
+        self.host, self.port = host, port
+        self.name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.secret = secret
+        self.agent_id = agent_id
+        self.tls = tls
+        self.directories = directories
+        self.m = metrics
+        self.synced = False
+        """The peer's whole inventory is in the directories."""
+        self.is_self = False
+        self.closed = False
+        self.last_heard = 0.0
+        self.lag = 0.0
+        """Seconds between the last stream message's sending and its arrival."""
+        self.suspect_until = 0.0
+        self._slots = threading.BoundedSemaphore(connections)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def readable(self) -> bool:
+        return not self.closed and not self.is_self and time.monotonic() >= self.suspect_until
+
+    def mark_suspect(self) -> None:
+        self.suspect_until = time.monotonic() + SUSPECT_SECONDS
+        self.m.suspect.labels(self.m.pool, self.name).inc()
+        log.error("peer %s served a chunk that failed its checksum: not read from for %g s",
+                  self.name, SUSPECT_SECONDS)
+
+    # -- the subscription (event loop)
+
+    async def run(self) -> None:
+        backoff = RETRY_MIN
+        while not self.closed:
+            writer: asyncio.StreamWriter | None = None
+            try:
+                reader, opened = await asyncio.wait_for(asyncio.open_connection(
+                    self.host, self.port, ssl=self.tls,
+                    server_hostname=self.host if self.tls else None), DEAD_AFTER)
+                writer = opened
+                await asyncio.wait_for(self._handshake(reader, opened), DEAD_AFTER)
+                opened.write(wire.encode_request(wire.OP_SUBSCRIBE, 0, bytes(16), ""))
+                await self._follow(reader)
+            except SelfPeer:
+                self.is_self = True
+                log.info("peer address %s is this agent: not followed", self.name)
+                return
+            except auth.AuthError as e:
+                self.m.auth_failures.inc()
+                log.warning("peer %s refused: %s", self.name, e)
+            except wire.WireError as e:
+                self.m.protocol_errors.inc()
+                log.warning("peer %s broke the protocol: %s", self.name, e)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as e:
+                if self.synced or self.last_heard:
+                    log.warning("peer %s unreachable: %s", self.name,
+                                str(e) or type(e).__name__)
+            finally:
+                if writer is not None:
+                    writer.close()
+                if self.synced or self.last_heard:
+                    backoff = RETRY_MIN
+                self._forget()
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, RETRY_MAX)
+
+    def _forget(self) -> None:
+        """The subscription ended: the peer's entries go until its inventory is back."""
+        self.synced = False
+        self.last_heard = 0.0
+        for d in self.directories.values():
+            d.drop_peer(self.index)
+
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        mine = auth.nonce()
+        writer.write(auth.hello(self.agent_id, mine))
+        theirs = await reader.readexactly(wire.HELLO.size + wire.PROOF_BYTES)
+        writer.write(self._answer(theirs, mine))
+        if await reader.readexactly(1) != wire.ACCEPTED:
+            raise auth.AuthError("the peer did not accept this agent's proof")
+
+    def _answer(self, theirs: bytes, mine: bytes) -> bytes:
+        """The client proof for the server's HELLO and proof `theirs`, once that checks."""
+        server_id, server_nonce = auth.parse_hello(theirs[: wire.HELLO.size])
+        if server_id == self.agent_id:
+            raise SelfPeer
+        auth.check(auth.proof(self.secret, b"server", mine, server_nonce, self.agent_id,
+                              server_id), theirs[wire.HELLO.size:])
+        return auth.proof(self.secret, b"client", mine, server_nonce, self.agent_id, server_id)
+
+    async def _follow(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            head = await asyncio.wait_for(reader.readexactly(wire.STREAM.size), DEAD_AFTER)
+            msg, tlen, count, sent_at = wire.stream_head(head)
+            tenant = (await reader.readexactly(tlen)).decode(errors="replace")
+            body = await reader.readexactly(count * wire.RECORD.size)
+            self.last_heard = time.monotonic()
+            self.lag = max(0.0, time.time() - sent_at)
+            d = self.directories.get(tenant)  # a space this agent lacks: nothing to keep
+            if msg == wire.BEGIN:
+                if d is not None:
+                    d.drop_peer(self.index)
+                self.m.resyncs.labels(self.m.pool, self.name).inc()
+            elif msg == wire.ADD and d is not None:
+                for key, size in wire.records(body):
+                    d.add(key, self.index, size)
+            elif msg == wire.REMOVE and d is not None:
+                for key, _ in wire.records(body):
+                    d.remove(key, self.index)
+            elif msg == wire.SYNCED:
+                self.synced = True
+                log.info("peer %s: inventory received", self.name)
+
+    # -- fetches (worker threads)
+
+    def fetch_into(self, tenant: str, key: bytes, views: list[memoryview],
+                   deadline: float) -> Fetched | str:
+        """The chunk's bytes received into `views` (in order) and verified, or why not
+        (ABSENT, FAILED, TIMEOUT, CORRUPT); never waits past `deadline` (monotonic)."""
+        start = time.monotonic()
+        result = self._fetch(tenant, key, views, deadline)
+        if isinstance(result, Fetched):
+            self.m.read(self.name, "ok", time.monotonic() - start, result.size)
+        else:
+            self.m.read(self.name, result, time.monotonic() - start)
+            if result == CORRUPT:
+                self.mark_suspect()
+        return result
+
+    def _fetch(self, tenant: str, key: bytes, views: list[memoryview],
+               deadline: float) -> Fetched | str:
+        try:
+            sock = self._checkout(deadline)
+        except TimeoutError:
+            return TIMEOUT
+        except (OSError, auth.AuthError, ssl.SSLError, wire.WireError) as e:
+            log.warning("peer %s: no connection: %s", self.name, e)
+            return FAILED
+        keep = False
+        try:
+            rid = next(self._rids) & 0xFFFFFFFF
+            _bounded(sock, deadline)
+            sock.sendall(wire.encode_request(wire.OP_FETCH, rid, key, tenant))
+            head = wire.reply_head(_recv_exact(sock, wire.REPLY.size, deadline))
+            if head.rid != rid:
+                raise wire.WireError(f"reply to request {head.rid}, expected {rid}")
+            if head.status == wire.ABSENT:
+                keep = True
+                return ABSENT
+            room = sum(len(v) for v in views)
+            if head.size > room:  # the directory's size was stale: a different chunk
+                raise wire.WireError(f"chunk of {head.size} bytes, {room} reserved")
+            meta = _recv_exact(sock, head.meta_len, deadline)
+            owner = _recv_exact(sock, head.tenant_len, deadline).decode(errors="replace")
+            left = head.size
+            parts = []
+            for v in views:
+                n = min(len(v), left)
+                if n == 0:
+                    break
+                _recv_into(sock, v[:n], deadline)
+                parts.append(v[:n])
+                left -= n
+            keep = True
+            if head.kind not in checksums.KINDS \
+                    or checksums.compute(head.kind, parts, meta) != head.checksum:
+                return CORRUPT
+            return Fetched(head.size, head.checksum, head.kind, meta, owner)
+        except TimeoutError:
+            return TIMEOUT
+        except (OSError, wire.WireError, ssl.SSLError) as e:
+            log.warning("peer %s: read of %s failed: %s", self.name, key.hex(), e)
+            return FAILED
+        finally:
+            self._checkin(sock, keep)
+
+    def _checkout(self, deadline: float) -> socket.socket:
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError
+        try:
+            with self._lock:
+                if self._idle:
+                    return self._idle.pop()
+            return self._connect(deadline)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _checkin(self, sock: socket.socket, keep: bool) -> None:
+        if keep and not self.closed:
+            with self._lock:
+                self._idle.append(sock)
+        else:
+            sock.close()
+        self._slots.release()
+
+    def _connect(self, deadline: float) -> socket.socket:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock = socket.create_connection((self.host, self.port), timeout=left)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+            mine = auth.nonce()
+            _bounded(sock, deadline)
+            sock.sendall(auth.hello(self.agent_id, mine))
+            theirs = _recv_exact(sock, wire.HELLO.size + wire.PROOF_BYTES, deadline)
+            sock.sendall(self._answer(theirs, mine))
+            if _recv_exact(sock, 1, deadline) != wire.ACCEPTED:
+                raise auth.AuthError("the peer did not accept this agent's proof")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def _bounded(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), deadline)
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    got = 0
+    while got < len(view):
+        _bounded(sock, deadline)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += n

@@ -1,0 +1,50 @@
+"""The peer tier's metrics (docs/metrics.md, "Peer tier"), in the agent's registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+READ_RESULTS = ("ok", "absent", "error", "timeout", "corrupt")
+"""How a read from a peer ended: served, not held there (a stale entry), a failed
+connection or protocol, past `peers.timeout`, bytes that failed their checksum."""
+SERVE_RESULTS = ("ok", "absent", "error")
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class PeerMetrics:
+    def __init__(self, registry: CollectorRegistry, pool: str) -> None:
+        r, p = registry, ["pool"]
+        self.pool = pool
+        self._bytes = Counter("kvpool_peer_bytes", "Chunk bytes moved between this agent and "
+                              "a peer, by direction (read: from it, served: to it)",
+                              [*p, "peer", "direction"], registry=r)
+        self._requests = Counter("kvpool_peer_requests", "Chunk reads between this agent and "
+                                 "a peer, by direction and result",
+                                 [*p, "peer", "direction", "result"], registry=r)
+        self._latency = Histogram("kvpool_peer_request_duration_seconds",
+                                  "Chunk reads between this agent and a peer, by direction",
+                                  [*p, "peer", "direction"], buckets=_BUCKETS, registry=r)
+        self.auth_failures = Counter(
+            "kvpool_peer_auth_failures", "Peer connections refused or dropped because a side "
+            "did not prove the pool's secret", p, registry=r).labels(pool)
+        self.protocol_errors = Counter(
+            "kvpool_peer_protocol_errors", "Peer connections closed for a frame that breaks "
+            "the peer protocol", p, registry=r).labels(pool)
+        self.resyncs = Counter(
+            "kvpool_peer_directory_resyncs", "Inventories received from peers (each drops "
+            "what the directory had of that peer first)", [*p, "peer"], registry=r)
+        self.suspect = Counter(
+            "kvpool_peer_suspect", "Times a peer was marked suspect (it served bytes that "
+            "failed their checksum): not read from for a while", [*p, "peer"], registry=r)
+
+    def read(self, peer: str, result: str, seconds: float, nbytes: int = 0) -> None:
+        self._requests.labels(self.pool, peer, "read", result).inc()
+        self._latency.labels(self.pool, peer, "read").observe(seconds)
+        if nbytes:
+            self._bytes.labels(self.pool, peer, "read").inc(nbytes)
+
+    def served(self, peer: str, result: str, seconds: float, nbytes: int = 0) -> None:
+        self._requests.labels(self.pool, peer, "served", result).inc()
+        self._latency.labels(self.pool, peer, "served").observe(seconds)
+        if nbytes:
+            self._bytes.labels(self.pool, peer, "served").inc(nbytes)

@@ -1,0 +1,298 @@
+"""What an agent serves its peers: its chunks (DRAM and NVMe) and its inventory.
+
+One asyncio server on `peers.port`. A connection first proves the pool's secret (`auth`);
+one that cannot is counted, logged and closed before anything else is read. Then it
+carries FETCH requests, answered in order, one at a time (a connection's memory is one
+reply header; the bytes go from the arena or the chunk file to the socket with
+sendfile, never through a Python buffer), or, after a SUBSCRIBE, the inventory of every
+space followed by its changes (a bounded queue per subscriber: one that falls behind is
+closed, and resyncs when it reconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from . import auth, wire
+from .metrics import PeerMetrics
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 5.0
+"""Seconds a new connection has to prove the secret."""
+HEARTBEAT_INTERVAL = 0.5
+"""A subscription with nothing to say says so this often (the reader's liveness check)."""
+STALL_TIMEOUT = 10.0
+"""A subscriber that takes no bytes for this long is closed."""
+MAX_PENDING = 1 << 16
+"""Changes queued for one subscriber; beyond it, it is closed (and resyncs)."""
+MAX_CONNECTIONS = 1024
+"""Peer connections served at once (each pool agent keeps `connections` + 1 to us)."""
+_owners = iter(range(-1, -(1 << 62), -1))
+"""Lease owners of peer connections: negative, never a client connection's id."""
+
+
+@dataclass(slots=True)
+class ChunkSource:
+    """Where a chunk's bytes are, for the time they are sent: `fd` (owned: closed by
+    `close`) at the byte `ranges`, in order."""
+
+    size: int
+    checksum: int
+    kind: int
+    meta: bytes
+    tenant: str
+    fd: int
+    ranges: list[tuple[int, int]]
+    release: Callable[[], None] = field(default=lambda: None)
+
+    def close(self) -> None:
+        try:
+            self.release()
+        finally:
+            os.close(self.fd)
+
+
+class Holdings(Protocol):
+    """What a space offers its peers (`store.ChunkStore` implements it)."""
+
+    async def peer_source(self, key: bytes, owner: int) -> ChunkSource | None: ...
+
+    def peer_size(self, key: bytes) -> int:
+        """Bytes to reserve for `key` if this space holds it in DRAM or NVMe, else 0."""
+        ...
+
+    def peer_inventory(self) -> Iterator[tuple[bytes, int]]: ...
+
+    def disconnect(self, owner: int) -> None: ...
+
+
+class Subscriber:
+    def __init__(self) -> None:
+        self.pending: deque[tuple[str, int, bytes, int]] = deque()
+        self.wake = asyncio.Event()
+        self.overflow = False
+
+    def push(self, tenant: str, msg: int, key: bytes, size: int) -> None:
+        if len(self.pending) >= MAX_PENDING:
+            self.overflow = True
+        else:
+            self.pending.append((tenant, msg, key, size))
+        self.wake.set()
+
+
+class PeerServer:
+    def __init__(self, spaces: dict[str, Holdings], secret: bytes, agent_id: bytes,
+                 metrics: PeerMetrics, tls: ssl.SSLContext | None = None) -> None:
+        self.spaces = spaces
+        self.secret = secret
+        self.agent_id = agent_id
+        self.m = metrics
+        self.tls = tls
+        self.subscribers: set[Subscriber] = set()
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self.server = await asyncio.start_server(
+            self._serve, None if host == "*" else host, port, ssl=self.tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT if self.tls else None, reuse_address=True)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    # -- what every subscriber hears
+
+    def changed(self, tenant: str, key: bytes, holdings: Holdings, stored: bool) -> None:
+        """A chunk entered (`stored`) or left a local tier of `tenant`'s space."""
+        if not self.subscribers:
+            return
+        size = holdings.peer_size(key)
+        if stored and size:
+            msg = wire.ADD
+        elif not stored and not size:
+            msg = wire.REMOVE
+        else:
+            return  # still held elsewhere (demoted, promoted): nothing a peer needs to hear
+        for sub in self.subscribers:
+            sub.push(tenant, msg, key, size)
+
+    # -- a connection
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _name(writer)
+        owner = next(_owners)
+        if self.connections >= MAX_CONNECTIONS:
+            log.warning("peer %s refused: %d peer connections already", peer, MAX_CONNECTIONS)
+            writer.close()
+            return
+        self.connections += 1
+        try:
+            try:
+                await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+            except (auth.AuthError, asyncio.IncompleteReadError, TimeoutError, OSError,
+                    ssl.SSLError) as e:
+                self.m.auth_failures.inc()
+                log.warning("peer connection from %s refused: %s", peer, e or type(e).__name__)
+                return
+            await self._requests(reader, writer, peer, owner)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ssl.SSLError):
+            pass  # the peer went away
+        except wire.WireError as e:
+            self.m.protocol_errors.inc()
+            log.warning("peer %s closed: %s", peer, e)
+        except Exception:
+            log.exception("serving peer %s failed", peer)
+        finally:
+            self.connections -= 1
+            for h in self.spaces.values():
+                h.disconnect(owner)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        client_id, client_nonce = auth.parse_hello(await reader.readexactly(wire.HELLO.size))
+        mine = auth.nonce()
+        writer.write(auth.hello(self.agent_id, mine) + auth.proof(
+            self.secret, b"server", client_nonce, mine, client_id, self.agent_id))
+        got = await reader.readexactly(wire.PROOF_BYTES)
+        auth.check(auth.proof(self.secret, b"client", client_nonce, mine, client_id,
+                              self.agent_id), got)
+        writer.write(wire.ACCEPTED)
+        await writer.drain()
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        peer: str, owner: int) -> None:
+        while True:
+            op, rid, tlen, key = wire.request_head(await reader.readexactly(wire.REQUEST.size))
+            tenant = (await reader.readexactly(tlen)).decode(errors="replace")
+            if op == wire.OP_SUBSCRIBE:
+                await self._stream(reader, writer)
+                return
+            await self._fetch(writer, peer, owner, rid, tenant, key)
+
+    async def _fetch(self, writer: asyncio.StreamWriter, peer: str, owner: int, rid: int,
+                     tenant: str, key: bytes) -> None:
+        start = time.monotonic()
+        holdings = self.spaces.get(tenant)
+        source = None if holdings is None else await holdings.peer_source(key, owner)
+        if source is None:
+            writer.write(wire.encode_reply(wire.ABSENT, rid))
+            await writer.drain()
+            self.m.served(peer, "absent", time.monotonic() - start)
+            return
+        try:
+            writer.write(wire.encode_reply(wire.OK, rid, kind=source.kind, size=source.size,
+                                           checksum=source.checksum, meta=source.meta,
+                                           tenant=source.tenant))
+            loop = asyncio.get_running_loop()
+            with open(source.fd, "rb", buffering=0, closefd=False) as f:
+                for offset, n in source.ranges:
+                    # os.sendfile on plain TCP (no copy through Python); under TLS asyncio
+                    # reads and encrypts it in blocks.
+                    await loop.sendfile(writer.transport, f, offset, n)
+            await writer.drain()
+        except BaseException:
+            self.m.served(peer, "error", time.monotonic() - start)
+            raise
+        finally:
+            source.close()
+        self.m.served(peer, "ok", time.monotonic() - start, source.size)
+
+    async def _stream(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        sub = Subscriber()
+        self.subscribers.add(sub)  # first: no change between the inventory and the deltas
+        # A subscriber sends nothing more: its end of the connection closing ends the
+        # stream at once, and a byte from it is a protocol error.
+        ended = asyncio.ensure_future(reader.read(1))
+        try:
+            for tenant, holdings in list(self.spaces.items()):
+                writer.write(wire.encode_stream(wire.BEGIN, tenant, sent_at=time.time()))
+                batch: list[tuple[bytes, int]] = []
+                for key, size in holdings.peer_inventory():
+                    batch.append((key, size))
+                    if len(batch) == wire.MAX_RECORDS:
+                        writer.write(wire.encode_stream(wire.ADD, tenant, batch, time.time()))
+                        batch = []
+                        await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
+                if batch:
+                    writer.write(wire.encode_stream(wire.ADD, tenant, batch, time.time()))
+            writer.write(wire.encode_stream(wire.SYNCED, sent_at=time.time()))
+            await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
+            while True:
+                woken = asyncio.ensure_future(sub.wake.wait())
+                await asyncio.wait({woken, ended}, timeout=HEARTBEAT_INTERVAL,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                if ended.done():
+                    if ended.result():
+                        raise wire.WireError("a subscriber sent bytes after SUBSCRIBE")
+                    return
+                sub.wake.clear()
+                if sub.overflow:
+                    log.warning("a peer subscriber fell %d changes behind: closed, it resyncs",
+                                MAX_PENDING)
+                    return
+                if not sub.pending:
+                    writer.write(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+                for data in _deltas(sub.pending):
+                    writer.write(data)
+                await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
+        finally:
+            ended.cancel()
+            self.subscribers.discard(sub)
+
+
+class Watch:
+    """Tells the server of a space's chunks entering and leaving its local tiers (a
+    `store.observer.TierObserver`); the shared tier's are every node's already."""
+
+    def __init__(self, server: PeerServer, tenant: str, holdings: Holdings) -> None:
+        self.server, self.tenant, self.holdings = server, tenant, holdings
+
+    def stored(self, tier: str, key: bytes) -> None:
+        if tier != "shared":
+            self.server.changed(self.tenant, key, self.holdings, True)
+
+    def removed(self, tier: str, key: bytes) -> None:
+        if tier != "shared":
+            self.server.changed(self.tenant, key, self.holdings, False)
+
+
+def _deltas(pending: deque[tuple[str, int, bytes, int]]) -> Iterator[bytes]:
+    """The queued changes as stream messages, in order: a message per run of the same
+    tenant and kind, at most `wire.MAX_RECORDS` records each. Empties the queue."""
+    now = time.time()
+    run: list[tuple[bytes, int]] = []
+    current: tuple[str, int] | None = None
+    while pending:
+        tenant, msg, key, size = pending.popleft()
+        if (tenant, msg) != current or len(run) == wire.MAX_RECORDS:
+            if current is not None and run:
+                yield wire.encode_stream(current[1], current[0], run, now)
+            current, run = (tenant, msg), []
+        run.append((key, size))
+    if current is not None and run:
+        yield wire.encode_stream(current[1], current[0], run, now)
+
+
+def _name(writer: asyncio.StreamWriter) -> str:
+    """The peer's address, without its port (a metric label: one per peer, not per
+    connection)."""
+    addr = writer.get_extra_info("peername")
+    if isinstance(addr, tuple) and addr:
+        return str(addr[0])
+    return str(addr)

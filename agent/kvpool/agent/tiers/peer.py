@@ -1,0 +1,39 @@
+"""The peer tier (between NVMe and the shared tier): chunks the pool's other agents hold.
+
+One per space: the directory of its tenant and the reads from peers, which the store
+uses like any other tier: LOOKUP asks `holds` (memory only, never the network); a GET or
+ACQUIRE of a key only a peer holds reserves arena extents for it and `fetch`es the bytes
+straight into them, verified, within `peers.timeout` (docs/cross-node.md). A peer tier
+serves no writes: a chunk lands on a peer only by that peer's own clients.
+"""
+
+from __future__ import annotations
+
+from ..peers.links import Fetched, PeerLink
+from ..peers.network import PeerNetwork
+
+
+class PeerTier:
+    name = "peer"
+
+    def __init__(self, network: PeerNetwork, tenant: str) -> None:
+        self.network = network
+        self.tenant = tenant
+        self.directory = network.directories[tenant]
+
+    def holds(self, key: bytes) -> bool:
+        """A readable peer holds `key`, says the directory (which may be stale)."""
+        return self.network.holder(self.tenant, key) is not None
+
+    def holder(self, key: bytes) -> tuple[PeerLink, int] | None:
+        """The peer to read `key` from and the bytes to reserve for it."""
+        return self.network.holder(self.tenant, key)
+
+    async def fetch(self, link: PeerLink, key: bytes,
+                    views: list[memoryview]) -> Fetched | str:
+        """The chunk received into `views` and verified, or why not."""
+        return await self.network.fetch(link, self.tenant, key, views)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.directory)

@@ -1,0 +1,46 @@
+"""Fixtures of the peer tier's tests: a network of namespaces, the pool's secret."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench.local import LocalAgent
+
+from ..support import scrape
+from ..support import wait_until as wait_until
+from .nodes import Network
+
+
+@pytest.fixture
+def net() -> Iterator[Network]:
+    network = Network(3)
+    try:
+        yield network
+    finally:
+        network.close()
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    path = tmp_path / "secret"
+    path.write_bytes(os.urandom(32).hex().encode())
+    path.chmod(0o400)
+    return path
+
+
+def metric(agent: LocalAgent, name: str, **labels: str) -> float:
+    """The sum of `name`'s series whose labels include `labels`."""
+    total = 0.0
+    for series, value in scrape(agent).items():
+        base, _, rest = series.partition("{")
+        if base != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += value
+    return total

@@ -1,0 +1,48 @@
+"""The peer directory: who holds which remote chunk, in flat arrays of bounded size."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+from kvpool.agent.peers.directory import PeerDirectory
+
+REMOTE_CHUNKS = 300_000
+"""Enough for the table's cells to cycle through a rebuild at the load it then has (a
+quarter to a half full: what the per-chunk cost swings between, at any count); the same
+measurement at 10^6 chunks (41 B per chunk) takes a minute under tracemalloc, too long
+for every CI run: docs/cross-node.md, "Directory", gives the command."""
+
+
+def test_a_remote_chunk_costs_under_64_bytes_of_heap() -> None:
+    keys = os.urandom(16 * REMOTE_CHUNKS)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        d = PeerDirectory()
+        for i in range(REMOTE_CHUNKS):
+            d.add(keys[16 * i : 16 * i + 16], i % 7, 1 << 20)
+        per_chunk = (tracemalloc.get_traced_memory()[0] - before) / REMOTE_CHUNKS
+    finally:
+        tracemalloc.stop()
+    assert len(d) == REMOTE_CHUNKS
+    assert per_chunk < 64, f"{per_chunk:.1f} B of heap per remote chunk"
+    assert d.holder(keys[16 * 12345 : 16 * 12346]) == (12345 % 7, 1 << 20)
+
+
+def test_a_key_is_credited_to_its_last_announcer_and_a_peer_drops_only_its_own() -> None:
+    d = PeerDirectory()
+    k1, k2, k3 = (os.urandom(16) for _ in range(3))
+    d.add(k1, 0, 100)
+    d.add(k2, 0, 200)
+    d.add(k3, 1, 300)
+    d.add(k1, 1, 100)  # peer 1 holds k1 too now: it is read from there
+    assert d.holder(k1) == (1, 100)
+    d.remove(k1, 0)  # peer 0 lost its copy: peer 1's entry stays
+    assert d.holder(k1) == (1, 100)
+    assert d.drop_peer(0) == 1 and k2 not in d
+    assert d.holder(k3) == (1, 300) and len(d) == 2
+    d.remove(k3, 1)
+    assert d.holder(k3) is None
+    d.add(k3, 2, 0)  # nothing to reserve: never an entry
+    assert k3 not in d

@@ -1,0 +1,177 @@
+"""The peer tier across real nodes (network namespaces): a chunk stored on one node is read
+on another, byte for byte, and every way a peer can fail ends in the shared tier or a
+miss, never in wrong bytes or a wait past `peers.timeout`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from contextlib import ExitStack
+from pathlib import Path
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.bench.local import LocalAgent
+
+from .conftest import metric, wait_until
+from .nodes import Network, in_ns, peer_agent
+
+MiB = 1 << 20
+
+
+def start(stack: ExitStack, net: Network, tmp: Path, secret: Path, n: int = 3,
+          **kw: object) -> list[tuple[LocalAgent, KVPoolClient]]:
+    out = []
+    for i in range(n):
+        agent = stack.enter_context(peer_agent(net, i, tmp / f"node{i}", secret, **kw))
+        out.append((agent, stack.enter_context(KVPoolClient(agent.socket_path))))
+    return out
+
+
+def seen_as(client: KVPoolClient, keys: list[bytes], tiers: list[str]) -> None:
+    wait_until(lambda: client.lookup_tiers(keys) == tiers, f"LOOKUP to say {tiers}")
+
+
+def nvme_file(agent: LocalAgent, key: bytes) -> Path:
+    h = key.hex()
+    return agent.workdir / "nvme" / h[:2] / f"{h}.kvc"
+
+
+def test_a_chunk_stored_on_one_node_is_read_on_the_others_with_its_bytes(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    with ExitStack() as stack:
+        (a, ca), (b, cb), (c, cc) = start(stack, net, tmp_path, secret, dram="8Mi")
+        # Six 1 MiB chunks and their metadata on node 0; with 8 MiB of DRAM and a 4 MiB
+        # chunk after them, the first ones go down to node 0's NVMe.
+        chunks = {os.urandom(16): (os.urandom(MiB - 1000 * i), f"m{i}".encode())
+                  for i in range(6)}
+        for key, (data, meta) in chunks.items():
+            assert ca.put(key, data, meta)
+        big = os.urandom(16)
+        assert ca.put(big, os.urandom(4 * MiB))
+        keys = list(chunks)
+        wait_until(lambda: "nvme" in ca.lookup_tiers(keys), "a chunk demoted to NVMe")
+        for client in (cb, cc):
+            seen_as(client, keys, ["peer"] * len(keys))
+        # Read on node 1 by GET (inline) and on node 2 by ACQUIRE (zero-copy)
+        for key, (data, meta) in chunks.items():
+            assert cb.get_with_meta(key) == (data, meta)
+            out = bytearray(len(data))
+            assert cc.get_into(key, out) == len(data) and out == data
+        # Now local on the readers, and announced by them: node 0 sees them as theirs too.
+        assert cb.lookup_tiers(keys) == ["dram"] * len(keys)
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="ok") == 6
+        assert metric(b, "kvpool_peer_bytes_total", direction="read") == sum(
+            len(d) for d, _ in chunks.values())
+        # Node 2 read each chunk from node 0 or, once node 1 announced its copy, node 1.
+        assert metric(c, "kvpool_peer_requests_total", direction="read", result="ok") == 6
+        assert sum(metric(x, "kvpool_peer_requests_total", direction="served", result="ok")
+                   for x in (a, b)) == 12
+        assert metric(b, "kvpool_tier_hits_total", tier="peer") >= 6
+        assert metric(b, "kvpool_peer_directory_entries") >= 7
+        wait_until(lambda: metric(b, "kvpool_peer_up") == 2, "node 1 following both peers")
+        assert cb.stats()["tiers"]["peer"]["chunks"] >= 7
+
+
+def test_a_stale_entry_falls_back_to_the_shared_tier_then_to_a_miss(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    store = tmp_path / "g4"
+    store.mkdir()
+    with ExitStack() as stack:
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, dram="4Mi", shared=store)
+        on_g4, gone = os.urandom(16), os.urandom(16)
+        data = {k: os.urandom(MiB) for k in (on_g4, gone)}
+        for k in (on_g4, gone):
+            assert ca.put(k, data[k])
+        for _ in range(4):  # push both down to node 0's NVMe
+            ca.put(os.urandom(16), os.urandom(MiB))
+        wait_until(lambda: nvme_file(a, on_g4).exists() and nvme_file(a, gone).exists(),
+                   "demotion")
+        wait_until(lambda: len(list(store.rglob("*.kvc"))) >= 6, "write-through to G4")
+        for path in store.rglob(f"{gone.hex()}*"):
+            path.unlink()  # only node 0's NVMe file has it now
+        seen_as(cb, [on_g4], ["peer"])
+        seen_as(cb, [gone], ["peer"])
+        # The holder loses both files behind its back: the directory is stale.
+        nvme_file(a, on_g4).unlink()
+        nvme_file(a, gone).unlink()
+        assert cb.get(on_g4) == data[on_g4]  # from G4
+        assert cb.get(gone) is None
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="absent") == 2
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="ok") == 0
+
+
+def test_a_peer_killed_mid_transfer_is_a_miss_and_leaks_no_arena_bytes(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    with ExitStack() as stack:
+        # A long timeout: the transfer is cut by the kill, not by the deadline.
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, timeout="120s", nvme=False)
+        key, data = os.urandom(16), os.urandom(4 * MiB)
+        assert ca.put(key, data)
+        seen_as(cb, [key], ["peer"])
+        used = cb.stats()["tiers"]["dram"]["used_bytes"]
+        # Node 0 sends at 8 Mbit/s: 4 MiB take seconds, and the kill lands in the middle.
+        in_ns(net.nodes[0], "tc", "qdisc", "add", "dev", net.nodes[0].inner, "root", "tbf",
+              "rate", "8mbit", "burst", "32kbit", "latency", "400ms")
+        got: list[bytes | None] = []
+        reader = threading.Thread(target=lambda: got.append(cb.get(key)))
+        reader.start()
+
+        def receiving() -> bool:
+            out = in_ns(net.nodes[1], "ss", "-tin", "dst", f"{net.nodes[0].addr}:9410")
+            return any(int(f.split(":")[1]) > 256 << 10 for f in out.split()
+                       if f.startswith("bytes_received:"))
+        wait_until(receiving, "the transfer under way")
+        a.kill(signal.SIGKILL)
+        reader.join(timeout=60)
+        assert got == [None]
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="error") == 1
+        assert cb.stats()["tiers"]["dram"]["used_bytes"] == used  # the extents came back
+        assert cb.lookup_tiers([key]) == []  # node 0's entries went with it
+        k2 = os.urandom(16)
+        assert cb.put(k2, data) and cb.get(k2) == data
+
+
+def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    with ExitStack() as stack:
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False)
+        key, other = os.urandom(16), os.urandom(16)
+        data = os.urandom(256 << 10)
+        assert ca.put(key, data) and ca.put(other, os.urandom(4096))
+        seen_as(cb, [key, other], ["peer", "peer"])
+        # Flip a byte of the chunk in node 0's arena: it sends what is there, unverified.
+        arena = a.arena_path.read_bytes()
+        at = arena.find(data[:4096])
+        assert at >= 0
+        fd = os.open(a.arena_path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes([data[100] ^ 0xFF]), at + 100)
+        finally:
+            os.close(fd)
+        assert cb.get(key) is None
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="corrupt") == 1
+        assert metric(b, "kvpool_peer_suspect_total") == 1
+        # A suspect peer is not read from (nor counted by LOOKUP) for a while.
+        assert cb.lookup_tiers([other]) == []
+        assert cb.get(other) is None
+        assert cb.stats()["tiers"]["dram"]["chunks"] == 0
+
+
+def test_a_stopped_peer_costs_a_read_its_timeout_then_a_miss(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    with ExitStack() as stack:
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False,
+                                    timeout="500ms")
+        key, data = os.urandom(16), os.urandom(MiB)
+        assert ca.put(key, data)
+        seen_as(cb, [key], ["peer"])
+        assert a.proc is not None
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            assert cb.get(key) is None
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="timeout") == 1
+        # The peer answers again: a fresh connection reads it.
+        wait_until(lambda: cb.get(key) == data, "a read from the resumed peer")
