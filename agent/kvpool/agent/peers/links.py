@@ -4,21 +4,32 @@ The subscription is an asyncio stream on the event loop: it feeds the directorie
 per tenant space) with the peer's inventory and changes, and drops the peer's entries
 when it ends (a gap, the peer's restart, or silence past `DEAD_AFTER`: unreachable); the
 next inventory brings them back. Fetches run in worker threads on blocking sockets from
-a bounded pool (`peers.connections`): a chunk's bytes are received straight into the
-arena extents it will be served from (`recv_into`), then verified, all within the
-read's deadline (every wait on the socket is bounded by what is left of it).
+a bounded pool (`peers.connections`): a chunk's bytes go from the socket into the
+arena extents it will be served from, then are verified there, all within the read's
+deadline (every wait on the socket is bounded by what is left of it).
+
+Into the arena through its file, never its mapping (a client may shrink the file under
+the agent: a touched page past the end would be SIGBUS): on plain TCP by `splice`, socket
+to pipe to the arena file, so the bytes never enter this process; under TLS, or on
+hugetlbfs (which takes no splice or write(2)), through one bounded buffer per read
+(`COPY_BLOCK`) and `Arena.write`. Never a `bytes` of the chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import itertools
 import logging
+import os
+import select
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .. import checksums
@@ -35,6 +46,46 @@ RETRY_MIN, RETRY_MAX = 0.2, 2.0
 """Seconds between attempts to reach a peer, doubling."""
 SUSPECT_SECONDS = 30.0
 """A peer that served bytes failing their checksum is not read from for this long."""
+COPY_BLOCK = 1 << 20
+"""Bytes of the one buffer a read without splice goes through, and of a verification's
+read-back."""
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_buffers = threading.local()
+
+
+def _buffer() -> memoryview:
+    """This worker thread's COPY_BLOCK buffer (made once: a fresh one per read would zero a
+    MiB each time)."""
+    buf: memoryview | None = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = memoryview(bytearray(COPY_BLOCK))
+    return buf
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaTarget:
+    """Where a read puts a chunk: arena extents, written through the arena's file."""
+
+    fd: int
+    extents: list[tuple[int, int]]
+    write: Callable[[list[tuple[int, int]], memoryview], None]
+    """`Arena.write`: for reads that cannot splice."""
+    splice: bool
+    """The arena file takes splice(2) (not hugetlbfs)."""
+
+    @property
+    def room(self) -> int:
+        return sum(n for _, n in self.extents)
+
+    def first(self, size: int) -> list[tuple[int, int]]:
+        """The extents' first `size` bytes."""
+        out, left = [], size
+        for offset, n in self.extents:
+            if left <= 0:
+                break
+            out.append((offset, min(n, left)))
+            left -= n
+        return out
 
 
 class SelfPeer(Exception):
@@ -179,12 +230,12 @@ class PeerLink:
 
     # -- fetches (worker threads)
 
-    def fetch_into(self, tenant: str, key: bytes, views: list[memoryview],
+    def fetch_into(self, tenant: str, key: bytes, target: ArenaTarget,
                    deadline: float) -> Fetched | str:
-        """The chunk's bytes received into `views` (in order) and verified, or why not
+        """The chunk's bytes received into `target` and verified there, or why not
         (ABSENT, FAILED, TIMEOUT, CORRUPT); never waits past `deadline` (monotonic)."""
         start = time.monotonic()
-        result = self._fetch(tenant, key, views, deadline)
+        result = self._fetch(tenant, key, target, deadline)
         if isinstance(result, Fetched):
             self.m.read(self.name, "ok", time.monotonic() - start, result.size)
         else:
@@ -193,7 +244,7 @@ class PeerLink:
                 self.mark_suspect()
         return result
 
-    def _fetch(self, tenant: str, key: bytes, views: list[memoryview],
+    def _fetch(self, tenant: str, key: bytes, target: ArenaTarget,
                deadline: float) -> Fetched | str:
         try:
             sock = self._checkout(deadline)
@@ -213,23 +264,18 @@ class PeerLink:
             if head.status == wire.ABSENT:
                 keep = True
                 return ABSENT
-            room = sum(len(v) for v in views)
-            if head.size > room:  # the directory's size was stale: a different chunk
-                raise wire.WireError(f"chunk of {head.size} bytes, {room} reserved")
+            if head.size > target.room:  # the directory's size was stale: another chunk
+                raise wire.WireError(f"chunk of {head.size} bytes, {target.room} reserved")
             meta = _recv_exact(sock, head.meta_len, deadline)
             owner = _recv_exact(sock, head.tenant_len, deadline).decode(errors="replace")
-            left = head.size
-            parts = []
-            for v in views:
-                n = min(len(v), left)
-                if n == 0:
-                    break
-                _recv_into(sock, v[:n], deadline)
-                parts.append(v[:n])
-                left -= n
+            extents = target.first(head.size)
+            if target.splice and not isinstance(sock, ssl.SSLSocket):
+                _splice_into(sock, target.fd, extents, deadline)
+            else:
+                _copy_into(sock, target, extents, deadline)
             keep = True
-            if head.kind not in checksums.KINDS \
-                    or checksums.compute(head.kind, parts, meta) != head.checksum:
+            if head.kind not in checksums.KINDS or checksums.compute(
+                    head.kind, _read_back(target.fd, extents), meta) != head.checksum:
                 return CORRUPT
             return Fetched(head.size, head.checksum, head.kind, meta, owner)
         except TimeoutError:
@@ -303,6 +349,68 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
+
+
+def _copy_into(sock: socket.socket, target: ArenaTarget, extents: list[tuple[int, int]],
+               deadline: float) -> None:
+    """Receive into the extents through this thread's bounded buffer."""
+    buf = _buffer()
+    for offset, n in extents:
+        done = 0
+        while done < n:
+            m = min(n - done, len(buf))
+            _recv_into(sock, buf[:m], deadline)
+            target.write([(offset + done, m)], buf[:m])
+            done += m
+
+
+def _splice_into(sock: socket.socket, fd: int, extents: list[tuple[int, int]],
+                 deadline: float) -> None:
+    """Move the bytes from the socket into the file at the extents with splice(2), through a
+    pipe: they never enter this process."""
+    r, w = os.pipe()
+    try:
+        with contextlib.suppress(OSError):  # a bigger pipe: fewer calls; the default works
+            fcntl.fcntl(w, _F_SETPIPE_SZ, COPY_BLOCK)
+        src = sock.fileno()
+        poll = select.poll()
+        poll.register(src, select.POLLIN)
+        flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+        for offset, n in extents:
+            done = 0
+            while done < n:
+                try:
+                    got = os.splice(src, w, min(n - done, COPY_BLOCK), flags=flags)
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not poll.poll(left * 1000):
+                        raise TimeoutError from None
+                    continue
+                if got == 0:
+                    raise ConnectionError("the peer closed the connection")
+                while got:
+                    put = os.splice(r, fd, got, offset_dst=offset + done, flags=os.SPLICE_F_MOVE)
+                    if put <= 0:
+                        raise OSError(errno.EIO, "the arena file took no bytes")
+                    done += put
+                    got -= put
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _read_back(fd: int, extents: list[tuple[int, int]]) -> Iterator[memoryview]:
+    """The extents' bytes as the arena file holds them, in pieces of this thread's buffer
+    (each valid until the next is asked for), for the checksum."""
+    buf = _buffer()
+    for offset, n in extents:
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [buf[: min(n - done, len(buf))]], offset + done)
+            if got == 0:
+                raise OSError(errno.EIO, f"the arena reads short at {offset + done}")
+            yield buf[:got]
+            done += got
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:

@@ -25,7 +25,7 @@ from ..config import ConfigError, Peers, parse_host_port
 from ..metrics import Sample
 from . import auth
 from .directory import PeerDirectory
-from .links import Fetched, PeerLink
+from .links import ArenaTarget, Fetched, PeerLink
 from .metrics import PeerMetrics
 from .server import Holdings, PeerServer
 
@@ -133,11 +133,11 @@ class PeerNetwork:
         return link, got[1]
 
     async def fetch(self, link: PeerLink, tenant: str, key: bytes,
-                    views: list[memoryview]) -> Fetched | str:
+                    target: ArenaTarget) -> Fetched | str:
         """`PeerLink.fetch_into` in a worker thread, within `peers.timeout` from now."""
         deadline = time.monotonic() + self.cfg.timeout
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, link.fetch_into, tenant, key, views,
+        return await loop.run_in_executor(self.pool, link.fetch_into, tenant, key, target,
                                           deadline)
 
     # -- state

@@ -54,7 +54,7 @@ from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
 from ..journal import Journal, JournalEntry, replay
 from ..metrics import AgentMetrics
-from ..peers.links import Fetched
+from ..peers.links import ArenaTarget, Fetched
 from ..peers.server import ChunkSource
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
@@ -365,17 +365,13 @@ class ChunkStore:
         except OpError:
             return None  # no room now: the shared tier, or a miss
         arena = self.dram.arena
-        arena.restore_size()
-        views = [arena.view[offset : offset + n] for offset, n in extents]
-        work = asyncio.ensure_future(self.peer.fetch(link, key, views))
-
-        def done(_: object) -> None:
-            for v in views:
-                v.release()
-        work.add_done_callback(done)
+        arena.restore_size()  # a splice past a shrunk end would grow a sparse file instead
+        target = ArenaTarget(arena.fd, extents, arena.write, splice=not arena.huge_pages)
+        work = asyncio.ensure_future(self.peer.fetch(link, key, target))
         try:
             result = await asyncio.shield(work)
         except asyncio.CancelledError:
+            # The worker may still be writing into the extents: free them once it is done.
             work.add_done_callback(lambda _: self.dram.alloc.free(extents))
             raise
         if not isinstance(result, Fetched):

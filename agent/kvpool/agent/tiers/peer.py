@@ -9,7 +9,7 @@ serves no writes: a chunk lands on a peer only by that peer's own clients.
 
 from __future__ import annotations
 
-from ..peers.links import Fetched, PeerLink
+from ..peers.links import ArenaTarget, Fetched, PeerLink
 from ..peers.network import PeerNetwork
 
 
@@ -29,10 +29,9 @@ class PeerTier:
         """The peer to read `key` from and the bytes to reserve for it."""
         return self.network.holder(self.tenant, key)
 
-    async def fetch(self, link: PeerLink, key: bytes,
-                    views: list[memoryview]) -> Fetched | str:
-        """The chunk received into `views` and verified, or why not."""
-        return await self.network.fetch(link, self.tenant, key, views)
+    async def fetch(self, link: PeerLink, key: bytes, target: ArenaTarget) -> Fetched | str:
+        """The chunk received into `target`'s arena extents and verified, or why not."""
+        return await self.network.fetch(link, self.tenant, key, target)
 
     @property
     def chunks(self) -> int:
