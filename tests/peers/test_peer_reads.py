@@ -51,8 +51,12 @@ def test_a_chunk_stored_on_one_node_is_read_on_the_others_with_its_bytes(
         assert ca.put(big, os.urandom(4 * MiB))
         keys = list(chunks)
         wait_until(lambda: "nvme" in ca.lookup_tiers(keys), "a chunk demoted to NVMe")
-        for client in (cb, cc):
-            seen_as(client, keys, ["peer"] * len(keys))
+        for client in (cb, cc):  # found whole: in the peer tier (or prefetched already)
+            wait_until(lambda client=client: len(client.lookup_tiers(keys)) == len(keys),
+                       "the chunks in the directory")
+        # Node 2's LOOKUP loads the prefix's first chunks ahead (policy.prefetch): from
+        # the peer, as reads would.
+        wait_until(lambda: cc.lookup_tiers(keys)[:4] == ["dram"] * 4, "the prefetch")
         # Read on node 1 by GET (inline) and on node 2 by ACQUIRE (zero-copy)
         for key, (data, meta) in chunks.items():
             assert cb.get_with_meta(key) == (data, meta)
@@ -63,10 +67,11 @@ def test_a_chunk_stored_on_one_node_is_read_on_the_others_with_its_bytes(
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="ok") == 6
         assert metric(b, "kvpool_peer_bytes_total", direction="read") == sum(
             len(d) for d, _ in chunks.values())
-        # Node 2 read each chunk from node 0 or, once node 1 announced its copy, node 1.
+        # Each read one chunk once, from node 0 or from the other reader once that one
+        # announced its copy.
         assert metric(c, "kvpool_peer_requests_total", direction="read", result="ok") == 6
         assert sum(metric(x, "kvpool_peer_requests_total", direction="served", result="ok")
-                   for x in (a, b)) == 12
+                   for x in (a, b, c)) == 12
         assert metric(b, "kvpool_tier_hits_total", tier="peer") >= 6
         assert metric(b, "kvpool_peer_directory_entries") >= 7
         wait_until(lambda: metric(b, "kvpool_peer_up") == 2, "node 1 following both peers")
@@ -78,7 +83,8 @@ def test_a_stale_entry_falls_back_to_the_shared_tier_then_to_a_miss(
     store = tmp_path / "g4"
     store.mkdir()
     with ExitStack() as stack:
-        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, dram="4Mi", shared=store)
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, dram="4Mi", shared=store,
+                                    prefetch=False)
         on_g4, gone = os.urandom(16), os.urandom(16)
         data = {k: os.urandom(MiB) for k in (on_g4, gone)}
         for k in (on_g4, gone):
@@ -105,7 +111,8 @@ def test_a_peer_killed_mid_transfer_is_a_miss_and_leaks_no_arena_bytes(
         net: Network, tmp_path: Path, secret: Path) -> None:
     with ExitStack() as stack:
         # A long timeout: the transfer is cut by the kill, not by the deadline.
-        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, timeout="120s", nvme=False)
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, timeout="120s", nvme=False,
+                                    prefetch=False)
         key, data = os.urandom(16), os.urandom(4 * MiB)
         assert ca.put(key, data)
         seen_as(cb, [key], ["peer"])
@@ -135,7 +142,7 @@ def test_a_peer_killed_mid_transfer_is_a_miss_and_leaks_no_arena_bytes(
 def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         net: Network, tmp_path: Path, secret: Path) -> None:
     with ExitStack() as stack:
-        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False)
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False, prefetch=False)
         key, other = os.urandom(16), os.urandom(16)
         data = os.urandom(256 << 10)
         assert ca.put(key, data) and ca.put(other, os.urandom(4096))
@@ -162,7 +169,7 @@ def test_a_stopped_peer_costs_a_read_its_timeout_then_a_miss(
         net: Network, tmp_path: Path, secret: Path) -> None:
     with ExitStack() as stack:
         (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False,
-                                    timeout="500ms")
+                                    timeout="500ms", prefetch=False)
         key, data = os.urandom(16), os.urandom(MiB)
         assert ca.put(key, data)
         seen_as(cb, [key], ["peer"])

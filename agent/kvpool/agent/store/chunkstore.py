@@ -681,6 +681,11 @@ class ChunkStore:
     async def _prefetch(self, key: bytes) -> None:
         if self.dram.get(key) is not None:
             return
+        # A key a peer holds comes from it, as a read of it would (the peer tier is above
+        # the shared one); where that fails, from below as any other.
+        if self.peer is not None and not self._below(key) \
+                and await self._from_peer(key) is not None:
+            return
         loaded = await self._load(key)
         if loaded is not None and self.dram.get(key) is None:
             rec, source, hits = loaded
