@@ -154,7 +154,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     subprocess.run([str(vllm_python()), str(HARNESS), "model", str(model)], check=True,
                    capture_output=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     ctx: zmq.Context[object] = zmq.Context()
-    with events_agent(work, "node", "map", "64Mi") as (agent, endpoint, replay):
+    # With an NVMe tier the shared-memory index cannot answer a prefix that ends in DRAM
+    # (NVMe may go on): the scheduler then asks the socket, in the background.
+    with events_agent(work, "node", "map", "64Mi", nvme=work / "nvme") as (agent, endpoint,
+                                                                          replay):
         mirror = Mirror(ctx, endpoint, replay, b"kv@n1@default", MapBatch)
         engines: list[Engine] = []
         try:

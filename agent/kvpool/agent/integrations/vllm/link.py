@@ -44,11 +44,14 @@ class AgentLink:
 
     def connected(self) -> KVPoolClient | None:
         """The live client, connecting first if the last attempt is old enough; None while
-        the agent is unreachable."""
+        the agent is unreachable. A connection the agent closed (it restarted) is replaced
+        at once, with no warning when the agent answers again."""
+        reconnecting = False
         if self.client is not None:
             if self.client.connected:
                 return self.client
-            self._fail(ConnectionError("the agent closed the connection"))
+            self._close_client()
+            self._next_try, reconnecting = 0.0, True
         now = self._clock()
         if now < self._next_try:
             return None
@@ -64,6 +67,9 @@ class AgentLink:
         if self.down_since is not None:
             log.info("kvpool %s: agent at %s is back after %.1fs", self.what,
                      self.client.socket_path, now - self.down_since)
+        elif reconnecting:
+            log.info("kvpool %s: reconnected to the agent at %s", self.what,
+                     self.client.socket_path)
         else:
             assert self.client.hello is not None
             log.info("kvpool %s: pool %s at %s", self.what, self.client.hello.pool,
@@ -82,11 +88,14 @@ class AgentLink:
             self._fail(e)
             return None
 
-    def _fail(self, error: BaseException) -> None:
+    def _close_client(self) -> None:
         if self.client is not None:
             with contextlib.suppress(Exception):  # closing a broken connection
                 self.client.close()
             self.client = None
+
+    def _fail(self, error: BaseException) -> None:
+        self._close_client()
         if self.down_since is None:
             self.down_since = self._clock()
             self.incidents += 1

@@ -64,7 +64,9 @@ class SchedulerSide:
         # Two connections: the scheduler's thread reads the shared-memory index through one;
         # the lookup thread asks the socket through the other (a client is single-threaded).
         self.index = AgentLink(settings.socket, what="scheduler", **args)
-        self._socket = AgentLink(settings.socket, what="scheduler lookups", **args)
+        # Inline: it only asks LOOKUPs, so it maps no arena.
+        self._socket = AgentLink(settings.socket, what="scheduler lookups", mode="inline",
+                                 **args)
         self._lookups = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvpool-lookup")
         self._reqs: dict[str, _Request] = {}
