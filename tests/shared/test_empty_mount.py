@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -292,3 +292,63 @@ def test_a_store_initialised_afresh_with_init_store_is_taken_up_by_an_agent_that
         assert again.returncode == 0, again.stderr
         assert f"already marked {store.as_uri()} as a kvpool store (id {mark['id']})" \
             in again.stdout
+
+
+def test_another_store_mounted_in_the_stores_place_gets_no_write_serves_no_read_and_waits(
+        tmp_path: Path) -> None:
+    """Another store (its own marker, its own chunks) is mounted over the store a live agent
+    uses, three times, and each time the agent's first request notices, before it lands
+    there: a write uploads nothing into it, a read serves none of its chunks (a miss), a
+    delete removes none of its files; the tier turns unhealthy with the reason. Once the
+    agent's own store is back (the other one unmounted), it recovers and uses its own: the
+    kept delete lands there."""
+    store, mount_point = store_dirs(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    mine, theirs, refused = os.urandom(16), os.urandom(16), os.urandom(16)
+    with ExitStack() as stack:
+        b = shared_node(stack, tmp_path, "b", other, pool="other-pool")
+        with KVPoolClient(b.socket_path) as cb:  # the other store holds `mine` too
+            assert cb.put(theirs, data_of(theirs)) and cb.put(mine, data_of(mine))
+            wait_until(lambda: queue(cb)["written"] == 2, "the other store's uploads")
+        b.stop()
+        other_id = read_marker(other / STORE_MARKER)
+        other_files = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+
+        stack.enter_context(bind_mount(store, mount_point))
+        a = node(stack, tmp_path, "a", mount_point)
+        c = stack.enter_context(KVPoolClient(a.socket_path))
+        store_id = read_marker(store / STORE_MARKER)
+        assert store_id and other_id and store_id != other_id
+        assert c.put(mine, data_of(mine))
+        wait_until(lambda: queue(c)["written"] == 1, "the upload")
+
+        def swapped(first_request: Callable[[], object]) -> None:
+            """Mount the other store over the agent's, make `first_request`, and check
+            that the tier turned unhealthy for it; then unmount it and wait for the
+            agent to take its own store up again."""
+            with bind_mount(other, mount_point):
+                assert read_marker(mount_point / STORE_MARKER) == other_id
+                first_request()
+                wait_until(lambda: not shared(c)["healthy"], "the tier to turn unhealthy")
+                reason = str(shared(c)["reason"])
+                assert "another store is mounted" in reason, reason
+                assert other_id in reason and store_id in reason, reason
+                assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == \
+                    other_files  # nothing written into it, nothing deleted from it
+            wait_until(lambda: shared(c)["healthy"], "the tier to recover on its own store")
+
+        def write() -> None:
+            assert c.put(refused, data_of(refused))
+            wait_until(lambda: queue(c)["dropped"] == 1, "the upload to be refused")
+
+        swapped(write)
+        swapped(lambda: c.get(theirs) is None or pytest.fail("served the other store's chunk"))
+        swapped(lambda: c.delete(mine) or pytest.fail("the delete was refused"))
+
+        assert "another store is mounted" in a.log()  # the warning says it too
+        wait_until(lambda: not list(store.rglob("*.kvc")), "the kept delete, in its own store")
+        assert read_marker(store / STORE_MARKER) == store_id
+        assert c.put(theirs, data_of(theirs))  # its own store takes writes again
+        wait_until(lambda: queue(c)["written"] == 2, "an upload to its own store")
+        assert [p.name for p in store.rglob("*.kvc")] == [f"{theirs.hex()}.kvc"]

@@ -16,8 +16,14 @@ a plain miss). Once an agent has seen the marker, a root without it is the mount
 gone, and the tier is unhealthy until the marker is back. The agent records the
 ids it has seen on its node (`SeenStores`), so an agent that starts while the
 mount is absent knows it too, and never initialises the mount point as a store.
-A marker back with another id is a store initialised afresh (`init_store`): the
-agent uses it, and says so.
+
+Every write and delete, and every read before it is served, first checks that the
+marker is still the store's (one stat: its id is read again only when the file is
+another), so a store swapped under the agent (another file system mounted in the
+store's place) takes no write, loses no chunk and serves no read: the tier is
+unhealthy until the agent's own store is back. A marker with another id where the
+root was seen unmarked (the store wiped, then marked afresh with `init_store`), or
+found at start, is the store initialised afresh: the agent uses it, and says so.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ TMP_MARK = ".tmp-"
 STORE_MARKER = ".kvpool-store"
 """In the store's root: this directory is a kvpool store (never listed as a chunk)."""
 MARKER_RECHECK = 0.5
-"""Seconds a marker seen stands for the store being there, for a read that misses: one
-stat of the marker per miss would double a lookup's stats."""
+"""Seconds a marker seen stands for the store being there, for a presence check or a read
+that misses: one stat of the marker per miss would double a lookup's stats."""
 _MARKER_TEXT = (b"A kvpool shared chunk store. Do not delete: without this file, agents take\n"
                 b"the mount for absent.\n")
 _ID_FIELD = b"id: "
@@ -94,6 +100,17 @@ def init_store(root: Path) -> tuple[str, bool]:
     if found is not None:
         return found, False
     return _write_marker(root)
+
+
+class OtherStoreMounted(OSError):
+    """The store's root holds another store's marker: another file system is mounted in
+    the place of the store this agent uses."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one marker file from another: a marker is never rewritten in place, and
+    its mtime tells a new file that got an old one's inode number."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def read_marker(marker: Path) -> str | None:
@@ -164,7 +181,14 @@ class FileSharedTier(SharedChunkTier):
         """The store's URL in the record, spelt one way (`file:///a/b/` is `file:///a/b`)."""
         self._initialise = initialise
         self._marker_seen = 0.0
-        """When `_mount_absent` last found the marker (monotonic seconds)."""
+        """When the store's marker was last found as it should be (monotonic seconds)."""
+        self._marker_file: tuple[int, int, int] | None = None
+        """`_identity` of the marker file whose id is the store's: while it is the one in
+        the root, a stat proves the store is there without reading the id again."""
+        self._may_take_new_id = True
+        """A marker with another id than the store's is the store marked afresh, taken up:
+        at start, and after the root was seen without a marker (`init_store` after a
+        wipe). Otherwise, another store mounted in its place, refused."""
         self.store_id = seen.id_of(self._record_as) if seen is not None else None
         """The id of the store this agent uses here ("": a marker from before ids); None
         until it has seen one."""
@@ -183,38 +207,79 @@ class FileSharedTier(SharedChunkTier):
         """Find the store's marker and take its id; or, in a root never seen marked (a new
         store, or one from before markers), initialise the store by writing it.
 
-        Raises FileNotFoundError when the marker of a store this agent has used is gone."""
-        found = read_marker(self.marker)
-        if found is None:
+        Raises FileNotFoundError when the marker of a store this agent has used is gone,
+        OtherStoreMounted when another store's is there in a running agent (see
+        `_may_take_new_id`)."""
+        try:
+            st: os.stat_result | None = os.stat(self.marker)  # before the id: see _verify
+        except FileNotFoundError:
+            st = None
+        found = None if st is None else read_marker(self.marker)
+        if found is None or st is None:
             if self._marked:
-                raise FileNotFoundError(
-                    errno.ENOENT, f"{STORE_MARKER} is gone from the root of a store this agent "
-                    f"has used (id {self.store_id or 'from before ids'}): an empty mount point?",
-                    str(self.marker))
+                raise self._gone()
             if not self._initialise:
                 return
             found, _ = _write_marker(self.root)
+            st = os.stat(self.marker)
         if self.store_id is not None and found != self.store_id:
+            if not self._may_take_new_id:
+                raise self._other(found)
             log.warning("shared tier %s: the store is a new one (id %s; this agent used id %s):"
                         " initialised afresh, it is used from now on", self.url,
                         found or "from before ids", self.store_id or "from before ids")
         self.store_id = found
         self._marked = True
+        self._may_take_new_id = False
+        self._marker_file = _identity(st)
         if self._seen is not None:
             self._seen.remember(self._record_as, found)
 
-    def _mount_absent(self, *, seen_lately: bool = False) -> bool:
-        """The root is there but not the store: its marker, seen before, is gone. With
-        `seen_lately`, a marker seen in the last `MARKER_RECHECK` seconds still counts
-        (a miss then costs no second stat)."""
+    def _gone(self) -> FileNotFoundError:
+        self._may_take_new_id = True
+        return FileNotFoundError(
+            errno.ENOENT, f"{STORE_MARKER} is gone from the root of a store this agent has "
+            f"used (id {self.store_id or 'from before ids'}): an empty mount point?",
+            str(self.marker))
+
+    def _other(self, found: str) -> OtherStoreMounted:
+        return OtherStoreMounted(
+            f"{self.marker} names store {found or 'from before ids'}, this agent uses store "
+            f"{self.store_id or 'from before ids'}: mount that one back (or, if the store was "
+            f"marked afresh in its place, restart the agent)")
+
+    def _verify(self, *, seen_lately: bool = False) -> None:
+        """Raise unless the root holds the store this agent uses: FileNotFoundError when
+        its marker is gone (an empty mount point), OtherStoreMounted when another store's
+        marker is there (another file system mounted in its place). One stat while the
+        marker is the file last seen; its id is read again only when the file is another.
+        With `seen_lately`, a marker found in the last `MARKER_RECHECK` seconds still
+        counts (no stat at all)."""
         if not self._marked:
-            return False
+            return
         now = time.monotonic()
         if seen_lately and now - self._marker_seen < MARKER_RECHECK:
+            return
+        try:
+            # The stat before the id: a marker replaced between the two is read again next
+            # time (the id read is then the newer file's, the identity the older one's).
+            st = os.stat(self.marker)
+        except FileNotFoundError:
+            raise self._gone() from None
+        if _identity(st) != self._marker_file:
+            found = read_marker(self.marker)
+            if found is None:
+                raise self._gone()
+            if found != self.store_id:
+                raise self._other(found)
+            self._marker_file = _identity(st)  # the same store, remounted or restored
+        self._marker_seen = now
+
+    def _mount_absent(self) -> bool:
+        """The root is there but not the store: its marker, seen before, is gone."""
+        if not self._marked or os.path.exists(self.marker):
             return False
-        if os.path.exists(self.marker):
-            self._marker_seen = now
-            return False
+        self._may_take_new_id = True
         return True
 
     def path_of(self, key: bytes) -> Path:
@@ -227,37 +292,43 @@ class FileSharedTier(SharedChunkTier):
         try:
             os.stat(self.path_of(key))
         except FileNotFoundError:
-            if self._mount_absent(seen_lately=True):
-                raise  # not a miss: the store is gone (an empty mount point)
+            self._verify(seen_lately=True)  # raises if not a miss: the store is gone
             return False
+        # A presence answer, not bytes: the marker of the last half second stands (a read
+        # that follows checks it again).
+        self._verify(seen_lately=True)
         return True
 
     def _store_get(self, key: bytes) -> bytes | None:
         try:
             with open(self.path_of(key), "rb") as f:
-                return f.read()
+                blob = f.read()
         except FileNotFoundError:
-            if self._mount_absent(seen_lately=True):
-                raise  # not a miss: the store is gone (an empty mount point)
+            self._verify(seen_lately=True)  # raises if not a miss: the store is gone
             return None
+        self._verify()  # before it is served: the file may be another store's
+        return blob
 
     def _store_read(self, key: bytes) -> ChunkRecord | base.IntegrityError | None:
         # One pass, as G3 reads: each block hashed right after it is read, while it is in
         # cache (the whole blob and then `decode` read the chunk from memory twice).
+        got: ChunkRecord | base.IntegrityError
         try:
             with open(self.path_of(key), "rb", buffering=0) as f:
-                return base.read_chunk_file(f, expect_key=key)
+                got = base.read_chunk_file(f, expect_key=key)
         except FileNotFoundError:
-            if self._mount_absent(seen_lately=True):
-                raise  # not a miss: the store is gone (an empty mount point)
+            self._verify(seen_lately=True)  # raises if not a miss: the store is gone
             return None
         except base.IntegrityError as e:
-            return e
+            got = e
+        # Before it is served, or its object is called damaged (and removed): the file
+        # may be another store's, mounted in this one's place since the last look.
+        self._verify()
+        return got
 
     def _store_put(self, rec: ChunkRecord) -> None:
         path = self.path_of(rec.key)
-        if self._mount_absent():  # or the object would land in the empty mount point
-            raise FileNotFoundError(errno.ENOENT, f"{STORE_MARKER} is gone", str(self.marker))
+        self._verify()  # or the object would land in an empty mount point, or another store
         path.parent.mkdir(exist_ok=True)
         # The rename publishes the file to every node: its bytes must be on the server
         # first (fsync), or another node may read a hole. The directory is not synced: a
@@ -266,6 +337,7 @@ class FileSharedTier(SharedChunkTier):
             f"{path.name}{TMP_MARK}{uuid.uuid4().hex}"), fsync_dir=False, mode=0o644)
 
     def _store_delete(self, key: bytes) -> bool:
+        self._verify()  # another store's copy of the chunk is not this store's to delete
         try:
             os.unlink(self.path_of(key))
         except FileNotFoundError:
@@ -307,12 +379,15 @@ class FileSharedTier(SharedChunkTier):
             raise OSError(errno.ENOSPC, "no space left", str(self.root))
         # Last: what the mount itself says (read-only, full) is the surer reason. The
         # marker's id too: a store initialised afresh while the mount was away is used (and
-        # recorded) from now on; a store unreachable at start is initialised now.
+        # recorded) from now on, another store in its place keeps the tier unhealthy; a
+        # store unreachable at start is initialised now.
         self._mark()
 
     # -- failure classification
 
     def _outage(self, exc: BaseException) -> str | None:
+        if isinstance(exc, OtherStoreMounted):
+            return f"shared filesystem another store is mounted: {exc}"
         if not isinstance(exc, OSError):
             return None
         what = _OUTAGE_ERRNOS.get(exc.errno or 0)
