@@ -86,7 +86,8 @@ class Network:
 def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: str = "10s",
                nvme: bool = True, shared: Path | None = None, dram: str = "32Mi",
                tenants: list[str] | None = None, extra: dict[str, object] | None = None,
-               arena: Path | None = None, prefetch: bool = True) -> LocalAgent:
+               arena: Path | None = None, prefetch: bool = True,
+               events: dict[str, object] | None = None) -> LocalAgent:
     """An agent on node `i` of `net`, its peers the network's other nodes. Its peer reads
     time out after `timeout`: by default long, so that a loaded machine never turns a read
     the test expects into a timeout."""
@@ -107,6 +108,8 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
     if shared is not None:
         tiers["shared"] = {"url": f"file://{shared}"}
     cfg["tiers"] = tiers
+    if events is not None:
+        cfg["events"] = events
     if not prefetch:  # a LOOKUP loads nothing ahead: only the test's reads read
         cfg["policy"] = {"prefetch": {"enabled": False}}
     if tenants:

@@ -9,6 +9,7 @@ import signal
 import threading
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
@@ -20,7 +21,7 @@ MiB = 1 << 20
 
 
 def start(stack: ExitStack, net: Network, tmp: Path, secret: Path, n: int = 3,
-          **kw: object) -> list[tuple[LocalAgent, KVPoolClient]]:
+          **kw: Any) -> list[tuple[LocalAgent, KVPoolClient]]:
     out = []
     for i in range(n):
         agent = stack.enter_context(peer_agent(net, i, tmp / f"node{i}", secret, **kw))
@@ -107,7 +108,7 @@ def test_a_stale_entry_falls_back_to_the_shared_tier_then_to_a_miss(
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="ok") == 0
 
 
-def test_a_peer_killed_mid_transfer_is_a_miss_and_leaks_no_arena_bytes(
+def test_a_peer_killed_mid_transfer_is_a_miss_leaks_nothing_and_is_back_once_restarted(
         net: Network, tmp_path: Path, secret: Path) -> None:
     with ExitStack() as stack:
         # A long timeout: the transfer is cut by the kill, not by the deadline.
@@ -137,6 +138,11 @@ def test_a_peer_killed_mid_transfer_is_a_miss_and_leaks_no_arena_bytes(
         assert cb.lookup_tiers([key]) == []  # node 0's entries went with it
         k2 = os.urandom(16)
         assert cb.put(k2, data) and cb.get(k2) == data
+        # Node 0 restarts (warm: its arena kept the chunk): its inventory brings it back.
+        in_ns(net.nodes[0], "tc", "qdisc", "del", "dev", net.nodes[0].inner, "root")
+        a.start()
+        seen_as(cb, [key], ["peer"])
+        assert cb.get(key) == data
 
 
 def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(

@@ -123,6 +123,8 @@ class PeerLink:
         """The peer's whole inventory is in the directories."""
         self.is_self = False
         self.closed = False
+        self.failing = False
+        """The last attempt to follow the peer failed (logged once until it works again)."""
         self.last_heard = 0.0
         self.lag = 0.0
         """Seconds between the last stream message's sending and its arrival."""
@@ -168,9 +170,10 @@ class PeerLink:
                 self.m.protocol_errors.inc()
                 log.warning("peer %s broke the protocol: %s", self.name, e)
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as e:
-                if self.synced or self.last_heard:
+                if not self.failing:  # once per outage, not at every retry
                     log.warning("peer %s unreachable: %s", self.name,
                                 str(e) or type(e).__name__)
+                self.failing = True
             finally:
                 if writer is not None:
                     writer.close()
@@ -226,6 +229,7 @@ class PeerLink:
                     d.remove(key, self.index)
             elif msg == wire.SYNCED:
                 self.synced = True
+                self.failing = False
                 log.info("peer %s: inventory received", self.name)
 
     # -- fetches (worker threads)
