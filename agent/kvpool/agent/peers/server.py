@@ -32,7 +32,8 @@ HANDSHAKE_TIMEOUT = 5.0
 HEARTBEAT_INTERVAL = 0.5
 """A subscription with nothing to say says so this often (the reader's liveness check)."""
 STALL_TIMEOUT = 10.0
-"""A subscriber that takes no bytes for this long is closed."""
+"""A subscriber that takes no bytes for this long is closed, and so is a reader that takes
+longer than this to take one chunk."""
 MAX_PENDING = 1 << 16
 """Changes queued for one subscriber; beyond it, it is closed (and resyncs)."""
 MAX_CONNECTIONS = 1024
@@ -197,13 +198,9 @@ class PeerServer:
             writer.write(wire.encode_reply(wire.OK, rid, kind=source.kind, size=source.size,
                                            checksum=source.checksum, meta=source.meta,
                                            tenant=source.tenant))
-            loop = asyncio.get_running_loop()
-            with open(source.fd, "rb", buffering=0, closefd=False) as f:
-                for offset, n in source.ranges:
-                    # os.sendfile on plain TCP (no copy through Python); under TLS asyncio
-                    # reads and encrypts it in blocks.
-                    await loop.sendfile(writer.transport, f, offset, n)
-            await writer.drain()
+            # Bounded: a reader that stops reading must not hold the chunk's read lease
+            # (keeping it from eviction) for longer than this.
+            await asyncio.wait_for(_send(writer, source), STALL_TIMEOUT)
         except BaseException:
             self.m.served(peer, "error", time.monotonic() - start)
             raise
@@ -254,6 +251,16 @@ class PeerServer:
         finally:
             ended.cancel()
             self.subscribers.discard(sub)
+
+
+async def _send(writer: asyncio.StreamWriter, source: ChunkSource) -> None:
+    loop = asyncio.get_running_loop()
+    with open(source.fd, "rb", buffering=0, closefd=False) as f:
+        for offset, n in source.ranges:
+            # os.sendfile on plain TCP (no copy through Python); under TLS asyncio reads
+            # and encrypts it in blocks.
+            await loop.sendfile(writer.transport, f, offset, n)
+    await writer.drain()
 
 
 class Watch:
