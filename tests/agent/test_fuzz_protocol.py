@@ -707,27 +707,25 @@ def _closed_within(conn: FuzzConn, guard: float) -> bool:
         return False
 
 
-def test_a_client_stalled_inside_a_frame_body_is_dropped(harness: Harness) -> None:
-    conn = FuzzConn(harness.agent.socket_path)
-    lease = conn.call(p.Acquire(1, harness.bystander))
-    assert isinstance(lease, p.AcquireReply)
-    conn.send(p.HEADER.pack(100) + b"\x93\x0d")  # 2 of 100 promised bytes, then silence
+def test_clients_stalled_inside_a_frame_body_or_a_length_prefix_are_dropped(
+        harness: Harness) -> None:
+    """Two clients, each holding a read lease, go silent at once (so the frame timeout is
+    waited once for both): one inside a frame's body, one inside a length prefix. The
+    agent drops both, ending their leases."""
+    stalls = {"frame body": p.HEADER.pack(100) + b"\x93\x0d",  # 2 of 100 promised bytes
+              "length prefix": b"\x05\x00"}  # half a length prefix
+    conns: dict[str, FuzzConn] = {}
     try:
-        assert _closed_within(conn, FRAME_TIMEOUT + 10), "stalled frame never timed out"
+        for where, partial in stalls.items():
+            conn = conns[where] = FuzzConn(harness.agent.socket_path)
+            lease = conn.call(p.Acquire(1, harness.bystander))
+            assert isinstance(lease, p.AcquireReply)
+            conn.send(partial)  # then silence
+        for where, conn in conns.items():
+            assert _closed_within(conn, FRAME_TIMEOUT + 10), f"stalled {where} never timed out"
     finally:
-        conn.finish()  # returns once the agent has closed (and so ended the lease)
-    harness.assert_unharmed()
-
-
-def test_a_client_stalled_inside_a_length_prefix_is_dropped(harness: Harness) -> None:
-    conn = FuzzConn(harness.agent.socket_path)
-    lease = conn.call(p.Acquire(1, harness.bystander))
-    assert isinstance(lease, p.AcquireReply)
-    conn.send(b"\x05\x00")  # half a length prefix, then silence
-    try:
-        assert _closed_within(conn, FRAME_TIMEOUT + 5), "stalled length prefix never timed out"
-    finally:
-        conn.finish()  # our EOF ends the connection either way; wait for the agent's
+        for conn in conns.values():
+            conn.finish()  # returns once the agent has closed (and so ended the lease)
     harness.assert_unharmed()
 
 
