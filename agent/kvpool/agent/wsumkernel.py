@@ -42,8 +42,10 @@ LANES = 16
 """u64 lanes in a row: two <8 x i64> vectors."""
 ROW_BYTES = 8 * LANES
 """Bytes the kernel takes at once: the caller hands it whole rows only."""
-_PREFETCH_BYTES = 512
-"""How far ahead of the row being summed the loop asks for the bytes (as XXH3 does)."""
+_PREFETCH_BYTES = 4096
+"""How far ahead of the row being summed the loop asks for the bytes, as XXH3 does (a
+page: on a chunk no longer in cache, 512 bytes ran at 0.85x XXH3's speed, 4 KiB at 1.0x;
+in cache both alike)."""
 
 _VEC = "<8 x i64>"
 _HALF = "<" + ", ".join(["i64 32"] * 8) + ">"
