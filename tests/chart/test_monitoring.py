@@ -73,6 +73,8 @@ EXPECTED_ALERTS = {
     "KVPoolEvictionThrash",
     "KVPoolWriteBehindDrops",
     "KVPoolEventsDropped",
+    "KVPoolPeerUnreachable",
+    "KVPoolPeerBadChecksums",
     "KVPoolHitRatioCollapse",
     "KVPoolOperatorReconcileErrors",
 }

@@ -1,7 +1,9 @@
 """Every dashboard query and every alert against a real Prometheus scraping a real agent.
 
 The test starts, on 127.0.0.1 only:
-- a real `kvpool agent` process (DRAM tier) and drives load through `KVPoolClient`;
+- two real `kvpool agent` processes of one pool, peers of each other (the peer tier on
+  loopback, the second standing for another node), and drives load through `KVPoolClient`,
+  part of it reading on the first agent chunks put on the second;
 - the operator's real metrics registry (`kvpool.operator.metrics`) served by a child
   process, standing in for the operator process, which needs a Kubernetes API server;
 - the real `prometheus` binary, scraping both every second with the labels the chart's
@@ -46,6 +48,7 @@ pytestmark = pytest.mark.skipif(
 NAMESPACE = "kvpool-test"
 POOL = f"{NAMESPACE}.cache"
 NODE = "node-a"
+PEER_NODE = "node-b"
 RATE_INTERVAL = "15s"
 """What Grafana would give `$__rate_interval` for a 1 s scrape interval and short ranges."""
 VARIABLES = {
@@ -113,20 +116,56 @@ while True:
 """
 
 
+@dataclass(frozen=True)
+class Peers:
+    """The two agents' peer ports and the pool's secret file."""
+
+    port: int
+    peer_port: int
+    secret: Path
+
+    def config(self, port: int, other: int) -> dict[str, Any]:
+        return {
+            "enabled": True, "port": port, "address": "127.0.0.1", "advertise": "127.0.0.1",
+            "secretFile": str(self.secret), "addresses": [f"127.0.0.1:{other}"],
+        }
+
+
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+def peers(tmp_path_factory: pytest.TempPathFactory) -> Peers:
+    secret = tmp_path_factory.mktemp("peers") / "secret"
+    secret.write_text(os.urandom(32).hex())
+    return Peers(free_port(), free_port(), secret)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[LocalAgent]:
     workdir = tmp_path_factory.mktemp("agent")
     (workdir / "nvme").mkdir()
     (workdir / "shared").mkdir()
     # KV events on (topic node: the load's client names no engine pod), so the events
-    # panels show events published under load.
+    # panels show events published under load; the peer tier on, with the other agent.
     config = workdir / "agent.yaml"
-    config.write_text(yaml.safe_dump({"events": {
-        "enabled": True, "port": free_port(), "replayPort": free_port(), "topic": "node"}}))
+    config.write_text(yaml.safe_dump({
+        "events": {
+            "enabled": True, "port": free_port(), "replayPort": free_port(), "topic": "node"},
+        "peers": peers.config(peers.port, peers.peer_port),
+    }))
     args = ["--config", str(config), "--no-lock", "--pool", POOL,
             "--nvme-dir", str(workdir / "nvme"), "--nvme", "64Mi",
             "--shared", (workdir / "shared").as_uri()]
     with LocalAgent(*args, workdir=workdir, dram="16Mi") as a:
+        yield a
+
+
+@pytest.fixture(scope="module")
+def peer_agent(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[LocalAgent]:
+    """The pool's agent on another node (here: another peer port on loopback)."""
+    workdir = tmp_path_factory.mktemp("peer-agent")
+    config = workdir / "agent.yaml"
+    config.write_text(yaml.safe_dump({"peers": peers.config(peers.peer_port, peers.port)}))
+    with LocalAgent("--config", str(config), "--no-lock", "--pool", POOL, workdir=workdir,
+                    dram="16Mi") as a:
         yield a
 
 
@@ -167,7 +206,10 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def prometheus(
-    tmp_path_factory: pytest.TempPathFactory, agent: LocalAgent, operator_metrics_port: int
+    tmp_path_factory: pytest.TempPathFactory,
+    agent: LocalAgent,
+    peer_agent: LocalAgent,
+    operator_metrics_port: int,
 ) -> Iterator[Prometheus]:
     assert PROMETHEUS is not None
     home = tmp_path_factory.mktemp("prometheus")
@@ -184,7 +226,11 @@ def prometheus(
                     {
                         "targets": [f"127.0.0.1:{agent.metrics_port}"],
                         "labels": {"namespace": NAMESPACE, "node": NODE, "pod": "kvpool-a"},
-                    }
+                    },
+                    {
+                        "targets": [f"127.0.0.1:{peer_agent.metrics_port}"],
+                        "labels": {"namespace": NAMESPACE, "node": PEER_NODE, "pod": "kvpool-b"},
+                    },
                 ],
             },
             {
@@ -224,10 +270,13 @@ def prometheus(
 
 
 class Load:
-    """Clients putting, looking up and reading chunks in a bounded background loop."""
+    """Clients putting, looking up and reading chunks in a bounded background loop; chunks
+    put on the peer agent are looked up and read on the agent a few rounds later (through
+    the peer tier, once the peer's inventory reached it)."""
 
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, peer_socket_path: Path) -> None:
         self.socket_path = socket_path
+        self.peer_socket_path = peer_socket_path
         self.stop = threading.Event()
         self.lookups = 0
         self.error: BaseException | None = None
@@ -237,8 +286,12 @@ class Load:
         deadline = time.monotonic() + LOAD_SECONDS
         data = os.urandom(CHUNK)
         try:
-            with KVPoolClient(self.socket_path, chunk_tokens=CHUNK_TOKENS) as c:
+            with (
+                KVPoolClient(self.socket_path, chunk_tokens=CHUNK_TOKENS) as c,
+                KVPoolClient(self.peer_socket_path, chunk_tokens=CHUNK_TOKENS) as peer,
+            ):
                 keys: list[bytes] = []
+                on_peer: list[bytes] = []
                 while not self.stop.is_set() and time.monotonic() < deadline:
                     # Extend a prefix by a chunk, look the prefix up (hits) plus a fresh key
                     # (a miss), read a chunk back. 16 MiB of DRAM fill after ~64 chunks, so
@@ -252,6 +305,11 @@ class Load:
                     old = keys[max(0, len(keys) - 100) : max(1, len(keys) - 96)]
                     c.lookup(old)
                     c.get(old[0])
+                    on_peer.append(os.urandom(16))
+                    peer.put(on_peer[-1], data)
+                    if len(on_peer) > 5:
+                        c.lookup([on_peer[-6]])
+                        c.get(on_peer[-6])
                     self.lookups += 1
                     time.sleep(0.01)
         except BaseException as e:
@@ -267,9 +325,12 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def loaded(prometheus: Prometheus, agent: LocalAgent) -> Iterator[Prometheus]:
-    """Prometheus once it has scraped the agent under load for a rate interval."""
-    with Load(agent.socket_path) as load:
+def loaded(
+    prometheus: Prometheus, agent: LocalAgent, peer_agent: LocalAgent
+) -> Iterator[Prometheus]:
+    """Prometheus once it has scraped the agent under load for a rate interval, reads
+    from its peer included."""
+    with Load(agent.socket_path, peer_agent.socket_path) as load:
         _wait(lambda: load.lookups >= 50 or load.error, 60, "load to start")
         assert load.error is None, load.error
 
@@ -278,8 +339,15 @@ def loaded(prometheus: Prometheus, agent: LocalAgent) -> Iterator[Prometheus]:
             result = prometheus.query(expr)
             return bool(result) and float(result[0]["value"][1]) > 0
 
+        def peer_reads_in_window() -> bool:
+            expr = (f'sum(increase(kvpool_peer_requests_total{{pool="{POOL}", node="{NODE}", '
+                    f'direction="read", result="ok"}}[{RATE_INTERVAL}]))')
+            result = prometheus.query(expr)
+            return bool(result) and float(result[0]["value"][1]) > 0
+
         # A rate needs two samples inside its window; the rules evaluate every second.
         _wait(lookups_in_window, 60, "prometheus to see lookups within a rate interval")
+        _wait(peer_reads_in_window, 60, "prometheus to see reads from the peer")
         yield prometheus
         assert load.error is None, load.error
 
@@ -359,6 +427,37 @@ def test_load_shows_tokens_served_and_events_published(loaded: Prometheus) -> No
     _wait(lambda: total(published) > 0, 45, "KV events published")
     (dropped,) = by_title["KV events dropped"]
     assert samples(dropped) == {"": 0.0}
+
+
+def test_load_shows_reads_from_the_peer(loaded: Prometheus) -> None:
+    """The peer tier's panels under load: the agent reads chunks from its peer (bytes, ok
+    reads, a latency), follows it, knows its chunks, and none failed their checksum or
+    its secret."""
+    by_title: dict[str, list[str]] = {}
+    for title, expr in dashboard.panel_queries():
+        by_title.setdefault(title, []).append(expr)
+
+    def samples(expr: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in loaded.query(substitute(expr)):
+            key = str(s["metric"].get(label, ""))
+            out[key] = out.get(key, 0.0) + float(s["value"][1])
+        return out
+
+    (moved,) = by_title["Peer bytes per second"]
+    _wait(lambda: samples(moved, "direction").get("read", 0) > 0, 45, "bytes read from the peer")
+    (reads,) = by_title["Peer reads by result"]
+    _wait(lambda: samples(reads, "result").get("ok", 0) > 0, 45, "reads from the peer")
+    assert samples(reads, "result").get("corrupt", 0) == 0
+    p50, _ = by_title["Peer read latency p50 / p99"]
+    _wait(lambda: 0 < samples(p50, "direction").get("read", 0) < 10, 45, "a peer read latency")
+    (followed,) = by_title["Peers followed"]
+    assert [s["value"][1] for s in loaded.query(substitute(followed))] == ["1"]
+    (entries,) = by_title["Peer directory"]
+    assert sum(samples(entries, "node").values()) > 0
+    refused, broken = by_title["Peer connections refused"]
+    assert sum(samples(refused, "node").values()) == 0
+    assert sum(samples(broken, "node").values()) == 0
 
 
 # ----------------------------------------------------------------------------- alerts

@@ -194,6 +194,32 @@ AGENT_ALERTS: tuple[Alert, ...] = (
         ),
     ),
     Alert(
+        name="KVPoolPeerUnreachable",
+        expr="kvpool_peer_up == 0",
+        for_="5m",
+        severity="warning",
+        summary="A kvpool agent cannot reach one of its peers.",
+        description=(
+            "The agent of pool {{ $labels.pool }} on node {{ $labels.node }} has not "
+            "followed its peer {{ $labels.peer }} for 5 minutes (unreachable, refusing the "
+            "connection, or failing the pool's secret). The chunks that peer holds are read "
+            "from the shared tier, or missed."
+        ),
+    ),
+    Alert(
+        name="KVPoolPeerBadChecksums",
+        expr='increase(kvpool_peer_requests_total{direction="read", result="corrupt"}[15m]) > 0',
+        for_="1m",
+        severity="critical",
+        summary="A kvpool peer served chunks that failed their checksum.",
+        description=(
+            "{{ $value | humanize }} chunks the agent of pool {{ $labels.pool }} on node "
+            "{{ $labels.node }} read from its peer {{ $labels.peer }} in the last 15 minutes "
+            "failed their checksum. They were served as misses and the peer is marked suspect; "
+            "the peer's memory or disk, or the peer itself, is suspect."
+        ),
+    ),
+    Alert(
         name="KVPoolHitRatioCollapse",
         expr=(
             f"{HIT_RATIO}\n"

@@ -437,6 +437,106 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "Peer tier",
+        (
+            Panel(
+                "Peer bytes per second",
+                "Chunk bytes each agent read from (read) and served to (served) each of its "
+                "peers per second; nothing where the pool's spec.peers is off.",
+                (
+                    _q(
+                        "sum by (pool, node, peer, direction) "
+                        f"({_rate('kvpool_peer_bytes_total')})",
+                        "{{node}} {{direction}} {{peer}}",
+                    ),
+                ),
+                unit="Bps",
+                width=8,
+            ),
+            Panel(
+                "Peer reads by result",
+                "Chunk reads between agents and their peers per second, by direction and "
+                "result: ok, absent (a stale directory entry), error, timeout (past "
+                "peers.timeout; the read fell back to the shared tier), corrupt (bytes that "
+                "failed their checksum: alert KVPoolPeerBadChecksums).",
+                (
+                    _q(
+                        "sum by (pool, node, peer, direction, result) "
+                        f"({_rate('kvpool_peer_requests_total')})",
+                        "{{node}} {{direction}} {{peer}} {{result}}",
+                    ),
+                ),
+                unit="ops",
+                width=8,
+            ),
+            Panel(
+                "Peer read latency p50 / p99",
+                "Time of a chunk read from a peer, from asking to verified bytes (read), and "
+                "of one served to a peer (served), by direction.",
+                (
+                    _q(
+                        "histogram_quantile(0.5, sum by (pool, direction, le) "
+                        f"({_rate('kvpool_peer_request_duration_seconds_bucket')}))",
+                        "{{pool}} {{direction}} p50",
+                    ),
+                    _q(
+                        "histogram_quantile(0.99, sum by (pool, direction, le) "
+                        f"({_rate('kvpool_peer_request_duration_seconds_bucket')}))",
+                        "{{pool}} {{direction}} p99",
+                    ),
+                ),
+                unit="s",
+                width=8,
+            ),
+            Panel(
+                "Peers followed",
+                "1 while the agent on the node follows the peer's inventory (connected, "
+                "authenticated, synced), 0 while the peer is unreachable or refused (alert "
+                "KVPoolPeerUnreachable).",
+                (_q(f"max by (pool, node, peer) (kvpool_peer_up{{{SEL}}})",
+                    "{{node}} follows {{peer}}"),),
+                unit="none",
+                width=6,
+                extra={"min": 0, "max": 1},
+            ),
+            Panel(
+                "Peer directory",
+                "Remote chunks each agent's directory says its peers hold (what LOOKUP can "
+                "count as tier peer).",
+                (
+                    _q(f"sum by (pool, node) (kvpool_peer_directory_entries{{{SEL}}})",
+                       "{{node}} remote chunks"),
+                ),
+                width=6,
+            ),
+            Panel(
+                "Peer directory lag",
+                "Seconds between a peer's last inventory message (a change or a heartbeat) "
+                "being sent and its arrival, per node and peer.",
+                (
+                    _q(f"max by (pool, node, peer) (kvpool_peer_directory_lag_seconds{{{SEL}}})",
+                       "{{node}} from {{peer}}"),
+                ),
+                unit="s",
+                width=6,
+            ),
+            Panel(
+                "Peer connections refused",
+                "Peer connections per second refused because a side did not prove the pool's "
+                "secret, or closed for a frame that breaks the peer protocol: a "
+                "misconfigured agent, or something on the network that is not one.",
+                (
+                    _q(f"sum by (pool, node) ({_rate('kvpool_peer_auth_failures_total')})",
+                       "{{node}} secret not proven"),
+                    _q(f"sum by (pool, node) ({_rate('kvpool_peer_protocol_errors_total')})",
+                       "{{node}} protocol errors"),
+                ),
+                unit="ops",
+                width=6,
+            ),
+        ),
+    ),
+    Row(
         "Integrity and errors",
         (
             Panel(
