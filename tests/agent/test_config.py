@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpool.agent.config import AgentConfig, ConfigError, load_agent_config, load_policy
+from kvpool.agent.config import (
+    AgentConfig,
+    ConfigError,
+    expand_env,
+    load_agent_config,
+    load_policy,
+)
 from kvpool.agent.units import format_size, parse_duration, parse_size
 
 
@@ -174,3 +180,11 @@ def test_bad_peers_settings_are_named(tmp_path: Path, peers: str, error: str) ->
     f.write_text(f"peers: {peers}\n")
     with pytest.raises(ConfigError, match=error):
         load_agent_config(f)
+
+
+def test_an_advertised_address_expands_the_agents_environment_as_kubernetes_does() -> None:
+    env = {"POD_IP": "10.1.2.3"}
+    assert expand_env("$(POD_IP)", env) == "10.1.2.3"
+    assert expand_env("[$(POD_IP)]", env) == "[10.1.2.3]"
+    assert expand_env("$(MISSING)", env) == "$(MISSING)"  # left as written, as Kubernetes
+    assert expand_env("10.0.0.9", env) == "10.0.0.9"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -448,6 +450,16 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+_ENV_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand_env(text: str, env: Mapping[str, str]) -> str:
+    """`$(NAME)` replaced by `env[NAME]`, as Kubernetes expands a container's args; a name
+    `env` lacks stays as written. (The operator writes `advertise: $(POD_IP)` into a
+    ConfigMap every agent of the pool shares: each agent expands it from its own pod.)"""
+    return _ENV_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+
+
 class PeerTls(Model):
     """TLS between the agents of a pool (off unless set): each side shows a certificate
     signed by the pool's CA and checks the other's."""
@@ -468,8 +480,9 @@ class Peers(Model):
                          description="Interface to bind: `*` every one, or an address.")
     advertise: str | None = Field(
         None, min_length=1,
-        description="Address the other agents reach this one at (the pod IP); unset: the "
-        "bound address, or the host's name when it binds every interface.",
+        description="Address the other agents reach this one at (the pod IP); `$(NAME)` is "
+        "expanded from the agent's environment (the operator writes `$(POD_IP)`). Unset: "
+        "the agent finds itself by its id when a peer address is its own.",
     )
     secret_file: Path | None = Field(
         None, description="File holding the pool's shared secret, which both sides of a peer "

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
 
-from ..config import ConfigError, Peers, parse_host_port
+from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..metrics import Sample
 from . import auth
 from .directory import PeerDirectory
@@ -57,6 +57,8 @@ class PeerNetwork:
                  pool: str) -> None:
         assert cfg.secret_file is not None  # the config requires it when enabled
         self.cfg = cfg
+        self.advertise = None if cfg.advertise is None else expand_env(cfg.advertise,
+                                                                       os.environ)
         try:
             self.secret = auth.read_secret(cfg.secret_file)
         except (OSError, ValueError) as e:
@@ -99,7 +101,7 @@ class PeerNetwork:
             d.drop_peer(link.index)
 
     def _is_me(self, host: str, port: int) -> bool:
-        return port == self.cfg.port and host == self.cfg.advertise
+        return port == self.cfg.port and host == self.advertise
 
     async def _discover(self) -> None:
         assert self.cfg.discovery is not None
