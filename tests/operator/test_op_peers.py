@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -17,8 +18,9 @@ from crd_admission import admit
 from op_cluster import NAMESPACE, Cluster, Emulator
 from op_support import example
 
-from kvpool.agent.config import AgentConfig
-from kvpool.operator import api, crds, render
+from kvpool.agent.config import AgentConfig, expand_env
+from kvpool.agent.peers.auth import read_secret
+from kvpool.operator import api, crds, handlers, render
 from kvpool.operator.webhook import admit_pool
 
 K8S_VERSION = "1.33.0"
@@ -270,6 +272,28 @@ def test_the_peer_objects_of_a_dotted_pool_have_dns_label_names() -> None:
         "Secret", "Service", "NetworkPolicy"
     }
     assert _config(objects).peers.discovery == f"{name}.inference.svc"
+
+
+def test_the_agent_takes_the_secret_and_the_address_the_operator_gives_it(
+    tmp_path: Path,
+) -> None:
+    """The Secret's value the operator makes, mounted as the kubelet mounts it (the data's
+    base64 decoded into the file), is a pool secret the agent reads whole; `$(POD_IP)` in the
+    shared config becomes each agent's own pod address."""
+    pool = api.parse_pool(_pool({"enabled": True}))
+    objects = render.render(pool, None)
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    made = handlers.generated(secret)
+    assert made is not None and set(made) == {"data"} and set(made["data"]) == {"secret"}
+    path = tmp_path / "secret"
+    path.write_bytes(base64.b64decode(made["data"]["secret"]))
+    value = read_secret(path)
+    assert len(bytes.fromhex(value.decode())) == 32
+    assert handlers.generated(secret) != made  # random: each pool gets its own
+    assert [o for o in objects if o["kind"] != "Secret" and handlers.generated(o)] == []
+    advertise = render.peers_config(pool).advertise
+    assert advertise is not None
+    assert expand_env(advertise, {"POD_IP": "10.1.2.3"}) == "10.1.2.3"
 
 
 # ----------------------------------------------------------------------------- operator
