@@ -32,7 +32,9 @@ from . import vllm_engine
 
 # Two engines at a time, each a process that takes a core or more: beside other tests they
 # would only slow each other down (tests/run runs `alone` tests one at a time, after the rest).
-pytestmark = pytest.mark.alone
+# The hang guard covers the module's engine starts, which the first test's set-up pays for:
+# ~1.5 min on an idle machine, several on one busy with other work.
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(900)]
 
 HARNESS = Path(vllm_engine.__file__)
 CHUNK = 64
@@ -208,6 +210,14 @@ def test_a_chunk_size_that_is_not_whole_vllm_blocks_is_refused_at_start(run: Run
     assert run.odd.proc.returncode != 0
     assert ("kvpool: the pool's chunk size (KVPOOL_CHUNK_TOKENS / chunk_tokens = 48) must be "
             "a positive multiple of vLLM's block size (32)") in run.odd.log()
+
+
+def test_the_models_greedy_output_depends_on_the_whole_prompt(run: Run) -> None:
+    """What makes output equality a check of the KV: no two prompts (PREFIX shares its
+    first 209 tokens with MAIN) give the same output, and none repeats one token."""
+    outputs = [tuple(o) for o in run.reference.values()]
+    assert len(set(outputs)) == len(outputs)
+    assert all(len(set(o)) > 1 for o in outputs)
 
 
 def test_engine_a_stores_every_whole_chunk_of_its_prompts(run: Run) -> None:
