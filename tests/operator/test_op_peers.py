@@ -83,7 +83,7 @@ def test_the_server_defaults_of_peers_are_the_models() -> None:
     body = _pool()
     defaulted, errors = admit(crds.pool_schema(), body)
     assert errors == []
-    assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410}
+    assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410, "networkPolicy": True}
     assert api.parse_pool(defaulted).spec.peers == api.parse_pool(body).spec.peers
     on = _pool({"enabled": True, "tls": {"secretName": "pool-tls"}})
     defaulted, errors = admit(crds.pool_schema(), on)
@@ -223,6 +223,18 @@ def test_the_network_policy_leaves_the_events_ports_open() -> None:
     assert {p["name"] for p in _agent(objects)["ports"]} == {
         "metrics", "kv-events", "kv-replay", "kv-peers"
     }
+
+
+def test_peers_without_the_operators_network_policy_render_the_rest() -> None:
+    """For clusters whose own NetworkPolicies govern the agent pods: the operator's would
+    admit the metrics and events ports from anywhere, and policies add up."""
+    body = _pool({"enabled": True, "networkPolicy": False}, events={"enabled": True})
+    objects = _render(body)
+    assert {o["kind"] for o in objects if o["metadata"]["name"] == PEERS} == {"Secret", "Service"}
+    assert "kv-peers" in {p["name"] for p in _agent(objects)["ports"]}
+    assert ("networking.k8s.io/v1", "NetworkPolicy", PEERS) in render.unrendered(
+        api.parse_pool(body)
+    )
 
 
 def test_peers_with_tls_mount_the_certificate_secret_beside_the_pools_secret() -> None:
@@ -387,6 +399,17 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
     second = await cluster.eventually(refilled, "the Secret given a value again")
     assert _random_32_bytes(second) and second != first
 
+    # The operator's NetworkPolicy turned off: it is deleted, the rest of the tier stays.
+    await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
+                        {"spec": {"peers": {"networkPolicy": False}}})
+
+    async def policy_off() -> bool:
+        objects = await _peer_objects(cluster)
+        return objects["NetworkPolicy"] is None and bool(objects["Secret"] and objects["Service"])
+
+    await cluster.eventually(policy_off, "the NetworkPolicy deleted, Secret and Service kept")
+    assert _secret_value(await cluster.get("v1", "Secret", PEERS)) == second
+
     # Peers off: the port leaves the agents, the three objects are deleted.
     await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
                         {"spec": {"peers": {"enabled": False}}})
@@ -406,7 +429,7 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
 
     # On again: a new Secret, a new secret.
     await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
-                        {"spec": {"peers": {"enabled": True}}})
+                        {"spec": {"peers": {"enabled": True, "networkPolicy": True}}})
     objects = await cluster.eventually(created, "the peer objects again")
     third = _secret_value(objects["Secret"])
     assert _random_32_bytes(third) and third not in (first, second)

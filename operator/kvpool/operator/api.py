@@ -282,6 +282,14 @@ class PeersSpec(Model):
         description="TCP port the agents serve chunks on (container port kv-peers).",
     )
     tls: PeerTlsSpec | None = Field(None, description="TLS between the agents; unset: plain TCP.")
+    network_policy: bool = Field(
+        True,
+        description="Render the NetworkPolicy kvpool-<name>-peers, which admits only the "
+        "pool's agents on the peer port and, as it isolates the agent pods, their metrics "
+        "and events ports from anywhere. false: no policy from the operator, for clusters "
+        "whose own NetworkPolicies govern the agent pods (they must then admit the pool's "
+        "agents on the peer port).",
+    )
 
 
 class KVCachePoolSpec(Model):

@@ -862,7 +862,9 @@ def render(
         config_map,
         # Before the agents: their volume needs the Secret, and the policy guards the port
         # before it opens.
-        *([_peer_secret(pool, settings), _peers_network_policy(pool, settings)] if peers else []),
+        *([_peer_secret(pool, settings)] if peers else []),
+        *([_peers_network_policy(pool, settings)] if peers and pool.spec.peers.network_policy
+          else []),
         _daemon_set(pool, settings, checksum(data[AGENT_CONFIG_KEY])),
         _service(pool, settings),
     ]
@@ -883,12 +885,13 @@ def unrendered(pool: api.KVCachePool) -> list[tuple[str, str, str]]:
     off: list[tuple[str, str, str]] = []
     if not pool.spec.events.enabled:
         off.append(("v1", "Service", names.events_service))
-    if not pool.spec.peers.enabled:
-        off += [
-            ("v1", "Service", names.peers),
-            ("networking.k8s.io/v1", "NetworkPolicy", names.peers),
-            ("v1", "Secret", names.peers),
-        ]
+    peers = pool.spec.peers
+    if not peers.enabled:
+        off.append(("v1", "Service", names.peers))
+    if not (peers.enabled and peers.network_policy):
+        off.append(("networking.k8s.io/v1", "NetworkPolicy", names.peers))
+    if not peers.enabled:
+        off.append(("v1", "Secret", names.peers))
     return off
 
 
