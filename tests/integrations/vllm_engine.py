@@ -16,7 +16,8 @@ else vLLM prints goes to stderr):
   connector's: `vllm:prefix_cache_hits`, `vllm:external_prefix_cache_hits`) across the
   call. vLLM's own prefix cache is emptied first, so what is not computed came from the
   connector.
-- {"op": "fault", "kind": "corrupt" | "evict" | "pause", "chunk": i}: before the next load
+- {"op": "fault", "kind": "corrupt" | "evict" | "pause", "chunk": i} (kvpool's connector
+  only): before the next load
   the connector starts (its `fault_hook`, between the scheduler's lookup and the load),
   flip a byte of that load's chunk i in the arena, delete it from the pool, or say
   {"event": "loading"} and wait for a "go" line (the test kills the agent meanwhile).
@@ -85,8 +86,10 @@ class Engine:
         if connector is not None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            self.worker = get_kv_transfer_group().worker
-            self.worker.fault_hook = self._fault
+            # kvpool's connector's worker side (None for another connector, e.g. LMCache's)
+            self.worker = getattr(get_kv_transfer_group(), "worker", None)
+            if self.worker is not None:
+                self.worker.fault_hook = self._fault
 
     def say(self, obj: dict[str, Any]) -> None:
         self.reply.write(json.dumps(obj) + "\n")
@@ -123,9 +126,10 @@ class Engine:
         """Let the connector's saves finish and vLLM free the blocks it kept for them: a
         server's engine loop steps while finished requests hold blocks; `LLM.generate`
         returns as soon as the outputs are done, so step here until nothing is held."""
-        if self.worker is None:
+        if self.llm.llm_engine.vllm_config.kv_transfer_config is None:
             return
-        assert self.worker.drain(120.0), "the connector's saves did not finish"
+        if self.worker is not None:
+            assert self.worker.drain(120.0), "the connector's saves did not finish"
         core = self.llm.llm_engine.engine_core.engine_core
         for _ in range(1000):
             if not core.scheduler.has_requests():
@@ -183,7 +187,7 @@ class Engine:
                 break
             if op == "generate":
                 self.say(self.generate(cmd["prompts"], cmd.get("max_tokens", 8)))
-            elif op == "fault":
+            elif op == "fault" and self.worker is not None:
                 self.fault = cmd
                 self.say({"armed": cmd["kind"]})
             elif op == "drain":
