@@ -122,7 +122,7 @@ class LocalAgent:
                 self.proc.wait(timeout=15)
         if remove_arena:
             for p in (self.arena_path, *(self.arena_path.with_suffix(x)
-                                         for x in (".journal", ".stores", ".lock"))):
+                                         for x in (".journal", ".stores", ".lock", ".identities"))):
                 if p.exists():
                     os.unlink(p)
         if self._tmp is not None and remove_arena:
