@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 import zmq
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.bench import needs
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import wait_until
@@ -50,7 +50,7 @@ DOWN = "serving without the pool (recomputing) until it is back"
 
 def vllm_python() -> Path:
     """The vLLM environment's python: $KVPOOL_VLLM_PYTHON, else tests/install-vllm's place."""
-    path = Path(os.environ.get("KVPOOL_VLLM_PYTHON") or f"{sys.prefix}-vllm/bin/python")
+    path = needs.vllm_python()
     if not path.exists():
         pytest.fail(f"no vLLM test environment at {path}: run tests/install (tests/install-vllm)")
     return path

@@ -26,8 +26,9 @@ else vLLM prints goes to stderr):
   events publish them.
 - {"op": "quit"}.
 
-The model is Llama-shaped with random weights and a tokenizer trained here: nothing comes
-from a model hub (HF_HUB_OFFLINE=1).
+The model is Llama-shaped with random weights and a tokenizer trained here
+(`kvpool.bench.vllm_engine.write_model`, which `kvpool bench --part vllm` writes its model
+with): nothing comes from a model hub (HF_HUB_OFFLINE=1).
 """
 
 from __future__ import annotations
@@ -45,29 +46,12 @@ BLOCK = 32
 
 
 def make_model(path: str) -> None:
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from kvpool.bench.vllm_engine import write_model
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = [f"w{i}" for i in range(3000)]
-    tok.train_from_iterator([" ".join(words[i : i + 50]) for i in range(0, 3000, 7)],
-                            trainers.BpeTrainer(vocab_size=1000,
-                                                special_tokens=["<unk>", "<s>", "</s>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-    fast.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=HIDDEN,
-                         intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         head_dim=HEAD_DIM, max_position_embeddings=4096, bos_token_id=1,
-                         eos_token_id=2, torch_dtype="float32",
-                         # Large weights: greedy outputs that depend on the whole context,
-                         # so wrong KV shows in them (small ones repeat one token).
-                         initializer_range=0.5)
-    LlamaForCausalLM(config).save_pretrained(path)
+    # Large weights: greedy outputs that depend on the whole context, so wrong KV shows in
+    # them (small ones repeat one token).
+    write_model(path, LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, intermediate=2 * HIDDEN,
+                max_len=4096, initializer_range=0.5)
 
 
 class Engine:

@@ -493,7 +493,9 @@ def bench(
         "--part", metavar="NAME",
         help="Run only this part (repeatable): data (needs redis-server and the redis "
         "package), events, control, tiers (its G4 figures need moto[server]), hit-ratio "
-        "(its libCacheSim peers need libcachesim), scale. Default: every part.")] = None,
+        "(its libCacheSim peers need libcachesim), scale, vllm (vLLM's time to first token "
+        "with a kvpool hit; needs a vLLM environment: tests/install-vllm or "
+        "$KVPOOL_VLLM_PYTHON). Default: every part but vllm.")] = None,
 ) -> None:
     """Measure every figure against its baseline (memcpy, Redis, raw files, boto3, LRU,
     Belady and libCacheSim), in one run on this machine.
@@ -507,10 +509,10 @@ def bench(
 
         run_gpu_bench(quick=quick, as_json=as_json, out=out)
         return
-    from kvpool.bench.suite import PARTS, run_bench
+    from kvpool.bench.suite import DEFAULT_PARTS, PARTS, run_bench
     from kvpool.bench.trace import load_trace
 
-    parts = part or list(PARTS)
+    parts = part or list(DEFAULT_PARTS)
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         _fail(f"--part {unknown[0]}: not a bench part (one of {', '.join(PARTS)})")

@@ -3,7 +3,8 @@
 kvpool's own dependencies run every kvpool figure; some baselines and peers need more: the
 Redis baseline of the data part (`redis-server` and the redis package), the G4 baseline of
 the tiers part (a moto S3 server: `moto[server]`), the libCacheSim peers of the hit-ratio
-part (`libcachesim`) and the plots of `--out` (`matplotlib`). `pip install '.[bench]'` from
+part (`libcachesim`), the plots of `--out` (`matplotlib`) and the vllm part a vLLM
+environment (tests/install-vllm, or $KVPOOL_VLLM_PYTHON). `pip install '.[bench]'` from
 a checkout installs the packages; redis-server comes from the system (Debian:
 `apt-get install redis-server`). A bench run leaves out what it cannot run and says so,
 before it starts.
@@ -12,9 +13,12 @@ before it starts.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
+import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,19 @@ LIBCACHESIM = Need("the libcachesim package", "pip install libcachesim",
 MATPLOTLIB = Need("the matplotlib package", "pip install matplotlib",
                   _importable("matplotlib"))
 
-WHOLE_PARTS: dict[str, tuple[Need, ...]] = {"data": (REDIS_SERVER, REDIS)}
+
+
+def vllm_python() -> Path:
+    """The vLLM environment's python: $KVPOOL_VLLM_PYTHON, else tests/install-vllm's place
+    (`<sys.prefix>-vllm`)."""
+    return Path(os.environ.get("KVPOOL_VLLM_PYTHON") or f"{sys.prefix}-vllm/bin/python")
+
+
+VLLM = Need("a vLLM environment with kvpool in it",
+            "tests/install-vllm from a checkout, or KVPOOL_VLLM_PYTHON=its python",
+            lambda: vllm_python().exists())
+
+WHOLE_PARTS: dict[str, tuple[Need, ...]] = {"data": (REDIS_SERVER, REDIS), "vllm": (VLLM,)}
 """Parts that do not run at all without these (their figures are ratios to the baseline)."""
 SECTIONS: dict[str, tuple[str, tuple[Need, ...]]] = {
     "g4": ("tiers", (MOTO_SERVER,)),

@@ -51,14 +51,18 @@ QUICK_TRACE_REQUESTS = 1000
 """--quick replays (and simulates) only the trace's first requests."""
 QUICK_PEER_REQUESTS = 300
 """--quick runs libCacheSim's policies on this many requests only (CI stays fast)."""
-PARTS = ("data", "events", "control", "tiers", "hit-ratio", "scale")
-"""The parts a run takes, in order (`--part`): G2 vs memcpy and Redis; KV events on vs
+PARTS = ("data", "events", "control", "tiers", "hit-ratio", "scale", "vllm")
+"""The parts a run can take, in order (`--part`): G2 vs memcpy and Redis; KV events on vs
 off; control latency; G3 and G4; the trace, conversation and NVMe admission figures
-(`trace`, `conversation`, `admission`); scale."""
+(`trace`, `conversation`, `admission`); scale; vLLM's time to first token with a hit."""
+DEFAULT_PARTS = PARTS[:-1]
+"""What a run without `--part` takes: all but `vllm` (engine starts, in an environment of
+its own)."""
 
 
 _WHAT = {"data": "the data part: G2 vs memcpy and Redis", "g4": "the tiers part's G4 figures",
-         "libcachesim": "the hit-ratio part's libCacheSim peers", "plots": "the PNG plots"}
+         "libcachesim": "the hit-ratio part's libCacheSim peers", "plots": "the PNG plots",
+         "vllm": "the vllm part: time to first token with a kvpool hit"}
 """What each name `needs.left_out` may give stands for, in words."""
 
 
@@ -74,8 +78,8 @@ def _machine() -> dict[str, Any]:
 
 def run_bench(quick: bool, as_json: bool, out: Path | None,
               trace_path: Path | None = None,
-              parts: Collection[str] = PARTS) -> dict[str, Any]:
-    """Run `parts` (every part by default); print the tables (to stderr when as_json) and
+              parts: Collection[str] = DEFAULT_PARTS) -> dict[str, Any]:
+    """Run `parts` (all but vllm by default); print the tables (to stderr when as_json) and
     the JSON line. The result holds the sections of the parts run only."""
     unknown = set(parts) - set(PARTS)
     if unknown or not parts:
@@ -91,7 +95,7 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
     if skipped:
         result["meta"]["skipped"] = skipped
     parts = [p for p in parts if p not in skipped]
-    if set(parts) != set(PARTS):
+    if set(parts) != set(DEFAULT_PARTS):
         result["meta"]["parts"] = [p for p in PARTS if p in parts]
     g3: dict[str, Any] = {}
 
@@ -146,6 +150,11 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
         scale.update(run_nvme_index([10**4] if quick else [10**4, 10**6]))
         result["meta"]["nvme_index_order"] = scale.pop("nvme_index_order")  # a word
         result["scale"] = scale
+    if "vllm" in parts:
+        part("vLLM time to first token: a kvpool hit vs recomputed (three engine starts)")
+        from .vllm_ttft import run_vllm
+
+        result["vllm"] = run_vllm(quick)
     result["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     if out is not None and "plots" not in skipped:
         from .plots import write_plots
@@ -254,6 +263,21 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
             f"at 1e4, {s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}"
             f"{rebuild}; NVMe index ({r['meta']['nvme_index_order']}) "
             f"{s['nvme_index_bytes_per_chunk_' + _tag(at)]:.0f} B a chunk at {at:.0e}")
+    if "vllm" in r:
+        v = r["vllm"]
+        t = Table(title=f"vLLM time to first token, s: a kvpool hit vs recomputed "
+                        f"({v['model']['layers']} layers of {v['model']['hidden']}, "
+                        f"random weights)")
+        for col in ("prompt tokens", "recomputed", "hit", "speedup", "lookup", "load",
+                    "rest", "loaded MiB", "overhead / load"):
+            t.add_column(col, justify="right")
+        for n, row in v["sizes"].items():
+            over = row["overhead_of_load"]
+            t.add_row(n, f"{row['recompute_ttft_s']:.3f}", f"{row['hit_ttft_s']:.3f}",
+                      f"{row['speedup']:.1f}x", f"{row['lookup_s']:.4f}",
+                      f"{row['load_s']:.4f}", f"{row['rest_s']:.3f}",
+                      f"{row['loaded_mib']:.1f}", "-" if over is None else f"{over:.0%}")
+        console.print(t)
     console.print(f"total {r['meta']['seconds']}s")
 
 

@@ -1,0 +1,185 @@
+"""The engine side of `kvpool bench --part vllm`: one vLLM engine, timed, over a pipe.
+
+Runs in a vLLM environment (tests/install-vllm makes one; `kvpool.bench.vllm_ttft` starts
+it), as a pod's vLLM would::
+
+    python -m kvpool.bench.vllm_engine model DIR SHAPE_JSON   # write a model into DIR
+    python -m kvpool.bench.vllm_engine serve DIR MAX_LEN [CONNECTOR_JSON]
+
+`serve` starts `vllm.LLM` in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), says
+{"ready": ...}, then answers one JSON line per stdin line on the stdout it was started with
+(vLLM's own output goes to stderr): {"op": "ttft", "prompt": [ids]} times one request of
+one output token (vLLM's prefix cache emptied first, so what is not computed came from the
+connector) and waits for the connector's saves; {"op": "quit"}.
+
+With kvpool's connector the reply breaks the time down: `lookup_s` (from the scheduler's
+first question to the connector to its answer), `load_s` (the worker's loads, socket and
+copies) and `copy_s` (a plain torch copy of the bytes loaded, in this process: what the
+copies alone cost), so `load_s - copy_s` is the connector's own overhead.
+
+`write_model` is also the vLLM engine tests' model (tests/integrations/vllm_engine.py):
+Llama-shaped, random weights, a tokenizer trained here; nothing comes from a model hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+BLOCK = 32
+"""vLLM's CPU attention takes block sizes that are multiples of 32."""
+
+
+def write_model(path: str, layers: int, hidden: int, heads: int, kv_heads: int,
+                head_dim: int, intermediate: int, max_len: int,
+                initializer_range: float = 0.02) -> None:
+    """A Llama-shaped model with random weights (seed 0) and its tokenizer, into `path`."""
+    import importlib
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    # The vLLM environment's transformers, not this one's (their APIs differ: e.g. its
+    # LlamaConfig takes `torch_dtype`): untyped here.
+    transformers: Any = importlib.import_module("transformers")
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = [f"w{i}" for i in range(3000)]
+    tok.train_from_iterator([" ".join(words[i : i + 50]) for i in range(0, 3000, 7)],
+                            trainers.BpeTrainer(vocab_size=1000,
+                                                special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=hidden,
+                         intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=max_len, bos_token_id=1,
+                         eos_token_id=2, torch_dtype="float32",
+                         initializer_range=initializer_range)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+class TimedEngine:
+    def __init__(self, model: str, max_len: int, connector: dict[str, Any] | None,
+                 reply: Any) -> None:
+        t0 = time.monotonic()
+        from vllm import LLM
+
+        self.reply = reply
+        self.llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK,
+                       max_model_len=max_len, max_num_batched_tokens=max_len, max_num_seqs=1,
+                       seed=0, kv_transfer_config=connector)
+        self.start_s = time.monotonic() - t0
+        self.times: dict[str, float] = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0}
+        self.worker: Any = None
+        if connector is not None:
+            self._instrument()
+
+    def _instrument(self) -> None:
+        """Time the connector's lookup and loads where vLLM calls them (wrappers on these
+        instances only: the connector's code runs as is)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        self.worker = get_kv_transfer_group().worker
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+        asked: list[float] = []
+        matched, load = scheduler.matched_tokens, self.worker._load
+
+        def timed_matched(request: Any, computed: int) -> tuple[int | None, bool]:
+            now = time.perf_counter()
+            if not asked:
+                asked.append(now)
+            answer: tuple[int | None, bool] = matched(request, computed)
+            if answer[0] is not None:  # None: the socket was asked, vLLM asks again
+                self.times["lookup_s"] += time.perf_counter() - asked.pop()
+            return answer
+
+        def timed_load(job: Any) -> None:
+            t0 = time.perf_counter()
+            load(job)
+            self.times["load_s"] += time.perf_counter() - t0
+            # every chunk's bytes are read, a first chunk's skipped blocks into scratch
+            self.times["loaded_bytes"] += len(job.block_ids) * self.worker._chunk_bytes
+
+        scheduler.matched_tokens = timed_matched
+        self.worker._load = timed_load
+
+    def copy_s(self, nbytes: int) -> float:
+        """A plain torch copy of `nbytes` (best of 3): what the load's copies alone cost."""
+        import torch
+
+        if not nbytes:
+            return 0.0
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def ttft(self, prompt: list[int]) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        for _ in range(200):  # blocks kept for pending saves make a reset wait
+            if self.llm.reset_prefix_cache():
+                break
+            time.sleep(0.05)
+        self.times = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0}
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": prompt}],
+                                SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                               detokenize=False), use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        times = dict(self.times)
+        if self.worker is not None:  # the saves finish before the next measurement
+            assert self.worker.drain(600.0), "the connector's saves did not finish"
+            core = self.llm.llm_engine.engine_core.engine_core
+            while core.scheduler.has_requests():
+                self.llm.llm_engine.step()
+        return {"ttft_s": seconds, "cached_tokens": out.num_cached_tokens, **times,
+                "copy_s": self.copy_s(int(times["loaded_bytes"]))}
+
+    def serve(self) -> None:
+        self.reply.write(json.dumps({"ready": True, "start_s": self.start_s}) + "\n")
+        self.reply.flush()
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            answer = self.ttft(cmd["prompt"]) if cmd["op"] == "ttft" else {"error": cmd["op"]}
+            self.reply.write(json.dumps(answer) + "\n")
+            self.reply.flush()
+
+
+def main(argv: list[str]) -> int:
+    if argv[0] == "model":
+        write_model(argv[1], **json.loads(argv[2]))
+        return 0
+    reply = os.fdopen(os.dup(1), "w")  # replies to the driver; vLLM's prints to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    TimedEngine(argv[1], int(argv[2]), json.loads(argv[3]) if len(argv) > 3 else None,
+                reply).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)

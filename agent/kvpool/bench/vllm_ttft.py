@@ -1,0 +1,143 @@
+"""`kvpool bench --part vllm`: vLLM's time to first token with a kvpool hit vs recomputed.
+
+Three fresh engines (`vllm_engine`, each a process of the vLLM environment, as pods would
+be) start together on a model written here (random weights, a Llama shape with few layers
+but a wide hidden size, so prefill dominates): engine A with kvpool's connector serves each
+prompt once (the pool stores it), then a reference engine with no connector recomputes each
+prompt, then engine B with the connector (same tenant, never served these prompts) loads it
+from the pool. Only one engine works at a time (the others wait on their pipes), so the
+timings do not contend with each other. Each engine serves a warm-up prompt first.
+
+Per prompt size: both times to first token, their ratio, and B's breakdown: the
+connector's lookup, its loads, the rest (the prefill of the tail, the output token, vLLM);
+and the connector's own overhead, the load time less what a plain copy of the same bytes
+takes, as a fraction of the load time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import kvpool
+
+from .local import LocalAgent
+from .needs import vllm_python
+
+FULL_TOKENS = [2048, 8192, 16384]
+QUICK_TOKENS = [512]
+FULL_SHAPE = {"layers": 2, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
+              "intermediate": 8192}
+"""~130M parameters in 2 layers: the width of a 1B model, prefill-bound on a CPU."""
+QUICK_SHAPE = {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64,
+               "intermediate": 1024}
+"""--quick (CI): the same shape, narrow, so that three engine starts stay cheap."""
+CONNECTOR = {"kv_connector": "KVPoolConnector",
+             "kv_connector_module_path": "kvpool.agent.integrations.vllm",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+WARM_UP = 256
+"""Tokens of the prompt each engine serves first (its one-time costs are not timed)."""
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """`n` token ids of the model's vocabulary (1000; ids 0-2 are special)."""
+    return [(i * 7919 + seed * 104729 + seed * i * 31) % 990 + 5 for i in range(n)]
+
+
+class _Engine:
+    def __init__(self, name: str, model: Path, max_len: int, workdir: Path,
+                 env: dict[str, str], connector: dict[str, Any] | None) -> None:
+        self.name, self.log = name, workdir / f"vllm-{name}.log"
+        args = [str(vllm_python()), "-m", "kvpool.bench.vllm_engine", "serve", str(model),
+                str(max_len)] + ([json.dumps(connector)] if connector else [])
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env=env, cwd=workdir)
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=60)
+            raise RuntimeError(f"vLLM engine {self.name} exited ({self.proc.returncode}):\n"
+                               f"{self.log.read_text(errors='replace')[-4000:]}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ttft(self, tokens: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "ttft", "prompt": tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_vllm(quick: bool) -> dict[str, Any]:
+    sizes, shape = (QUICK_TOKENS, QUICK_SHAPE) if quick else (FULL_TOKENS, FULL_SHAPE)
+    chunk = 64 if quick else 256
+    max_len = max(sizes) + 64
+    kv_bytes_per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 4
+    stored = (sum(sizes) + 2 * WARM_UP) * kv_bytes_per_token
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-") as tmp:
+        work = Path(tmp)
+        root = str(Path(next(iter(kvpool.__path__))).parent)  # this kvpool, in the engines
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   VLLM_CPU_KVCACHE_SPACE=str(1 + 3 * max_len * kv_bytes_per_token // 2**30),
+                   KVPOOL_CHUNK_TOKENS=str(chunk), KVPOOL_TENANT="bench",
+                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        model = work / "model"
+        subprocess.run([str(vllm_python()), "-m", "kvpool.bench.vllm_engine", "model",
+                        str(model), json.dumps({**shape, "max_len": max_len})],
+                       check=True, env=env, cwd=work, stdout=subprocess.DEVNULL)
+        dram = f"{2 * stored // 2**20 + 64}Mi"
+        (work / "agent").mkdir()
+        with LocalAgent(workdir=work / "agent", dram=dram) as agent:
+            env["KVPOOL_SOCKET"] = str(agent.socket_path)
+            engines = {name: _Engine(name, model, max_len, work, env,
+                                     None if name == "reference" else CONNECTOR)
+                       for name in ("A", "reference", "B")}
+            try:
+                starts = {name: e.read()["start_s"] for name, e in engines.items()}
+                for seed, e in enumerate(engines.values()):  # one-time costs, untimed
+                    e.ttft(prompt(100 + seed, WARM_UP))
+                prompts = {n: prompt(n, n) for n in sizes}
+                for p in prompts.values():
+                    engines["A"].ttft(p)  # stored when it returns
+                reference = {n: engines["reference"].ttft(p) for n, p in prompts.items()}
+                hit = {n: engines["B"].ttft(p) for n, p in prompts.items()}
+            finally:
+                for e in engines.values():
+                    e.stop()
+    return {"model": {**shape, "dtype": "float32", "weights": "random"},
+            "chunk_tokens": chunk, "engine_start_s": round(max(starts.values()), 1),
+            "sizes": {str(n): _row(n, reference[n], hit[n]) for n in sizes}}
+
+
+def _row(tokens: int, reference: dict[str, Any], hit: dict[str, Any]) -> dict[str, Any]:
+    load, copy = hit["load_s"], hit["copy_s"]
+    return {
+        "recompute_ttft_s": round(reference["ttft_s"], 4),
+        "hit_ttft_s": round(hit["ttft_s"], 4),
+        "speedup": round(reference["ttft_s"] / hit["ttft_s"], 2),
+        "hit_tokens": hit["cached_tokens"],
+        "prompt_tokens": tokens,
+        "lookup_s": round(hit["lookup_s"], 4),
+        "load_s": round(load, 4),
+        "rest_s": round(hit["ttft_s"] - hit["lookup_s"] - load, 4),
+        "loaded_mib": round(hit["loaded_bytes"] / 2**20, 1),
+        "copy_s": round(copy, 4),
+        "overhead_of_load": round((load - copy) / load, 3) if load > 0 else None,
+    }

@@ -1,0 +1,63 @@
+"""`kvpool bench --part vllm`: vLLM engines (the vLLM environment, tests/install-vllm) timing
+the first token of a kvpool hit against a recompute; and, without that environment, one
+error line saying how to get it.
+
+No timing thresholds (figures depend on the machine; docs/benchmarks.md discusses them):
+the shape of the result, and that engine B's hit was one (tokens came from the pool).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench.needs import vllm_python
+from kvpool.bench.vllm_ttft import QUICK_TOKENS
+
+ROW = {"recompute_ttft_s", "hit_ttft_s", "speedup", "hit_tokens", "prompt_tokens", "lookup_s",
+       "load_s", "rest_s", "loaded_mib", "copy_s", "overhead_of_load"}
+
+
+def bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool.agent", "bench", *args],
+                          capture_output=True, text=True, timeout=840,
+                          env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.alone  # three vLLM engines, each a process that takes a core or more
+@pytest.mark.timeout(900)
+def test_quick_vllm_part_times_a_hit_against_a_recompute_with_its_breakdown() -> None:
+    if not vllm_python().exists():
+        pytest.fail(f"no vLLM environment at {vllm_python()}: run tests/install "
+                    "(tests/install-vllm)")
+    run = bench("--quick", "--json", "--part", "vllm")
+    assert run.returncode == 0, run.stderr[-5000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result) == {"meta", "vllm"}
+    assert result["meta"]["parts"] == ["vllm"]
+    v = result["vllm"]
+    assert set(v["sizes"]) == {str(n) for n in QUICK_TOKENS}
+    for n, row in v["sizes"].items():
+        assert set(row) == ROW, row
+        chunk = v["chunk_tokens"]
+        # B loaded every whole chunk before the prompt's last token from the pool
+        assert row["hit_tokens"] == (int(n) - 1) // chunk * chunk, row
+        assert row["loaded_mib"] > 0 and row["load_s"] > 0 and row["lookup_s"] > 0, row
+        assert row["recompute_ttft_s"] > 0 and row["hit_ttft_s"] > 0, row
+        assert 0 <= row["overhead_of_load"] <= 1, row
+        assert row["hit_ttft_s"] >= row["lookup_s"] + row["load_s"] - 1e-3, row
+    assert "vLLM time to first token" in run.stderr
+
+
+def test_without_a_vllm_environment_the_part_is_one_error_line_saying_how_to_get_it(
+        tmp_path: Path) -> None:
+    run = bench("--quick", "--part", "vllm", KVPOOL_VLLM_PYTHON=str(tmp_path / "no-python"))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "error: --part vllm needs a vLLM environment with kvpool in it (tests/install-vllm "
+        "from a checkout, or KVPOOL_VLLM_PYTHON=its python)"], run.stderr
