@@ -97,7 +97,7 @@ def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
     if not 0 <= r.next_size <= c.store.config.max_chunk_bytes:  # before: the lease stays open
         raise OpError(p.ErrorCode.BAD_ARGUMENT,
                       f"next_size {r.next_size} is outside 0..{c.store.config.max_chunk_bytes}")
-    lease = c.store.dram.writes.get(r.lease)
+    lease = c.store.dram.write_lease(r.lease)
     with _storing(c, (lease.key or r.key) if lease is not None else b"", r):
         stored = c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind, r.key, r.meta)
     c.spares.discard(r.lease)

@@ -44,13 +44,12 @@ class Space:
         journal, entries = open_journal(config)
         if not self.arena.reused:
             entries = []  # a new arena holds nothing the journal describes
-        dram = DramTier(self.arena)
         # The DRAM keys in shared memory, for clients that answer LOOKUP themselves; a
         # chunk takes at least a page, so the arena's pages bound the keys it holds.
         self.index = SharedIndex(slots_for(self.arena.size // PAGE_BYTES),
                                  lower_tiers=nvme is not None or shared is not None
                                  or config.peers.enabled)
-        dram.published = self.index
+        dram = DramTier(self.arena, published=self.index)
         self.store = ChunkStore(config, dram, nvme, metrics, policy, journal, shared)
         self.events: TierEvents | None = None
         """KV events of this space's chunks (`attach_events`); None: events are off."""

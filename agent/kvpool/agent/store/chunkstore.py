@@ -54,7 +54,7 @@ from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
 from ..journal import Journal, JournalEntry, replay
 from ..metrics import AgentMetrics
-from ..peers.links import ArenaTarget, Fetched
+from ..peers.links import Fetched
 from ..peers.server import ChunkSource
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
@@ -113,7 +113,7 @@ class ChunkStore:
         self.journal = journal
         if journal is not None:
             journal.live_entries = self._journal_live  # what its compaction keeps
-        self.dram.pins.update(bytes.fromhex(k) for k in policy.pins)
+        self.dram.repin((), (bytes.fromhex(k) for k in policy.pins))
         self.seq = 0
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
         """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
@@ -141,7 +141,7 @@ class ChunkStore:
         if nvme is not None:
             self.nvme = Demotion(nvme, self.io, metrics, policy,
                                  in_dram=lambda k: k in self.dram,
-                                 pinned=lambda k: k in self.dram.pins, shared=self.shared,
+                                 pinned=self.dram.pinned, shared=self.shared,
                                  settled=self._demoted)
         self.loads = Loads(self.nvme, self.shared, metrics, position=self._position,
                            in_dram=lambda k: k in self.dram)
@@ -173,7 +173,8 @@ class ChunkStore:
         for key in self.dram:
             yield "dram", key
         if self.nvme is not None:
-            for key in self.nvme.nvme.index:
+            held = self.nvme.nvme.keys()
+            for key in held:
                 yield "nvme", key
 
     # -- policy
@@ -183,8 +184,7 @@ class ChunkStore:
         tier whose eviction order changed has its queue rebuilt from what it holds."""
         old = {bytes.fromhex(k) for k in self.policy.pins}
         new = {bytes.fromhex(k) for k in policy.pins}
-        self.dram.pins -= old - new
-        self.dram.pins |= new
+        self.dram.repin(old - new, new)
         if policy.tiers.dram.eviction is not self.policy.tiers.dram.eviction:
             self.dram_queue = new_queue(policy.tiers.dram.eviction, self.dram)
             for chunk in sorted(self.dram.entries(), key=lambda c: c.last_seq):
@@ -204,7 +204,7 @@ class ChunkStore:
     def _hit_dram(self, slot: int, seq: int, depth: int, now: float) -> None:
         """A DRAM chunk hit by LOOKUP `seq` at `depth`, by its slot: LOOKUP's hot path, no
         view made (`Demotion.hit` for NVMe's)."""
-        self.dram.facts.hit(slot, seq, depth, now)
+        self.dram.hit(slot, seq, depth, now)
         self.dram_queue.touched_slot(slot, depth)
 
     def _touch_read(self, chunk: DramChunk) -> None:
@@ -232,7 +232,7 @@ class ChunkStore:
         now = time.time()
         tiers = bytearray()
         nvme = self.nvme
-        find = self.dram.index.find
+        find = self.dram.finder()
         for depth, k in enumerate(keys):
             slot = find(k)
             if slot >= 0:
@@ -364,22 +364,19 @@ class ChunkStore:
             extents = await self._room(size)  # NVMe holders announce their file's size
         except OpError:
             return None  # no room now: the shared tier, or a miss
-        arena = self.dram.arena
-        arena.restore_size()  # a splice past a shrunk end would grow a sparse file instead
-        target = ArenaTarget(arena.fd, extents, arena.write, splice=not arena.huge_pages)
-        work = asyncio.ensure_future(self.peer.fetch(link, key, target))
+        work = asyncio.ensure_future(self.peer.fetch(link, key, self.dram.fetch_target(extents)))
         try:
             result = await asyncio.shield(work)
         except asyncio.CancelledError:
             # The worker may still be writing into the extents: free them once it is done.
-            work.add_done_callback(lambda _: self.dram.alloc.free(extents))
+            work.add_done_callback(lambda _: self.dram.free(extents))
             raise
         if not isinstance(result, Fetched):
-            self.dram.alloc.free(extents)
+            self.dram.free(extents)
             return None
         extents = self._trim(extents, result.size)
         if self._deleted_since(key, mark) or self.contains(key):
-            self.dram.alloc.free(extents)
+            self.dram.free(extents)
             return self.dram.get(key)
         return self._insert(key, extents, result.size, result.checksum, result.meta,
                             result.tenant, hits=1, kind=result.kind)
@@ -387,7 +384,7 @@ class ChunkStore:
     def _trim(self, extents: Extents, size: int) -> Extents:
         """The first `size` bytes of `extents`; the whole pages past them freed (a peer
         that holds a chunk in NVMe announces its file's size, header included)."""
-        page = self.dram.alloc.page
+        page = self.dram.page_bytes
         kept: Extents = []
         freed: Extents = []
         left = size
@@ -400,7 +397,7 @@ class ChunkStore:
             if have > used:
                 freed.append((offset + used, have - used))
         if freed:
-            self.dram.alloc.free(freed)
+            self.dram.free(freed)
         return kept
 
     # -- what this store offers its peers (`peers.server.Holdings`)
@@ -417,7 +414,7 @@ class ChunkStore:
             def release() -> None:
                 self.dram.close_read(lease.id, owner)
             return ChunkSource(chunk.size, chunk.checksum, chunk.checksum_kind, chunk.meta,
-                               chunk.tenant, os.dup(self.dram.arena.fd), list(chunk.extents),
+                               chunk.tenant, self.dram.dup_fd(), list(chunk.extents),
                                release)
         if self.nvme is not None and self.nvme.entry(key) is not None:
             loop = asyncio.get_running_loop()
@@ -445,7 +442,7 @@ class ChunkStore:
         for chunk in self.dram.entries():
             yield chunk.key, chunk.size
         if self.nvme is not None:
-            for entry in self.nvme.nvme.index.values():
+            for entry in self.nvme.nvme.entries():
                 yield entry.key, entry.size
 
     def _deleted_since(self, key: bytes, mark: int) -> bool:
@@ -486,7 +483,7 @@ class ChunkStore:
                           "(half of it): commit or abort some first")
         extents = await self._room(size)
         if self.contains(key):  # stored by another client while this one waited
-            self.dram.alloc.free(extents)
+            self.dram.free(extents)
             return None
         held = self.uncommitted.get(owner, 0)
         lease = self.dram.open_write(key, extents, size, meta, tenant, owner,
@@ -496,7 +493,7 @@ class ChunkStore:
 
     def _pages(self, size: int) -> int:
         """Arena bytes a chunk of `size` takes: whole pages."""
-        return self.dram.alloc.pages_for(size) * self.dram.alloc.page
+        return self.dram.footprint(size)
 
     def _write_closed(self, owner: int, size: int) -> None:
         left = self.uncommitted.get(owner, 0) - self._pages(size)
@@ -511,7 +508,7 @@ class ChunkStore:
         (theirs is kept). A spare lease (`spare`) takes its `key` and `meta` here."""
         if kind not in checksums.KINDS:  # checked first: the lease stays open to retry
             raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {kind}")
-        open_ = self.dram.writes.get(lease_id)
+        open_ = self.dram.write_lease(lease_id)
         if open_ is not None and open_.owner == owner:
             if not open_.key:  # a spare: the chunk is named now, checked before it closes
                 check_key(key)
@@ -527,7 +524,7 @@ class ChunkStore:
         key, meta = (lease.key, lease.meta) if lease.key else (key, meta)
         if self.contains(key):
             # Another client stored the same key first: keep theirs.
-            self.dram.alloc.free(lease.extents)
+            self.dram.free(lease.extents)
             return False
         chunk = self._insert(key, lease.extents, lease.size, checksum_ & (2**64 - 1),
                              meta, lease.tenant, kind=kind)
@@ -542,7 +539,7 @@ class ChunkStore:
         self._check_size(size, b"")
         pages = self._pages(size)
         held = self.uncommitted.get(owner, 0)
-        if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT \
+        if self.dram.leases_held(owner) >= MAX_LEASES_PER_CLIENT \
                 or pages > self.dram.capacity_bytes // SPARE_SHARE \
                 or held + pages > self.dram.capacity_bytes // UNCOMMITTED_SHARE:
             return None
@@ -563,7 +560,7 @@ class ChunkStore:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
                           f"write lease {lease_id} is not open on this connection")
         self._write_closed(owner, lease.size)
-        self.dram.alloc.free(lease.extents)
+        self.dram.free(lease.extents)
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
                 tenant: str, hits: int = 0, evict: bool = True,
@@ -577,7 +574,7 @@ class ChunkStore:
                 self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant,
                                                  kind))
             except OSError as e:
-                self.dram.alloc.free(extents)
+                self.dram.free(extents)
                 raise OpError(ErrorCode.NO_SPACE,
                               f"chunk not stored: the commit journal cannot record it ({e})"
                               ) from e
@@ -661,14 +658,14 @@ class ChunkStore:
         mark = self.deletes
         extents = await self._room(rec.size)
         if self._deleted_since(rec.key, mark):  # a DELETE is final, whatever waited
-            self.dram.alloc.free(extents)
+            self.dram.free(extents)
             raise OpError(ErrorCode.NOT_FOUND, f"{rec.key.hex()} was deleted")
         if self.dram.get(rec.key) is not None:  # promoted by another read while this waited
-            self.dram.alloc.free(extents)
+            self.dram.free(extents)
             chunk = self.dram.get(rec.key)
             assert chunk is not None
             return chunk
-        self.dram.arena.write(extents, rec.data)
+        self.dram.write_extents(extents, rec.data)
         chunk = self._insert(rec.key, extents, rec.size, rec.checksum, rec.meta, rec.tenant,
                              hits, evict, rec.checksum_kind)
         (self.m.prefetches if why == "prefetch" else self.m.promotions)[source].inc()
@@ -705,9 +702,9 @@ class ChunkStore:
             return False
         extents = await self._room(len(data))
         if self.contains(key):  # stored by another client while this one waited
-            self.dram.alloc.free(extents)
+            self.dram.free(extents)
             return False
-        self.dram.arena.write(extents, data)
+        self.dram.write_extents(extents, data)
         chunk = self._insert(key, extents, len(data), checksum_, meta, tenant)
         self._write_through(chunk, data)
         return True
@@ -721,7 +718,7 @@ class ChunkStore:
         self.deleted.move_to_end(key)
         while len(self.deleted) > RECENT_DELETES:
             self.deleted.popitem(last=False)
-        self.dram.pins.discard(key)
+        self.dram.unpin(key)
         self.loads.forget(key)
         demoting = self.nvme is not None and key in self.nvme.inflight
         existed = self._drop_dram(key)
@@ -737,11 +734,11 @@ class ChunkStore:
         check_key(key)
         if not self.contains(key):
             raise OpError(ErrorCode.NOT_FOUND, f"cannot pin {key.hex()}: not stored")
-        self.dram.pins.add(key)
+        self.dram.pin(key)
 
     def unpin(self, key: bytes) -> None:
         check_key(key)
-        self.dram.pins.discard(key)
+        self.dram.unpin(key)
 
     def disconnect(self, owner: int) -> None:
         """A connection closed: abort its writes and end its reads. One that copied by DMA
@@ -753,7 +750,7 @@ class ChunkStore:
         self.uncommitted.pop(owner, None)
         if owner in self.dma_owners:
             self.dma_owners.discard(owner)
-            writes_ = [w for w in self.dram.writes.values() if w.owner == owner]
+            writes_ = self.dram.writes_of(owner)
             self.dram.drain(owner, writes_,
                             time.monotonic() + self.config.write_lease_timeout)
             return
@@ -840,7 +837,7 @@ class ChunkStore:
                     below = "shared"
             rec = None
             if below is not None and chunk.readers == 0:
-                rec = ChunkRecord(chunk.key, self.dram.arena.read(chunk.extents), chunk.checksum,
+                rec = ChunkRecord(chunk.key, self.dram.read_extents(chunk.extents), chunk.checksum,
                                   chunk.meta, chunk.tenant, checksum_kind=chunk.checksum_kind)
                 if not rec.verify():
                     log.error("integrity failure in dram for %s: dropped", chunk.key.hex())
@@ -871,7 +868,7 @@ class ChunkStore:
         """Offer a freshly committed chunk to G4 when its rules say write-through."""
         if self.shared is None or not self.shared.writes_through():
             return
-        payload = data if data is not None else self.dram.arena.read(chunk.extents)
+        payload = data if data is not None else self.dram.read_extents(chunk.extents)
         self.shared.upload(ChunkRecord(chunk.key, payload, chunk.checksum, chunk.meta,
                                        chunk.tenant, checksum_kind=chunk.checksum_kind))
 
@@ -909,7 +906,7 @@ class ChunkStore:
         would do but are split into too many runs, more chunks go, in eviction order,
         until their pages join into room enough."""
         d = self.dram
-        extents = d.alloc.alloc(size)
+        extents = d.allocate(size)
         if extents is not None:
             return extents
         need = self._pages(size)
@@ -930,7 +927,7 @@ class ChunkStore:
         self._evict_dram(admitted)
         if len(admitted) < len(victims):
             return None  # the rest once some of those in flight have landed
-        while (extents := d.alloc.alloc(size)) is None:
+        while (extents := d.allocate(size)) is None:
             if self.demoting:
                 return None  # pages on their way to NVMe free up soon: wait for them
             # The free pages are there, in too many runs: evict on to join them.
@@ -984,13 +981,12 @@ class ChunkStore:
         chunks are then admitted in journal order, which is their eviction order."""
         kept = dropped = 0
         live: list[JournalEntry] = []
-        arena = self.dram.arena
         journaled = list(entries)
         seen: set[bytes] = set()
         reserved: set[int] = set()
         for i in sorted(range(len(journaled)), key=lambda i: journaled[i].extents[:1]):
             e = journaled[i]
-            if len(e.key) == KEY_BYTES and e.key not in seen and self.dram.alloc.reserve(e.extents):
+            if len(e.key) == KEY_BYTES and e.key not in seen and self.dram.reserve(e.extents):
                 seen.add(e.key)
                 reserved.add(i)
         for i, e in enumerate(journaled):
@@ -998,8 +994,8 @@ class ChunkStore:
                 dropped += 1
                 continue
             if (e.checksum_kind not in checksums.KINDS
-                    or arena.checksum(e.extents, e.meta, e.checksum_kind) != e.checksum):
-                self.dram.alloc.free(e.extents)
+                    or self.dram.checksum_of(e.extents, e.meta, e.checksum_kind) != e.checksum):
+                self.dram.free(e.extents)
                 self.m.integrity_failures["dram"].inc()
                 dropped += 1
                 continue
@@ -1042,10 +1038,10 @@ class ChunkStore:
                                       shared.chunks, c.hits["shared"], c.misses["shared"], ok,
                                       reason))
             url, queue = shared.url, self.shared.queue_stats()
-        return StoreSnapshot(tiers, LookupCounts(dict(c.hits), dict(c.misses)), len(d.reads),
-                             len(d.writes), len(d.pins), d.arena.locked_bytes,
-                             d.arena.lock_error or "", demoting, demoting_bytes, removing, url,
-                             queue, sum(len(x.reads) for x in d.draining), d.draining_bytes,
+        return StoreSnapshot(tiers, LookupCounts(dict(c.hits), dict(c.misses)), d.read_leases,
+                             d.write_leases, d.pin_count, d.locked_bytes, d.lock_error,
+                             demoting, demoting_bytes, removing, url, queue, d.draining_reads,
+                             d.draining_bytes,
                              None if self.peer is None else self.peer.chunks)
 
     # -- checks
@@ -1065,7 +1061,7 @@ class ChunkStore:
                           f"{self.dram.capacity_bytes}")
 
     def _check_lease_budget(self, owner: int) -> None:
-        if self.dram.held.get(owner, 0) >= MAX_LEASES_PER_CLIENT:
+        if self.dram.leases_held(owner) >= MAX_LEASES_PER_CLIENT:
             raise OpError(ErrorCode.TOO_MANY_LEASES,
                           f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
 

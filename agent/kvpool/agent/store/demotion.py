@@ -71,7 +71,7 @@ class Demotion:
         the DRAM chunk's pages can go, and its journal entry too when True."""
         self.observer: TierObserver = NO_OBSERVER
         """Told when a demotion lands on NVMe and when a chunk leaves it."""
-        self.queue: EvictionQueue = nvme.index.new_queue(policy.tiers.nvme.eviction,
+        self.queue: EvictionQueue = nvme.new_queue(policy.tiers.nvme.eviction,
                                                          "last_access")
         """NVMe's chunks in eviction order (files found at start: the oldest go first)."""
         self.inflight: dict[bytes, tuple[ChunkRecord, DramChunk]] = {}
@@ -107,26 +107,25 @@ class Demotion:
     def set_policy(self, policy: TierPolicy) -> None:
         """A changed eviction order rebuilds the queue from what NVMe holds."""
         if policy.tiers.nvme.eviction is not self.policy.tiers.nvme.eviction:
-            self.queue = self.nvme.index.new_queue(policy.tiers.nvme.eviction, "last_seq")
+            self.queue = self.nvme.new_queue(policy.tiers.nvme.eviction, "last_seq")
         self.policy = policy
 
     # -- what NVMe holds
 
     def entry(self, key: bytes) -> NvmeChunk | None:
-        return self.nvme.index.get(key)
+        return self.nvme.entry(key)
 
     def holds(self, key: bytes) -> bool:
         """In NVMe or on its way there."""
-        return key in self.inflight or key in self.nvme.index
+        return key in self.inflight or self.nvme.contains(key)
 
     def hit(self, key: bytes, seq: int, depth: int, now: float) -> bool:
         """`holds`, and a chunk NVMe holds was hit by request `seq` at `depth` at time
         `now`: its facts and its place in the order are updated by slot (LOOKUP's path:
         no view of the chunk is made)."""
-        slot = self.nvme.index.table.find(key)
+        slot = self.nvme.hit(key, seq, depth, now)
         if slot < 0:
             return key in self.inflight
-        self.nvme.index.facts.hit(slot, seq, depth, now)  # on the event loop
         self.queue.touched_slot(slot, depth)
         return True
 
@@ -187,7 +186,7 @@ class Demotion:
     def forget(self, key: bytes) -> bool:
         """A deleted key: its in-flight copy goes and its file with it. Whether any was held."""
         existed = self.inflight.pop(key, None) is not None
-        if key in self.nvme.index:
+        if self.nvme.contains(key):
             self.drop([pol.Victim(key, "deleted")])
             existed = True
         return existed
@@ -249,7 +248,7 @@ class Demotion:
                 # Promoted again from the in-flight copy: DRAM holds it, NVMe need not.
                 self.drop([pol.Victim(rec.key, "promoted")])
                 continue
-            entry = self.nvme.index.get(rec.key)
+            entry = self.nvme.entry(rec.key)
             if entry is None:
                 continue
             entry.hits = chunk.hits
@@ -285,7 +284,7 @@ class Demotion:
             log.warning("%d nvme chunks vanished with their directories: forgotten",
                         len(vanished))
             self.drop([pol.Victim(k, "vanished") for k in vanished])
-        victims = pol.expired(self.nvme.index.values(), self.policy.tiers.nvme.ttl, wall,
+        victims = pol.expired(self.nvme.entries(), self.policy.tiers.nvme.ttl, wall,
                               self._pinned)
         if victims:
             self.drop(victims)
@@ -294,15 +293,15 @@ class Demotion:
         """Take chunks out of NVMe now; their files go (or move to G4) in a worker thread."""
         gone: list[tuple[bytes, bool, int]] = []
         for v in victims:
-            entry = self.nvme.index.get(v.key)
+            entry = self.nvme.entry(v.key)
             hits, size = (entry.hits, entry.size) if entry is not None else (0, 0)
             if entry is None or not self.nvme.forget(v.key):
                 # Taken out of the index by a worker (a bad file): out of the order too.
                 self.queue.discard(v.key)
-                self.nvme.index.reap(v.key)
+                self.nvme.reap(v.key)
                 continue
             self.queue.discard(v.key)
-            self.nvme.index.reap(v.key)  # its slot, when the queue did not hold it
+            self.nvme.reap(v.key)  # its slot, when the queue did not hold it
             self.observer.removed("nvme", v.key)
             if v.reason in EVICTION_REASONS:
                 self.m.evictions[("nvme", v.reason)].inc()
@@ -343,6 +342,6 @@ class Demotion:
         self.parked.clear()
         self.writes.close()
         for key, (_, chunk) in list(self.inflight.items()):
-            if key in self.nvme.index and not self._in_dram(key):
+            if self.nvme.contains(key) and not self._in_dram(key):
                 self._settled(chunk, True)
         self.inflight.clear()

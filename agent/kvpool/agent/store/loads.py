@@ -54,7 +54,7 @@ class Loads:
         if pending is not None:
             return await asyncio.shield(pending)
         if nvme is not None:
-            ahead = self.ahead.take(key, nvme.nvme.index)
+            ahead = self.ahead.take(key, nvme.nvme.entry)
             if ahead is not None:
                 return ahead[0], "nvme", ahead[1].hits
             if nvme.entry(key) is not None:
@@ -110,7 +110,7 @@ class Loads:
                     # Not so when the key was written to NVMe again meanwhile: the new
                     # entry has the old one's slot and place in the order (`NvmeIndex.put`).
                     nvme.queue.discard(k)
-                    nvme.nvme.index.reap(k)
+                    nvme.nvme.reap(k)
                     nvme.observer.removed("nvme", k)
                 fut.set_result(result)
                 if i == 0:
@@ -131,7 +131,7 @@ class Loads:
         """The keys after `key` in its LOOKUP that NVMe holds and nobody is reading yet."""
         seq, depth = self._position(key)
         return self.ahead.following(
-            key, seq, depth, nvme.nvme.index,
+            key, seq, depth, nvme.nvme.entry,
             busy=lambda k: k in self.loading or k in nvme.inflight or self._in_dram(k))
 
     def forget(self, key: bytes) -> None:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from ..tiers.base import ChunkRecord
-from ..tiers.nvmeindex import NvmeChunk, NvmeIndex
+from ..tiers.nvmeindex import NvmeChunk
 
 READAHEAD_CHUNKS = 32
 """Most chunks one NVMe read of a client takes: the one asked for and those after it."""
@@ -45,14 +45,16 @@ class ReadAhead:
         if len(self._prompts) > RECENT_PROMPTS:
             self._prompts.popitem(last=False)
 
-    def following(self, key: bytes, seq: int, depth: int, index: NvmeIndex,
+    def following(self, key: bytes, seq: int, depth: int,
+                  entry: Callable[[bytes], NvmeChunk | None],
                   busy: Callable[[bytes], bool]) -> list[bytes]:
-        """The keys after `key` (at `depth` of LOOKUP `seq`) that NVMe holds and that are
-        not `busy` (being read, kept, on their way down, in DRAM), within the read's caps."""
+        """The keys after `key` (at `depth` of LOOKUP `seq`) that NVMe holds (its `entry`)
+        and that are not `busy` (being read, kept, on their way down, in DRAM), within the
+        read's caps."""
         prompt = self._prompts.get(seq)
         if prompt is None or depth >= len(prompt) or prompt[depth] != key:
             return []
-        first = index.get(key)
+        first = entry(key)
         if first is None:
             return []
         out: list[bytes] = []
@@ -60,10 +62,10 @@ class ReadAhead:
         for k in prompt[depth + 1 :]:
             if len(out) + 1 >= READAHEAD_CHUNKS:
                 break
-            entry = index.get(k)
-            if entry is None or k in self._kept or busy(k):
+            chunk = entry(k)
+            if chunk is None or k in self._kept or busy(k):
                 continue
-            total += entry.size
+            total += chunk.size
             if total > READAHEAD_BYTES:
                 break
             out.append(k)
@@ -82,13 +84,15 @@ class ReadAhead:
         if kept is not None:
             self.bytes -= kept[0].size
 
-    def take(self, key: bytes, index: NvmeIndex) -> tuple[ChunkRecord, NvmeChunk] | None:
-        """The kept chunk of `key`, when the index still holds the entry it was read under."""
+    def take(self, key: bytes, entry: Callable[[bytes], NvmeChunk | None]
+             ) -> tuple[ChunkRecord, NvmeChunk] | None:
+        """The kept chunk of `key`, when NVMe's index still holds (`entry`) the entry it
+        was read under."""
         kept = self._kept.pop(key, None)
         if kept is None:
             return None
-        rec, entry = kept
+        rec, read_under = kept
         self.bytes -= rec.size
-        if index.get(key) != entry:
+        if entry(key) != read_under:
             return None  # deleted, rewritten or evicted since: read again (or miss)
-        return rec, entry
+        return rec, read_under

@@ -8,15 +8,18 @@ deleted while read is hidden at once and freed on its last release.
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..arena import Arena, ExtentAllocator
 from ..journal import JournalEntry
 from ..keytable import KeyTable, NameIds
 from ..lookupindex import SharedIndex
+from ..peers.links import ArenaTarget
 from ..policy import Entry
 from ..protocol import Extents, checksum
 from .facts import FactRows, SlotFacts
@@ -136,6 +139,8 @@ class DramTier:
     published: SharedIndex | None = None
     """The visible keys as clients read them from shared memory (`lookupindex`), if any."""
     _next_lease: int = 1
+    hit: Callable[[int, int, int, float], None] = field(init=False, repr=False, compare=False)
+    """`FactRows.hit` of the chunk in a slot, bound once: LOOKUP calls it per key."""
 
     def __post_init__(self) -> None:
         self.alloc = ExtentAllocator(self.arena.size)
@@ -151,6 +156,7 @@ class DramTier:
         self._tenants = NameIds()
         self._readers = array("i")
         self.facts = FactRows()
+        self.hit = self.facts.hit
         self._state = array("B")
 
     # -- capacity
@@ -164,7 +170,71 @@ class DramTier:
         """Bytes of the arena taken: visible chunks, hidden ones still read, pending writes."""
         return self.alloc.used_bytes
 
+    # -- the arena's pages and bytes (the store asks here: the tier owns the allocator and
+    # the mapping)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.alloc.page
+
+    def footprint(self, size: int) -> int:
+        """Arena bytes a chunk of `size` takes: whole pages."""
+        return self.alloc.pages_for(size) * self.alloc.page
+
+    def allocate(self, size: int) -> Extents | None:
+        """Free extents for `size` bytes, or None (the store evicts and tries again)."""
+        return self.alloc.alloc(size)
+
+    def reserve(self, extents: Extents) -> bool:
+        """Take exactly these extents (a restart re-admitting journaled chunks)."""
+        return self.alloc.reserve(extents)
+
+    def free(self, extents: Extents) -> None:
+        self.alloc.free(extents)
+
+    def write_extents(self, extents: Extents, data: Any) -> None:
+        self.arena.write(extents, data)
+
+    def read_extents(self, extents: Extents) -> bytes:
+        """The bytes in `extents`, unverified (`read_verified` checks a chunk's)."""
+        return self.arena.read(extents)
+
+    def checksum_of(self, extents: Extents, meta: bytes, kind: int) -> int:
+        return self.arena.checksum(extents, meta, kind)
+
+    def dup_fd(self) -> int:
+        """A descriptor of the arena file of the caller's own (it closes it)."""
+        return os.dup(self.arena.fd)
+
+    def fetch_target(self, extents: Extents) -> ArenaTarget:
+        """Where a peer read puts a chunk: `extents`, through the arena file, its size
+        restored first (a splice past a shrunk end would grow a sparse file instead)."""
+        arena = self.arena
+        arena.restore_size()
+        return ArenaTarget(arena.fd, extents, arena.write, splice=not arena.huge_pages)
+
+    # -- pins
+
+    def pinned(self, key: bytes) -> bool:
+        return key in self.pins
+
+    def pin(self, key: bytes) -> None:
+        self.pins.add(key)
+
+    def unpin(self, key: bytes) -> None:
+        self.pins.discard(key)
+
+    def repin(self, unpinned: Iterable[bytes], pinned: Iterable[bytes]) -> None:
+        """A policy's pins applied: `unpinned` no longer, `pinned` now."""
+        self.pins.difference_update(unpinned)
+        self.pins.update(pinned)
+
     # -- index
+
+    def finder(self) -> Callable[[bytes], int]:
+        """The index's own key -> slot lookup (-1: none), for a loop over many keys to bind
+        once (LOOKUP: no call layer per key)."""
+        return self.index.find
 
     def __len__(self) -> int:
         """Visible chunks."""
@@ -352,6 +422,17 @@ class DramTier:
         else:
             del self.held[owner]
 
+    def write_lease(self, lease_id: int) -> WriteLease | None:
+        return self.writes.get(lease_id)
+
+    def writes_of(self, owner: int) -> list[WriteLease]:
+        """An owner's open write leases (a scan: for disconnects, not the hot path)."""
+        return [w for w in self.writes.values() if w.owner == owner]
+
+    def leases_held(self, owner: int) -> int:
+        """Open leases (read and write) of `owner`."""
+        return self.held.get(owner, 0)
+
     def leases_of(self, owner: int) -> tuple[list[int], list[int]]:
         """Every lease an owner holds (a scan: for disconnects, not the hot path)."""
         return (
@@ -407,6 +488,35 @@ class DramTier:
                 self.close_read(lease_id, d.owner)
             ended += 1
         return ended
+
+    # -- figures (the store's snapshot)
+
+    @property
+    def read_leases(self) -> int:
+        return len(self.reads)
+
+    @property
+    def write_leases(self) -> int:
+        return len(self.writes)
+
+    @property
+    def pin_count(self) -> int:
+        return len(self.pins)
+
+    @property
+    def locked_bytes(self) -> int:
+        """Arena bytes locked in RAM."""
+        return self.arena.locked_bytes
+
+    @property
+    def lock_error(self) -> str:
+        """Why the arena is not locked in RAM ("" when it is, or was not asked to be)."""
+        return self.arena.lock_error or ""
+
+    @property
+    def draining_reads(self) -> int:
+        """Read leases of closed DMA connections, kept open until their drain ends."""
+        return sum(len(x.reads) for x in self.draining)
 
     @property
     def fenced_bytes(self) -> int:

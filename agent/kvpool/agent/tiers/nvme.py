@@ -19,11 +19,13 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .. import atomicfile
+from ..config import EvictionOrder
 from ..constants import CHUNK_SUFFIX as SUFFIX
+from ..eviction import EvictionQueue
 from . import base
 from .base import ChunkRecord, ChunkTier, IntegrityError
 from .nvmeindex import NvmeChunk, NvmeIndex
@@ -125,6 +127,31 @@ class NvmeTier(ChunkTier):
 
     def contains(self, key: bytes) -> bool:
         return key in self.index
+
+    def entry(self, key: bytes) -> NvmeChunk | None:
+        """The indexed chunk of `key` (a view of its slot), or None."""
+        return self.index.get(key)
+
+    def entries(self) -> Iterator[NvmeChunk]:
+        """The indexed chunks, in no particular order."""
+        return self.index.values()
+
+    def hit(self, key: bytes, seq: int, depth: int, now: float) -> int:
+        """The slot of `key`, its chunk hit by request `seq` at `depth` at time `now`; -1:
+        not indexed. On the event loop (LOOKUP's path: no view of the chunk is made)."""
+        index = self.index
+        slot = index.table.find(key)
+        if slot >= 0:
+            index.facts.hit(slot, seq, depth, now)
+        return slot
+
+    def new_queue(self, order: EvictionOrder, first: str) -> EvictionQueue:
+        """An eviction queue in `order` holding every indexed chunk (`NvmeIndex.new_queue`)."""
+        return self.index.new_queue(order, first)
+
+    def reap(self, key: bytes) -> None:
+        """Hand back the slot of a key taken out of the index (`NvmeIndex.reap`)."""
+        self.index.reap(key)
 
     def read(self, key: bytes) -> ChunkRecord | None:
         entry = self.index.get(key)
