@@ -335,7 +335,9 @@ def loaded(
         assert load.error is None, load.error
 
         def lookups_in_window() -> bool:
-            expr = f'increase(kvpool_lookups_total{{pool="{POOL}"}}[{RATE_INTERVAL}])'
+            # the load's agent only: the peer agent's series (no lookups) may come first
+            expr = (f'sum(increase(kvpool_lookups_total{{pool="{POOL}", node="{NODE}"}}'
+                    f'[{RATE_INTERVAL}]))')
             result = prometheus.query(expr)
             return bool(result) and float(result[0]["value"][1]) > 0
 
