@@ -37,3 +37,18 @@ async def test_a_pool_the_operator_policy_forbids_can_still_be_deleted(
     assert response["allowed"] is False  # as a create it is refused ...
     response = await cluster.admit_pool(forbidden, "DELETE")
     assert response["allowed"] is True, response  # ... as a deletion it goes through
+
+
+async def test_a_pool_whose_tenant_socket_path_is_too_long_is_refused(cluster: Cluster) -> None:
+    """A tenant's socket (`<socketDir>/<ns>.<name>/tenants/<tenant>/agent.sock`) past the
+    107 bytes of a Unix socket path: the agent could start on no node, so admission says
+    why instead of a DaemonSet that crash-loops."""
+    long_tenant = "t" * 63
+    response = await cluster.admit_pool(pool_body(tenants=[{"name": long_tenant}]))
+    assert response["allowed"] is False, response
+    message = response["status"]["message"]
+    assert f"tenant {long_tenant}'s socket" in message, message
+    assert "at most 107 bytes" in message and "spec.socketDir" in message, message
+
+    response = await cluster.admit_pool(pool_body(tenants=[{"name": "short"}]))
+    assert response["allowed"] is True, response

@@ -570,7 +570,7 @@ class AgentConfig(Model):
     def socket_problem(self) -> str:
         """Why a socket of this agent (the pool's, or a tenant's, which is longer) cannot be
         made: "" when every one can. Checked by `kvpool agent` and `kvpool cleanup` before
-        they touch anything (the operator's pools use short paths)."""
+        they touch anything, and by the operator before it admits a pool."""
         if too_long := socket_path_too_long(self.socket_path):
             return too_long
         for tenant in self.tenants:

@@ -364,7 +364,7 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
         if shared.region:
             options["region"] = shared.region
         tiers["shared"] = SharedTier(url=shared.url, **options)
-    return AgentConfig(
+    cfg = AgentConfig(
         pool=api.pool_id(pool.metadata.namespace, pool.metadata.name),
         socket_path=Path(socket_path(pool)),
         metrics_addr=f"0.0.0.0:{spec.agent.metrics_port}",
@@ -378,6 +378,14 @@ def agent_config(pool: api.KVCachePool) -> AgentConfig:
         **({"events": spec.events} if spec.events.enabled else {}),
         **({"peers": peers_config(pool)} if spec.peers.enabled else {}),
     )
+    # The agent would refuse to start on every node (a socket path past `sun_path`): say so
+    # at admission, naming the fields that make the path, not in a crash-looping DaemonSet.
+    if problem := cfg.socket_problem():
+        raise api.InvalidSpec(
+            f"KVCachePool {pool.metadata.name}: spec.socketDir, the pool's name and its tenants' "
+            f"names make a socket path too long: {problem}"
+        )
+    return cfg
 
 
 EVENTS_PORT_NAME = "kv-events"
