@@ -359,7 +359,8 @@ async def test_delete_stops_the_agents_then_removes_the_node_directories_on_ever
         cluster: Cluster) -> None:
     """`nodeReclaimPolicy: Delete` (the default): the finalizer deletes the agents'
     DaemonSet in the foreground, then runs a DaemonSet on the pool's nodes that removes the
-    pool's state directory (below `stateHostPath`) and NVMe directory, and lets the pool go
+    pool's state directory (below `stateHostPath`), NVMe, DRAM arena and socket directories,
+    and lets the pool go
     once it is ready on every node. Before, both stayed on every node for good."""
     await _start_pool(cluster, stateHostPath="/data/kvpool-state",
                       nodeSelector={"gpu": "h100"})
@@ -374,10 +375,14 @@ async def test_delete_stops_the_agents_then_removes_the_node_directories_on_ever
     pod = ds["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"gpu": "h100"}  # the agents' nodes
     (init,) = pod["initContainers"]
-    assert init["command"][-2:] == ["/var/lib/kvpool/reclaim/state/inference.llama-70b",
-                                    "/var/lib/kvpool/reclaim/nvme/inference.llama-70b"]
+    assert init["command"][-4:] == ["/var/lib/kvpool/reclaim/state/inference.llama-70b",
+                                    "/var/lib/kvpool/reclaim/nvme/inference.llama-70b",
+                                    "/var/lib/kvpool/reclaim/dram/inference.llama-70b",
+                                    "/var/lib/kvpool/reclaim/sockets/inference.llama-70b"]
+    # The arena's tmpfs file too: left on the node it would hold the host's memory for good.
     assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]} == {
-        "state": "/data/kvpool-state", "nvme": "/mnt/nvme0/kvpool"}
+        "state": "/data/kvpool-state", "nvme": "/mnt/nvme0/kvpool",
+        "dram": "/dev/shm/kvpool", "sockets": "/run/kvpool"}
     # The finalizer holds the pool until every node reports its directories gone.
     await cluster.report_agents(reclaim, 3, 2, 3, 2)
     await cluster.condition_of(POOL_NAME, "Progressing", "True", "Deleting")

@@ -196,12 +196,16 @@ def test_the_state_directory_is_a_pool_setting_and_a_deleted_pool_reclaims_it(
     _validate([reclaim])
     spec = reclaim["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"gpu": "yes"}
+    # The arena's tmpfs directory and the socket directory too: an arena file left on the
+    # node holds the host's memory for good.
     assert {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]} == {
-        "state": "/data/kvpool/state", "nvme": "/mnt/nvme"}
+        "state": "/data/kvpool/state", "nvme": "/mnt/nvme", "dram": "/dev/shm/kvpool",
+        "sockets": "/run/kvpool"}
     (init,) = spec["initContainers"]
     assert init["command"] == [
         "python3", "-m", "kvpool.operator.hostdirs", "--remove",
-        f"{render.RECLAIM_MOUNT}/state/default.small", f"{render.RECLAIM_MOUNT}/nvme/default.small"]
+        *(f"{render.RECLAIM_MOUNT}/{name}/default.small"
+          for name in ("state", "nvme", "dram", "sockets"))]
     assert init["securityContext"]["runAsUser"] == 0
     assert init["securityContext"]["capabilities"] == {
         "drop": ["ALL"], "add": list(render.HOST_DIRS_CAPABILITIES)}
@@ -210,6 +214,15 @@ def test_the_state_directory_is_a_pool_setting_and_a_deleted_pool_reclaims_it(
     # Not the agents' pods: no Service, PodMonitor or agent selector takes them.
     labels = reclaim["spec"]["template"]["metadata"]["labels"]
     assert not render.selector_labels(pool).items() <= labels.items()
+
+    # An arena on huge pages: its hugetlbfs directory, and its journal's on the tmpfs.
+    pool_minimal["spec"]["tiers"]["dram"]["hugePages"] = True
+    huge = render.render_reclaim_daemon_set(api.parse_pool(pool_minimal))
+    assert {v["name"]: v["hostPath"]["path"]
+            for v in huge["spec"]["template"]["spec"]["volumes"]} == {
+        "state": "/data/kvpool/state", "nvme": "/mnt/nvme", "dram": "/dev/hugepages/kvpool",
+        "journal": "/dev/shm/kvpool", "sockets": "/run/kvpool"}
+    del pool_minimal["spec"]["tiers"]["dram"]["hugePages"]
 
     pool_minimal["spec"]["stateHostPath"] = "/opt/state"
     with pytest.raises(Forbidden, match=r"spec\.stateHostPath"):

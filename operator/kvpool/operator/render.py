@@ -965,18 +965,24 @@ def render_gc_job(pool: api.KVCachePool, settings: Settings | None = None) -> Ma
 
 
 def _node_dir_parents(pool: api.KVCachePool) -> list[tuple[str, str]]:
-    """(name, host directory) of the parents of the pool's directories on disk that
-    `spec.nodeReclaimPolicy: Delete` removes: the state directory's, the NVMe directory's."""
+    """(name, host directory) of the parents of the pool's directories on a node that
+    `spec.nodeReclaimPolicy: Delete` removes: the state directory's, the NVMe directory's,
+    the DRAM arena's (a tmpfs or hugetlbfs file left there holds the host's memory for
+    good), the journal's (an arena on huge pages) and the socket directory's."""
     out = [("state", pool.spec.state_host_path)]
     if pool.spec.tiers.nvme is not None:
         out.append(("nvme", pool.spec.tiers.nvme.host_path.rstrip("/") or "/"))
+    out.append(("dram", str(Path(_dram_host_dir(pool)).parent)))
+    if (journal := _journal_host_dir(pool)) is not None:
+        out.append(("journal", str(Path(journal).parent)))
+    out.append(("sockets", pool.spec.socket_dir.rstrip("/") or "/"))
     return out
 
 
 def render_reclaim_daemon_set(pool: api.KVCachePool,
                               settings: Settings | None = None) -> Manifest:
-    """The DaemonSet that removes a deleted pool's state and NVMe directories on every node
-    its agents ran on (`spec.nodeReclaimPolicy: Delete`), started once they are gone.
+    """The DaemonSet that removes a deleted pool's directories on every node its agents ran
+    on (state, NVMe, DRAM arena, socket: `_node_dir_parents`) (`spec.nodeReclaimPolicy: Delete`), started once they are gone.
 
     Its init container (`hostdirs --remove`) deletes `<parent>/<ns>.<name>` below each
     parent, mounted whole so the directory itself goes too; a pod is ready once its node is
