@@ -77,14 +77,15 @@ class Engine:
     def __init__(self, name: str, model: Path, agent: LocalAgent | None, workdir: Path,
                  tenant: str = "team-a", connector: dict[str, Any] | None = CONNECTOR,
                  chunk_tokens: int = CHUNK, harness: Path = HARNESS,
-                 **env_extra: str) -> None:
+                 prefix: tuple[str, ...] = (), **env_extra: str) -> None:
         self.name = name
         self.log_path = workdir / f"vllm-{name}.log"
         env = dict(os.environ, KVPOOL_TENANT=tenant, KVPOOL_CHUNK_TOKENS=str(chunk_tokens),
                    POD_NAME=f"vllm-{name}", **env_extra)
         if agent is not None:
             env["KVPOOL_SOCKET"] = str(agent.socket_path)
-        args = [str(vllm_python()), str(harness), "serve", str(model)]
+        # `prefix`: run it under this command (e.g. `ip netns exec NS`: on another node)
+        args = [*prefix, str(vllm_python()), str(harness), "serve", str(model)]
         if connector is not None:
             args.append(json.dumps(connector))
         with self.log_path.open("w") as log:
