@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,26 @@ def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> No
         assert {"fraction", "policies", "simulated", "lru", "optimal", "unbounded"} <= set(cap)
         # every eviction order is replayed through an agent, and simulated beside it
         assert set(cap["policies"]) == set(cap["simulated"]) == orders
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the peer part's nodes are network namespaces: "
+                    "root only (the bench leaves the part out and says so)")
+def test_the_peer_part_reads_every_chunk_back_and_reports_each_figure(
+        result: dict[str, Any]) -> None:
+    peer = result["peer"]
+    assert set(peer["sizes"]) == set(SIZES_QUICK)
+    for size, row in peer["sizes"].items():
+        assert {"peer_read_gbps", "raw_tcp_gbps", "peer_vs_raw"} <= set(row)
+        # Every round's chunks (the warm-up round's too), read from node 0 through node 1's
+        # agent, were compared with what was stored (a wrong byte stops the bench).
+        rounds = result["meta"]["reps"] + 1
+        mib = int(size.removesuffix("MiB"))
+        assert row["bytes_verified"] == row["chunks"] * mib * 2**20 * rounds
+    assert {"p50_us", "p99_us", "dram_p50_us", "dram_p99_us"} <= set(peer["lookup"])
+    assert peer["lookup"]["keys"] == 128
+    assert peer["lookup"]["remote_entries"] == peer["directory"]["remote_entries"] == 10**5
+    assert {"samples", "p50_ms", "p99_ms"} <= set(peer["propagation"])
+    assert "agent_rss_bytes_per_entry" in peer["directory"]
 
 
 def test_every_figure_is_a_positive_number(result: dict[str, Any]) -> None:

@@ -493,7 +493,9 @@ def bench(
         "--part", metavar="NAME",
         help="Run only this part (repeatable): data (needs redis-server and the redis "
         "package), events, control, tiers (its G4 figures need moto[server]), hit-ratio "
-        "(its libCacheSim peers need libcachesim), scale, vllm (vLLM's time to first token "
+        "(its libCacheSim peers need libcachesim), scale, peer (the peer tier between two "
+        "network namespaces against raw TCP; needs root and iproute2), vllm (vLLM's time to "
+        "first token "
         "with a kvpool hit; needs a vLLM environment: tests/install-vllm or "
         "$KVPOOL_VLLM_PYTHON). Default: every part but vllm.")] = None,
 ) -> None:

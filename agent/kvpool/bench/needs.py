@@ -3,8 +3,9 @@
 kvpool's own dependencies run every kvpool figure; some baselines and peers need more: the
 Redis baseline of the data part (`redis-server` and the redis package), the G4 baseline of
 the tiers part (a moto S3 server: `moto[server]`), the libCacheSim peers of the hit-ratio
-part (`libcachesim`), the plots of `--out` (`matplotlib`) and the vllm part a vLLM
-environment (tests/install-vllm, or $KVPOOL_VLLM_PYTHON). `pip install '.[bench]'` from
+part (`libcachesim`), the plots of `--out` (`matplotlib`), the peer part root and `ip`
+(iproute2: its nodes are network namespaces) and the vllm part a vLLM environment
+(tests/install-vllm, or $KVPOOL_VLLM_PYTHON). `pip install '.[bench]'` from
 a checkout installs the packages; redis-server comes from the system (Debian:
 `apt-get install redis-server`). A bench run leaves out what it cannot run and says so,
 before it starts.
@@ -53,6 +54,8 @@ LIBCACHESIM = Need("the libcachesim package", "pip install libcachesim",
 MATPLOTLIB = Need("the matplotlib package", "pip install matplotlib",
                   _importable("matplotlib"))
 
+ROOT = Need("root (network namespaces)", "run it as root, e.g. sudo", lambda: os.geteuid() == 0)
+IPROUTE = Need("the ip program", "apt-get install iproute2", _program("ip"))
 
 
 def vllm_python() -> Path:
@@ -65,7 +68,8 @@ VLLM = Need("a vLLM environment with kvpool in it",
             "tests/install-vllm from a checkout, or KVPOOL_VLLM_PYTHON=its python",
             lambda: vllm_python().exists())
 
-WHOLE_PARTS: dict[str, tuple[Need, ...]] = {"data": (REDIS_SERVER, REDIS), "vllm": (VLLM,)}
+WHOLE_PARTS: dict[str, tuple[Need, ...]] = {"data": (REDIS_SERVER, REDIS), "vllm": (VLLM,),
+                                             "peer": (ROOT, IPROUTE)}
 """Parts that do not run at all without these (their figures are ratios to the baseline)."""
 SECTIONS: dict[str, tuple[str, tuple[Need, ...]]] = {
     "g4": ("tiers", (MOTO_SERVER,)),

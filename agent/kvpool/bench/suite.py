@@ -3,9 +3,10 @@
 Parts (each in its own module): data path G2 against memcpy and Redis
 (`bench_data`), control latency (`bench_control`), G3 and G4 against raw
 file I/O and boto3 (`bench_tiers`), trace hit ratio against LRU and Belady's
-MIN (`bench_replay`, `bench_trace`), scale (`bench_scale`), plots
-(`bench_plots`). `run_bench` runs them in order and returns one dict; with
-`--json` it is printed as the last line of stdout.
+MIN (`bench_replay`, `bench_trace`), scale (`bench_scale`), the peer tier between two
+network namespaces against raw TCP (`peer_tier`), plots (`bench_plots`). `run_bench`
+runs them in order and returns one dict; with `--json` it is printed as the last line of
+stdout.
 
 Run it as `kvpool bench [--quick] [--json] [--out DIR] [--trace FILE] [--part NAME]...`;
 `--part` runs only the named parts (`PARTS`), e.g. `hit-ratio` to rerun the eviction
@@ -51,10 +52,11 @@ QUICK_TRACE_REQUESTS = 1000
 """--quick replays (and simulates) only the trace's first requests."""
 QUICK_PEER_REQUESTS = 300
 """--quick runs libCacheSim's policies on this many requests only (CI stays fast)."""
-PARTS = ("data", "events", "control", "tiers", "hit-ratio", "scale", "vllm")
+PARTS = ("data", "events", "control", "tiers", "hit-ratio", "scale", "peer", "vllm")
 """The parts a run can take, in order (`--part`): G2 vs memcpy and Redis; KV events on vs
 off; control latency; G3 and G4; the trace, conversation and NVMe admission figures
-(`trace`, `conversation`, `admission`); scale; vLLM's time to first token with a hit."""
+(`trace`, `conversation`, `admission`); scale; the peer tier between two nodes (network
+namespaces: root) against raw TCP; vLLM's time to first token with a hit."""
 DEFAULT_PARTS = PARTS[:-1]
 """What a run without `--part` takes: all but `vllm` (engine starts, in an environment of
 its own)."""
@@ -62,7 +64,8 @@ its own)."""
 
 _WHAT = {"data": "the data part: G2 vs memcpy and Redis", "g4": "the tiers part's G4 figures",
          "libcachesim": "the hit-ratio part's libCacheSim peers", "plots": "the PNG plots",
-         "vllm": "the vllm part: time to first token with a kvpool hit"}
+         "vllm": "the vllm part: time to first token with a kvpool hit",
+         "peer": "the peer part: reads between two nodes vs raw TCP"}
 """What each name `needs.left_out` may give stands for, in words."""
 
 
@@ -150,6 +153,11 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
         scale.update(run_nvme_index([10**4] if quick else [10**4, 10**6]))
         result["meta"]["nvme_index_order"] = scale.pop("nvme_index_order")  # a word
         result["scale"] = scale
+    if "peer" in parts:
+        part("peer tier: reads between two nodes vs raw TCP, LOOKUP, directory")
+        from .peer_tier import run_peer
+
+        result["peer"] = run_peer(quick, reps)
     if "vllm" in parts:
         part("vLLM time to first token: a kvpool hit vs recomputed (three engine starts)")
         from .vllm_ttft import run_vllm
@@ -263,6 +271,8 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
             f"at 1e4, {s['lookup_p50_us_1e6']:.0f} µs at {s['lookup_1e6_measured_at']:.0e}"
             f"{rebuild}; NVMe index ({r['meta']['nvme_index_order']}) "
             f"{s['nvme_index_bytes_per_chunk_' + _tag(at)]:.0f} B a chunk at {at:.0e}")
+    if "peer" in r:
+        _print_peer(console, r["peer"])
     if "vllm" in r:
         v = r["vllm"]
         t = Table(title=f"vLLM time to first token, s: a kvpool hit vs recomputed "
@@ -279,6 +289,23 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                       f"{row['loaded_mib']:.1f}", "-" if over is None else f"{over:.0%}")
         console.print(t)
     console.print(f"total {r['meta']['seconds']}s")
+
+
+def _print_peer(console: Console, pr: dict[str, Any]) -> None:
+    t = Table(title="peer tier: reads on node 1 of chunks node 0 holds, GB/s (median of reps)")
+    for col in ("size", "chunks a round", "peer read", "raw TCP", "peer / raw"):
+        t.add_column(col, justify="right")
+    for size, row in pr["sizes"].items():
+        t.add_row(size, str(row["chunks"]), f"{row['peer_read_gbps']:.3f}",
+                  f"{row['raw_tcp_gbps']:.3f}", f"{row['peer_vs_raw']:.2f}x")
+    console.print(t)
+    lk, pg, d = pr["lookup"], pr["propagation"], pr["directory"]
+    console.print(
+        f"peer tier: LOOKUP of {lk['keys']} remote keys with {lk['remote_entries']:.0e} remote "
+        f"entries p50 {lk['p50_us']:.0f} µs, p99 {lk['p99_us']:.0f} µs (of {lk['keys']} DRAM "
+        f"keys: {lk['dram_p50_us']:.0f} / {lk['dram_p99_us']:.0f} µs); directory propagation "
+        f"p50 {pg['p50_ms']:.2f} ms, p99 {pg['p99_ms']:.2f} ms; "
+        f"{d['agent_rss_bytes_per_entry']:.0f} B of agent memory per remote entry")
 
 
 def _tag(n: int) -> str:

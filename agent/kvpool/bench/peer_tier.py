@@ -1,0 +1,270 @@
+"""Peer part of `kvpool bench`: the peer tier between two nodes (network namespaces joined
+by veth pairs on a bridge, `netns`; root only), every figure against its baseline in the
+same run.
+
+- reads: chunks of 1 MiB and 16 MiB stored on node 0 and read on node 1 through both
+  agents (`KVPoolClient.get_into` on node 1: its agent fetches each chunk from node 0's
+  into its arena, verifies it, and the client copies it out), against a raw TCP stream of
+  the same bytes from node 0's namespace to node 1's (`rawtcp`). Every chunk read is
+  compared with what was stored: a wrong byte stops the bench.
+- lookup: a 128-key LOOKUP on node 1 whose keys are all remote, with 10^6 remote entries
+  in its directory (10^5 with --quick), over the socket (the shared-memory index holds
+  DRAM only), against the same LOOKUP of 128 keys in node 1's DRAM over the socket. The
+  entries come over the wire from a peer that only announces (`InventoryPeer`, in this
+  process, on the bridge: an agent holding 10^6 chunks would need 10^6 arena pages); a
+  FETCH from it is answered "absent".
+- propagation: seconds from a PUT on node 0 returning to node 1's LOOKUP counting the
+  chunk (the announcement's way through node 0's subscription to node 1's directory).
+- directory: node 1's resident memory grown by the 10^6 announced entries, per entry.
+
+Hand-off latency (a chunk pushed after its COMMIT to the node named by the put) adds its
+section here, `handoff`, beside the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.peers import auth, wire
+
+from .control import sample
+from .netns import PEER_PORT, Network, Node, peer_agent
+from .stats import MiB, percentile
+
+LOOKUP_KEYS = 128
+PROPAGATION_CHUNK = 4096
+SMALL_READS = {False: 64, True: 16}
+"""1 MiB chunks read per round (full, --quick)."""
+LARGE_READS = {False: 16, True: 4}
+"""16 MiB chunks read per round."""
+REMOTE_ENTRIES = {False: 10**6, True: 10**5}
+PROPAGATIONS = {False: 200, True: 20}
+LOOKUPS = {False: 10000, True: 1000}
+
+
+def size_name(size: int) -> str:
+    return f"{size // MiB}MiB"
+
+
+class InventoryPeer:
+    """A peer of the pool that holds nothing but announces `count` keys of `size` bytes:
+    it proves the pool's secret like an agent, and on SUBSCRIBE sends an empty inventory,
+    then, on `announce`, the keys as changes (ADD messages of `wire.MAX_RECORDS`), then
+    heartbeats. A FETCH is answered "absent"."""
+
+    def __init__(self, host: str, secret: bytes, keys: bytes, size: int) -> None:
+        self.secret, self.keys, self.size = secret, keys, size
+        self.agent_id = os.urandom(16)
+        self.server = socket.create_server((host, 0))
+        self.port: int = self.server.getsockname()[1]
+        self.go = threading.Event()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def announce(self) -> None:
+        self.go.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.close()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError, auth.AuthError, wire.WireError):
+            client_id, client_nonce = auth.parse_hello(_recv(conn, wire.HELLO.size))
+            mine = auth.nonce()
+            conn.sendall(auth.hello(self.agent_id, mine) + auth.proof(
+                self.secret, b"server", client_nonce, mine, client_id, self.agent_id))
+            auth.check(auth.proof(self.secret, b"client", client_nonce, mine, client_id,
+                                  self.agent_id), _recv(conn, wire.PROOF_BYTES))
+            conn.sendall(wire.ACCEPTED)
+            while not self.closed:
+                op, rid, tlen, _ = wire.request_head(_recv(conn, wire.REQUEST.size))
+                _recv(conn, tlen)
+                if op == wire.OP_SUBSCRIBE:
+                    self._stream(conn)
+                    return
+                conn.sendall(wire.encode_reply(wire.ABSENT, rid))
+
+    def _stream(self, conn: socket.socket) -> None:
+        conn.sendall(wire.encode_stream(wire.BEGIN, "", sent_at=time.time())
+                     + wire.encode_stream(wire.SYNCED, sent_at=time.time()))
+        while not self.go.wait(0.25):
+            conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+        step = 16 * wire.MAX_RECORDS
+        for start in range(0, len(self.keys), step):
+            block = self.keys[start : start + step]
+            conn.sendall(wire.encode_stream(wire.ADD, "", [
+                (block[i : i + 16], self.size) for i in range(0, len(block), 16)], time.time()))
+        while not self.closed:
+            time.sleep(0.25)
+            conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+
+
+def _recv(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("closed")
+        got += k
+    return bytes(buf)
+
+
+def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"peer bench: no {what} within {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+def _in(node: Node, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", node.ns, *cmd]
+
+
+def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float:
+    """Seconds node's namespace takes to receive `count` chunks of `size` bytes from the
+    raw sender."""
+    out = subprocess.run(_in(node, sys.executable, "-m", "kvpool.bench.rawtcp", "recv",
+                             sender[0], str(sender[1]), str(size), str(count)),
+                         capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int,
+               reps: int) -> tuple[list[float], int]:
+    """Seconds per round of reading `count` chunks of `size` bytes stored on the holder
+    through the reader's agent (each round reads them from the peer again: the reader
+    deletes its copies between rounds), and the bytes read and found equal to what was
+    stored (every read is compared; a wrong byte stops the bench)."""
+    rng = random.Random(size)
+    keys = [rng.randbytes(16) for _ in range(count)]
+    data = [rng.randbytes(size) for _ in range(count)]
+    for k, d in zip(keys, data, strict=True):
+        if not holder.put(k, d):
+            raise RuntimeError("peer bench: the holder refused a chunk")
+    bufs = [bytearray(size) for _ in range(count)]
+    _wait(lambda: reader.lookup_tiers(keys) == ["peer"] * count, "announcement of the chunks")
+    times, verified = [], 0
+    for _ in range(reps + 1):  # the first round warms the connections up
+        start = time.perf_counter()
+        got = [reader.get_into(k, b) for k, b in zip(keys, bufs, strict=True)]
+        times.append(time.perf_counter() - start)
+        if got != [size] * count:
+            raise RuntimeError(f"peer bench: reads of {size} B chunks from the peer gave "
+                               f"{got}")
+        if any(b != d for b, d in zip(bufs, data, strict=True)):
+            raise RuntimeError(f"peer bench: a {size} B chunk read from the peer differs "
+                               "from what was stored")
+        verified += size * count
+        for k in keys:
+            reader.delete(k)
+        _wait(lambda: reader.lookup_tiers(keys) == ["peer"] * count, "the reader's delete")
+    for k in keys:
+        holder.delete(k)
+    return times[1:], verified
+
+
+def propagation(holder: KVPoolClient, reader: KVPoolClient, n: int) -> list[float]:
+    """Seconds from a PUT on the holder returning to the reader's LOOKUP counting it."""
+    out = []
+    data = os.urandom(PROPAGATION_CHUNK)
+    for _ in range(n):
+        key = os.urandom(16)
+        holder.put(key, data)
+        start = time.perf_counter()
+        deadline = start + 30
+        while reader.lookup_tiers([key]) != ["peer"]:
+            if time.perf_counter() > deadline:
+                raise RuntimeError("peer bench: a chunk's announcement took over 30 s")
+        out.append(time.perf_counter() - start)
+        holder.delete(key)
+    return out
+
+
+def run_peer(quick: bool, reps: int) -> dict[str, Any]:
+    sizes = {1 * MiB: SMALL_READS[quick], 16 * MiB: LARGE_READS[quick]}
+    entries = REMOTE_ENTRIES[quick]
+    dram = max(s * n for s, n in sizes.items()) * 2 + 16 * MiB
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpool-peer-bench-") as tmpdir, \
+            Network(2) as net, contextlib.ExitStack() as stack:
+        tmp = Path(tmpdir)
+        secret = tmp / "secret"
+        secret.write_bytes(os.urandom(32).hex().encode())
+        keys = random.Random(7).randbytes(16 * entries)
+        fake = InventoryPeer(net.host, secret.read_bytes(), keys, 1 * MiB)
+        stack.callback(fake.close)
+        agents = [stack.enter_context(peer_agent(
+            net, i, tmp / f"node{i}", secret, nvme=False, dram=str(dram), prefetch=False,
+            extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}",
+                                 f"{net.host}:{fake.port}"]})) for i in range(2)]
+        holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
+        sender = subprocess.Popen(_in(net.nodes[0], sys.executable, "-m", "kvpool.bench.rawtcp",
+                                      "send", net.nodes[0].addr),
+                                  stdout=subprocess.PIPE, text=True)
+        stack.callback(sender.wait, 30)
+        stack.callback(sender.kill)
+        assert sender.stdout is not None
+        raw_at = (net.nodes[0].addr, int(sender.stdout.readline()))
+
+        result["sizes"] = {}
+        for size, count in sizes.items():
+            raw = [raw_tcp(raw_at, net.nodes[1], size, count) for _ in range(reps)]
+            peer, verified = peer_reads(holder, reader, size, count, reps)
+            total = size * count
+            peer_gbps = total / percentile(peer, 50) / 1e9
+            raw_gbps = total / percentile(raw, 50) / 1e9
+            result["sizes"][size_name(size)] = {
+                "chunks": count, "peer_read_gbps": round(peer_gbps, 3),
+                "raw_tcp_gbps": round(raw_gbps, 3),
+                "peer_vs_raw": round(peer_gbps / raw_gbps, 3), "bytes_verified": verified}
+
+        prop = propagation(holder, reader, PROPAGATIONS[quick])
+        result["propagation"] = {"samples": len(prop),
+                                 "p50_ms": round(percentile(prop, 50) * 1e3, 2),
+                                 "p99_ms": round(percentile(prop, 99) * 1e3, 2)}
+
+        proc = psutil.Process(agents[1].proc.pid if agents[1].proc else 0)
+        before = proc.memory_info().rss
+        fake.announce()
+        _wait(lambda: reader.stats()["tiers"]["peer"]["chunks"] >= entries,
+              f"{entries} remote entries in the directory", timeout=300)
+        grown = proc.memory_info().rss - before
+        result["directory"] = {"remote_entries": entries,
+                               "agent_rss_bytes_per_entry": round(grown / entries, 1)}
+        remote = [keys[16 * i : 16 * i + 16] for i in range(LOOKUP_KEYS)]
+        local = [os.urandom(16) for _ in range(LOOKUP_KEYS)]
+        for k in local:
+            reader.put(k, b"x" * PROPAGATION_CHUNK)
+        path = str(agents[1].socket_path)
+        lookups = sample(path, "lookup", remote, LOOKUPS[quick])
+        baseline = sample(path, "lookup", local, LOOKUPS[quick])
+        result["lookup"] = {"keys": LOOKUP_KEYS, "remote_entries": entries,
+                            "p50_us": round(percentile(lookups, 50) * 1e6, 1),
+                            "p99_us": round(percentile(lookups, 99) * 1e6, 1),
+                            "dram_p50_us": round(percentile(baseline, 50) * 1e6, 1),
+                            "dram_p99_us": round(percentile(baseline, 99) * 1e6, 1)}
+    return result
