@@ -49,6 +49,14 @@ def test_roles_are_vllms_a_consumer_only_loads_a_producer_only_stores(
     assert (s.loads, s.saves) == (loads, saves)
 
 
+@pytest.mark.parametrize(("role", "wait"), [
+    ("kv_both", 0.05), ("kv_producer", 0.05), ("kv_consumer", 0.5)])
+def test_a_decode_engine_waits_longer_for_a_lookup_the_index_cannot_answer(
+        role: str, wait: float) -> None:
+    assert settings(*config(role)).lookup_wait == wait
+    assert settings(*config(role, extra={"lookup_wait": 2})).lookup_wait == 2
+
+
 def test_the_pods_environment_names_socket_tenant_and_chunk_size(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_SOCKET", "/run/kvpool/p/agent.sock")

@@ -9,7 +9,7 @@ KVPOOL_SOCKET, KVPOOL_TENANT and KVPOOL_CHUNK_TOKENS in an annotated pod):
 | `chunk_tokens` | `$KVPOOL_CHUNK_TOKENS`, else 256 | tokens per chunk (whole vLLM blocks) |
 | `model` | vLLM's `model` | the model name keys are made of (same on every engine sharing chunks) |
 | `timeout` | 5 | seconds a socket call may wait before the agent counts as stalled |
-| `lookup_wait` | 0.05 | seconds a request waits for a lookup the index cannot answer |
+| `lookup_wait` | 0.05 (`kv_consumer`: 0.5) | seconds to wait for a lookup the index cannot answer |
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ from .layout import Layout, check_chunk_tokens
 
 ENV_CHUNK_TOKENS = "KVPOOL_CHUNK_TOKENS"
 DEFAULT_CHUNK_TOKENS = 256
+LOOKUP_WAIT = 0.05
+CONSUMER_LOOKUP_WAIT = 0.5
+"""A decode engine (`kv_consumer`) is there to load what a prefill engine stored, and its
+lookups go to the socket (chunks on a peer node are not in the shared-memory index): a
+late answer costs it the whole prompt's prefill, so it waits longer for one."""
 
 
 class UnsupportedModel(ValueError):
@@ -72,8 +77,10 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
         tp_size=int(parallel.tensor_parallel_size), pp_size=int(parallel.pipeline_parallel_size),
         tenant=str(_extra(vllm_config, "tenant", "") or os.environ.get(ENV_TENANT, "")))
     transfer = vllm_config.kv_transfer_config
+    loads, saves = bool(transfer.is_kv_consumer), bool(transfer.is_kv_producer)
     return Settings(
         socket=_extra(vllm_config, "socket", None) or os.environ.get(ENV_SOCKET),
-        layout=layout, loads=bool(transfer.is_kv_consumer), saves=bool(transfer.is_kv_producer),
+        layout=layout, loads=loads, saves=saves,
         timeout=float(_extra(vllm_config, "timeout", 5.0)),
-        lookup_wait=float(_extra(vllm_config, "lookup_wait", 0.05)))
+        lookup_wait=float(_extra(vllm_config, "lookup_wait",
+                                 CONSUMER_LOOKUP_WAIT if loads and not saves else LOOKUP_WAIT)))
