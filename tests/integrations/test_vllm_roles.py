@@ -1,0 +1,106 @@
+"""The vLLM connector's roles, as vLLM defines them, on its scheduler side against a real
+agent (no vLLM: the request and step objects carry the attributes vLLM 0.32's have, as the
+connector reads them): a `kv_consumer` loads and never stores, a `kv_producer` stores and
+never loads. `tests/peers/test_peer_vllm.py` runs both roles in vLLM's own engines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.integrations.vllm.layout import KeyChain, Layout
+from kvpool.agent.integrations.vllm.scheduler import SchedulerSide
+from kvpool.agent.integrations.vllm.settings import Settings
+from kvpool.bench.local import LocalAgent
+
+CHUNK, BLOCK = 64, 32
+LAYOUT = Layout(model="m", dtype="float32", layers=2, kv_heads=2, head_size=64,
+                head_size_v=64, block_size=BLOCK, chunk_tokens=CHUNK)
+PROMPT = [(i * 31) % 990 + 5 for i in range(4 * CHUNK + 9)]
+"""Four whole chunks and a tail: in the pool."""
+NEW = [t + 1 for t in PROMPT]
+"""Not in the pool."""
+
+
+def scheduler(agent: LocalAgent, *, loads: bool, saves: bool) -> SchedulerSide:
+    return SchedulerSide(Settings(socket=str(agent.socket_path), layout=LAYOUT, loads=loads,
+                                  saves=saves, timeout=5.0, lookup_wait=30.0), "m")
+
+
+def request(req_id: str, prompt: list[int]) -> Any:
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=len(prompt),
+                           all_token_ids=prompt, num_computed_tokens=0,
+                           block_hashes=[bytes([i]) * 32 for i in range(len(prompt) // BLOCK)])
+
+
+def matched(side: SchedulerSide, req: Any) -> tuple[int | None, bool]:
+    """vLLM asks each step until the answer is not None (the socket's lookup is due)."""
+    for _ in range(2000):
+        got = side.matched_tokens(req, 0)
+        if got[0] is not None:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("the lookup never answered")
+
+
+def whole_prompt_step(req: Any) -> Any:
+    """A step that computes the whole prompt, its blocks 0, 1, ..."""
+    blocks = list(range(len(PROMPT) // BLOCK + 1))
+    return SimpleNamespace(num_scheduled_tokens={req.request_id: len(PROMPT)},
+                           preempted_req_ids=set(),
+                           kv_connector_block_state=SimpleNamespace(
+                               get_block_ids=lambda _: [blocks]))
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalAgent, list[bytes]]]:
+    """An agent holding PROMPT's four chunks, and their keys (the tests store nothing)."""
+    keys = KeyChain(LAYOUT.fingerprint()).upto(PROMPT, 4)
+    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("roles"), dram="8Mi") as a, \
+            KVPoolClient(a.socket_path) as c:
+        for k in keys:
+            assert c.put(k, b"kv")
+        yield a, keys
+
+
+def test_both_loads_what_the_pool_holds_and_stores_what_it_computes(
+        pool: tuple[LocalAgent, list[bytes]]) -> None:
+    side = scheduler(pool[0], loads=True, saves=True)
+    try:
+        assert matched(side, request("r", PROMPT)) == (4 * CHUNK, True)
+        new = request("n", NEW)
+        assert matched(side, new) == (0, False)
+        assert [len(j.block_ids) for j in side.step_jobs(whole_prompt_step(new)).saves] == [4]
+    finally:
+        side.close()
+
+
+def test_a_consumer_loads_and_never_stores(pool: tuple[LocalAgent, list[bytes]]) -> None:
+    side = scheduler(pool[0], loads=True, saves=False)
+    try:
+        assert matched(side, request("r", PROMPT)) == (4 * CHUNK, True)
+        new = request("n", NEW)
+        assert matched(side, new) == (0, False)
+        assert side.step_jobs(whole_prompt_step(new)).saves == []
+        assert side.finished(new) is False  # vLLM frees its blocks at once
+    finally:
+        side.close()
+
+
+def test_a_producer_stores_and_never_loads(pool: tuple[LocalAgent, list[bytes]]) -> None:
+    agent, stored = pool
+    side = scheduler(agent, loads=False, saves=True)
+    try:
+        req = request("r", PROMPT)
+        assert matched(side, req) == (0, False)  # though the pool holds all four
+        jobs = side.step_jobs(whole_prompt_step(req))
+        assert jobs.loads == []
+        assert [j.keys[(0, 0)] for j in jobs.saves] == [stored]
+        assert side.finished(req) is True  # its blocks kept until the saves are done
+    finally:
+        side.close()
