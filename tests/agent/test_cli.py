@@ -55,6 +55,33 @@ def test_demo_json_reports_all_three_tiers_and_hit_ratios() -> None:
     assert local == round(report["local_hit_ratio"] * report["blocks"])
 
 
+def test_demo_with_two_nodes_says_how_many_hits_came_from_the_peer() -> None:
+    run = kvpool("demo", "--json", "--nodes", "2", "--requests", "120", "--no-events")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["nodes"] == 2 and report["requests_per_node"] == 60
+    assert report["wrong_bytes"] == 0 and report["inventory_synced"]
+    node1, node2 = report["node1"], report["node2"]
+    # Node 1 ran first: its peer, node 2, held nothing then.
+    assert node1["tiers"]["peer"]["hits"] == 0 and node1["bytes_written"] > 0
+    # Node 2 replayed the same requests: what node 1 still held came from it, the rest of
+    # what node 1 had stored from the shared tier (write-through), so every block node 1
+    # hit or stored was a hit on node 2 (a block node 1's small DRAM refused is a miss on
+    # both). Its agent counted the same peer hits as the replay.
+    assert report["peer_hits"] == node2["tiers"]["peer"]["hits"] > 0
+    node1_had = sum(t["hits"] for t in node1["tiers"].values()) \
+        + node1["bytes_written"] // node1["block_bytes"]
+    assert sum(t["hits"] for t in node2["tiers"].values()) == node1_had
+    assert node2["tiers"]["shared"]["hits"] > 0  # what node 1 evicted
+    assert f"node 2: {report['peer_hits']} of its" in run.stderr  # the line for a reader
+
+
+def test_demo_runs_one_or_two_nodes() -> None:
+    run = kvpool("demo", "--nodes", "3", timeout=60)
+    assert run.returncode == 2
+    assert "invalid value for '--nodes': 3" in run.stderr
+
+
 def test_demo_without_a_shared_tier() -> None:
     run = kvpool("demo", "--json", "--requests", "100", "--shared", "none")
     assert run.returncode == 0, run.stderr

@@ -462,13 +462,17 @@ def demo(
     events: Annotated[bool, typer.Option(
         "--events/--no-events", help="Publish KV events (on a free port it prints, for "
         "`kvpool events --endpoint`) and count them live.")] = True,
+    nodes: Annotated[int, typer.Option(
+        metavar="N", help="1, or 2: two agents as two nodes of one pool (peers on 127.0.0.1); "
+        "node 1 replays the trace's first half, then node 2 the same requests, and the "
+        "report says how many of node 2's hits came from node 1.")] = 1,
 ) -> None:
     """Start a local agent and replay a real request trace through it."""
     from kvpool.bench.demo import DemoError, run_demo
 
     try:
         run_demo(trace=trace, as_json=as_json, block_bytes=block_bytes, dram=dram, nvme=nvme,
-                 shared=shared, requests=requests, events=events)
+                 shared=shared, requests=requests, events=events, nodes=nodes)
     except DemoError as e:
         _fail(str(e))
 
