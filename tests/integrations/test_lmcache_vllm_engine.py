@@ -12,9 +12,7 @@ own code with the configuration the docs give.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from kvpool.bench.local import LocalAgent
 
 from ..support import REPO_ROOT
 from . import lmcache_vllm_engine
-from .test_vllm_engine import HARNESS, Engine, stats, tokens, vllm_python
+from .test_vllm_engine import Engine, stats, tokens
 
 pytestmark = pytest.mark.alone  # two engine processes: they want the machine's two cores
 
@@ -50,13 +48,11 @@ def documented_config() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory
+def engines(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path
             ) -> Iterator[tuple[LocalAgent, dict[str, Any], Engine]]:
     """The agent after engine A ran PROMPT, A's result, and engine B (not asked yet)."""
     work = tmp_path_factory.mktemp("lmcache-vllm")
-    model = work / "model"
-    subprocess.run([str(vllm_python()), str(HARNESS), "model", str(model)], check=True,
-                   capture_output=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    model = vllm_model
     config = documented_config()
     # a small model: smaller chunks and LMCache CPU buffer than the docs' (a 70B's)
     config.update(chunk_size=CHUNK, max_local_cpu_size=0.2)

@@ -152,11 +152,9 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> Iterator[Run]:
     work = tmp_path_factory.mktemp("vllm")
-    model = work / "model"
-    subprocess.run([str(vllm_python()), str(HARNESS), "model", str(model)], check=True,
-                   capture_output=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    model = vllm_model
     ctx: zmq.Context[object] = zmq.Context()
     # With an NVMe tier the shared-memory index cannot answer a prefix that ends in DRAM
     # (NVMe may go on): the scheduler then asks the socket, in the background.

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
 from ..integrations import vllm_engine
-from ..integrations.test_vllm_engine import CONNECTOR, DOWN, HARNESS, Engine, tokens, vllm_python
+from ..integrations.test_vllm_engine import CONNECTOR, DOWN, Engine, tokens
 from ..support import REPO_ROOT
 from .conftest import metric, wait_until
 from .nodes import PEER_PORT, Network, peer_agent
@@ -78,14 +78,12 @@ def directory(agent: LocalAgent) -> int:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> Iterator[PD]:
     work = tmp_path_factory.mktemp("pd")
     secret = work / "secret"
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o400)
-    model = work / "model"
-    subprocess.run([str(vllm_python()), str(HARNESS), "model", str(model)], check=True,
-                   capture_output=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    model = vllm_model
     net = Network(2)
     engines: list[Engine] = []
     try:
