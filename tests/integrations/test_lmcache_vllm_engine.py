@@ -24,7 +24,7 @@ from kvpool.bench.local import LocalAgent
 
 from ..support import REPO_ROOT
 from . import lmcache_vllm_engine
-from .test_vllm_engine import Engine, stats, tokens
+from .engines import Engine, stats, tokens
 
 pytestmark = pytest.mark.alone  # two engine processes: they want the machine's two cores
 

@@ -2,18 +2,18 @@
 
 Each engine is a fresh process (`vllm_engine.py`) in the vLLM test environment
 (tests/install-vllm), as a vLLM pod would be; nothing but the agent connects them. Engine
-starts are what these tests cost (~20-35 s each), so one module runs every scenario on four
-engines: a reference with no connector, engine A that stores, then engines B (same tenant)
-and C (another tenant) at once.
+starts are what these tests cost (~15-35 s each), so one module runs every scenario on few
+engines, started in two waves: engine A that stores, beside engines D (another model) and E
+(another KV-cache dtype) that ask only once A is done; then engines B (same tenant) and C
+(another tenant) at once. The no-connector reference engine is the run's
+(tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,43 +22,29 @@ import pytest
 import zmq
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.bench import needs
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import wait_until
 from ..agent.test_events import MapBatch, Mirror, events_agent
 from ..support import REPO_ROOT
 from . import vllm_engine
+from .engines import KVPOOL_CONNECTOR, START_TIMEOUT, Engine, Reference, stats, tokens
 
-# Two engines at a time, each a process that takes a core or more: beside other tests they
-# would only slow each other down (tests/run runs `alone` tests one at a time, after the rest).
-# The hang guard covers the module's engine starts, which the first test's set-up pays for:
-# ~1.5 min on an idle machine, several on one busy with other work.
+# Up to three engines at a time, each a process that takes a core or more: beside other
+# tests they would only slow each other down (tests/run runs `alone` tests one at a time,
+# after the rest). The hang guard covers the module's engine starts, which the first
+# test's set-up pays for: ~1 min on an idle machine, several on one busy with other work.
 pytestmark = [pytest.mark.alone, pytest.mark.timeout(900)]
 
-HARNESS = Path(vllm_engine.__file__)
 CHUNK = 64
 """Tokens per chunk: two vLLM blocks of 32."""
-CONNECTOR = {"kv_connector": "KVPoolConnector",
-             "kv_connector_module_path": "kvpool.agent.integrations.vllm",
-             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-"""What docs/integrations.md tells a user to pass as --kv-transfer-config."""
-START_TIMEOUT = 300
+CONNECTOR = KVPOOL_CONNECTOR
 DOWN = "serving without the pool (recomputing) until it is back"
 """The connector's warning when it finds the agent unreachable: once per incident."""
-
-
-def vllm_python() -> Path:
-    """The vLLM environment's python: $KVPOOL_VLLM_PYTHON, else tests/install-vllm's place."""
-    path = needs.vllm_python()
-    if not path.exists():
-        pytest.fail(f"no vLLM test environment at {path}: run tests/install (tests/install-vllm)")
-    return path
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """A prompt of `n` token ids (the model's vocabulary is 1000; ids 0-2 are special)."""
-    return [(i * 7919 + seed * 104729 + seed * i * 31) % 990 + 5 for i in range(n)]
+FP8 = {"kv_cache_dtype": "fp8"}
+"""Engine E's KV cache: vLLM's fp8 (e4m3) cache, 1 byte an element where A's is float32's 4;
+the model's dtype stays float32. vLLM's CPU build runs an fp8 cache on x86 with AVX-512 or
+AMX (what CI's machines have); float16 and bfloat16 models run there too."""
 
 
 MAIN = tokens(1, 8 * CHUNK + 10)
@@ -69,126 +55,66 @@ CORRUPT, EVICT, KILLED = (tokens(seed, 6 * CHUNK + 5) for seed in (3, 4, 5))
 OWN_B = [tokens(10 + i, 4 * CHUNK + 3 * i) for i in range(3)]
 OWN_C = [tokens(20 + i, 4 * CHUNK + 5 * i) for i in range(3)]
 STORED_BY_A = [MAIN, CORRUPT, EVICT, KILLED]
-
-
-class Engine:
-    """A vLLM engine process answering the harness's JSON commands."""
-
-    def __init__(self, name: str, model: Path, agent: LocalAgent | None, workdir: Path,
-                 tenant: str = "team-a", connector: dict[str, Any] | None = CONNECTOR,
-                 chunk_tokens: int = CHUNK, harness: Path = HARNESS,
-                 prefix: tuple[str, ...] = (), **env_extra: str) -> None:
-        self.name = name
-        self.log_path = workdir / f"vllm-{name}.log"
-        env = dict(os.environ, KVPOOL_TENANT=tenant, KVPOOL_CHUNK_TOKENS=str(chunk_tokens),
-                   POD_NAME=f"vllm-{name}", **env_extra)
-        if agent is not None:
-            env["KVPOOL_SOCKET"] = str(agent.socket_path)
-        # `prefix`: run it under this command (e.g. `ip netns exec NS`: on another node)
-        args = [*prefix, str(vllm_python()), str(harness), "serve", str(model)]
-        if connector is not None:
-            args.append(json.dumps(connector))
-        with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=env, cwd=workdir)
-        self.started: dict[str, Any] = {}
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=60)
-            raise AssertionError(f"engine {self.name} exited ({self.proc.returncode}):\n"
-                                 f"{self.log()[-8000:]}")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def ready(self) -> dict[str, Any]:
-        self.started = self.read()
-        assert self.started.get("ready"), self.started
-        return self.started
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
-        self.send(json.dumps({"op": op, **args}))
-        return self.read()
-
-    def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
-        return self("generate", prompts=list(prompts), max_tokens=max_tokens)
-
-    def quit(self) -> None:
-        if self.proc.poll() is None:
-            self.send(json.dumps({"op": "quit"}))
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def stats(agent: LocalAgent) -> dict[str, Any]:
-    with KVPoolClient(agent.socket_path) as c:
-        return c.stats()
+EVERYTHING = [MAIN, PREFIX, CORRUPT, EVICT, KILLED, *OWN_B, *OWN_C]
 
 
 class Run:
-    """What the module's engines did, and engines B and C still serving."""
+    """What the module's engines did, and engines B, C, D and E still serving."""
 
-    def __init__(self, agent: LocalAgent, mirror: Mirror, reference: dict[str, list[int]],
-                 stored: dict[str, Any], after_a: dict[str, Any], b: Engine,
-                 c: Engine, odd: Engine) -> None:
+    def __init__(self, agent: LocalAgent, mirror: Mirror, reference: Reference,
+                 stored: dict[str, Any], after_a: dict[str, Any],
+                 engines: dict[str, Engine]) -> None:
         self.agent, self.mirror, self.reference = agent, mirror, reference
-        self.stored, self.after_a, self.b, self.c, self.odd = stored, after_a, b, c, odd
+        self.stored, self.after_a = stored, after_a
+        self.b, self.c, self.odd = engines["b"], engines["c"], engines["odd-chunk"]
+        self.other_model, self.fp8 = engines["other-model"], engines["fp8-kv"]
 
     def expected(self, prompt: list[int]) -> list[int]:
-        return self.reference[json.dumps(prompt)]
+        return self.reference(prompt)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path, vllm_other_model: Path,
+        vllm_reference: Reference) -> Iterator[Run]:
     work = tmp_path_factory.mktemp("vllm")
-    model = vllm_model
+    model, reference = vllm_model, vllm_reference
     ctx: zmq.Context[object] = zmq.Context()
     # With an NVMe tier the shared-memory index cannot answer a prefix that ends in DRAM
     # (NVMe may go on): the scheduler then asks the socket, in the background.
     with events_agent(work, "node", "map", "64Mi", nvme=work / "nvme") as (agent, endpoint,
                                                                           replay):
         mirror = Mirror(ctx, endpoint, replay, b"kv@n1@default", MapBatch)
-        engines: list[Engine] = []
+        engines: dict[str, Engine] = {}
+
+        def start(name: str, path: Path = model, **kw: Any) -> Engine:
+            engines[name] = Engine(name, path, agent, work, **kw)
+            return engines[name]
         try:
-            # The reference (no connector) and engine A start at once: two cores.
-            ref = Engine("reference", model, None, work, connector=None)
-            a = Engine("a", model, agent, work)
-            engines += [ref, a]
-            ref.ready()
+            # First wave, beside the reference if this module starts it: A, and the two
+            # engines that must miss what A stores (they ask only once A is done).
+            a = start("a")
+            start("other-model", vllm_other_model)
+            start("fp8-kv", llm_args=FP8)
+            outputs = {json.dumps(p): reference(p) for p in EVERYTHING}
             a.ready()
-            everything = [MAIN, PREFIX, CORRUPT, EVICT, KILLED, *OWN_B, *OWN_C]
-            reference = {json.dumps(p): ref.generate(p)["outputs"][0] for p in everything}
             stored = {json.dumps(p): a.generate(p) for p in STORED_BY_A}
             assert a("drain")["drained"]
             after_a = stats(agent)
-            ref.quit()
             a.quit()
-            b = Engine("b", model, agent, work)
-            c = Engine("c", model, agent, work, tenant="team-b")
+            # Second wave: B, C, and an engine that must not start.
+            start("b")
+            start("c", tenant="team-b")
             # 48 tokens a chunk: not whole blocks of 32. It must not start.
-            odd = Engine("odd-chunk", model, agent, work, chunk_tokens=48)
-            engines += [b, c, odd]
-            b.ready()
-            c.ready()
+            odd = start("odd-chunk", chunk_tokens=48)
+            for name in ("other-model", "fp8-kv", "b", "c"):
+                engines[name].ready()
             odd.proc.wait(timeout=START_TIMEOUT)
-            yield Run(agent, mirror, reference, stored, after_a, b, c, odd)
+            assert len(outputs) == len(EVERYTHING)
+            yield Run(agent, mirror, reference, stored, after_a, engines)
         finally:
-            for e in engines:
+            for e in engines.values():
                 e.quit()
-            for e in engines:
+            for e in engines.values():
                 print(f"engine {e.name}: {e.started}")
             mirror.disconnect()
             ctx.destroy(linger=0)
@@ -214,7 +140,7 @@ def test_a_chunk_size_that_is_not_whole_vllm_blocks_is_refused_at_start(run: Run
 def test_the_models_greedy_output_depends_on_the_whole_prompt(run: Run) -> None:
     """What makes output equality a check of the KV: no two prompts (PREFIX shares its
     first 209 tokens with MAIN) give the same output, and none repeats one token."""
-    outputs = [tuple(o) for o in run.reference.values()]
+    outputs = [tuple(run.expected(p)) for p in EVERYTHING]
     assert len(set(outputs)) == len(outputs)
     assert all(len(set(o)) > 1 for o in outputs)
 
@@ -250,6 +176,36 @@ def test_another_tenant_misses(run: Run) -> None:
 
     assert got["external_prefix_cache_hits"] == 0
     assert got["outputs"] == [run.expected(MAIN)]
+
+
+def test_another_model_of_the_same_shape_misses(run: Run) -> None:
+    """An engine serving another model (the same shape, so the same KV bytes per chunk: only
+    the key tells the two apart; other weights, as a fine-tune of the first has) finds none
+    of the chunks A stored. It computes the whole prompt (what vLLM does with no connector);
+    its output is not A's model's (A's KV would have been wrong KV for it); and its own
+    chunks, stored under its own keys, serve it back with that output (its connector works:
+    the miss is the key's doing)."""
+    first = run.other_model.generate(MAIN)
+
+    assert first["external_prefix_cache_hits"] == 0
+    assert first["cached"] == [0]  # every token computed, as without a connector
+    assert first["outputs"] != [run.expected(MAIN)]
+    again = run.other_model.generate(MAIN)
+    assert again["external_prefix_cache_hits"] == 8 * CHUNK
+    assert again["outputs"] == first["outputs"]
+
+
+def test_another_kv_cache_dtype_misses(run: Run) -> None:
+    """An engine of the same model whose KV cache is another dtype (fp8: `FP8`) finds none of
+    the chunks A's float32 cache stored, computes the whole prompt, and then loads its own
+    fp8 chunks back with the output it computed."""
+    first = run.fp8.generate(MAIN)
+
+    assert first["external_prefix_cache_hits"] == 0
+    assert first["cached"] == [0]
+    again = run.fp8.generate(MAIN)
+    assert again["external_prefix_cache_hits"] == 8 * CHUNK
+    assert again["outputs"] == first["outputs"]
 
 
 @pytest.mark.parametrize(("fault", "prompt"), [("corrupt", CORRUPT), ("evict", EVICT)])

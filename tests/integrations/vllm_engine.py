@@ -2,14 +2,15 @@
 
 Runs in the vLLM test environment (tests/install-vllm), as a pod's vLLM would::
 
-    python vllm_engine.py model DIR          # write the test model into DIR, then exit
+    python vllm_engine.py model DIR [SEED]   # write the test model into DIR, then exit
     python vllm_engine.py serve DIR [CONNECTOR_JSON]
 
 `serve` starts `vllm.LLM` on the model in DIR (with `kv_transfer_config` = CONNECTOR_JSON,
-if given) in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker in one
-process, so one start costs one set of imports), says {"ready": ...}, then answers one JSON
-command per stdin line with one JSON line on the stdout it was started with (everything
-else vLLM prints goes to stderr):
+if given, and more keyword arguments from $KVPOOL_TEST_LLM_ARGS's JSON, e.g.
+{"kv_cache_dtype": "fp8"}) in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler
+and worker in one process, so one start costs one set of imports), says {"ready": ...},
+then answers one JSON command per stdin line with one JSON line on the stdout it was
+started with (everything else vLLM prints goes to stderr):
 
 - {"op": "generate", "prompts": [[ids]], "max_tokens": N}: greedy outputs, vLLM's cached
   token counts, and the change of vLLM's prefix-cache counters (its own and the
@@ -28,7 +29,8 @@ else vLLM prints goes to stderr):
 
 The model is Llama-shaped with random weights and a tokenizer trained here
 (`kvpool.bench.vllm_engine.write_model`, which `kvpool bench --part vllm` writes its model
-with): nothing comes from a model hub (HF_HUB_OFFLINE=1).
+with): nothing comes from a model hub (HF_HUB_OFFLINE=1). SEED (0 by default) picks its
+weights: another seed is another model of the same shape.
 """
 
 from __future__ import annotations
@@ -43,27 +45,57 @@ from typing import Any
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 256, 4, 2, 64
 BLOCK = 32
 """vLLM's CPU attention takes block sizes that are multiples of 32."""
+ENV_LLM_ARGS = "KVPOOL_TEST_LLM_ARGS"
+"""More of `vllm.LLM`'s keyword arguments, as JSON (e.g. another `kv_cache_dtype`)."""
 
 
-def make_model(path: str) -> None:
+def make_model(path: str, seed: int = 0) -> None:
     from kvpool.bench.vllm_engine import write_model
 
     # Large weights: greedy outputs that depend on the whole context, so wrong KV shows in
     # them (small ones repeat one token).
     write_model(path, LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, intermediate=2 * HIDDEN,
-                max_len=4096, initializer_range=0.5)
+                max_len=4096, initializer_range=0.5, seed=seed)
+
+
+def llm(model: str, connector: dict[str, Any] | None) -> Any:
+    """vLLM's engine on the test model, as every engine test runs it."""
+    from vllm import LLM
+
+    args = json.loads(os.environ.get(ENV_LLM_ARGS) or "{}")
+    return LLM(model=model, **{"dtype": "float32", **args}, enforce_eager=True,
+               block_size=BLOCK, max_model_len=4096, max_num_seqs=8, disable_log_stats=False,
+               seed=0, kv_transfer_config=connector)
+
+
+def spoil(kind: str, key: bytes, tenant: str) -> None:
+    """Delete the pool's chunk `key` ("evict"), or flip a byte of it in the arena, under the
+    agent's nose ("corrupt": its checksum no longer matches)."""
+    from kvpool.agent import protocol as p
+    from kvpool.agent.client import KVPoolClient
+
+    with KVPoolClient(tenant=tenant) as kv:
+        if kind == "evict":
+            assert kv.delete(key)
+            return
+        conn = kv._live().conn
+        lease = conn.call(p.Acquire(conn.rid(), key))
+        assert isinstance(lease, p.AcquireReply)
+        offset, nbytes = lease.extents[0]
+        arena = kv._arena
+        assert arena is not None
+        arena[offset + nbytes // 2] ^= 0xFF
+        conn.call(p.Release(conn.rid(), lease.lease))
 
 
 class Engine:
     def __init__(self, model: str, connector: dict[str, Any] | None, reply: Any) -> None:
         t0 = time.monotonic()
-        from vllm import LLM
+        import vllm  # noqa: F401
 
         self.imported_s = time.monotonic() - t0
         self.reply = reply
-        self.llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK,
-                       max_model_len=4096, max_num_seqs=8, disable_log_stats=False, seed=0,
-                       kv_transfer_config=connector)
+        self.llm = llm(model, connector)
         self.started_s = time.monotonic() - t0
         self.fault: dict[str, Any] | None = None
         self.worker: Any = None
@@ -126,26 +158,12 @@ class Engine:
         fault, self.fault = self.fault, None
         if fault is None:
             return
-        from kvpool.agent import protocol as p
-        from kvpool.agent.client import KVPoolClient
-
         key = keys[fault["chunk"]]
         if fault["kind"] == "pause":
             self.say({"event": "loading"})
             assert sys.stdin.readline().strip() == "go"
             return
-        with KVPoolClient(tenant=self.worker.layout.tenant) as kv:
-            if fault["kind"] == "evict":
-                assert kv.delete(key)
-                return
-            conn = kv._live().conn
-            lease = conn.call(p.Acquire(conn.rid(), key))
-            assert isinstance(lease, p.AcquireReply)
-            offset, nbytes = lease.extents[0]
-            arena = kv._arena
-            assert arena is not None
-            arena[offset + nbytes // 2] ^= 0xFF
-            conn.call(p.Release(conn.rid(), lease.lease))
+        spoil(fault["kind"], key, self.worker.layout.tenant)
 
     def block_hashes(self, prompt: list[int]) -> list[int]:
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -162,30 +180,33 @@ class Engine:
             out.append(engine_hash(parent))
         return out
 
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one command."""
+        op = cmd["op"]
+        if op == "generate":
+            return self.generate(cmd["prompts"], cmd.get("max_tokens", 8))
+        if op == "fault" and self.worker is not None:
+            self.fault = cmd
+            return {"armed": cmd["kind"]}
+        if op == "drain":
+            self.settle()
+            return {"drained": True}
+        if op == "block_hashes":
+            return {"hashes": self.block_hashes(cmd["prompt"])}
+        return {"error": f"unknown op {op!r}"}
+
     def serve(self) -> None:
         self.say({"ready": True, "import_s": self.imported_s, "start_s": self.started_s})
         for line in sys.stdin:
             cmd = json.loads(line)
-            op = cmd["op"]
-            if op == "quit":
+            if cmd["op"] == "quit":
                 break
-            if op == "generate":
-                self.say(self.generate(cmd["prompts"], cmd.get("max_tokens", 8)))
-            elif op == "fault" and self.worker is not None:
-                self.fault = cmd
-                self.say({"armed": cmd["kind"]})
-            elif op == "drain":
-                self.settle()
-                self.say({"drained": True})
-            elif op == "block_hashes":
-                self.say({"hashes": self.block_hashes(cmd["prompt"])})
-            else:
-                self.say({"error": f"unknown op {op!r}"})
+            self.say(self.handle(cmd))
 
 
 def main(argv: list[str]) -> int:
     if argv[0] == "model":
-        make_model(argv[1])
+        make_model(argv[1], int(argv[2]) if len(argv) > 2 else 0)
         return 0
     # Replies go to the stdout the test reads; all else (vLLM's logs, prints) to stderr.
     reply = os.fdopen(os.dup(1), "w")

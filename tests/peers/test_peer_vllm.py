@@ -4,8 +4,9 @@ the peer tier between the nodes' agents.
 Two agents are two nodes (network namespaces, `nodes.py`), peers of one pool (same secret),
 with no shared tier: the peer tier is the only way a chunk goes from node 1 to node 2. A
 prefill engine (`kv_producer`) runs in node 1's namespace on node 1's agent, a decode engine
-(`kv_consumer`) in node 2's on node 2's agent, and a reference engine with no connector
-gives the recomputed output. The three start at once (engine starts are what this costs).
+(`kv_consumer`) in node 2's on node 2's agent, and the run's reference engine with no
+connector (tests/conftest.py) gives the recomputed output. The engines start at once
+(engine starts are what this costs).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
 from ..integrations import vllm_engine
-from ..integrations.test_vllm_engine import CONNECTOR, DOWN, Engine, tokens
+from ..integrations.engines import KVPOOL_CONNECTOR as CONNECTOR
+from ..integrations.engines import Engine, Reference, tokens
+from ..integrations.test_vllm_engine import DOWN
 from ..support import REPO_ROOT
 from .conftest import metric, wait_until
 from .nodes import PEER_PORT, Network, peer_agent
@@ -78,7 +81,8 @@ def directory(agent: LocalAgent) -> int:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> Iterator[PD]:
+def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path,
+       vllm_reference: Reference) -> Iterator[PD]:
     work = tmp_path_factory.mktemp("pd")
     secret = work / "secret"
     secret.write_bytes(os.urandom(32).hex().encode())
@@ -90,18 +94,16 @@ def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path) -> Iterator[P
         with peer_agent(net, 0, work / "node1", secret, nvme=False) as node1, \
                 peer_agent(net, 1, work / "node2", secret, nvme=False) as node2:
             in_ns = [("ip", "netns", "exec", n.ns) for n in net.nodes]
-            # Three engine processes start at once (each ~20-35 s alone).
-            ref = Engine("reference", model, None, work, tenant="", connector=None)
+            # The engine processes start at once (each ~20-35 s alone), beside the
+            # reference if no module before started it.
             prefill = Engine("prefill", model, node1, work, tenant="", connector=PREFILL,
                              prefix=in_ns[0])
             decode = Engine("decode", model, node2, work, tenant="", connector=DECODE,
                             prefix=in_ns[1])
-            engines += [ref, prefill, decode]
+            engines += [prefill, decode]
+            reference = {json.dumps(p): vllm_reference(p) for p in (HANDED, KILLED, OWN)}
             for e in engines:
                 e.ready()
-            reference = {json.dumps(p): ref.generate(p)["outputs"][0]
-                         for p in (HANDED, KILLED, OWN)}
-            ref.quit()
             prefilled = prefill.generate(HANDED)
             assert prefill("drain")["drained"]
             again = prefill.generate(HANDED)

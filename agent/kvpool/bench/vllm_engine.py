@@ -36,8 +36,8 @@ BLOCK = 32
 
 def write_model(path: str, layers: int, hidden: int, heads: int, kv_heads: int,
                 head_dim: int, intermediate: int, max_len: int,
-                initializer_range: float = 0.02) -> None:
-    """A Llama-shaped model with random weights (seed 0) and its tokenizer, into `path`."""
+                initializer_range: float = 0.02, seed: int = 0) -> None:
+    """A Llama-shaped model with random weights (from `seed`) and its tokenizer, into `path`."""
     import importlib
 
     import torch
@@ -58,7 +58,7 @@ def write_model(path: str, layers: int, hidden: int, heads: int, kv_heads: int,
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
     fast.save_pretrained(path)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=hidden,
                          intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads,

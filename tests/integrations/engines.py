@@ -1,0 +1,156 @@
+"""vLLM engine processes for the engine tests, and the no-connector reference they share.
+
+Each engine is a fresh process (`vllm_engine.py`, or `lmcache_vllm_engine.py` for LMCache's
+connector) in the vLLM test environment (tests/install-vllm), as a vLLM pod would be. An
+engine start costs ~15-35 s of the machine's two cores, so the modules reuse engines across
+scenarios, start independent ones at once, and share one reference engine (no connector at
+all) for the whole session: `Reference` answers any prompt on the test model once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.bench import needs
+from kvpool.bench.local import LocalAgent
+
+from . import vllm_engine
+
+HARNESS = Path(vllm_engine.__file__)
+START_TIMEOUT = 300
+KVPOOL_CONNECTOR = {"kv_connector": "KVPoolConnector",
+                    "kv_connector_module_path": "kvpool.agent.integrations.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+"""What docs/integrations.md tells a user to pass as --kv-transfer-config."""
+
+
+def vllm_python() -> Path:
+    """The vLLM environment's python: $KVPOOL_VLLM_PYTHON, else tests/install-vllm's place."""
+    path = needs.vllm_python()
+    if not path.exists():
+        pytest.fail(f"no vLLM test environment at {path}: run tests/install (tests/install-vllm)")
+    return path
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """A prompt of `n` token ids (the model's vocabulary is 1000; ids 0-2 are special)."""
+    return [(i * 7919 + seed * 104729 + seed * i * 31) % 990 + 5 for i in range(n)]
+
+
+def write_models(*dirs_and_seeds: tuple[Path, int]) -> None:
+    """The test model (same shape; weights from each seed) into each dir, all at once."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    procs = [subprocess.Popen([str(vllm_python()), str(HARNESS), "model", str(d), str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+             for d, seed in dirs_and_seeds]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+
+
+class Engine:
+    """A vLLM engine process answering the harness's JSON commands."""
+
+    def __init__(self, name: str, model: Path, agent: LocalAgent | None, workdir: Path,
+                 tenant: str = "team-a", connector: dict[str, Any] | None = KVPOOL_CONNECTOR,
+                 chunk_tokens: int = 64, harness: Path = HARNESS,
+                 llm_args: dict[str, Any] | None = None, prefix: tuple[str, ...] = (),
+                 **env_extra: str) -> None:
+        self.name = name
+        self.log_path = workdir / f"vllm-{name}.log"
+        env = dict(os.environ, KVPOOL_TENANT=tenant, KVPOOL_CHUNK_TOKENS=str(chunk_tokens),
+                   POD_NAME=f"vllm-{name}", **env_extra)
+        if llm_args:
+            env[vllm_engine.ENV_LLM_ARGS] = json.dumps(llm_args)
+        if agent is not None:
+            env["KVPOOL_SOCKET"] = str(agent.socket_path)
+        # `prefix`: run it under this command (e.g. `ip netns exec NS`: on another node)
+        args = [*prefix, str(vllm_python()), str(harness), "serve", str(model)]
+        if connector is not None:
+            args.append(json.dumps(connector))
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env=env, cwd=workdir)
+        self.started: dict[str, Any] = {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=60)
+            raise AssertionError(f"engine {self.name} exited ({self.proc.returncode}):\n"
+                                 f"{self.log()[-8000:]}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ready(self) -> dict[str, Any]:
+        if not self.started:
+            self.started = self.read()
+        assert self.started.get("ready"), self.started
+        return self.started
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(json.dumps({"op": op, **args}))
+        return self.read()
+
+    def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        return self("generate", prompts=list(prompts), max_tokens=max_tokens)
+
+    def quit(self) -> None:
+        if self.proc.poll() is None:
+            self.send(json.dumps({"op": "quit"}))
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def stats(agent: LocalAgent) -> dict[str, Any]:
+    with KVPoolClient(agent.socket_path) as c:
+        return c.stats()
+
+
+class Reference:
+    """vLLM's engine with no connector at all on the test model: the greedy output each
+    connector's run of a prompt must equal. Started when first asked for (beside the
+    engines a module starts), kept for the session, each prompt run alone once."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model, self.workdir = model, workdir
+        self.engine: Engine | None = None
+        self.outputs: dict[str, list[int]] = {}
+
+    def start(self) -> None:
+        if self.engine is None:
+            self.engine = Engine("reference", self.model, None, self.workdir, connector=None)
+
+    def __call__(self, prompt: list[int]) -> list[int]:
+        """The no-connector greedy output of `prompt` (8 tokens)."""
+        key = json.dumps(prompt)
+        if key not in self.outputs:
+            self.start()
+            assert self.engine is not None
+            self.engine.ready()
+            self.outputs[key] = self.engine.generate(prompt)["outputs"][0]
+        return self.outputs[key]
+
+    def quit(self) -> None:
+        if self.engine is not None:
+            self.engine.quit()
+            print(f"engine reference: {self.engine.started}")
