@@ -426,7 +426,7 @@ class KVPoolClient:
 
         if isinstance(t, ZeroCopyTransport):
             # a buffer among the tensors is copied as without tensors (verified by default)
-            buffers = BufferCopies(t.arena, verify=verify is not False)
+            buffers = BufferCopies(t.arena, verify=verify is not False, base=t.base)
             self._device(t).get_window(t.conn, keys, start, target, sizes, verify, stream,
                                        buffers)
             return

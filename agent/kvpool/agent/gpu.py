@@ -441,6 +441,8 @@ class _TensorCopies(Copies):
     def fence(self) -> None:
         if self._copier is not None:
             self._copier.record().wait()
+        if self.buffers is not None:  # reads into host ranges are made at the fence
+            self.buffers.fence()
 
     def settle(self) -> None:
         if self._copier is not None:

@@ -23,6 +23,7 @@ import xxhash
 
 from . import checksums
 from . import protocol as p
+from .hostcopy import HostRanges, HostReads, address_of, scatter
 from .lookupindex import IndexReader
 
 Buffer = Any
@@ -32,7 +33,7 @@ Mode = Literal["zero_copy", "inline"]
 
 _Dst = TypeVar("_Dst")
 
-ReadTarget = Callable[[int, int, bytes], Buffer | None]
+ReadTarget = Callable[[int, int, bytes], Buffer | HostRanges | None]
 """`target(index, size, meta)`: where `get_many_into` copies the chunk of `keys[index]`,
 or None to skip it. It sees the chunk's size and metadata before any byte is copied."""
 
@@ -51,6 +52,8 @@ is still in L2 when the checksum reads it back, large enough that the per-block
 Python overhead (~1 µs) is noise. 0.5-2 MiB measured alike here; 4 MiB was slower."""
 
 _HELLO_RECV = 64 * 1024
+_READ_AHEAD = 64 * 1024
+"""Bytes a read of replies asks the socket for at once (frames up to this are read ahead)."""
 
 
 def as_bytes_view(data: Buffer) -> memoryview:
@@ -255,14 +258,18 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
 class BufferCopies(Copies):
     """Copies between the mapped arena and buffers, made by the CPU as they are asked for;
     a write's checksum (XXH3) is computed block by block as it is copied, a read's
-    verified the same way unless `verify` is False."""
+    verified the same way unless `verify` is False. Reads into `HostRanges` are made
+    together at the fence, in one native call (`kvpool.agent.hostcopy`); `base` is the
+    arena mapping's address."""
 
     def __init__(self, arena: memoryview, sources: Sequence[memoryview] = (),
-                 metas: Sequence[bytes] = (), verify: bool = True) -> None:
+                 metas: Sequence[bytes] = (), verify: bool = True, base: int = 0) -> None:
         self.arena = arena
         self.sources = sources
         self.metas = metas
         self.verify = verify
+        self.base = base
+        self._host: HostReads | None = None
 
     def write(self, index: int, lease: p.AllocReply) -> Digest:
         digest = copy_and_checksum(self.arena, lease.extents, self.sources[index],
@@ -270,9 +277,19 @@ class BufferCopies(Copies):
         return lambda: (digest, checksums.XXH3)
 
     def read(self, index: int, lease: p.AcquireReply, out: Any) -> Check:
+        if isinstance(out, HostRanges):
+            if self._host is None:
+                if not self.base:
+                    raise ValueError("reads into host ranges need the arena's address")
+                self._host = HostReads(self.arena, self.base, self.verify)
+            return self._host.add(lease, out)
         dst = fits(as_bytes_view(out), lease.size)
         intact = copy_out(self.arena, lease.extents, dst, lease if self.verify else None)
         return lambda: intact
+
+    def fence(self) -> None:
+        if self._host is not None:
+            self._host.run()
 
 
 class Connection:
@@ -284,6 +301,7 @@ class Connection:
         self._rids = rids
         self._unanswered = 0
         self._rbuf = bytearray(64 * 1024)
+        self._ahead = memoryview(bytearray(_READ_AHEAD))
         self._early = bytearray()
         """Bytes `_collect` read past the last whole reply: the start of the next one."""
         self._told: list[bytes] = []
@@ -312,6 +330,15 @@ class Connection:
 
     def _recv_exact(self, n: int) -> memoryview:
         sock = self._live()
+        # Small frames (control replies) are read ahead: one recv takes every reply that
+        # has arrived, not two per reply. A blocking call lets the GIL go, and a thread
+        # sharing it with a busy one (an engine's loop) may wait a switch interval to get
+        # it back.
+        while n <= _READ_AHEAD and len(self._early) < n:
+            r = sock.recv_into(self._ahead, _READ_AHEAD)
+            if r == 0:
+                raise ConnectionError("agent closed the connection")
+            self._early += self._ahead[:r]
         if len(self._rbuf) < n:
             self._rbuf = bytearray(n)
         view = memoryview(self._rbuf)[:n]
@@ -488,8 +515,11 @@ class InlineTransport(Transport):
             got = self.get(key, verify)
             out = None if got is None else target(start + i, len(got[0]), got[1])
             if got is not None and out is not None:
-                dst = fits(as_bytes_view(out), len(got[0]))
-                dst[: len(got[0])] = got[0]
+                if isinstance(out, HostRanges):
+                    scatter(got[0], out)
+                else:
+                    dst = fits(as_bytes_view(out), len(got[0]))
+                    dst[: len(got[0])] = got[0]
                 sizes[start + i] = len(got[0])
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
@@ -520,6 +550,8 @@ class ZeroCopyTransport(Transport):
         # MAP_POPULATE: fault the whole arena in now, not on first copy.
         self._mm = mmap.mmap(arena_fd, arena_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.arena = memoryview(self._mm)
+        self.base = address_of(self._mm)
+        """The mapping's address, for reads into host ranges (`kvpool.agent.hostcopy`)."""
         self.device: Any = None
         """The mapping as tensors see it (`kvpool.agent.gpu.DeviceArena`), made by the
         client at the first tensor: registered with CUDA once per mapping."""
@@ -627,8 +659,8 @@ class ZeroCopyTransport(Transport):
 
     def get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                    sizes: list[int], verify: bool) -> None:
-        read_window(self.conn, BufferCopies(self.arena, verify=verify), keys, start, target,
-                    sizes)
+        read_window(self.conn, BufferCopies(self.arena, verify=verify, base=self.base), keys,
+                    start, target, sizes)
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],

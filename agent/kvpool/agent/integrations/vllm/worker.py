@@ -14,10 +14,15 @@ so the model's forward never waits on the agent:
   (`put_many`), once the step's forward has written them (on CUDA: after an event recorded
   at the end of the step, on a stream of the connector's own).
 
-On CPU the copies go through the zero-copy transport between the KV tensors and the arena
-(no intermediate bytes); on CUDA the same calls take the client's GPU path
-(`kvpool.agent.gpu`: the arena registered with CUDA, copies on a side stream, leases
-released after an event).
+On CPU a load's destinations are the blocks' addresses (`HostRanges`, consecutive blocks
+merged): the client copies a whole window of chunks from the arena in one native call that
+verifies each chunk's checksum in the same pass and runs without the GIL
+(`kvpool.agent.hostcopy`). The I/O thread shares the GIL with vLLM's engine loop, which
+keeps stepping while a request waits for its KV: each time the thread lets the GIL go
+(a torch call, a copy, a socket read) it may wait the interpreter's switch interval (5 ms)
+to get it back, so a load is made of as few such calls as possible. Saves, and every copy
+on CUDA, take the client's tensor path (`kvpool.agent.gpu`: on CUDA the arena registered
+with CUDA, copies on a side stream, leases released after an event).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import Any
 
 import torch
 
+from ... import wsumkernel
 from ...client import KVPoolClient
+from ...hostcopy import HostRanges
 from .. import engine_pod
 from .jobs import LoadJob, Rank, SaveJob, StepJobs
 from .layout import chunk_meta, meta_matches
@@ -75,6 +82,9 @@ class WorkerSide:
         self._bad_blocks: set[int] = set()
         self._thread: threading.Thread | None = None
         self._stream: Any = None
+        self._host: _HostBlocks | None = None
+        """Where each block of each layer is in host memory, when a load can be copied
+        into addresses (CPU tensors whose blocks are contiguous)."""
 
     # -- set-up
 
@@ -92,6 +102,9 @@ class WorkerSide:
         self._meta = chunk_meta(self.layout, block_shape)
         block_bytes = first[: self._per_block].numel() * first.element_size()
         self._chunk_bytes = block_bytes * len(layers) * self.layout.blocks_per_chunk
+        self._host = _HostBlocks.of(layers, self._per_block, num_blocks)
+        # Compiled now (a fraction of a second, once per process), not in the first load.
+        wsumkernel.kernel()
         self._thread = threading.Thread(target=self._run, name="kvpool-io", daemon=True)
         self._thread.start()
 
@@ -211,10 +224,13 @@ class WorkerSide:
         keys = job.keys[self.rank]
         if self.fault_hook is not None:
             self.fault_hook(keys)
-        chunks = [self._segments(bids, job.skip_blocks if i == 0 else 0)
-                  for i, bids in enumerate(job.block_ids)]
+        host = self._host
+        chunks: list[Any] = [
+            host.ranges(bids, job.skip_blocks if i == 0 else 0) if host is not None
+            else self._segments(bids, job.skip_blocks if i == 0 else 0)
+            for i, bids in enumerate(job.block_ids)]
 
-        def target(i: int, size: int, meta: bytes) -> list[torch.Tensor] | None:
+        def target(i: int, size: int, meta: bytes) -> Any:
             return chunks[i] if size == self._chunk_bytes and meta_matches(meta, self._meta) \
                 else None
 
@@ -260,3 +276,52 @@ class WorkerSide:
     def _report_save(self, job: SaveJob) -> None:
         with self._cond:
             self._saves[job.req_id] -= 1
+
+
+class _HostBlocks:
+    """The blocks of CPU KV-cache layers as addresses: block b of layer l starts at
+    `bases[l] + b * stride` and is `nbytes` contiguous bytes."""
+
+    def __init__(self, layers: list[torch.Tensor], bases: list[int], stride: int,
+                 nbytes: int, num_blocks: int) -> None:
+        self.layers = layers  # the memory the addresses point into, kept alive
+        self.bases = bases
+        self.stride = stride
+        self.nbytes = nbytes
+        self.num_blocks = num_blocks
+        self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        """Where the bytes of blocks vLLM already holds are read to (and dropped)."""
+
+    @classmethod
+    def of(cls, layers: list[torch.Tensor], per_block: int,
+           num_blocks: int) -> _HostBlocks | None:
+        """None unless every layer is on the CPU with each block contiguous, blocks evenly
+        spaced (then a load copies into addresses; else into tensor pieces)."""
+        first = layers[0]
+        if first.device.type != "cpu":
+            return None
+        size = first.element_size()
+        stride = first.stride(0) * per_block * size
+        nbytes = first[:per_block].numel() * size
+        for layer in layers:  # a block is a slice of the first dimension
+            if not layer[:per_block].is_contiguous() \
+                    or layer.stride(0) * per_block * size != stride or stride < nbytes:
+                return None
+        return cls(layers, [t.data_ptr() for t in layers], stride, nbytes, num_blocks)
+
+    def ranges(self, block_ids: list[int], scratch_blocks: int = 0) -> HostRanges:
+        """A chunk's destination: for each layer, its blocks in order (adjacent ones
+        merged); the first `scratch_blocks` blocks go to the scratch block."""
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"kvpool: block ids {block_ids} out of the KV cache's "
+                             f"{self.num_blocks} blocks")
+        scratch, stride, nbytes = self.scratch.data_ptr(), self.stride, self.nbytes
+        out: list[tuple[int, int]] = []
+        for base in self.bases:
+            for i, b in enumerate(block_ids):
+                at = scratch if i < scratch_blocks else base + b * stride
+                if out and out[-1][0] + out[-1][1] == at:  # the next block in memory
+                    out[-1] = (out[-1][0], out[-1][1] + nbytes)
+                else:
+                    out.append((at, nbytes))
+        return HostRanges(out, owner=self)

@@ -1,0 +1,157 @@
+"""Reads into raw host memory: a window's copies and their checksums in one native call.
+
+A read destination may be `HostRanges`: (address, bytes) ranges of host memory the caller
+owns (e.g. the blocks of an inference engine's KV cache on the CPU), filled in order. The
+window's copies from the arena into them are planned here as plain integers and made
+together, after the window's ACQUIREs, by one call of the compiled loop of
+`kvpool.agent.wsumkernel` (`copy_sums`): it copies each piece and sums its 32-bit words
+in the same pass (WSUM, `kvpool.agent.checksums`), and it runs without the GIL.
+
+Why one call and no Python per piece: an engine's own threads keep the GIL busy (vLLM's
+engine loop steps while a request waits for its KV), and a thread that lets the GIL go
+(any I/O, any torch call, any ctypes call) gets it back only at the interpreter's switch
+interval (5 ms), so a read made of one copy and one checksum call per layer and block
+waited milliseconds per call. Here a window lets the GIL go a few times in all.
+
+Checksums: a WSUM chunk is verified from the sums the copy made; an XXH3 chunk (written
+from buffers) is hashed from the destination after the copy. Without the compiled loop
+(no llvmlite) or for pieces not made of whole words, each piece is copied with `memmove`
+and verified from the destination: the same results, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import checksums, wsumkernel
+from . import protocol as p
+
+Check = Callable[[], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class HostRanges:
+    """A chunk's destination in host memory: byte ranges (address, length) filled in
+    order. The caller keeps the memory alive and writable (`owner`, e.g. the tensors the
+    addresses point into) until the read returns; the ranges hold at least the chunk."""
+
+    ranges: Sequence[tuple[int, int]]
+    owner: Any = field(default=None, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+
+def address_of(buffer: Any) -> int:
+    """The address of a writable buffer's first byte (the export ends at once, so the
+    buffer can still be closed)."""
+    anchor = ctypes.c_char.from_buffer(buffer)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+def plan(base: int, extents: Sequence[tuple[int, int]], ranges: Sequence[tuple[int, int]],
+         size: int, out: list[int]) -> int:
+    """Append to `out` the copies (source address, destination address, bytes) that move
+    `size` chunk bytes from the lease `extents` (arena offsets from `base`, in order) into
+    `ranges` (in order), each within one extent and one range; the number appended."""
+    if sum(n for _, n in ranges) < size:
+        raise ValueError(f"chunk of {size} bytes does not fit in "
+                         f"{sum(n for _, n in ranges)} bytes of host ranges")
+    count = 0
+    left = size
+    r = 0
+    dst, room = ranges[0] if ranges else (0, 0)
+    for offset, length in extents:
+        src = base + offset
+        length = min(length, left)
+        while length > 0:
+            while room == 0:
+                r += 1
+                dst, room = ranges[r]
+            step = min(length, room)
+            out += (src, dst, step)
+            count += 1
+            src, dst, room, length, left = src + step, dst + step, room - step, \
+                length - step, left - step
+    if left:
+        raise ValueError(f"the lease extents hold {size - left} of the chunk's {size} bytes")
+    return count
+
+
+class HostReads:
+    """A window's reads into `HostRanges`: planned by `add`, made by `run` (one call),
+    each verified by the check `add` returned, asked once `run` returned."""
+
+    def __init__(self, arena: memoryview, base: int, verify: bool) -> None:
+        self.arena = arena
+        self.base = base
+        self.verify = verify
+        self._pieces: list[int] = []
+        self._sums: list[int] | None = None
+        self._ran = False
+
+    def add(self, lease: p.AcquireReply, out: HostRanges) -> Check:
+        first = len(self._pieces) // 3
+        count = plan(self.base, lease.extents, out.ranges, lease.size, self._pieces)
+        kind, wanted, meta, size = lease.checksum_kind, lease.checksum, lease.meta, lease.size
+
+        def check() -> bool:
+            assert self._ran, "HostReads.run() first"
+            if not self.verify:
+                return True
+            if kind == checksums.WSUM and self._sums is not None:
+                return self._wsum(first, count, size, meta) == wanted
+            views = [_view(d, n) for d, n in self._triples(first, count)]
+            return checksums.compute(kind, views, meta) == wanted
+        return check
+
+    def _triples(self, first: int, count: int) -> list[tuple[int, int]]:
+        pieces = self._pieces
+        return [(pieces[3 * k + 1], pieces[3 * k + 2]) for k in range(first, first + count)]
+
+    def _wsum(self, first: int, count: int, size: int, meta: bytes) -> int:
+        """The chunk's WSUM from its pieces' sums (word indices from each piece's start)."""
+        assert self._sums is not None
+        sums, pieces = self._sums, self._pieces
+        s0 = s1 = words = 0
+        for k in range(first, first + count):
+            p0 = sums[2 * k]
+            s0 += p0
+            s1 += sums[2 * k + 1] + words * p0
+            words += pieces[3 * k + 2] >> 2
+        return checksums.wsum_finish(size, s0 & checksums.U64, s1 & checksums.U64, meta)
+
+    def run(self) -> None:
+        """Make every planned copy (once)."""
+        if self._ran:
+            return
+        self._ran = True
+        pieces = self._pieces
+        if not pieces:
+            return
+        whole = all(pieces[k] % 4 == 0 for k in range(2, len(pieces), 3))
+        self._sums = wsumkernel.copy_sums(pieces) if whole else None
+        if self._sums is None:
+            for k in range(0, len(pieces), 3):
+                ctypes.memmove(pieces[k + 1], pieces[k], pieces[k + 2])
+
+
+def scatter(data: bytes, out: HostRanges) -> None:
+    """Copy a chunk's bytes into `out`'s ranges in order (inline mode: no arena)."""
+    pieces: list[int] = []
+    source = (ctypes.c_char * len(data)).from_buffer_copy(data) if data else None
+    if source is not None:
+        plan(ctypes.addressof(source), [(0, len(data))], out.ranges, len(data), pieces)
+    for k in range(0, len(pieces), 3):
+        ctypes.memmove(pieces[k + 1], pieces[k], pieces[k + 2])
+
+
+def _view(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")

@@ -1,0 +1,150 @@
+"""Reads into raw host memory (`HostRanges`, kvpool.agent.hostcopy), through a real agent.
+
+What an engine's KV cache on the CPU uses: the destination is (address, bytes) ranges of
+memory it owns, filled in order; a window's copies are made in one native call that sums
+the words as it copies, so a WSUM chunk is verified in the copy's own pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvpool.agent import checksums, hostcopy, wsumkernel
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.hostcopy import HostRanges
+from kvpool.bench.local import LocalAgent
+
+from .test_tensors import chunk_segments, keys_for, kv_cache, packed
+
+
+def scattered(t: torch.Tensor, cuts: list[int]) -> HostRanges:
+    """`t`'s bytes as ranges cut at `cuts`."""
+    base, n = t.data_ptr(), t.numel() * t.element_size()
+    edges = [0, *cuts, n]
+    pieces = [(base + a, b - a) for a, b in itertools.pairwise(edges)]
+    return HostRanges(pieces, owner=t)
+
+
+def gathered(ranges: HostRanges) -> bytes:
+    return b"".join(ctypes.string_at(a, n) for a, n in ranges.ranges)
+
+
+@pytest.mark.parametrize("cut", [[], [4096], [1000, 5004, 9000], [128 * 7, 128 * 7 + 4]])
+def test_copy_sums_copies_every_piece_and_its_sums_give_the_wsum_of_the_whole(
+        cut: list[int]) -> None:
+    data = os.urandom(12_288 + 36)
+    src = (ctypes.c_char * len(data)).from_buffer_copy(data)
+    dst = (ctypes.c_char * (len(data) + 64))()
+    shift = -ctypes.addressof(dst) % 64  # pieces landing 64-byte aligned and not
+    edges = [0, *cut, len(data)]
+    pieces: list[int] = []
+    for a, b in itertools.pairwise(edges):
+        pieces += [ctypes.addressof(src) + a, ctypes.addressof(dst) + shift + a, b - a]
+    sums = wsumkernel.copy_sums(pieces)
+    assert sums is not None
+    assert ctypes.string_at(ctypes.addressof(dst) + shift, len(data)) == data
+    s0 = s1 = words = 0
+    for k, (a, b) in enumerate(itertools.pairwise(edges)):
+        s0 += sums[2 * k]
+        s1 += sums[2 * k + 1] + words * sums[2 * k]
+        words += (b - a) // 4
+    assert (len(data), s0 & checksums.U64, s1 & checksums.U64) == checksums.wsum_sums([data])
+
+
+def test_copy_sums_refuses_pieces_that_are_not_whole_words() -> None:
+    src, dst = (ctypes.c_char * 8)(), (ctypes.c_char * 8)()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        wsumkernel.copy_sums([ctypes.addressof(src), ctypes.addressof(dst), 6])
+
+
+def test_plan_cuts_copies_at_every_extent_and_range_edge() -> None:
+    out: list[int] = []
+    assert hostcopy.plan(1000, [(0, 10), (50, 6)], [(7000, 4), (9000, 20)], 16, out) == 3
+    assert out == [1000, 7000, 4, 1004, 9000, 6, 1050, 9006, 6]
+    with pytest.raises(ValueError, match="does not fit"):
+        hostcopy.plan(0, [(0, 16)], [(0, 8)], 16, [])
+
+
+@pytest.fixture
+def tclient(agent: LocalAgent) -> Iterator[KVPoolClient]:
+    with KVPoolClient(agent.socket_path) as c:
+        yield c
+
+
+def test_wsum_chunks_from_tensors_are_read_into_host_ranges_verified(
+        tclient: KVPoolClient) -> None:
+    cache = kv_cache(3)
+    keys = keys_for(3)
+    chunks = [chunk_segments(cache, b) for b in range(3)]
+    assert tclient.put_many(keys, chunks) == [True] * 3
+    size = len(packed(chunks[0]))
+    outs = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+    dests = [scattered(o, [size // 3 - size // 3 % 4, size // 2 - size // 2 % 4]) for o in outs]
+    assert tclient.get_many_into(keys, lambda i, n, m: dests[i], verify=True) == [size] * 3
+    for chunk, dest in zip(chunks, dests, strict=True):
+        assert gathered(dest) == packed(chunk)
+
+
+def test_xxh3_chunks_from_buffers_are_read_into_host_ranges_verified(
+        tclient: KVPoolClient) -> None:
+    data = os.urandom(70_001)  # not whole words: copied piece by piece, hashed after
+    key = keys_for(1, salt=9)[0]
+    assert tclient.put(key, data)
+    out = torch.zeros(len(data) + 3, dtype=torch.uint8)
+    dest = scattered(out, [5, 40_000])
+    assert tclient.get_many_into([key], lambda i, n, m: dest, verify=True) == [len(data)]
+    assert gathered(dest)[: len(data)] == data
+
+
+@pytest.mark.parametrize("kind", ["wsum", "xxh3"])
+def test_a_flipped_byte_read_into_host_ranges_is_a_miss(tclient: KVPoolClient,
+                                                         kind: str) -> None:
+    key = keys_for(1, salt=5)[0]
+    if kind == "wsum":
+        segments = chunk_segments(kv_cache(8), 0)
+        assert tclient.put_many([key], [segments]) == [True]
+        size = len(packed(segments))
+    else:
+        size = 65_536
+        assert tclient.put(key, os.urandom(size))
+    conn = tclient._live().conn
+    lease = conn.call(p.Acquire(conn.rid(), key))
+    assert isinstance(lease, p.AcquireReply)
+    assert lease.checksum_kind == (checksums.WSUM if kind == "wsum" else checksums.XXH3)
+    arena = tclient._arena
+    assert arena is not None
+    arena[lease.extents[0][0] + 77] ^= 0x80
+    conn.cast(p.Release(conn.rid(), lease.lease))
+    out = torch.zeros(size, dtype=torch.uint8)
+    dest = scattered(out, [size // 2])
+    assert tclient.get_many_into([key], lambda i, n, m: dest, verify=True) == [0]
+    # without verifying, the bytes are copied as they are
+    assert tclient.get_many_into([key], lambda i, n, m: dest, verify=False) == [size]
+
+
+def test_host_ranges_too_small_for_the_chunk_are_refused_and_it_stays_stored(
+        tclient: KVPoolClient) -> None:
+    key = keys_for(1, salt=6)[0]
+    assert tclient.put(key, b"x" * 8192)
+    out = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not fit"):
+        tclient.get_many_into([key], lambda i, n, m: scattered(out, []))
+    assert tclient.get(key) == b"x" * 8192
+
+
+def test_inline_mode_fills_host_ranges_from_the_frames(agent: LocalAgent) -> None:
+    with KVPoolClient(agent.socket_path, mode="inline") as c:
+        key = keys_for(1, salt=7)[0]
+        data = os.urandom(10_000)
+        assert c.put(key, data)
+        out = torch.zeros(len(data), dtype=torch.uint8)
+        dest = scattered(out, [3000])
+        assert c.get_many_into([key], lambda i, n, m: dest) == [len(data)]
+        assert gathered(dest) == data
