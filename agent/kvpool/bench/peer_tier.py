@@ -3,9 +3,11 @@ by veth pairs on a bridge, `netns`; root only), every figure against its baselin
 same run.
 
 - reads: chunks of 1 MiB and 16 MiB stored on node 0 and read on node 1 through both
-  agents (`KVPoolClient.get_into` on node 1: its agent fetches each chunk from node 0's
-  into its arena, verifies it, and the client copies it out), against a raw TCP stream of
-  the same bytes from node 0's namespace to node 1's (`rawtcp`). Every chunk read is
+  agents, as an engine reads a prefix: a LOOKUP of the round's keys, then
+  `KVPoolClient.get_into` of each in turn on node 1 (its agent fetches the chunk from node
+  0's into its arena, with the peer chunks that follow it in the LOOKUP in the same
+  pipelined batch, verifies each, and the client copies it out), against a raw TCP
+  stream of the same bytes from node 0's namespace to node 1's (`rawtcp`). Every chunk read is
   compared with what was stored: a wrong byte stops the bench.
 - lookup: a 128-key LOOKUP on node 1 whose keys are all remote, with 10^6 remote entries
   in its directory (10^5 with --quick), over the socket (the shared-memory index holds
@@ -170,8 +172,11 @@ def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int
     times, verified = [], 0
     for _ in range(reps + 1):  # the first round warms the connections up
         start = time.perf_counter()
+        found = reader.lookup_tiers(keys)  # as an engine asks before it reads
         got = [reader.get_into(k, b) for k, b in zip(keys, bufs, strict=True)]
         times.append(time.perf_counter() - start)
+        if found != ["peer"] * count:
+            raise RuntimeError(f"peer bench: LOOKUP found {found}")
         if got != [size] * count:
             raise RuntimeError(f"peer bench: reads of {size} B chunks from the peer gave "
                                f"{got}")

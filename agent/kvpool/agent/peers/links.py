@@ -3,34 +3,39 @@
 The subscription is an asyncio stream on the event loop: it feeds the directories (one
 per tenant space) with the peer's inventory and changes, and drops the peer's entries
 when it ends (a gap, the peer's restart, or silence past `DEAD_AFTER`: unreachable); the
-next inventory brings them back. Fetches run in worker threads on blocking sockets from
-a bounded pool (`peers.connections`): a chunk's bytes go from the socket into the
-arena extents it will be served from, then are verified there, all within the read's
-deadline (every wait on the socket is bounded by what is left of it).
+next inventory brings them back. Reads are queued on the link (`fetch`, `fetch_many`) and
+sent in pipelined batches: a worker thread takes up to `MAX_BATCH` queued reads
+(`MAX_BATCH_BYTES`), sends their FETCHes in one write on one connection and receives the
+replies in order, each chunk's bytes from the socket into the arena extents it will be
+served from, checksummed as they pass. At most `peers.connections` batches (so
+connections) are under way to a peer at once; what waits meanwhile queues, and joins the
+next batch (the backpressure: the reader only asks for what it has reserved room for, and
+the holder answers a connection's FETCHes one at a time). Every wait on a socket is
+bounded by what is left of the read's deadline.
 
 Into the arena through its file, never its mapping (a client may shrink the file under
-the agent: a touched page past the end would be SIGBUS): on plain TCP by `splice`, socket
-to pipe to the arena file, so the bytes never enter this process; under TLS, or on
-hugetlbfs (which takes no splice or write(2)), through one bounded buffer per read
-(`COPY_BLOCK`) and `Arena.write`. Never a `bytes` of the chunk.
+the agent: a touched page past the end would be SIGBUS): `recv_into` one bounded buffer
+per worker thread (`COPY_BLOCK`), checksummed there while in cache, then `Arena.write`
+(pwrite; on hugetlbfs through the kernel). One pass: no read-back to verify, never a
+`bytes` of the chunk. (Splicing socket to pipe to arena file moved the bytes without
+entering this process, but its read-back for the checksum cost a quarter of a 16 MiB
+read: docs/benchmarks.md, "The peer tier between two nodes".)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import fcntl
 import itertools
 import logging
-import os
-import select
 import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 from .. import checksums
 from . import auth, wire
@@ -47,9 +52,11 @@ RETRY_MIN, RETRY_MAX = 0.2, 2.0
 SUSPECT_SECONDS = 30.0
 """A peer that served bytes failing their checksum is not read from for this long."""
 COPY_BLOCK = 1 << 20
-"""Bytes of the one buffer a read without splice goes through, and of a verification's
-read-back."""
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+"""Bytes of the one buffer a worker thread receives chunks through."""
+MAX_BATCH = 32
+"""Most reads one batch (one connection's write of FETCHes) takes."""
+MAX_BATCH_BYTES = 32 << 20
+"""Most chunk bytes one batch takes (at least one read, whatever its size)."""
 _buffers = threading.local()
 
 
@@ -69,9 +76,10 @@ class ArenaTarget:
     fd: int
     extents: list[tuple[int, int]]
     write: Callable[[list[tuple[int, int]], memoryview], None]
-    """`Arena.write`: for reads that cannot splice."""
+    """`Arena.write`: the bytes go in through it."""
     splice: bool
-    """The arena file takes splice(2) (not hugetlbfs)."""
+    """The arena file takes splice(2) (not hugetlbfs); unused since reads go through
+    `write`."""
 
     @property
     def room(self) -> int:
@@ -107,6 +115,19 @@ TIMEOUT = "timeout"
 CORRUPT = "corrupt"
 
 
+@dataclass(slots=True)
+class _Want:
+    """A queued read: where its bytes go, its deadline, and the future its result settles."""
+
+    tenant: str
+    key: bytes
+    target: ArenaTarget
+    deadline: float
+    done: asyncio.Future[Fetched | str]
+    loop: asyncio.AbstractEventLoop
+    queued: float = field(default_factory=time.monotonic)
+
+
 class PeerLink:
     def __init__(self, index: int, host: str, port: int, *, secret: bytes, agent_id: bytes,
                  connections: int, tls: ssl.SSLContext | None,
@@ -129,7 +150,10 @@ class PeerLink:
         self.lag = 0.0
         """Seconds between the last stream message's sending and its arrival."""
         self.suspect_until = 0.0
-        self._slots = threading.BoundedSemaphore(connections)
+        self.connections = connections
+        self._wants: deque[_Want] = deque()
+        self._pumps = 0
+        """Worker threads sending batches to the peer now (at most `connections`)."""
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
@@ -232,75 +256,153 @@ class PeerLink:
                 self.failing = False
                 log.info("peer %s: inventory received", self.name)
 
-    # -- fetches (worker threads)
+    # -- reads: queued on the event loop, sent in batches by worker threads
 
-    def fetch_into(self, tenant: str, key: bytes, target: ArenaTarget,
-                   deadline: float) -> Fetched | str:
-        """The chunk's bytes received into `target` and verified there, or why not
-        (ABSENT, FAILED, TIMEOUT, CORRUPT); never waits past `deadline` (monotonic)."""
-        start = time.monotonic()
-        result = self._fetch(tenant, key, target, deadline)
+    def fetch_many(self, reads: list[tuple[str, bytes, ArenaTarget]], deadline: float,
+                   executor: Executor) -> list[asyncio.Future[Fetched | str]]:
+        """Queue reads of (tenant, key, target): each future settles with the chunk
+        received into its target's arena extents and verified, or why not (ABSENT,
+        FAILED, TIMEOUT, CORRUPT), by `deadline` (monotonic) at the latest. Reads queued
+        together go out together (one batch, while within its caps)."""
+        loop = asyncio.get_running_loop()
+        wants = [_Want(t, k, target, deadline, loop.create_future(), loop)
+                 for t, k, target in reads]
+        with self._lock:
+            self._wants.extend(wants)
+            pumps = min(self.connections - self._pumps, len(self._wants))
+            self._pumps += max(0, pumps)
+        for _ in range(pumps):
+            try:
+                executor.submit(self._pump)
+            except RuntimeError:  # the executor is shut down: the agent is stopping
+                with self._lock:
+                    self._pumps -= 1
+                    left, self._wants = list(self._wants), deque()
+                for w in left:
+                    self._settle(w, FAILED)
+        return [w.done for w in wants]
+
+    async def fetch(self, tenant: str, key: bytes, target: ArenaTarget, deadline: float,
+                    executor: Executor) -> Fetched | str:
+        return await self.fetch_many([(tenant, key, target)], deadline, executor)[0]
+
+    def _pump(self) -> None:
+        """A worker thread: batches of queued reads, one after the other, until none is
+        left."""
+        while True:
+            with self._lock:
+                batch = self._take()
+                if not batch:
+                    self._pumps -= 1
+                    return
+            try:
+                self._batch(batch)
+            except BaseException:  # every read is settled whatever happens
+                for w in batch:
+                    self._settle(w, FAILED)
+                raise
+
+    def _take(self) -> list[_Want]:
+        """The next batch: queued reads in order, within the caps; reads past their
+        deadline settled as timed out instead (under the lock)."""
+        batch: list[_Want] = []
+        total = 0
+        now = time.monotonic()
+        while self._wants and len(batch) < MAX_BATCH:
+            w = self._wants[0]
+            if w.deadline <= now or self.closed:
+                self._wants.popleft()
+                self._settle(w, TIMEOUT if w.deadline <= now else FAILED)
+                continue
+            if batch and total + w.target.room > MAX_BATCH_BYTES:
+                break
+            batch.append(self._wants.popleft())
+            total += w.target.room
+        return batch
+
+    def _settle(self, want: _Want, result: Fetched | str) -> None:
+        """Count the read and hand its result to the event loop (once: a later call is
+        ignored)."""
+        seconds = time.monotonic() - want.queued
         if isinstance(result, Fetched):
-            self.m.read(self.name, "ok", time.monotonic() - start, result.size)
+            self.m.read(self.name, "ok", seconds, result.size)
         else:
-            self.m.read(self.name, result, time.monotonic() - start)
+            self.m.read(self.name, result, seconds)
             if result == CORRUPT:
                 self.mark_suspect()
-        return result
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
+            want.loop.call_soon_threadsafe(_resolve, want.done, result)
 
-    def _fetch(self, tenant: str, key: bytes, target: ArenaTarget,
-               deadline: float) -> Fetched | str:
+    def _batch(self, batch: list[_Want]) -> None:
+        """Send the batch's FETCHes in one write on one connection, then receive each
+        reply in order, settling each read as soon as it is in."""
         try:
-            sock = self._checkout(deadline)
+            sock = self._checkout(batch[0].deadline)
         except TimeoutError:
-            return TIMEOUT
+            for w in batch:
+                self._settle(w, TIMEOUT)
+            return
         except (OSError, auth.AuthError, ssl.SSLError, wire.WireError) as e:
             log.warning("peer %s: no connection: %s", self.name, e)
-            return FAILED
+            for w in batch:
+                self._settle(w, FAILED)
+            return
         keep = False
+        done = 0
         try:
-            rid = next(self._rids) & 0xFFFFFFFF
-            _bounded(sock, deadline)
-            sock.sendall(wire.encode_request(wire.OP_FETCH, rid, key, tenant))
-            head = wire.reply_head(_recv_exact(sock, wire.REPLY.size, deadline))
-            if head.rid != rid:
-                raise wire.WireError(f"reply to request {head.rid}, expected {rid}")
-            if head.status == wire.ABSENT:
-                keep = True
-                return ABSENT
-            if head.size > target.room:  # the directory's size was stale: another chunk
-                raise wire.WireError(f"chunk of {head.size} bytes, {target.room} reserved")
-            meta = _recv_exact(sock, head.meta_len, deadline)
-            owner = _recv_exact(sock, head.tenant_len, deadline).decode(errors="replace")
-            extents = target.first(head.size)
-            if target.splice and not isinstance(sock, ssl.SSLSocket):
-                _splice_into(sock, target.fd, extents, deadline)
-            else:
-                _copy_into(sock, target, extents, deadline)
+            rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
+            _bounded(sock, max(w.deadline for w in batch))
+            sock.sendall(b"".join(wire.encode_request(wire.OP_FETCH, rid, w.key, w.tenant)
+                                  for rid, w in zip(rids, batch, strict=True)))
+            for rid, w in zip(rids, batch, strict=True):
+                result = self._receive(sock, w, rid)
+                done += 1
+                self._settle(w, result)
+                if result == CORRUPT:
+                    # A suspect peer is read from no more, the rest of this batch included
+                    # (the connection goes: its replies are not waited for).
+                    for rest in batch[done:]:
+                        self._settle(rest, FAILED)
+                    return
             keep = True
-            if head.kind not in checksums.KINDS or checksums.compute(
-                    head.kind, _read_back(target.fd, extents), meta) != head.checksum:
-                return CORRUPT
-            return Fetched(head.size, head.checksum, head.kind, meta, owner)
         except TimeoutError:
-            return TIMEOUT
+            for w in batch[done:]:
+                self._settle(w, TIMEOUT)
         except (OSError, wire.WireError, ssl.SSLError) as e:
-            log.warning("peer %s: read of %s failed: %s", self.name, key.hex(), e)
-            return FAILED
+            log.warning("peer %s: read of %s failed: %s", self.name, batch[done].key.hex(), e)
+            for w in batch[done:]:
+                self._settle(w, FAILED)
         finally:
             self._checkin(sock, keep)
 
+    def _receive(self, sock: socket.socket, want: _Want, rid: int) -> Fetched | str:
+        """One reply of the batch: the chunk's bytes into the want's extents, checksummed
+        on the way."""
+        deadline = want.deadline
+        head = wire.reply_head(_recv_exact(sock, wire.REPLY.size, deadline))
+        if head.rid != rid:
+            raise wire.WireError(f"reply to request {head.rid}, expected {rid}")
+        if head.status == wire.ABSENT:
+            return ABSENT
+        target = want.target
+        if head.size > target.room:  # the directory's size was stale: another chunk
+            raise wire.WireError(f"chunk of {head.size} bytes, {target.room} reserved")
+        meta = _recv_exact(sock, head.meta_len, deadline)
+        owner = _recv_exact(sock, head.tenant_len, deadline).decode(errors="replace")
+        pieces = _received(sock, target, target.first(head.size), deadline)
+        if head.kind not in checksums.KINDS:
+            for _ in pieces:  # received all the same: the connection stays in step
+                pass
+            return CORRUPT
+        if checksums.compute(head.kind, pieces, meta) != head.checksum:
+            return CORRUPT
+        return Fetched(head.size, head.checksum, head.kind, meta, owner)
+
     def _checkout(self, deadline: float) -> socket.socket:
-        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError
-        try:
-            with self._lock:
-                if self._idle:
-                    return self._idle.pop()
-            return self._connect(deadline)
-        except BaseException:
-            self._slots.release()
-            raise
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect(deadline)
 
     def _checkin(self, sock: socket.socket, keep: bool) -> None:
         if keep and not self.closed:
@@ -308,7 +410,6 @@ class PeerLink:
                 self._idle.append(sock)
         else:
             sock.close()
-        self._slots.release()
 
     def _connect(self, deadline: float) -> socket.socket:
         left = deadline - time.monotonic()
@@ -355,66 +456,26 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def _copy_into(sock: socket.socket, target: ArenaTarget, extents: list[tuple[int, int]],
-               deadline: float) -> None:
-    """Receive into the extents through this thread's bounded buffer."""
+def _received(sock: socket.socket, target: ArenaTarget, extents: list[tuple[int, int]],
+              deadline: float) -> Iterator[memoryview]:
+    """Receive into the extents through this thread's buffer, each piece handed to the
+    caller (the checksum, while the piece is in cache) before it is written; valid until
+    the next piece is asked for. Every piece is received and written whatever the caller
+    does with it."""
     buf = _buffer()
     for offset, n in extents:
         done = 0
         while done < n:
             m = min(n - done, len(buf))
             _recv_into(sock, buf[:m], deadline)
+            yield buf[:m]
             target.write([(offset + done, m)], buf[:m])
             done += m
 
 
-def _splice_into(sock: socket.socket, fd: int, extents: list[tuple[int, int]],
-                 deadline: float) -> None:
-    """Move the bytes from the socket into the file at the extents with splice(2), through a
-    pipe: they never enter this process."""
-    r, w = os.pipe()
-    try:
-        with contextlib.suppress(OSError):  # a bigger pipe: fewer calls; the default works
-            fcntl.fcntl(w, _F_SETPIPE_SZ, COPY_BLOCK)
-        src = sock.fileno()
-        poll = select.poll()
-        poll.register(src, select.POLLIN)
-        flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-        for offset, n in extents:
-            done = 0
-            while done < n:
-                try:
-                    got = os.splice(src, w, min(n - done, COPY_BLOCK), flags=flags)
-                except BlockingIOError:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not poll.poll(left * 1000):
-                        raise TimeoutError from None
-                    continue
-                if got == 0:
-                    raise ConnectionError("the peer closed the connection")
-                while got:
-                    put = os.splice(r, fd, got, offset_dst=offset + done, flags=os.SPLICE_F_MOVE)
-                    if put <= 0:
-                        raise OSError(errno.EIO, "the arena file took no bytes")
-                    done += put
-                    got -= put
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-def _read_back(fd: int, extents: list[tuple[int, int]]) -> Iterator[memoryview]:
-    """The extents' bytes as the arena file holds them, in pieces of this thread's buffer
-    (each valid until the next is asked for), for the checksum."""
-    buf = _buffer()
-    for offset, n in extents:
-        done = 0
-        while done < n:
-            got = os.preadv(fd, [buf[: min(n - done, len(buf))]], offset + done)
-            if got == 0:
-                raise OSError(errno.EIO, f"the arena reads short at {offset + done}")
-            yield buf[:got]
-            done += got
+def _resolve(fut: asyncio.Future[Fetched | str], result: Fetched | str) -> None:
+    if not fut.done():
+        fut.set_result(result)
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:

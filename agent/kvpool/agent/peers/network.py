@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL = 10.0
 FETCH_THREADS = 16
-"""Worker threads receiving chunks from peers, for all peers together."""
+"""Worker threads receiving chunks from peers, for all peers together (each sends one
+link's batches; a link has at most `peers.connections` of them at once)."""
 
 
 def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -136,11 +137,16 @@ class PeerNetwork:
 
     async def fetch(self, link: PeerLink, tenant: str, key: bytes,
                     target: ArenaTarget) -> Fetched | str:
-        """`PeerLink.fetch_into` in a worker thread, within `peers.timeout` from now."""
-        deadline = time.monotonic() + self.cfg.timeout
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, link.fetch_into, tenant, key, target,
-                                          deadline)
+        """The chunk read from `link` into `target` (`PeerLink.fetch`), within
+        `peers.timeout` from now."""
+        return await link.fetch(tenant, key, target, time.monotonic() + self.cfg.timeout,
+                                self.pool)
+
+    def fetch_many(self, link: PeerLink, reads: list[tuple[str, bytes, ArenaTarget]]
+                   ) -> list[asyncio.Future[Fetched | str]]:
+        """Reads from `link` queued together (one pipelined batch where they fit one,
+        `PeerLink.fetch_many`), each within `peers.timeout` from now."""
+        return link.fetch_many(reads, time.monotonic() + self.cfg.timeout, self.pool)
 
     # -- state
 

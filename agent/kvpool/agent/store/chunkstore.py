@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -54,7 +54,7 @@ from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
 from ..journal import Journal, JournalEntry, replay
 from ..metrics import AgentMetrics
-from ..peers.links import Fetched
+from ..peers.links import MAX_BATCH, MAX_BATCH_BYTES, Fetched, PeerLink
 from ..peers.server import ChunkSource
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
@@ -84,6 +84,8 @@ DEMOTION_WAIT = 30.0
 """Seconds an ALLOC or PUT waits for chunks on their way to NVMe to free its room before
 it answers NO_SPACE (only a stalled NVMe takes that long)."""
 RECENT_LOOKUPS = 1 << 16
+RECENT_PEER_PROMPTS = 256
+"""Recent LOOKUPs that counted peer chunks whose keys are kept, to know what follows a key."""
 """Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
 FIND_TRIES = 4
 """Reads of a chunk that keeps moving between DRAM and NVMe under one GET or ACQUIRE
@@ -152,6 +154,9 @@ class ChunkStore:
         """The chunks the pool's other agents hold (`attach_peer`); None: peers are off."""
         self._fetching: dict[bytes, asyncio.Future[DramChunk | None]] = {}
         """Reads from peers under way, one per key however many ask."""
+        self._peer_prompts: OrderedDict[int, list[bytes]] = OrderedDict()
+        """Keys of recent LOOKUPs that counted chunks in the peer tier, by request seq: a
+        read of one is batched with the peer chunks after it."""
 
     def attach_peer(self, peer: PeerTier) -> None:
         """Count and read the chunks the pool's other agents hold, from now on."""
@@ -269,6 +274,10 @@ class ChunkStore:
                 else:
                     break
         reached = len(tiers)
+        if peer is not None and reached > local and PEER_TIER_CODE in tiers:
+            self._peer_prompts[seq] = keys[:reached]
+            if len(self._peer_prompts) > RECENT_PEER_PROMPTS:
+                self._peer_prompts.popitem(last=False)
         if reached < len(keys) and self.shared is not None:
             # Past the local prefix the shared tier decides how far the prefix goes, but a
             # key of it that is local after all is reported (and counted) in its local tier.
@@ -330,47 +339,94 @@ class ChunkStore:
         return None
 
     async def _from_peer(self, key: bytes) -> DramChunk | None:
-        """The chunk read from the peer the directory names (`_fetch_peer`), one read per
-        key however many ask; None: the shared tier, then a miss, decide."""
+        """The chunk read from the peer the directory names, one read per key however many
+        ask; None: the shared tier, then a miss, decide. The keys that follow it in the
+        LOOKUP that found it in the peer tier (`_peer_following`) are read in the same
+        batch (`_fetch_peer`): the client reads them next."""
         pending = self._fetching.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
-        fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
-        self._fetching[key] = fut
-        try:
-            chunk = await self._fetch_peer(key)
-            fut.set_result(chunk)
-            return chunk
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: waiting readers get it, nobody else must
-            raise
-        finally:
-            if self._fetching.get(key) is fut:
-                del self._fetching[key]
+        loop = asyncio.get_running_loop()
+        keys = [key, *self._peer_following(key)]
+        futs: list[asyncio.Future[DramChunk | None]] = [loop.create_future() for _ in keys]
+        for k, fut in zip(keys, futs, strict=True):
+            self._fetching[k] = fut
+        self._spawn(self._fetch_peer(keys, futs))
+        return await asyncio.shield(futs[0])
 
-    async def _fetch_peer(self, key: bytes) -> DramChunk | None:
-        """Reserve arena extents for a chunk a peer holds, receive it into them and, once
-        its checksum matches, make it a DRAM chunk like a promotion (announced as this
-        node's from then on). A stale entry, a failed, slow or lying peer: None, and the
+    def _peer_following(self, key: bytes) -> list[bytes]:
+        """The keys after `key` in the recent LOOKUP that found it in the peer tier, that a
+        peer holds and nobody is reading yet, within one batch's caps."""
+        assert self.peer is not None
+        seq, depth, _ = self.recent.get(key) or (0, 0, False)
+        prompt = self._peer_prompts.get(seq)
+        if prompt is None or depth >= len(prompt) or prompt[depth] != key:
+            return []
+        out: list[bytes] = []
+        total = 0
+        for k in prompt[depth + 1 :]:
+            if len(out) + 1 >= MAX_BATCH:
+                break
+            got = self.peer.holder(k)
+            if got is None or k in self._fetching or self.contains(k):
+                continue
+            total += got[1]
+            if total > MAX_BATCH_BYTES:
+                break
+            out.append(k)
+        return out
+
+    async def _fetch_peer(self, keys: list[bytes],
+                          futs: list[asyncio.Future[DramChunk | None]]) -> None:
+        """Reserve arena extents for chunks peers hold, have them received into them (one
+        batch per peer, `PeerNetwork.fetch_many`) and, as each one's checksum matches,
+        make it a DRAM chunk like a promotion (announced as this node's from then on),
+        settling its future. A stale entry, a failed, slow or lying peer: None, and the
         extents are free again, only once the worker that writes into them is done."""
         assert self.peer is not None
-        got = self.peer.holder(key)
-        if got is None:
-            return None
-        link, size = got
+        peer = self.peer
         mark = self.deletes
         try:
-            extents = await self._room(size)  # NVMe holders announce their file's size
-        except OpError:
-            return None  # no room now: the shared tier, or a miss
-        work = asyncio.ensure_future(self.peer.fetch(link, key, self.dram.fetch_target(extents)))
-        try:
-            result = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # The worker may still be writing into the extents: free them once it is done.
-            work.add_done_callback(lambda _: self.dram.free(extents))
-            raise
+            reads: dict[PeerLink, list[tuple[int, Extents]]] = {}
+            for i, key in enumerate(keys):
+                got = peer.holder(key)
+                if got is None:
+                    continue
+                try:
+                    extents = await self._room(got[1])  # NVMe holders announce file sizes
+                except OpError:
+                    continue  # no room now: the shared tier, or a miss
+                reads.setdefault(got[0], []).append((i, extents))
+            pending: list[tuple[int, Extents, asyncio.Future[Fetched | str]]] = []
+            for link, items in reads.items():
+                works = peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
+                                               for i, extents in items])
+                pending += [(i, extents, w) for (i, extents), w in zip(items, works,
+                                                                        strict=True)]
+            pending.sort(key=lambda p: p[0])  # the first key first: its reader waits
+            for n, (i, extents, work) in enumerate(pending):
+                try:
+                    result = await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    # Workers may still be writing into the extents: free each once its
+                    # read is settled.
+                    for _, ext, w in pending[n:]:
+                        w.add_done_callback(self._free_when_settled(ext))
+                    raise
+                _settle(futs[i], self._fetched(keys[i], extents, result, mark))
+        finally:
+            for k, fut in zip(keys, futs, strict=True):
+                _settle(fut, None)
+                if self._fetching.get(k) is fut:
+                    del self._fetching[k]
+
+    def _free_when_settled(self, extents: Extents
+                           ) -> Callable[[asyncio.Future[Fetched | str]], None]:
+        return lambda _: self.dram.free(extents)
+
+    def _fetched(self, key: bytes, extents: Extents, result: Fetched | str,
+                 mark: int) -> DramChunk | None:
+        """A peer read's end: the chunk inserted into DRAM, or its extents freed."""
         if not isinstance(result, Fetched):
             self.dram.free(extents)
             return None
@@ -1064,6 +1120,11 @@ class ChunkStore:
         if self.dram.leases_held(owner) >= MAX_LEASES_PER_CLIENT:
             raise OpError(ErrorCode.TOO_MANY_LEASES,
                           f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
+
+
+def _settle(fut: asyncio.Future[DramChunk | None], chunk: DramChunk | None) -> None:
+    if not fut.done():
+        fut.set_result(chunk)
 
 
 def open_nvme_source(path: str, key: bytes) -> ChunkSource | None:

@@ -2,12 +2,15 @@
 
 One per space: the directory of its tenant and the reads from peers, which the store
 uses like any other tier: LOOKUP asks `holds` (memory only, never the network); a GET or
-ACQUIRE of a key only a peer holds reserves arena extents for it and `fetch`es the bytes
-straight into them, verified, within `peers.timeout` (docs/cross-node.md). A peer tier
+ACQUIRE of a key only a peer holds reserves arena extents for it and for the peer keys
+that follow it in its LOOKUP, and `fetch_many`es the bytes straight into them in one
+pipelined batch, verified, within `peers.timeout` (docs/cross-node.md). A peer tier
 serves no writes: a chunk lands on a peer only by that peer's own clients.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from ..peers.links import ArenaTarget, Fetched, PeerLink
 from ..peers.network import PeerNetwork
@@ -32,6 +35,12 @@ class PeerTier:
     async def fetch(self, link: PeerLink, key: bytes, target: ArenaTarget) -> Fetched | str:
         """The chunk received into `target`'s arena extents and verified, or why not."""
         return await self.network.fetch(link, self.tenant, key, target)
+
+    def fetch_many(self, link: PeerLink, reads: list[tuple[bytes, ArenaTarget]]
+                   ) -> list[asyncio.Future[Fetched | str]]:
+        """Reads of (key, target) from one peer, sent together (a pipelined batch): a
+        future per read, settled as its chunk is in and verified, or with why not."""
+        return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads])
 
     @property
     def chunks(self) -> int:
