@@ -275,12 +275,17 @@ class KVPoolClient:
         return self.lookup([key]) == 1
 
     def put(self, key: bytes, data: Buffer, meta: bytes = b"", *,
-            blocks: EngineBlocks | None = None) -> bool:
+            blocks: EngineBlocks | None = None, to: str | None = None) -> bool:
         """Store a chunk; False if the key was already stored (deduplicated). `blocks`:
         the engine blocks it covers, for KV events (docs/events.md). It returns once the
-        agent has answered its COMMIT: never for a chunk the agent has not stored."""
+        agent has answered its COMMIT: never for a chunk the agent has not stored.
+
+        `to` hands the chunk off to the node that will read it (its Kubernetes node name,
+        or its agent's peer address): the agent pushes it there after COMMIT, where it is
+        pinned until read (docs/cross-node.md#hand-off). The put never waits for the push,
+        and a push that fails leaves the chunk readable by key from every node."""
         src = as_bytes_view(data)
-        return self._retrying(lambda t: t.put(key, src, meta, blocks))
+        return self._retrying(lambda t: t.put(key, src, meta, blocks, to or ""))
 
     def get(self, key: bytes, *, verify: bool = True) -> bytes | None:
         """The chunk's bytes, or None on a miss (or, with `verify`, a chunk whose bytes
@@ -336,7 +341,8 @@ class KVPoolClient:
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
                  metas: Sequence[bytes] | None = None, *,
                  stream: object = None,
-                 blocks: Sequence[EngineBlocks | None] | None = None) -> list[PutResult]:
+                 blocks: Sequence[EngineBlocks | None] | None = None,
+                 to: str | None = None) -> list[PutResult]:
         """Store each buffer under its key (with its metadata); one result per key.
 
         Zero-copy: the ALLOCs of a window go out in one write, the bytes are copied
@@ -350,13 +356,16 @@ class KVPoolClient:
 
         `blocks`, one per key (or None), the engine blocks each chunk covers: what the
         agent's KV events say of it (docs/events.md).
+
+        `to`: the node that will read every chunk of the call, where each is pushed after
+        its COMMIT and pinned until read (a hand-off, as `put`'s).
         """
         metas = metas if metas is not None else [b""] * len(keys)
         if not len(keys) == len(data) == len(metas):
             raise ValueError("put_many needs as many buffers and metas as keys")
         if blocks is not None and len(blocks) != len(keys):
             raise ValueError("put_many needs as many blocks as keys")
-        tensor_results = self._put_tensors(keys, data, metas, stream, blocks) \
+        tensor_results = self._put_tensors(keys, data, metas, stream, blocks, to or "") \
             if "torch" in sys.modules else None
         if tensor_results is not None:
             return tensor_results
@@ -367,7 +376,8 @@ class KVPoolClient:
             end = start + step
             self._retrying(partial(_put_window, keys[start:end], views[start:end],
                                    metas[start:end], start, results,
-                                   blocks[start:end] if blocks is not None else None))
+                                   blocks[start:end] if blocks is not None else None,
+                                   to or ""))
         return results
 
     # -- tensors (kvpool.agent.gpu, imported only here)
@@ -385,7 +395,7 @@ class KVPoolClient:
 
     def _put_tensors(self, keys: Sequence[bytes], data: Sequence[Any], metas: Sequence[bytes],
                      stream: object, blocks: Sequence[EngineBlocks | None] | None = None,
-                     ) -> list[PutResult] | None:
+                     to: str = "") -> list[PutResult] | None:
         """put_many of tensor chunks; None if `data` holds no tensor."""
         from . import gpu
 
@@ -402,22 +412,22 @@ class KVPoolClient:
             end = start + step
             self._retrying(partial(self._tensor_put_window, keys[start:end], chunks[start:end],
                                    metas[start:end], start, results, stream,
-                                   blocks[start:end] if blocks is not None else None))
+                                   blocks[start:end] if blocks is not None else None, to))
         return results
 
     def _tensor_put_window(self, keys: Sequence[bytes], chunks: Sequence[list[Any]],
                            metas: Sequence[bytes], start: int, results: list[PutResult],
                            stream: object, blocks: Sequence[EngineBlocks | None] | None,
-                           t: Transport) -> None:
+                           to: str, t: Transport) -> None:
         from . import gpu
 
         if isinstance(t, ZeroCopyTransport):
             self._device(t).put_window(t.conn, keys, chunks, metas, start, results, stream,
-                                       blocks)
+                                       blocks, to)
         else:  # inline: the bytes travel in the frame, from the host
             views = [memoryview(gpu.chunk_bytes(c, f"the chunk of key {start + i}"))
                      for i, c in enumerate(chunks)]
-            t.put_window(keys, views, metas, start, results, blocks)
+            t.put_window(keys, views, metas, start, results, blocks, to)
 
     def _tensor_get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                            sizes: list[int], verify: bool | None, stream: object,
@@ -490,5 +500,5 @@ def _get_window(keys: Sequence[bytes], start: int, target: ReadTarget, sizes: li
 
 def _put_window(keys: Sequence[bytes], views: Sequence[memoryview], metas: Sequence[bytes],
                 start: int, results: list[PutResult],
-                blocks: Sequence[EngineBlocks | None] | None, t: Transport) -> None:
-    t.put_window(keys, views, metas, start, results, blocks)
+                blocks: Sequence[EngineBlocks | None] | None, to: str, t: Transport) -> None:
+    t.put_window(keys, views, metas, start, results, blocks, to)

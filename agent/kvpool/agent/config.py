@@ -502,6 +502,14 @@ class Peers(Model):
     )
     connections: int = Field(4, ge=1, le=64, description="Connections kept per peer.")
     tls: PeerTls | None = Field(None, description="TLS between agents; unset: plain TCP.")
+    handoff_ttl: Duration = Field(
+        60.0, gt=0, description="How long a chunk pushed here (a put hinted with this node) "
+        "stays pinned unread; then it is an ordinary chunk, evictable.",
+    )
+    handoff_share: float = Field(
+        0.25, gt=0, le=1, description="Most of each space's arena that chunks pushed here and "
+        "not read yet may pin; a push past it is refused (the sender's put is not).",
+    )
 
     @field_validator("addresses")
     @classmethod

@@ -339,13 +339,15 @@ class DeviceArena:
     def put_window(self, conn: WindowConnection, keys: Sequence[bytes],
                    chunks: Sequence[Segments], metas: Sequence[bytes], start: int,
                    results: list[Any], stream: object,
-                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+                   blocks: Sequence[p.EngineBlocks | None] | None = None,
+                   to: str = "") -> None:
         """Put a window of chunks from tensors: their copies into the leases and their
-        WSUMs go to `stream`, the window COMMITs once they completed."""
+        WSUMs go to `stream`, the window COMMITs once they completed (handed off `to` a
+        node, when named)."""
         device = device_of(chunks)  # one device, checked before any ALLOC
         copies = _TensorCopies(self, stream, chunks=chunks, metas=metas,
                                dma=device is not None and device.type == "cuda")
-        write_window(conn, copies, keys, copies.sizes, metas, start, results, blocks)
+        write_window(conn, copies, keys, copies.sizes, metas, start, results, blocks, to)
 
     def get_window(self, conn: WindowConnection, keys: Sequence[bytes], start: int,
                    target: ReadTarget, sizes: list[int], verify: bool | None, stream: object,

@@ -32,6 +32,9 @@ size, for this many sizes."""
 MAX_TENANT_BYTES = 253
 """The longest tenant name a HELLO may claim (UTF-8 bytes): every chunk record (journal,
 NVMe header, shared object) carries it, so it must stay small."""
+MAX_NODE_BYTES = 253
+"""The longest node name a hand-off hint (COMMIT's and PUT's `to`) may give (UTF-8 bytes):
+a Kubernetes node name is a DNS subdomain."""
 
 
 class Op(IntEnum):
@@ -139,6 +142,9 @@ class Alloc(Request, tag=int(Op.ALLOC)):
     dma: bool = False
     """The lease's copies run on a device (a GPU's DMA) and may outlive the connection:
     if it closes, the agent keeps the pages from reuse for `writeLeaseTimeout` (a drain)."""
+    to: str = ""
+    """As COMMIT's (a hand-off): when the key is stored already (`exists`), the agent
+    pushes that chunk to this node; otherwise the COMMIT's `to` does."""
 
 
 class Commit(Request, tag=int(Op.COMMIT)):
@@ -161,6 +167,9 @@ class Commit(Request, tag=int(Op.COMMIT)):
     lease's own key."""
     meta: bytes = b""
     """The chunk's metadata when `lease` is a spare (ignored otherwise)."""
+    to: str = ""
+    """Hand-off (docs/cross-node.md#hand-off): the node that will read the chunk; the agent
+    pushes it there after COMMIT (peers on), where it stays pinned until read. "": none."""
 
 
 class Abort(Request, tag=int(Op.ABORT)):
@@ -186,6 +195,8 @@ class Put(Request, tag=int(Op.PUT)):
     """As COMMIT's: what KV events say of the chunk."""
     token_ids: list[int] = []
     parent_block_hash: int | None = None
+    to: str = ""
+    """As COMMIT's: the node that will read the chunk (a hand-off)."""
 
 
 class Get(Request, tag=int(Op.GET)):

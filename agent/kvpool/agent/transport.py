@@ -188,11 +188,12 @@ class WindowConnection(Protocol):
 def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
                  sizes: Sequence[int], metas: Sequence[bytes], start: int,
                  results: list[PutResult],
-                 blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+                 blocks: Sequence[p.EngineBlocks | None] | None = None, to: str = "") -> None:
     """ALLOC the window's chunks (one write), copy each into its lease, wait for the
     copies, then COMMIT them (one write): a write is committed only after its copies
-    completed, and ABORTed, on failure, only once no copy may still write its pages."""
-    replies = conn.exchange([p.Alloc(conn.rid(), k, n, m, copies.dma)
+    completed, and ABORTed, on failure, only once no copy may still write its pages.
+    `to`: the node every chunk is handed off to (COMMIT's hint)."""
+    replies = conn.exchange([p.Alloc(conn.rid(), k, n, m, copies.dma, to)
                              for k, n, m in zip(keys, sizes, metas, strict=True)])
     leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
     written: list[tuple[int, p.AllocReply]] = []
@@ -214,7 +215,8 @@ def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
         commits: list[tuple[int, p.Commit | p.Put]] = []
         for (i, reply), digest in zip(written, digests, strict=True):
             checksum, kind = digest()
-            commits.append((i, p.with_blocks(p.Commit(conn.rid(), reply.lease, checksum, kind),
+            commits.append((i, p.with_blocks(p.Commit(conn.rid(), reply.lease, checksum, kind,
+                                                      to=to),
                                              blocks[i] if blocks is not None else None)))
     except BaseException:
         if written and not fenced:
@@ -454,7 +456,7 @@ class Transport(ABC):
 
     @abstractmethod
     def put(self, key: bytes, src: memoryview, meta: bytes,
-            blocks: p.EngineBlocks | None = None) -> bool: ...
+            blocks: p.EngineBlocks | None = None, to: str = "") -> bool: ...
 
     @abstractmethod
     def get(self, key: bytes, verify: bool) -> tuple[bytes, bytes] | None: ...
@@ -469,7 +471,8 @@ class Transport(ABC):
     @abstractmethod
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],
-                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None: ...
+                   blocks: Sequence[p.EngineBlocks | None] | None = None,
+                   to: str = "") -> None: ...
 
     def close(self) -> None:
         self.conn.close()
@@ -482,10 +485,10 @@ class InlineTransport(Transport):
         return 1  # one key per retried unit, as a plain put/get
 
     def put(self, key: bytes, src: memoryview, meta: bytes,
-            blocks: p.EngineBlocks | None = None) -> bool:
+            blocks: p.EngineBlocks | None = None, to: str = "") -> bool:
         digest = p.checksum(src, meta)
         reply = self.conn.call(p.with_blocks(p.Put(self.conn.rid(), key, bytes(src), digest,
-                                                   meta), blocks))
+                                                   meta, to=to), blocks))
         assert isinstance(reply, p.PutReply)
         return reply.stored
 
@@ -524,11 +527,12 @@ class InlineTransport(Transport):
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],
-                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+                   blocks: Sequence[p.EngineBlocks | None] | None = None,
+                   to: str = "") -> None:
         for i, (key, view, meta) in enumerate(zip(keys, views, metas, strict=True)):
             try:
                 results[start + i] = self.put(key, view, meta,
-                                              blocks[i] if blocks is not None else None)
+                                              blocks[i] if blocks is not None else None, to)
             except p.ProtocolError as e:
                 results[start + i] = e
 
@@ -587,24 +591,24 @@ class ZeroCopyTransport(Transport):
         return reply
 
     def put(self, key: bytes, src: memoryview, meta: bytes,
-            blocks: p.EngineBlocks | None = None) -> bool:
+            blocks: p.EngineBlocks | None = None, to: str = "") -> bool:
         spare = self.spares.pop(src.nbytes, None)
         if spare is not None:
             try:
                 # The key and metadata ride on the COMMIT; a duplicate is learnt there.
-                return self._write(spare, src, meta, blocks, key)
+                return self._write(spare, src, meta, blocks, to, key)
             except p.ProtocolError as e:
                 if e.code != p.ErrorCode.UNKNOWN_LEASE:
                     raise
                 # The spare is gone (never, unless the agent dropped it): put as before.
-        alloc = self.conn.call(p.Alloc(self.conn.rid(), key, src.nbytes, meta))
+        alloc = self.conn.call(p.Alloc(self.conn.rid(), key, src.nbytes, meta, to=to))
         assert isinstance(alloc, p.AllocReply)
         if alloc.exists:
             return False
-        return self._write((alloc.lease, alloc.extents), src, meta, blocks)
+        return self._write((alloc.lease, alloc.extents), src, meta, blocks, to)
 
     def _write(self, lease: tuple[int, p.Extents], src: memoryview, meta: bytes,
-               blocks: p.EngineBlocks | None, key: bytes = b"") -> bool:
+               blocks: p.EngineBlocks | None, to: str, key: bytes = b"") -> bool:
         """Copy `src` into a write lease's extents and COMMIT it (naming `key` and `meta`
         for a spare); whether it was stored. With put-ahead the COMMIT also asks for the
         next put's lease of this size, kept in `spares`."""
@@ -619,7 +623,7 @@ class ZeroCopyTransport(Transport):
             oldest = next(iter(self.spares))  # room for this size's: the oldest size goes
             self.conn.cast(p.Abort(self.conn.rid(), self.spares.pop(oldest)[0]))
         commit = p.Commit(self.conn.rid(), lease_id, digest, next_size=size, key=key,
-                          meta=meta if key else b"")
+                          meta=meta if key else b"", to=to)
         try:
             reply = self.conn.call(p.with_blocks(commit, blocks))
         except p.ProtocolError as e:
@@ -664,13 +668,14 @@ class ZeroCopyTransport(Transport):
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],
-                   blocks: Sequence[p.EngineBlocks | None] | None = None) -> None:
+                   blocks: Sequence[p.EngineBlocks | None] | None = None,
+                   to: str = "") -> None:
         # Spares count against the connection's uncommitted bytes: a window gets the
         # budget it had without put-ahead.
         self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease, _ in self.spares.values()])
         self.spares.clear()
         write_window(self.conn, BufferCopies(self.arena, views, metas), keys,
-                     [v.nbytes for v in views], metas, start, results, blocks)
+                     [v.nbytes for v in views], metas, start, results, blocks, to)
 
 
 def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,

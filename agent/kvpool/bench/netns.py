@@ -96,10 +96,14 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
                nvme: bool = True, shared: Path | None = None, dram: str = "32Mi",
                tenants: list[str] | None = None, extra: dict[str, object] | None = None,
                arena: Path | None = None, prefetch: bool = True,
-               events: dict[str, object] | None = None) -> LocalAgent:
+               events: dict[str, object] | None = None, named: bool = False,
+               lru: bool = False) -> LocalAgent:
     """An agent on node `i` of `net`, its peers the network's other nodes. Its peer reads
     time out after `timeout`: by default long, so that a loaded machine never turns a read
-    the test expects into a timeout."""
+    the test expects into a timeout. `named`: its node name is `node<i>` (what hand-off
+    hints name; otherwise the host's name, the same for every namespace). `lru`: DRAM
+    evicts the least recently used chunk first (not the default's S3-FIFO, which keeps
+    chunks that were read)."""
     node = net.nodes[i]
     workdir.mkdir(parents=True, exist_ok=True)
     cfg: dict[str, object] = {
@@ -119,8 +123,15 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
     cfg["tiers"] = tiers
     if events is not None:
         cfg["events"] = events
+    if named:
+        cfg["nodeName"] = f"node{i}"
+    policy: dict[str, object] = {}
     if not prefetch:  # a LOOKUP loads nothing ahead: only the test's reads read
-        cfg["policy"] = {"prefetch": {"enabled": False}}
+        policy["prefetch"] = {"enabled": False}
+    if lru:
+        policy["tiers"] = {"dram": {"eviction": "lru"}}
+    if policy:
+        cfg["policy"] = policy
     if tenants:
         cfg["tenants"] = [{"name": t} for t in tenants]
     path = workdir / "agent.yaml"

@@ -57,6 +57,11 @@ MAX_BATCH = 32
 """Most reads one batch (one connection's write of FETCHes) takes."""
 MAX_BATCH_BYTES = 32 << 20
 """Most chunk bytes one batch takes (at least one read, whatever its size)."""
+PUSH_TIMEOUT = 10.0
+"""Seconds a hand-off push may take, the receiver's read of the chunk included (that
+read's own limit is `PUSH_READ_TIMEOUT`: a push is not on a reader's path, so it gets
+longer than `peers.timeout`)."""
+PUSH_READ_TIMEOUT = 8.0
 _buffers = threading.local()
 
 
@@ -113,6 +118,13 @@ ABSENT = "absent"
 FAILED = "error"
 TIMEOUT = "timeout"
 CORRUPT = "corrupt"
+STORED = "ok"
+HELD = "held"
+REFUSED = "refused"
+AUTH = "auth"
+UNREACHABLE = "unreachable"
+_PUSH_STATUS = {wire.PUSH_STORED: STORED, wire.PUSH_HELD: HELD, wire.PUSH_REFUSED: REFUSED,
+                wire.PUSH_FAILED: FAILED}
 
 
 @dataclass(slots=True)
@@ -146,10 +158,18 @@ class PeerLink:
         self.closed = False
         self.failing = False
         """The last attempt to follow the peer failed (logged once until it works again)."""
+        self.unreachable = False
+        """The last attempt to follow the peer found no one there (no connection, or it
+        ended, or fell silent): a push to it is not tried meanwhile."""
         self.last_heard = 0.0
         self.lag = 0.0
         """Seconds between the last stream message's sending and its arrival."""
         self.suspect_until = 0.0
+        self.node = ""
+        """The peer's node name, as its inventory stream says it (what push hints name);
+        kept when the stream ends: a node that goes down is still known by its name."""
+        self.peer_id = b""
+        """The peer's agent id, from the last handshake with it (who a push offer is from)."""
         self.connections = connections
         self._wants: deque[_Want] = deque()
         self._pumps = 0
@@ -180,6 +200,7 @@ class PeerLink:
                     self.host, self.port, ssl=self.tls,
                     server_hostname=self.host if self.tls else None), DEAD_AFTER)
                 writer = opened
+                self.unreachable = False
                 await asyncio.wait_for(self._handshake(reader, opened), DEAD_AFTER)
                 opened.write(wire.encode_request(wire.OP_SUBSCRIBE, 0, bytes(16), ""))
                 await self._follow(reader)
@@ -197,7 +218,7 @@ class PeerLink:
                 if not self.failing:  # once per outage, not at every retry
                     log.warning("peer %s unreachable: %s", self.name,
                                 str(e) or type(e).__name__)
-                self.failing = True
+                self.failing = self.unreachable = True
             finally:
                 if writer is not None:
                     writer.close()
@@ -228,6 +249,7 @@ class PeerLink:
         server_id, server_nonce = auth.parse_hello(theirs[: wire.HELLO.size])
         if server_id == self.agent_id:
             raise SelfPeer
+        self.peer_id = server_id
         auth.check(auth.proof(self.secret, b"server", mine, server_nonce, self.agent_id,
                               server_id), theirs[wire.HELLO.size:])
         return auth.proof(self.secret, b"client", mine, server_nonce, self.agent_id, server_id)
@@ -252,6 +274,8 @@ class PeerLink:
                 for key, _ in wire.records(body):
                     d.remove(key, self.index)
             elif msg == wire.SYNCED:
+                if tenant:  # its node name (an older agent sends none)
+                    self.node = tenant
                 self.synced = True
                 self.failing = False
                 log.info("peer %s: inventory received", self.name)
@@ -397,6 +421,40 @@ class PeerLink:
         if checksums.compute(head.kind, pieces, meta) != head.checksum:
             return CORRUPT
         return Fetched(head.size, head.checksum, head.kind, meta, owner)
+
+    # -- hand-offs (a worker thread)
+
+    def push(self, tenant: str, key: bytes, size: int, deadline: float) -> tuple[str, str]:
+        """Offer the peer the chunk `key` of `size` bytes (a hand-off: it reads it from this
+        agent and pins it until read); (result, the peer's message), never waiting past
+        `deadline`. Results: `metrics.PUSH_RESULTS`."""
+        try:
+            sock = self._checkout(deadline)
+        except TimeoutError:
+            return TIMEOUT, "no connection to the peer within the push's time"
+        except auth.AuthError as e:
+            return AUTH, str(e)
+        except (OSError, ssl.SSLError, wire.WireError) as e:
+            return UNREACHABLE, str(e) or type(e).__name__
+        keep = False
+        try:
+            rid = next(self._rids) & 0xFFFFFFFF
+            _bounded(sock, deadline)
+            sock.sendall(wire.encode_request(wire.OP_PUSH, rid, key, tenant)
+                         + wire.PUSH.pack(size))
+            status, mlen, got = wire.push_reply_head(
+                _recv_exact(sock, wire.PUSH_REPLY.size, deadline))
+            message = _recv_exact(sock, mlen, deadline).decode(errors="replace")
+            if got != rid:
+                raise wire.WireError(f"reply to request {got}, expected {rid}")
+            keep = True
+            return _PUSH_STATUS[status], message
+        except TimeoutError:
+            return TIMEOUT, "the peer did not answer within the push's time"
+        except (OSError, wire.WireError, ssl.SSLError) as e:
+            return FAILED, str(e) or type(e).__name__
+        finally:
+            self._checkin(sock, keep)
 
     def _checkout(self, deadline: float) -> socket.socket:
         with self._lock:

@@ -8,6 +8,13 @@ READ_RESULTS = ("ok", "absent", "error", "timeout", "corrupt")
 """How a read from a peer ended: served, not held there (a stale entry), a failed
 connection or protocol, past `peers.timeout`, bytes that failed their checksum."""
 SERVE_RESULTS = ("ok", "absent", "error")
+PUSH_RESULTS = ("ok", "held", "refused", "error", "timeout", "auth", "unreachable", "unknown",
+                "dropped")
+"""How a hand-off push ended. Sent: stored and pinned there, held there already, refused
+by the receiver (its pin quota, its spaces), its read failed, past the push's time, the
+peer did not prove the pool's secret, the node is down, no peer has the hinted name, the
+push queue was full. Received: the first four."""
+HANDOFF_ENDS = ("read", "expired", "deleted")
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -36,6 +43,30 @@ class PeerMetrics:
         self.suspect = Counter(
             "kvpool_peer_suspect", "Times a peer was marked suspect (it served bytes that "
             "failed their checksum): not read from for a while", [*p, "peer"], registry=r)
+
+        self._pushes = Counter(
+            "kvpool_peer_pushes", "Hand-off pushes (a put hinted with the node that will read "
+            "it) between this agent and a peer, by direction (sent, received) and result",
+            [*p, "peer", "direction", "result"], registry=r)
+        self._push_latency = Histogram(
+            "kvpool_peer_push_duration_seconds", "Hand-off pushes sent, from the offer to the "
+            "receiver's answer (its read of the chunk included)", [*p, "peer"],
+            buckets=_BUCKETS, registry=r)
+        self._handoffs = Counter(
+            "kvpool_peer_handoff_pins", "Pins of chunks pushed here that ended, by how: read "
+            "(the first GET or ACQUIRE), expired (peers.handoffTtl), deleted", [*p, "end"],
+            registry=r)
+
+    def pushed(self, peer: str, result: str, seconds: float) -> None:
+        self._pushes.labels(self.pool, peer, "sent", result).inc()
+        if result in ("ok", "held", "refused", "error"):  # answered (or failed) by the peer
+            self._push_latency.labels(self.pool, peer).observe(seconds)
+
+    def received(self, peer: str, result: str) -> None:
+        self._pushes.labels(self.pool, peer, "received", result).inc()
+
+    def handoff_ended(self, end: str) -> None:
+        self._handoffs.labels(self.pool, end).inc()
 
     def read(self, peer: str, result: str, seconds: float, nbytes: int = 0) -> None:
         self._requests.labels(self.pool, peer, "read", result).inc()

@@ -5,6 +5,10 @@ Peers are the static `peers.addresses` and whatever `peers.discovery` resolves t
 re-resolved every `DISCOVERY_INTERVAL` (a headless Service lists every agent, this one
 included: a link that reaches this agent's own server finds out at the handshake, by the
 agent id, and stops). A peer the name stops listing is dropped with its entries.
+
+Hand-offs: a chunk a client put with a hint naming another node is queued here
+(`push`, bounded: a full queue drops the push, never the put) and offered to that node's
+agent by a few workers; the receiver reads it like any peer read and pins it until read.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..metrics import Sample
 from . import auth
 from .directory import PeerDirectory
-from .links import ArenaTarget, Fetched, PeerLink
+from .links import PUSH_TIMEOUT, ArenaTarget, Fetched, PeerLink
 from .metrics import PeerMetrics
 from .server import Holdings, PeerServer
 
@@ -35,6 +39,13 @@ DISCOVERY_INTERVAL = 10.0
 FETCH_THREADS = 16
 """Worker threads receiving chunks from peers, for all peers together (each sends one
 link's batches; a link has at most `peers.connections` of them at once)."""
+PUSH_QUEUE = 4096
+"""Hand-off pushes waiting to be offered; past it a push is dropped (counted), the put is
+not held back."""
+PUSH_WORKERS = 2
+"""Pushes offered at once (each holds a connection to its peer and a worker thread)."""
+MAX_LOGGED = 1024
+"""Hint names and peers remembered as failing (each logged once until a push works)."""
 
 
 def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -55,7 +66,7 @@ def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | No
 
 class PeerNetwork:
     def __init__(self, cfg: Peers, spaces: dict[str, Holdings], registry: CollectorRegistry,
-                 pool: str) -> None:
+                 pool: str, node: str = "") -> None:
         assert cfg.secret_file is not None  # the config requires it when enabled
         self.cfg = cfg
         self.advertise = None if cfg.advertise is None else expand_env(cfg.advertise,
@@ -68,18 +79,28 @@ class PeerNetwork:
         self.m = PeerMetrics(registry, pool)
         self.directories = {tenant: PeerDirectory() for tenant in spaces}
         self._server_tls, self._client_tls = tls_contexts(cfg)
-        self.server = PeerServer(spaces, self.secret, self.agent_id, self.m, self._server_tls)
+        self.node = node
+        """This agent's node name: what other agents' push hints name to reach it."""
+        self.spaces = spaces
+        self.server = PeerServer(spaces, self.secret, self.agent_id, self.m, self._server_tls,
+                                 node)
         self.links: dict[tuple[str, int], PeerLink] = {}
         self.by_index: list[PeerLink | None] = []
         self.pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvpool-peer")
         self._tasks: list[asyncio.Task[None]] = []
+        self._pushes: asyncio.Queue[tuple[str, bytes, int, str]] | None = None
+        self._failing: set[str] = set()
+        """Push targets whose failure was logged (once, until a push to them works)."""
 
     async def start(self) -> None:
         await self.server.start(self.cfg.address, self.cfg.port)
         for a in self.cfg.addresses:
             self._link(*parse_host_port(a))
+        loop = asyncio.get_running_loop()
         if self.cfg.discovery is not None:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._discover()))
+            self._tasks.append(loop.create_task(self._discover()))
+        self._pushes = asyncio.Queue(PUSH_QUEUE)
+        self._tasks += [loop.create_task(self._push_worker()) for _ in range(PUSH_WORKERS)]
         log.info("peer tier serving on %s:%d%s, %d static peers%s", self.cfg.address,
                  self.cfg.port, " (TLS)" if self._server_tls else "", len(self.cfg.addresses),
                  f", discovery {self.cfg.discovery}" if self.cfg.discovery else "")
@@ -142,11 +163,87 @@ class PeerNetwork:
         return await link.fetch(tenant, key, target, time.monotonic() + self.cfg.timeout,
                                 self.pool)
 
-    def fetch_many(self, link: PeerLink, reads: list[tuple[str, bytes, ArenaTarget]]
-                   ) -> list[asyncio.Future[Fetched | str]]:
+    def fetch_many(self, link: PeerLink, reads: list[tuple[str, bytes, ArenaTarget]],
+                   timeout: float | None = None) -> list[asyncio.Future[Fetched | str]]:
         """Reads from `link` queued together (one pipelined batch where they fit one,
-        `PeerLink.fetch_many`), each within `peers.timeout` from now."""
-        return link.fetch_many(reads, time.monotonic() + self.cfg.timeout, self.pool)
+        `PeerLink.fetch_many`), each within `timeout` (by default `peers.timeout`) from
+        now."""
+        deadline = time.monotonic() + (self.cfg.timeout if timeout is None else timeout)
+        return link.fetch_many(reads, deadline, self.pool)
+
+    # -- hand-offs
+
+    def link_to(self, node: str) -> PeerLink | None:
+        """The link to the peer a push hint names: by its node name, else its address
+        (`host` or `host:port`, for peers without node names)."""
+        found = None
+        for link in self.links.values():
+            if link.is_self:
+                continue
+            if link.node == node:
+                return link
+            if found is None and node in (link.host, link.name):
+                found = link
+        return found
+
+    def link_of(self, peer_id: bytes) -> PeerLink | None:
+        """The link to the agent whose id is `peer_id` (a push offer's sender)."""
+        for link in self.links.values():
+            if link.peer_id == peer_id and not link.is_self and not link.closed:
+                return link
+        return None
+
+    def push(self, tenant: str, key: bytes, size: int, to: str) -> None:
+        """Queue a hand-off of `key` to the node `to`; never waits (a full queue drops
+        it: counted, and the consumer can still read it by key)."""
+        if to == self.node:
+            return  # the reader is on this node: the chunk is already where it reads
+        if self._pushes is None:
+            return
+        try:
+            self._pushes.put_nowait((tenant, key, size, to))
+        except asyncio.QueueFull:
+            self.m.pushed("", "dropped", 0.0)
+            self._log_once("queue", "push queue full (%d): pushes dropped until it drains",
+                           PUSH_QUEUE)
+
+    async def _push_worker(self) -> None:
+        assert self._pushes is not None
+        while True:
+            tenant, key, size, to = await self._pushes.get()
+            try:
+                await self._push_one(tenant, key, size, to)
+            except Exception:
+                log.exception("push of %s to %s failed", key.hex(), to)
+
+    async def _push_one(self, tenant: str, key: bytes, size: int, to: str) -> None:
+        link = self.link_to(to)
+        if link is None:
+            self.m.pushed("", "unknown", 0.0)
+            self._log_once(to, "push hint %r names no peer of this agent: pushes to it "
+                           "dropped (the reader can still read the chunks by key)", to)
+            return
+        if link.unreachable:
+            self.m.pushed(link.name, "unreachable", 0.0)
+            self._log_once(to, "push to %s (%s): the peer is unreachable", to, link.name)
+            return
+        start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        result, why = await loop.run_in_executor(self.pool, link.push, tenant, key, size,
+                                                 start + PUSH_TIMEOUT)
+        self.m.pushed(link.name, result, time.monotonic() - start)
+        if result in ("ok", "held"):
+            self._failing.discard(to)
+            self._failing.discard("queue")
+        else:
+            self._log_once(to, "push of %s to %s (%s): %s%s", key.hex(), to, link.name,
+                           result, f": {why}" if why else "")
+
+    def _log_once(self, what: str, msg: str, *args: object) -> None:
+        if what in self._failing or len(self._failing) >= MAX_LOGGED:
+            return
+        self._failing.add(what)
+        log.warning(msg, *args)
 
     # -- state
 
@@ -155,6 +252,11 @@ class PeerNetwork:
             labels = {"tenant": tenant} if tenant else {}
             yield Sample("kvpool_peer_directory_entries", "Remote chunks in the peer "
                          "directory", labels, len(d))
+            holdings = self.spaces.get(tenant)
+            if holdings is not None:
+                yield Sample("kvpool_peer_handoff_pinned_bytes", "Arena bytes pinned by "
+                             "chunks pushed here (hand-offs) and not read yet", labels,
+                             holdings.handoff_bytes)
         for link in self.links.values():
             if link.is_self:
                 continue

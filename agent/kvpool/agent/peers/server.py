@@ -4,9 +4,10 @@ One asyncio server on `peers.port`. A connection first proves the pool's secret 
 one that cannot is counted, logged and closed before anything else is read. Then it
 carries FETCH requests, answered in order, one at a time (a connection's memory is one
 reply header; the bytes go from the arena or the chunk file to the socket with
-sendfile, never through a Python buffer), or, after a SUBSCRIBE, the inventory of every
-space followed by its changes (a bounded queue per subscriber: one that falls behind is
-closed, and resyncs when it reconnects).
+sendfile, never through a Python buffer) and PUSH offers (hand-offs: the space decides,
+then reads the chunk from the sender as any peer read), or, after a SUBSCRIBE, the
+inventory of every space followed by its changes (a bounded queue per subscriber: one
+that falls behind is closed, and resyncs when it reconnects).
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ class Holdings(Protocol):
 
     def disconnect(self, owner: int) -> None: ...
 
+    async def take_push(self, key: bytes, size: int, sender: bytes) -> tuple[int, str]:
+        """A hand-off offer of `key` (`size` bytes) from the agent whose id is `sender`:
+        (a `wire.PUSH_*` status, why) once it is stored and pinned, or refused."""
+        ...
+
+    @property
+    def handoff_bytes(self) -> int:
+        """Arena bytes pinned by pushed chunks not read yet."""
+        ...
+
 
 class Subscriber:
     def __init__(self) -> None:
@@ -93,13 +104,18 @@ class Subscriber:
 
 class PeerServer:
     def __init__(self, spaces: dict[str, Holdings], secret: bytes, agent_id: bytes,
-                 metrics: PeerMetrics, tls: ssl.SSLContext | None = None) -> None:
+                 metrics: PeerMetrics, tls: ssl.SSLContext | None = None,
+                 node: str = "") -> None:
         self.spaces = spaces
+        self.node = node
+        """This agent's node name, told to every subscriber (what push hints name)."""
         self.secret = secret
         self.agent_id = agent_id
         self.m = metrics
         self.tls = tls
         self.subscribers: set[Subscriber] = set()
+        self._refusing: set[str] = set()
+        """Peers whose last push was refused (logged once)."""
         self.connections = 0
         self.server: asyncio.Server | None = None
 
@@ -140,13 +156,14 @@ class PeerServer:
         self.connections += 1
         try:
             try:
-                await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT)
+                client_id = await asyncio.wait_for(self._handshake(reader, writer),
+                                                   HANDSHAKE_TIMEOUT)
             except (auth.AuthError, asyncio.IncompleteReadError, TimeoutError, OSError,
                     ssl.SSLError) as e:
                 self.m.auth_failures.inc()
                 log.warning("peer connection from %s refused: %s", peer, e or type(e).__name__)
                 return
-            await self._requests(reader, writer, peer, owner)
+            await self._requests(reader, writer, peer, owner, client_id)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ssl.SSLError):
             pass  # the peer went away
         except wire.WireError as e:
@@ -163,7 +180,8 @@ class PeerServer:
                 await writer.wait_closed()
 
     async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
+                         writer: asyncio.StreamWriter) -> bytes:
+        """The client's agent id, once it proved the secret."""
         client_id, client_nonce = auth.parse_hello(await reader.readexactly(wire.HELLO.size))
         mine = auth.nonce()
         writer.write(auth.hello(self.agent_id, mine) + auth.proof(
@@ -173,16 +191,41 @@ class PeerServer:
                               self.agent_id), got)
         writer.write(wire.ACCEPTED)
         await writer.drain()
+        return client_id
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        peer: str, owner: int) -> None:
+                        peer: str, owner: int, client_id: bytes) -> None:
         while True:
             op, rid, tlen, key = wire.request_head(await reader.readexactly(wire.REQUEST.size))
             tenant = (await reader.readexactly(tlen)).decode(errors="replace")
             if op == wire.OP_SUBSCRIBE:
                 await self._stream(reader, writer)
                 return
+            if op == wire.OP_PUSH:
+                (size,) = wire.PUSH.unpack(await reader.readexactly(wire.PUSH.size))
+                await self._push(writer, peer, rid, tenant, key, size, client_id)
+                continue
             await self._fetch(writer, peer, owner, rid, tenant, key)
+
+    async def _push(self, writer: asyncio.StreamWriter, peer: str, rid: int, tenant: str,
+                    key: bytes, size: int, sender: bytes) -> None:
+        """A hand-off offer: the space takes it (reading the chunk from the sender) or says
+        why not; either way one reply, and the connection goes on."""
+        holdings = self.spaces.get(tenant)
+        if holdings is None:
+            status, why = wire.PUSH_REFUSED, f"this agent has no space of tenant {tenant!r}"
+        else:
+            status, why = await holdings.take_push(key, size, sender)
+        result = {wire.PUSH_STORED: "ok", wire.PUSH_HELD: "held",
+                  wire.PUSH_REFUSED: "refused"}.get(status, "error")
+        self.m.received(peer, result)
+        if status != wire.PUSH_REFUSED:
+            self._refusing.discard(peer)
+        elif peer not in self._refusing:  # once until a push from it is taken again
+            self._refusing.add(peer)
+            log.warning("push of %s from %s refused: %s", key.hex(), peer, why)
+        writer.write(wire.encode_push_reply(status, rid, why))
+        await writer.drain()
 
     async def _fetch(self, writer: asyncio.StreamWriter, peer: str, owner: int, rid: int,
                      tenant: str, key: bytes) -> None:
@@ -227,7 +270,7 @@ class PeerServer:
                         await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
                 if batch:
                     writer.write(wire.encode_stream(wire.ADD, tenant, batch, time.time()))
-            writer.write(wire.encode_stream(wire.SYNCED, sent_at=time.time()))
+            writer.write(wire.encode_stream(wire.SYNCED, self.node, sent_at=time.time()))
             await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
             while True:
                 woken = asyncio.ensure_future(sub.wake.wait())

@@ -3,8 +3,9 @@ little-endian structs, each bounded, so a peer's frame can never make the agent 
 more than a few KiB before the chunk bytes, which land in arena extents of the size the
 directory announced.
 
-After the handshake (`auth`), a connection carries either requests (FETCH, answered one
-at a time, in order) or, after one SUBSCRIBE, the holder's inventory and its changes.
+After the handshake (`auth`), a connection carries either requests (FETCH and PUSH,
+answered one at a time, in order) or, after one SUBSCRIBE, the holder's inventory and its
+changes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,26 @@ REQUEST = struct.Struct("<BBHI16s")
 """op, 0, tenant length, request id, key; then the tenant name."""
 OP_FETCH = 1
 OP_SUBSCRIBE = 2
+OP_PUSH = 3
+"""A hand-off offer: the sender holds the key (a chunk a client put with a hint naming
+this node) and asks the receiver to take it; `PUSH` follows the tenant name. The
+receiver decides (its pin quota, its spaces) before any byte moves, then reads the chunk
+from the sender like any peer read (FETCH on its own connection), and answers
+`PUSH_REPLY` once it is stored or refused."""
+PUSH = struct.Struct("<Q")
+"""The chunk's size in bytes."""
+PUSH_REPLY = struct.Struct("<BBHI")
+"""status, 0, message length, request id; then the message (why, for a refusal)."""
+PUSH_STORED = 0
+"""Received, verified, stored and pinned until read or `peers.handoffTtl`."""
+PUSH_HELD = 1
+"""The receiver holds the key already: nothing moved."""
+PUSH_REFUSED = 2
+"""Refused before any byte moved (pin quota, unknown tenant or sender, size)."""
+PUSH_FAILED = 3
+"""The receiver's read of the chunk failed (absent by then, timeout, corrupt, no room)."""
+PUSH_STATUSES = (PUSH_STORED, PUSH_HELD, PUSH_REFUSED, PUSH_FAILED)
+MAX_MESSAGE_BYTES = 1024
 
 REPLY = struct.Struct("<BBHIQQI")
 """status, checksum kind, tenant length, request id, size, checksum, metadata length; then
@@ -44,7 +65,8 @@ ADD = 2
 REMOVE = 3
 """Records: keys the holder no longer holds (key and 0)."""
 SYNCED = 4
-"""Every space's inventory has been sent: changes follow."""
+"""Every space's inventory has been sent: changes follow. Its tenant field holds the
+sender's node name instead (what a push hint names; empty from an older agent)."""
 HEARTBEAT = 5
 STREAM_TYPES = frozenset({BEGIN, ADD, REMOVE, SYNCED, HEARTBEAT})
 RECORD = struct.Struct("<16sQ")
@@ -75,7 +97,7 @@ def encode_request(op: int, rid: int, key: bytes, tenant: str) -> bytes:
 def request_head(data: bytes) -> tuple[int, int, int, bytes]:
     """(op, rid, tenant length, key) of a request's fixed part."""
     op, _, tlen, rid, key = REQUEST.unpack(data)
-    if op not in (OP_FETCH, OP_SUBSCRIBE):
+    if op not in (OP_FETCH, OP_SUBSCRIBE, OP_PUSH):
         raise WireError(f"unknown op {op}")
     if tlen > MAX_TENANT_BYTES:
         raise WireError(f"tenant name of {tlen} bytes")
@@ -107,6 +129,21 @@ def reply_head(data: bytes | bytearray) -> ReplyHead:
     if head.meta_len > MAX_META_BYTES or head.tenant_len > MAX_TENANT_BYTES:
         raise WireError("reply metadata or tenant name too long")
     return head
+
+
+def encode_push_reply(status: int, rid: int, message: str = "") -> bytes:
+    m = message.encode()[:MAX_MESSAGE_BYTES]
+    return PUSH_REPLY.pack(status, 0, len(m), rid & 0xFFFFFFFF) + m
+
+
+def push_reply_head(data: bytes) -> tuple[int, int, int]:
+    """(status, message length, request id) of a PUSH reply's fixed part."""
+    status, _, mlen, rid = PUSH_REPLY.unpack(data)
+    if status not in PUSH_STATUSES:
+        raise WireError(f"unknown push status {status}")
+    if mlen > MAX_MESSAGE_BYTES:
+        raise WireError(f"push reply message of {mlen} bytes")
+    return status, mlen, rid
 
 
 def encode_stream(msg: int, tenant: str = "", records: list[tuple[bytes, int]] | None = None,

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from .. import protocol as p
 from ..config import AgentConfig, ConfigError, EventsTopic, load_policy
+from ..constants import ENV_NODE_NAME
 from ..events import IdentityLog, Publisher, TierEvents, node_topic
 from ..metrics import AgentMetrics, Sample
 from ..nodelabel import NodeLabeler
@@ -119,8 +120,10 @@ class Agent:
     def _join_peers(self) -> PeerNetwork:
         """The peer tier (docs/cross-node.md): serve this agent's chunks to the pool's
         other agents, and count and read theirs in every space."""
+        # The name push hints reach this agent by: the node's, as the DaemonSet gives it.
+        node = self.config.node_name or os.environ.get(ENV_NODE_NAME) or socket.gethostname()
         network = PeerNetwork(self.config.peers, {s.tenant: s.store for s in self.spaces},
-                              self.metrics.registry, self.config.pool)
+                              self.metrics.registry, self.config.pool, node)
         for space in self.spaces:
             space.store.attach_peer(PeerTier(network, space.tenant))
             space.store.observe(Watch(network.server, space.tenant, space.store))

@@ -81,13 +81,24 @@ async def _lookup(c: Connection, r: p.Lookup) -> p.LookupReply:
 
 
 async def _put(c: Connection, r: p.Put) -> p.PutReply:
+    _check_hint(r.to)
     with _storing(c, r.key, r):
         return p.PutReply(r.rid, await c.store.put(r.key, r.data, r.checksum, r.meta,
-                                                   c.tenant))
+                                                   c.tenant, r.to))
+
+
+def _check_hint(to: str) -> None:
+    """A hand-off hint names a node: refused (before anything is stored) past a name's
+    length."""
+    if len(to.encode()) > p.MAX_NODE_BYTES:
+        raise OpError(p.ErrorCode.BAD_ARGUMENT,
+                      f"hand-off hint 'to' of {len(to.encode())} bytes: a node name has at "
+                      f"most {p.MAX_NODE_BYTES}")
 
 
 async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
-    granted = await c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id, r.dma)
+    _check_hint(r.to)
+    granted = await c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id, r.dma, r.to)
     if granted is None:
         return p.AllocReply(r.rid, 0, [], exists=True)
     return p.AllocReply(r.rid, granted.lease, granted.extents)
@@ -97,9 +108,11 @@ def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
     if not 0 <= r.next_size <= c.store.config.max_chunk_bytes:  # before: the lease stays open
         raise OpError(p.ErrorCode.BAD_ARGUMENT,
                       f"next_size {r.next_size} is outside 0..{c.store.config.max_chunk_bytes}")
+    _check_hint(r.to)
     lease = c.store.dram.write_lease(r.lease)
     with _storing(c, (lease.key or r.key) if lease is not None else b"", r):
-        stored = c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind, r.key, r.meta)
+        stored = c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind, r.key, r.meta,
+                                r.to)
     c.spares.discard(r.lease)
     reply = p.CommitReply(r.rid, stored)
     # The next put's lease, granted only after this one's chunk is in (best effort: none

@@ -54,7 +54,8 @@ from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
 from ..journal import Journal, JournalEntry, replay
 from ..metrics import AgentMetrics
-from ..peers.links import MAX_BATCH, MAX_BATCH_BYTES, Fetched, PeerLink
+from ..peers import wire
+from ..peers.links import MAX_BATCH, MAX_BATCH_BYTES, PUSH_READ_TIMEOUT, Fetched, PeerLink
 from ..peers.server import ChunkSource
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
@@ -153,6 +154,11 @@ class ChunkStore:
         self.peer: PeerTier | None = None
         """The chunks the pool's other agents hold (`attach_peer`); None: peers are off."""
         self._fetching: dict[bytes, asyncio.Future[DramChunk | None]] = {}
+        self.handoffs: dict[bytes, tuple[float, int]] = {}
+        """Chunks pushed here by peers (hand-offs) and not read yet: pinned until their
+        first read or this monotonic time; with their arena bytes (whole pages)."""
+        self._handoff_bytes = 0
+        """Arena bytes of `handoffs` and of the pushes being received (their quota)."""
         """Reads from peers under way, one per key however many ask."""
         self._peer_prompts: OrderedDict[int, list[bytes]] = OrderedDict()
         """Keys of recent LOOKUPs that counted chunks in the peer tier, by request seq: a
@@ -420,13 +426,46 @@ class ChunkStore:
                 if self._fetching.get(k) is fut:
                     del self._fetching[k]
 
+    async def _receive_push(self, key: bytes, link: PeerLink, size: int) -> DramChunk | None:
+        """A pushed chunk read from its sender into fresh arena extents (one read per key:
+        a read of it under way is waited for instead), verified, inserted and pinned
+        before anything may evict it (`_fetched`); None when that fails."""
+        assert self.peer is not None
+        pending = self._fetching.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
+        self._fetching[key] = fut
+        try:
+            mark = self.deletes
+            try:
+                extents = await self._room(size)
+            except OpError:
+                return None
+            work = self.peer.fetch_many(link, [(key, self.dram.fetch_target(extents))],
+                                        PUSH_READ_TIMEOUT)[0]
+            try:
+                result = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                work.add_done_callback(self._free_when_settled(extents))
+                raise
+            chunk = self._fetched(key, extents, result, mark, handoff=True)
+            _settle(fut, chunk)
+            return chunk
+        finally:
+            _settle(fut, None)
+            if self._fetching.get(key) is fut:
+                del self._fetching[key]
+
     def _free_when_settled(self, extents: Extents
                            ) -> Callable[[asyncio.Future[Fetched | str]], None]:
         return lambda _: self.dram.free(extents)
 
     def _fetched(self, key: bytes, extents: Extents, result: Fetched | str,
-                 mark: int) -> DramChunk | None:
-        """A peer read's end: the chunk inserted into DRAM, or its extents freed."""
+                 mark: int, handoff: bool = False) -> DramChunk | None:
+        """A peer read's end: the chunk inserted into DRAM, or its extents freed. A
+        `handoff` (a push) is pinned before the watermark may take it (the newest chunk,
+        unread)."""
         if not isinstance(result, Fetched):
             self.dram.free(extents)
             return None
@@ -434,8 +473,14 @@ class ChunkStore:
         if self._deleted_since(key, mark) or self.contains(key):
             self.dram.free(extents)
             return self.dram.get(key)
-        return self._insert(key, extents, result.size, result.checksum, result.meta,
-                            result.tenant, hits=1, kind=result.kind)
+        if not handoff:
+            return self._insert(key, extents, result.size, result.checksum, result.meta,
+                                result.tenant, hits=1, kind=result.kind)
+        chunk = self._insert(key, extents, result.size, result.checksum, result.meta,
+                             result.tenant, evict=False, kind=result.kind)
+        self._pin_handoff(chunk)
+        self._check_watermark()
+        return chunk
 
     def _trim(self, extents: Extents, size: int) -> Extents:
         """The first `size` bytes of `extents`; the whole pages past them freed (a peer
@@ -501,6 +546,78 @@ class ChunkStore:
             for entry in self.nvme.nvme.entries():
                 yield entry.key, entry.size
 
+    # -- hand-offs (docs/cross-node.md#hand-off)
+
+    def hand_off(self, key: bytes, to: str) -> None:
+        """A client put `key` with a hint naming the node `to` that will read it: queue its
+        push there (never waits; a push that fails leaves the chunk here, readable by key
+        from every node)."""
+        size = self.peer_size(key)
+        if self.peer is not None and to and size:
+            self.peer.network.push(self.peer.tenant, key, size, to)
+
+    async def take_push(self, key: bytes, size: int, sender: bytes) -> tuple[int, str]:
+        """A peer's offer of a chunk a client put for a reader on this node: read it from
+        that peer (verified, as any peer read) and pin it until its first read or
+        `peers.handoffTtl`. Refused, before any byte moves, past the pin quota (a
+        producer must not pin a consumer's whole arena), for a size out of range, or from
+        an agent this one does not follow (a peer it reads from)."""
+        if self.contains(key):
+            return wire.PUSH_HELD, ""
+        if self.peer is None:
+            return wire.PUSH_REFUSED, "peers are off on this agent"
+        if not 0 < size <= self.config.max_chunk_bytes:
+            return wire.PUSH_REFUSED, (f"chunk size {size} is outside "
+                                       f"1..{self.config.max_chunk_bytes}")
+        link = self.peer.network.link_of(sender)
+        if link is None:
+            return wire.PUSH_REFUSED, "the sender is not a peer this agent follows"
+        pages = self._pages(size)
+        quota = int(self.dram.capacity_bytes * self.config.peers.handoff_share)
+        if self._handoff_bytes + pages > quota:
+            return wire.PUSH_REFUSED, (
+                f"pin quota: {self._handoff_bytes} of {quota} arena bytes are pinned by "
+                f"unread pushes (peers.handoffShare), a chunk of {size} bytes does not fit; "
+                "the reader can still read it by key")
+        self._handoff_bytes += pages  # reserved while it is received
+        try:
+            chunk = await self._receive_push(key, link, size)
+        finally:
+            self._handoff_bytes -= pages
+        if chunk is None:
+            return wire.PUSH_FAILED, "the read of the chunk from the sender failed"
+        if chunk.key not in self.handoffs:
+            self._pin_handoff(chunk)  # read by a concurrent read of this node's
+        return wire.PUSH_STORED, ""
+
+    def _pin_handoff(self, chunk: DramChunk) -> None:
+        if self.dram.pinned(chunk.key):
+            return  # pinned already (a policy's or a client's pin): that pin outlives it
+        pages = self._pages(chunk.size)
+        self.handoffs[chunk.key] = (time.monotonic() + self.config.peers.handoff_ttl, pages)
+        self._handoff_bytes += pages
+        self.dram.pin(chunk.key)
+
+    def _end_handoff(self, key: bytes, end: str | None, unpin: bool = True) -> None:
+        """The pin of a pushed chunk ends (`end`: read, expired, deleted; None: not
+        counted, the chunk left otherwise or a client pinned it)."""
+        got = self.handoffs.pop(key, None)
+        if got is None:
+            return
+        self._handoff_bytes -= got[1]
+        if unpin:
+            self.dram.unpin(key)
+        if end is not None and self.peer is not None:
+            self.peer.network.m.handoff_ended(end)
+
+    @property
+    def handoff_bytes(self) -> int:
+        return self._handoff_bytes
+
+    def _expire_handoffs(self, now: float) -> None:
+        for key in [k for k, (until, _) in self.handoffs.items() if until <= now]:
+            self._end_handoff(key, "expired")
+
     def _deleted_since(self, key: bytes, mark: int) -> bool:
         n = self.deleted.get(key)
         if n is not None:
@@ -519,14 +636,16 @@ class ChunkStore:
     # -- zero-copy writes
 
     async def alloc(self, key: bytes, size: int, meta: bytes, tenant: str,
-                    owner: int, dma: bool = False) -> Granted | None:
-        """A write lease on fresh extents, or None when the key is already stored. `dma`:
-        the owner copies by DMA (its leases drain when it disconnects, `disconnect`)."""
+                    owner: int, dma: bool = False, to: str = "") -> Granted | None:
+        """A write lease on fresh extents, or None when the key is already stored (then
+        handed off `to` a node, if named: the COMMIT that would have done it never comes).
+        `dma`: the owner copies by DMA (its leases drain when it disconnects)."""
         check_key(key)
         if dma:
             self.dma_owners.add(owner)
         self._check_size(size, meta)
         if self.contains(key):
+            self.hand_off(key, to)
             return None
         self._check_lease_budget(owner)
         pages = self._pages(size)
@@ -540,6 +659,7 @@ class ChunkStore:
         extents = await self._room(size)
         if self.contains(key):  # stored by another client while this one waited
             self.dram.free(extents)
+            self.hand_off(key, to)
             return None
         held = self.uncommitted.get(owner, 0)
         lease = self.dram.open_write(key, extents, size, meta, tenant, owner,
@@ -559,9 +679,11 @@ class ChunkStore:
             self.uncommitted.pop(owner, None)
 
     def commit(self, lease_id: int, checksum_: int, owner: int,
-               kind: int = checksums.XXH3, key: bytes = b"", meta: bytes = b"") -> bool:
+               kind: int = checksums.XXH3, key: bytes = b"", meta: bytes = b"",
+               to: str = "") -> bool:
         """Make a write lease's chunk visible; False when its key was stored meanwhile
-        (theirs is kept). A spare lease (`spare`) takes its `key` and `meta` here."""
+        (theirs is kept). A spare lease (`spare`) takes its `key` and `meta` here. `to`:
+        the node that will read it, where it is pushed (`hand_off`), stored now or not."""
         if kind not in checksums.KINDS:  # checked first: the lease stays open to retry
             raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {kind}")
         open_ = self.dram.write_lease(lease_id)
@@ -581,10 +703,12 @@ class ChunkStore:
         if self.contains(key):
             # Another client stored the same key first: keep theirs.
             self.dram.free(lease.extents)
+            self.hand_off(key, to)
             return False
         chunk = self._insert(key, lease.extents, lease.size, checksum_ & (2**64 - 1),
                              meta, lease.tenant, kind=kind)
         self._write_through(chunk)
+        self.hand_off(key, to)
         return True
 
     def spare(self, size: int, tenant: str, owner: int) -> Granted | None:
@@ -666,6 +790,8 @@ class ChunkStore:
             tier, transient = TIER_CODE[source], not pol.should_promote(self.policy, hits or 1)
         self._touch_read(chunk)
         lease = self.dram.open_read(chunk, owner)
+        if key in self.handoffs:  # the hand-off's read: the lease keeps it till RELEASE
+            self._end_handoff(key, "read")
         # Only now that the lease protects it: a promoted chunk may well be the watermark's
         # first victim (LRU by an old LOOKUP's seq, a prompt's tail), and evicted before
         # its lease it would be read from freed arena pages that another chunk reuses.
@@ -694,6 +820,8 @@ class ChunkStore:
                 raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} failed its checksum")
             self._touch_read(chunk)
             self.m.read_bytes["dram"].inc(chunk.size)
+            if key in self.handoffs:
+                self._end_handoff(key, "read")
             return data, chunk.checksum, chunk.meta, 2, chunk.checksum_kind
         if found is None:
             raise OpError(ErrorCode.NOT_FOUND, f"{key.hex()} is not stored")
@@ -748,21 +876,24 @@ class ChunkStore:
     # -- inline writes
 
     async def put(self, key: bytes, data: bytes, checksum_: int, meta: bytes,
-                  tenant: str) -> bool:
+                  tenant: str, to: str = "") -> bool:
         check_key(key)
         self._check_size(len(data), meta)
         if checksum(data, meta) != checksum_:
             raise OpError(ErrorCode.CHECKSUM_MISMATCH,
                           "the PUT bytes do not match their checksum; nothing stored")
         if self.contains(key):
+            self.hand_off(key, to)
             return False
         extents = await self._room(len(data))
         if self.contains(key):  # stored by another client while this one waited
             self.dram.free(extents)
+            self.hand_off(key, to)
             return False
         self.dram.write_extents(extents, data)
         chunk = self._insert(key, extents, len(data), checksum_, meta, tenant)
         self._write_through(chunk, data)
+        self.hand_off(key, to)
         return True
 
     # -- management
@@ -774,6 +905,7 @@ class ChunkStore:
         self.deleted.move_to_end(key)
         while len(self.deleted) > RECENT_DELETES:
             self.deleted.popitem(last=False)
+        self._end_handoff(key, "deleted")
         self.dram.unpin(key)
         self.loads.forget(key)
         demoting = self.nvme is not None and key in self.nvme.inflight
@@ -790,6 +922,7 @@ class ChunkStore:
         check_key(key)
         if not self.contains(key):
             raise OpError(ErrorCode.NOT_FOUND, f"cannot pin {key.hex()}: not stored")
+        self._end_handoff(key, None, unpin=False)  # the client's pin, from now on
         self.dram.pin(key)
 
     def unpin(self, key: bytes) -> None:
@@ -823,6 +956,7 @@ class ChunkStore:
         self.dram_queue.discard(key)  # first: the queue finds the chunk by the tier's index
         if self.dram.remove(key) is None:
             return False
+        self._end_handoff(key, None)
         if self.journal is not None:
             self.journal.drop(key)
         self.observer.removed("dram", key)
@@ -1008,6 +1142,7 @@ class ChunkStore:
         self.dram.expire_writes(mono)  # their pages stay fenced until the writer disconnects
         self.dram.end_drains(mono)
         wall = time.time() if now is None else now
+        self._expire_handoffs(mono)
         # Within the bound on demotions in flight: the rest go at a later sweep.
         self._evict_dram(self._admissible(pol.expired(
             self.dram.entries(), self.policy.tiers.dram.ttl, wall, self.dram.protected)))

@@ -5,7 +5,9 @@ uses like any other tier: LOOKUP asks `holds` (memory only, never the network); 
 ACQUIRE of a key only a peer holds reserves arena extents for it and for the peer keys
 that follow it in its LOOKUP, and `fetch_many`es the bytes straight into them in one
 pipelined batch, verified, within `peers.timeout` (docs/cross-node.md). A peer tier
-serves no writes: a chunk lands on a peer only by that peer's own clients.
+serves no writes: a chunk lands on a peer by that peer's own clients, or by a hand-off
+one of this agent's clients named it for (`PeerNetwork.push`), which that peer then reads
+from this agent.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ class PeerTier:
         """The chunk received into `target`'s arena extents and verified, or why not."""
         return await self.network.fetch(link, self.tenant, key, target)
 
-    def fetch_many(self, link: PeerLink, reads: list[tuple[bytes, ArenaTarget]]
-                   ) -> list[asyncio.Future[Fetched | str]]:
+    def fetch_many(self, link: PeerLink, reads: list[tuple[bytes, ArenaTarget]],
+                   timeout: float | None = None) -> list[asyncio.Future[Fetched | str]]:
         """Reads of (key, target) from one peer, sent together (a pipelined batch): a
-        future per read, settled as its chunk is in and verified, or with why not."""
-        return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads])
+        future per read, settled as its chunk is in and verified, or with why not, within
+        `timeout` (by default `peers.timeout`)."""
+        return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads],
+                                       timeout)
 
     @property
     def chunks(self) -> int:

@@ -37,6 +37,9 @@ class SaveJob:
     block_ids: list[list[int]]
     engine_blocks: list[EngineBlocks | None]
     """Per chunk, vLLM's block hashes, tokens and parent hash: what KV events say of it."""
+    to: str | None = None
+    """The node that will read the chunks (a hand-off: the agent pushes them there), from
+    the request's `kv_transfer_params`; None: stored here, read by key from anywhere."""
 
 
 @dataclass(slots=True)

@@ -14,6 +14,9 @@ workers load and save in each step. It never waits on the agent.
   output) and the pool did not hold are handed to the workers, with vLLM's block hashes
   for the agent's KV events. A finished request's blocks stay allocated until its saves
   are done (`request_finished` returns True).
+- Hand-off (disaggregated prefill): a request whose `kv_transfer_params` name the node
+  that will decode it (`PUSH_TO`, set by the router as vLLM's P/D connectors take their
+  routing) has its saves pushed there by the agent (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -30,6 +33,18 @@ from .jobs import LoadJob, Rank, SaveJob, StepJobs
 from .layout import KeyChain, engine_hash
 from .link import AgentLink
 from .settings import Settings
+
+PUSH_TO = "kvpool_push_to"
+"""The `kv_transfer_params` key naming the node that will read a request's KV (its decode
+engine's node): the agent pushes the request's saved chunks there."""
+
+
+def push_target(request: Any) -> str | None:
+    """The node a request's saves are handed off to, from its `kv_transfer_params`; None
+    when it names none (or not as a non-empty string: the save is not held back for it)."""
+    params = getattr(request, "kv_transfer_params", None)
+    to = params.get(PUSH_TO) if isinstance(params, dict) else None
+    return to if isinstance(to, str) and to else None
 
 
 @dataclass(slots=True)
@@ -204,7 +219,7 @@ class SchedulerSide:
             for c in range(first, whole)]
         return SaveJob(request.request_id, {r: k[first:whole] for r, k in keys.items()},
                        [list(block_ids[c * per : (c + 1) * per]) for c in range(first, whole)],
-                       engine_blocks)
+                       engine_blocks, push_target(request))
 
     def finished(self, request: Any) -> bool:
         """Whether vLLM keeps the request's blocks until the workers' saves are done."""

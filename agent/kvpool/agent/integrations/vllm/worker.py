@@ -265,7 +265,7 @@ class WorkerSide:
 
         def put(client: KVPoolClient) -> list[Any]:
             return client.put_many(keys, chunks, [self._meta] * len(keys),
-                                   blocks=job.engine_blocks, stream=self._stream)
+                                   blocks=job.engine_blocks, stream=self._stream, to=job.to)
         results = self.link.call(put)
         refused = [r for r in results or () if not isinstance(r, bool)]
         if refused:
