@@ -126,6 +126,26 @@ def test_commit_without_alloc_and_double_release(agent, client, bystander) -> No
     assert_unharmed(agent, client, bystander, base)
 
 
+def test_a_hand_off_hint_past_a_node_names_length_is_bad_argument_and_stores_nothing(
+        agent, client, bystander) -> None:
+    base = used_bytes(client)
+    raw = RawConn(agent.socket_path)
+    k, data, long = os.urandom(16), b"data", "n" * (p.MAX_NODE_BYTES + 1)
+    put = p.Put(1, k, data, p.checksum(data), to=long)
+    assert error_of(raw.call(put)) == p.ErrorCode.BAD_ARGUMENT
+    assert error_of(raw.call(p.Alloc(2, k, 4, to=long))) == p.ErrorCode.BAD_ARGUMENT
+    lease = raw.call(p.Alloc(3, k, 4))
+    assert isinstance(lease, p.AllocReply)
+    commit = p.Commit(4, lease.lease, p.checksum(b"\0" * 4), to=long)
+    assert error_of(raw.call(commit)) == p.ErrorCode.BAD_ARGUMENT
+    assert client.lookup([k]) == 0
+    # The lease stayed open: the COMMIT without the hint stores it.
+    assert isinstance(raw.call(p.Commit(5, lease.lease, p.checksum(b"\0" * 4))), p.CommitReply)
+    assert client.lookup([k]) == 1
+    client.delete(k)
+    assert_unharmed(agent, client, bystander, base)
+
+
 def test_inline_put_with_wrong_checksum_stores_nothing(agent, client) -> None:
     raw = RawConn(agent.socket_path)
     k = os.urandom(16)

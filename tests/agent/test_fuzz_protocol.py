@@ -503,6 +503,7 @@ lookup_keys = st.one_of(
 versions = st.one_of(st.just(p.PROTOCOL_VERSION), st.integers(I64_MIN, U64))
 rids = st.one_of(st.integers(0, 1000), st.sampled_from([U64, I64_MIN, -1]))
 checksum_kinds = st.one_of(st.sampled_from([0, 1]), u64s)  # known kinds, and unknown ones
+nodes = st.text(max_size=20)  # a hand-off's node name (at most 253 bytes: never past it here)
 
 
 
@@ -523,16 +524,17 @@ FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
     p.Op.LOOKUP: [("keys", lookup_keys, 1)],
     # `dma` stays false: a connection's dma leases drain for writeLeaseTimeout after it
     # closes (test_dma_drain.py), past the baseline check after each example.
+    # `to` (a hand-off's node): this agent has no peers, so it changes nothing.
     p.Op.ALLOC: [("bytes", keys, 2), ("int", sizes, 2), ("bytes", metas, 2),
-                 ("bool", st.just(False), 2)],
+                 ("bool", st.just(False), 2), ("str", nodes, 2)],
     p.Op.COMMIT: [("int", lease_ids, 2), ("int", u64s, 2), ("int", checksum_kinds, 2),
                   *engine_blocks(2), ("int", sizes, 2), ("bytes", keys, 2),
-                  ("bytes", metas, 2)],
+                  ("bytes", metas, 2), ("str", nodes, 2)],
     p.Op.ABORT: [("int", lease_ids, 1)],
     p.Op.ACQUIRE: [("bytes", keys, 1), ("bool", st.just(False), 1)],
     p.Op.RELEASE: [("int", lease_ids, 1)],
     p.Op.PUT: [("bytes", keys, 3), ("bytes", datas, 3), ("int", u64s, 3), ("bytes", metas, 3),
-               *engine_blocks(3)],
+               *engine_blocks(3), ("str", nodes, 3)],
     p.Op.GET: [("bytes", keys, 1)],
     p.Op.DELETE: [("bytes", keys, 1)],
     p.Op.PIN: [("bytes", keys, 1)],

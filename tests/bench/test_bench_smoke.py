@@ -98,6 +98,11 @@ def test_the_peer_part_reads_every_chunk_back_and_reports_each_figure(
     assert peer["lookup"]["remote_entries"] == peer["directory"]["remote_entries"] == 10**5
     assert {"samples", "p50_ms", "p99_ms"} <= set(peer["propagation"])
     assert "agent_rss_bytes_per_entry" in peer["directory"]
+    # Every handed-off chunk (pushed, and pulled by key beside it) was read back on node 1
+    # and compared with what node 0 was given.
+    h = peer["handoff"]
+    assert {"p50_ms", "p99_ms", "pull_p50_ms", "pull_p99_ms"} <= set(h)
+    assert h["bytes_verified"] == 2 * h["samples"] * h["chunk_bytes"] == 2 * 4 * 16 * 2**20
 
 
 def test_every_figure_is_a_positive_number(result: dict[str, Any]) -> None:

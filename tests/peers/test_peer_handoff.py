@@ -76,6 +76,40 @@ def test_a_put_for_another_node_is_pushed_there_and_pinned_until_its_first_read(
         wait_until(lambda: cb.lookup_tiers([*keys, key]) == ["dram"] * 4,
                    "the batch and the deduplicated put to land on node 1")
         assert pushes(a, "sent", "ok") == 5
+        for k in [*keys, key]:  # read: their pins end
+            assert cb.get(k) is not None
+        vllm_producer_saves_to_the_node_its_request_names(a, cb)
+
+
+def vllm_producer_saves_to_the_node_its_request_names(a: LocalAgent,
+                                                      cb: KVPoolClient) -> None:
+    """A producer engine's worker side (vLLM's own engines run in test_peer_vllm.py): a
+    save job carrying the node its request's `kv_transfer_params` named (the scheduler
+    side's `push_target`, tests/integrations/test_vllm_handoff.py) lands there, in DRAM,
+    byte for byte as the worker's KV blocks hold it."""
+    import torch
+
+    from kvpool.agent.integrations.vllm.jobs import SaveJob, StepJobs
+    from kvpool.agent.integrations.vllm.settings import settings
+    from kvpool.agent.integrations.vllm.worker import WorkerSide
+
+    from ..integrations.test_vllm_settings import config
+
+    worker = WorkerSide(settings(*config("kv_producer", {"socket": str(a.socket_path)})),
+                        "org/model", (0, 0))
+    try:
+        layers = {f"l{i}": torch.randn(16, 32, 8, 128).to(torch.float16) for i in range(2)}
+        worker.register(layers, 16)
+        key = os.urandom(16)
+        blocks = list(range(8))  # one chunk of 256 tokens: 8 blocks of 32 (1 MiB)
+        job = SaveJob("r1", {(0, 0): [key]}, [blocks], [None], to="node1")
+        worker.end_step(StepJobs(saves=[job]))
+        worker.wait_for_saves({"r1"})
+        wait_until(lambda: cb.lookup_tiers([key]) == ["dram"], "the save pushed to node 1")
+        expected = b"".join(t[i].numpy().tobytes() for t in layers.values() for i in blocks)
+        assert cb.get(key) == expected
+    finally:
+        worker.close()
 
 
 def test_a_push_past_the_receivers_pin_quota_is_refused_and_the_put_still_stored(
@@ -171,35 +205,3 @@ def test_a_push_that_cannot_happen_is_counted_and_the_put_stays_readable_by_key(
                 assert ("tenant" if tenant else "not a peer") in message
         assert pushes(a, "received", "refused") == 2
 
-
-def test_the_vllm_connectors_saves_are_pushed_to_the_node_the_request_names(
-        net: Network, tmp_path: Path, secret: Path) -> None:
-    """A producer engine's worker side (vLLM's own engine runs in tests/integrations):
-    a save job carrying the node its request's `kv_transfer_params` named lands there,
-    pinned, byte for byte as the worker's KV blocks hold it."""
-    import torch
-
-    from kvpool.agent.integrations.vllm.jobs import SaveJob, StepJobs
-    from kvpool.agent.integrations.vllm.settings import settings
-    from kvpool.agent.integrations.vllm.worker import WorkerSide
-
-    from ..integrations.test_vllm_settings import config
-
-    with ExitStack() as stack:
-        (a, _ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False,
-                                  prefetch=False, named=True)
-        synced(a, 1)
-        worker = WorkerSide(settings(*config("kv_producer", {"socket": str(a.socket_path)})),
-                            "org/model", (0, 0))
-        stack.callback(worker.close)
-        layers = {f"l{i}": torch.randn(16, 32, 8, 128).to(torch.float16) for i in range(2)}
-        worker.register(layers, 16)
-        key = os.urandom(16)
-        blocks = list(range(8))  # one chunk of 256 tokens: 8 blocks of 32
-        job = SaveJob("r1", {(0, 0): [key]}, [blocks], [None], to="node1")
-        worker.end_step(StepJobs(saves=[job]))
-        worker.wait_for_saves({"r1"})
-        wait_until(lambda: cb.lookup_tiers([key]) == ["dram"], "the save pushed to node 1")
-        assert metric(b, "kvpool_peer_handoff_pinned_bytes") > 0
-        expected = b"".join(t[i].numpy().tobytes() for t in layers.values() for i in blocks)
-        assert cb.get(key) == expected

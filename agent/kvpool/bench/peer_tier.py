@@ -19,8 +19,11 @@ same run.
   chunk (the announcement's way through node 0's subscription to node 1's directory).
 - directory: node 1's resident memory grown by the 10^6 announced entries, per entry.
 
-Hand-off latency (a chunk pushed after its COMMIT to the node named by the put) adds its
-section here, `handoff`, beside the others.
+- handoff: seconds from a put of a 16 MiB chunk on node 0 naming node 1 (`to`) to node
+  1's LOOKUP counting it in its own DRAM (pushed after the COMMIT, read by node 1's agent
+  from node 0's, verified, pinned), against the same put without the hint until node 1's
+  client has the bytes by key (the announcement, then a read through the peer tier).
+  Every chunk is read back on node 1 and compared.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ LARGE_READS = {False: 16, True: 4}
 REMOTE_ENTRIES = {False: 10**6, True: 10**5}
 PROPAGATIONS = {False: 200, True: 20}
 LOOKUPS = {False: 10000, True: 1000}
+HANDOFF_CHUNK = 16 * MiB
+HANDOFFS = {False: 20, True: 4}
 
 
 def size_name(size: int) -> str:
@@ -209,6 +214,49 @@ def propagation(holder: KVPoolClient, reader: KVPoolClient, n: int) -> list[floa
     return out
 
 
+def handoff(holder: KVPoolClient, reader: KVPoolClient, to: str,
+            n: int) -> tuple[list[float], list[float], int]:
+    """(pushed, pulled, bytes verified): seconds from a put of a `HANDOFF_CHUNK` chunk on
+    the holder naming the reader's node `to` to the reader's LOOKUP counting it in its DRAM;
+    and from the same put without the hint to the reader's client holding its bytes, read
+    by key through the peer tier. Each chunk is read back on the reader and compared."""
+    data = os.urandom(HANDOFF_CHUNK)
+    buf = bytearray(HANDOFF_CHUNK)
+    pushed: list[float] = []
+    pulled: list[float] = []
+    verified = 0
+
+    def check(key: bytes) -> int:
+        if reader.get_into(key, buf) != HANDOFF_CHUNK or buf != data:
+            raise RuntimeError("peer bench: a handed-off chunk read on node 1 differs from "
+                               "what was put on node 0")
+        reader.delete(key)
+        holder.delete(key)
+        return HANDOFF_CHUNK
+
+    for _ in range(n):
+        key = os.urandom(16)
+        start = time.perf_counter()
+        holder.put(key, data, to=to)
+        deadline = start + 30
+        while reader.lookup_tiers([key]) != ["dram"]:
+            if time.perf_counter() > deadline:
+                raise RuntimeError("peer bench: a hand-off took over 30 s")
+        pushed.append(time.perf_counter() - start)
+        verified += check(key)
+        key = os.urandom(16)
+        start = time.perf_counter()
+        holder.put(key, data)
+        deadline = start + 30
+        while reader.get_into(key, buf) != HANDOFF_CHUNK:
+            if time.perf_counter() > deadline:
+                raise RuntimeError("peer bench: a chunk put on node 0 was not readable on "
+                                   "node 1 within 30 s")
+        pulled.append(time.perf_counter() - start)
+        verified += check(key)
+    return pushed, pulled, verified
+
+
 def run_peer(quick: bool, reps: int) -> dict[str, Any]:
     sizes = {1 * MiB: SMALL_READS[quick], 16 * MiB: LARGE_READS[quick]}
     entries = REMOTE_ENTRIES[quick]
@@ -224,7 +272,7 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
         stack.callback(fake.close)
         agents = [stack.enter_context(peer_agent(
             net, i, tmp / f"node{i}", secret, nvme=False, dram=str(dram), prefetch=False,
-            extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}",
+            named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}",
                                  f"{net.host}:{fake.port}"]})) for i in range(2)]
         holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
         sender = subprocess.Popen(_in(net.nodes[0], sys.executable, "-m", "kvpool.bench.rawtcp",
@@ -246,6 +294,14 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
                 "chunks": count, "peer_read_gbps": round(peer_gbps, 3),
                 "raw_tcp_gbps": round(raw_gbps, 3),
                 "peer_vs_raw": round(peer_gbps / raw_gbps, 3), "bytes_verified": verified}
+
+        pushed, pulled, verified = handoff(holder, reader, "node1", HANDOFFS[quick])
+        result["handoff"] = {"chunk_bytes": HANDOFF_CHUNK, "samples": len(pushed),
+                             "p50_ms": round(percentile(pushed, 50) * 1e3, 2),
+                             "p99_ms": round(percentile(pushed, 99) * 1e3, 2),
+                             "pull_p50_ms": round(percentile(pulled, 50) * 1e3, 2),
+                             "pull_p99_ms": round(percentile(pulled, 99) * 1e3, 2),
+                             "bytes_verified": verified}
 
         prop = propagation(holder, reader, PROPAGATIONS[quick])
         result["propagation"] = {"samples": len(prop),

@@ -306,6 +306,11 @@ def _print_peer(console: Console, pr: dict[str, Any]) -> None:
         f"keys: {lk['dram_p50_us']:.0f} / {lk['dram_p99_us']:.0f} µs); directory propagation "
         f"p50 {pg['p50_ms']:.2f} ms, p99 {pg['p99_ms']:.2f} ms; "
         f"{d['agent_rss_bytes_per_entry']:.0f} B of agent memory per remote entry")
+    h = pr["handoff"]
+    console.print(
+        f"hand-off of a {h['chunk_bytes'] >> 20} MiB chunk, put on node 0 to in node 1's DRAM: "
+        f"p50 {h['p50_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms (without the hint, put to read "
+        f"by key on node 1: {h['pull_p50_ms']:.1f} / {h['pull_p99_ms']:.1f} ms)")
 
 
 def _tag(n: int) -> str:
