@@ -12,7 +12,8 @@ and worker in one process, so one start costs one set of imports), says {"ready"
 then answers one JSON command per stdin line with one JSON line on the stdout it was
 started with (everything else vLLM prints goes to stderr):
 
-- {"op": "generate", "prompts": [[ids]], "max_tokens": N}: greedy outputs, vLLM's cached
+- {"op": "generate", "prompts": [[ids]], "max_tokens": N, "kv_transfer_params": {...}}
+  (the last optional: each request's, as a router sets them): greedy outputs, vLLM's cached
   token counts, and the change of vLLM's prefix-cache counters (its own and the
   connector's: `vllm:prefix_cache_hits`, `vllm:external_prefix_cache_hits`) across the
   call. vLLM's own prefix cache is emptied first, so what is not computed came from the
@@ -116,7 +117,8 @@ class Engine:
                 if m.name in ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
                               "vllm:prompt_tokens")}
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
         from vllm import SamplingParams
 
         for _ in range(200):  # blocks kept for pending saves make a reset wait
@@ -129,7 +131,10 @@ class Engine:
         t0 = time.monotonic()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                ignore_eos=True, detokenize=False),
+                                                ignore_eos=True, detokenize=False,
+                                                extra_args={"kv_transfer_params":
+                                                            kv_transfer_params}
+                                                if kv_transfer_params else None),
                                  use_tqdm=False)
         seconds = time.monotonic() - t0
         self.settle()
@@ -184,7 +189,8 @@ class Engine:
         """The reply to one command."""
         op = cmd["op"]
         if op == "generate":
-            return self.generate(cmd["prompts"], cmd.get("max_tokens", 8))
+            return self.generate(cmd["prompts"], cmd.get("max_tokens", 8),
+                                 cmd.get("kv_transfer_params"))
         if op == "fault" and self.worker is not None:
             self.fault = cmd
             return {"armed": cmd["kind"]}

@@ -50,6 +50,10 @@ KILLED = tokens(32, 6 * CHUNK + 7)
 """Prefilled on node 1, whose agent is killed before decode asks for it."""
 OWN = tokens(33, 4 * CHUNK + 20)
 """Served by the decode engine only: a consumer computes it and stores nothing."""
+PUSHED = tokens(34, 6 * CHUNK + 3)
+"""Prefilled with a hand-off hint naming the decode node: pushed there before decode asks."""
+DECODE_NODE = "node1"
+"""The decode node's name (`peer_agent(named=True)`: node<i>), as a router names it."""
 
 
 @dataclass
@@ -91,8 +95,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path,
     net = Network(2)
     engines: list[Engine] = []
     try:
-        with peer_agent(net, 0, work / "node1", secret, nvme=False) as node1, \
-                peer_agent(net, 1, work / "node2", secret, nvme=False) as node2:
+        with peer_agent(net, 0, work / "node1", secret, nvme=False, named=True) as node1, \
+                peer_agent(net, 1, work / "node2", secret, nvme=False, named=True) as node2:
             in_ns = [("ip", "netns", "exec", n.ns) for n in net.nodes]
             # The engine processes start at once (each ~20-35 s alone), beside the
             # reference if no module before started it.
@@ -101,7 +105,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path,
             decode = Engine("decode", model, node2, work, tenant="", connector=DECODE,
                             prefix=in_ns[1])
             engines += [prefill, decode]
-            reference = {json.dumps(p): vllm_reference(p) for p in (HANDED, KILLED, OWN)}
+            reference = {json.dumps(p): vllm_reference(p) for p in (HANDED, KILLED, OWN, PUSHED)}
             for e in engines:
                 e.ready()
             prefilled = prefill.generate(HANDED)
@@ -174,6 +178,31 @@ def test_the_decode_engine_never_stores(pd: PD) -> None:
     assert got["outputs"] == [pd.expected(OWN)]
     assert stats(pd.node2)["tiers"]["dram"]["chunks"] == before  # four whole chunks, unsaved
     assert stats(pd.node1)["tiers"]["dram"]["chunks"] == 8
+
+
+def test_a_prefill_request_naming_the_decode_node_is_pushed_there_and_read_locally(
+        pd: PD) -> None:
+    """The hand-off: the router names the decode node in the prefill request's
+    `kv_transfer_params`; node 1's agent pushes each chunk to node 2 after storing it, and
+    the decode engine loads them from node 2's own DRAM, no peer read on its path."""
+    got = pd.prefill("generate", prompts=[PUSHED], max_tokens=8,
+                     kv_transfer_params={"kvpool_push_to": DECODE_NODE})
+    assert got["outputs"] == [pd.expected(PUSHED)]
+    assert pd.prefill("drain")["drained"]
+    chunks = len(PUSHED) // CHUNK
+
+    def pushes(agent: LocalAgent, direction: str) -> float:
+        return metric(agent, "kvpool_peer_pushes_total", direction=direction, result="ok")
+    wait_until(lambda: pushes(pd.node2, "received") == chunks, "the pushes to land on node 2")
+    assert pushes(pd.node1, "sent") == chunks
+    reads = metric(pd.node2, "kvpool_peer_requests_total", direction="read")
+
+    got = pd.decode.generate(PUSHED)
+
+    assert got["external_prefix_cache_hits"] == chunks * CHUNK
+    assert got["outputs"] == [pd.expected(PUSHED)]
+    assert metric(pd.node2, "kvpool_peer_requests_total", direction="read") == reads
+    assert metric(pd.node2, "kvpool_peer_handoff_pins_total", end="read") == chunks
 
 
 def test_the_prefill_node_killed_the_decode_engine_recomputes_with_one_warning(
