@@ -134,22 +134,43 @@ def install_cpu_copier() -> None:
 class LMCacheEngine(vllm_engine.Engine):
     """`vllm_engine.Engine` with LMCache's connector: the same LLM, no kvpool worker to reach
     into (fault hooks and draining saves are kvpool's connector's; LMCache stores a step's
-    chunks before the step returns)."""
+    chunks before the step returns). One more command:
+
+    - {"op": "spoil", "kind": "corrupt" | "evict", "prompt": [ids], "chunk": i}: flip a byte
+      of the pool's copy of the prompt's chunk i in the arena, or delete it, now (between
+      requests). The chunk's pool key is kvpool's plugin's (`pool_key`) of the key LMCache's
+      own token database gives that chunk in this engine.
+    """
 
     def __init__(self, model: str, connector: dict[str, Any], reply: Any) -> None:
         import time
 
         t0 = time.monotonic()
-        from vllm import LLM
+        import vllm  # noqa: F401
 
         self.imported_s = time.monotonic() - t0
         self.reply = reply
-        self.llm = LLM(model=model, dtype="float32", enforce_eager=True,
-                       block_size=vllm_engine.BLOCK, max_model_len=4096, max_num_seqs=8,
-                       disable_log_stats=False, seed=0, kv_transfer_config=connector)
+        self.llm = vllm_engine.llm(model, connector)
         self.started_s = time.monotonic() - t0
         self.fault = None
         self.worker = None
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] != "spoil":
+            return super().handle(cmd)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from kvpool.agent.client import KVPoolClient
+        from kvpool.agent.integrations.lmcache import pool_key
+
+        engine = get_kv_transfer_group()._lmcache_engine.lmcache_engine
+        chunks = list(engine.token_database.process_tokens(tokens=cmd["prompt"]))
+        tenant = os.environ.get("KVPOOL_TENANT", "")
+        keys = [pool_key(key, tenant) for _, _, key in chunks]
+        with KVPoolClient(tenant=tenant) as kv:
+            held = kv.lookup(keys)
+        vllm_engine.spoil(cmd["kind"], keys[cmd["chunk"]], tenant)
+        return {"spoiled": cmd["kind"], "chunks": len(keys), "held": held}
 
 
 def main(argv: list[str]) -> int:

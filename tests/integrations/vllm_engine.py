@@ -140,6 +140,7 @@ class Engine:
         self.settle()
         after = self.counters()
         return {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "finish": [o.outputs[0].finish_reason for o in outs],
                 "cached": [o.num_cached_tokens for o in outs], "seconds": seconds,
                 **{k.removeprefix("vllm:"): after.get(k, 0) - before.get(k, 0) for k in after}}
 

@@ -122,9 +122,14 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         extra = (config.extra_config if config is not None else None) or {}
         socket_path = extra.get("kvpool.socket") or os.environ.get(ENV_SOCKET)
         chunk_tokens = int(getattr(local_cpu_backend.config, "chunk_size", 0) or 0)
+        # reconnect_timeout 0: with the agent gone a call fails at once (one reconnect
+        # attempt), and LMCache recomputes; the default 10 s of retries held each request's
+        # lookup until LMCache's own lookup timeout, for every request until LMCache's
+        # health check (every `ping_interval`, 30 s) put it in its degraded mode.
         self.client = KVPoolClient(socket_path, name="lmcache", pod=engine_pod(),
                                    model=getattr(local_cpu_backend.metadata, "model_name", "")
-                                   or "", block_size=chunk_tokens, chunk_tokens=chunk_tokens)
+                                   or "", block_size=chunk_tokens, chunk_tokens=chunk_tokens,
+                                   reconnect_timeout=0.0)
         self.tenant = self.client.tenant
         # LMCache calls from its event-loop thread (get/put) and from the
         # engine's thread (exists_sync, batched_contains); one connection, one lock.
@@ -170,7 +175,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         return (await self.batched_get([key]))[0]
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Each chunk in a memory object of LMCache's, or None. A chunk read but failing its
+        checksum is a miss, and is deleted from the pool: LMCache's lookup would otherwise
+        keep finding it, vLLM recompute its blocks on every request (or, under vLLM's
+        default `kv_load_failure_policy`, fail them), and LMCache never store it again."""
         objs: list[MemoryObj | None] = [None] * len(keys)
+        copied = [False] * len(keys)
 
         def target(i: int, size: int, raw_meta: bytes) -> Any:
             meta = decode_meta(raw_meta, size)
@@ -187,6 +197,7 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
             objs[i] = obj
             if obj.get_size() != size:
                 return None
+            copied[i] = True
             return obj.byte_array
 
         try:
@@ -197,11 +208,18 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
                 if obj is not None:
                     obj.ref_count_down()
             raise
+        corrupt = [keys[i] for i, size in enumerate(sizes) if copied[i] and not size]
         for i, size in enumerate(sizes):
             obj = objs[i]
             if size == 0 and obj is not None:
                 obj.ref_count_down()
                 objs[i] = None
+        if corrupt:
+            with self._lock:
+                deleted = sum(self.client.delete(k) for k in self._keys(corrupt))
+            log.warning("kvpool: %d chunk(s) failed their checksum (a miss; LMCache "
+                        "recomputes them) and %d were deleted from the pool, first %s",
+                        len(corrupt), deleted, corrupt[0])
         return objs
 
     def support_batched_get_non_blocking(self) -> bool:
