@@ -582,6 +582,8 @@ class ChunkStore:
         self._handoff_bytes += pages  # reserved while it is received
         try:
             chunk = await self._receive_push(key, link, size)
+        except OpError as e:  # its insert refused (the journal cannot record it)
+            return wire.PUSH_FAILED, e.message
         finally:
             self._handoff_bytes -= pages
         if chunk is None:
