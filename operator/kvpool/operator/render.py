@@ -982,7 +982,8 @@ def _node_dir_parents(pool: api.KVCachePool) -> list[tuple[str, str]]:
 def render_reclaim_daemon_set(pool: api.KVCachePool,
                               settings: Settings | None = None) -> Manifest:
     """The DaemonSet that removes a deleted pool's directories on every node its agents ran
-    on (state, NVMe, DRAM arena, socket: `_node_dir_parents`) (`spec.nodeReclaimPolicy: Delete`), started once they are gone.
+    on (state, NVMe, DRAM arena, socket: `_node_dir_parents`) with
+    `spec.nodeReclaimPolicy: Delete`, started once they are gone.
 
     Its init container (`hostdirs --remove`) deletes `<parent>/<ns>.<name>` below each
     parent, mounted whole so the directory itself goes too; a pod is ready once its node is
