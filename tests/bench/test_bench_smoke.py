@@ -87,12 +87,18 @@ def test_the_peer_part_reads_every_chunk_back_and_reports_each_figure(
     peer = result["peer"]
     assert set(peer["sizes"]) == set(SIZES_QUICK)
     for size, row in peer["sizes"].items():
-        assert {"peer_read_gbps", "raw_tcp_gbps", "peer_vs_raw"} <= set(row)
-        # Every round's chunks (the warm-up round's too), read from node 0 through node 1's
-        # agent, were compared with what was stored (a wrong byte stops the bench).
-        rounds = result["meta"]["reps"] + 1
+        assert {"peer_read_gbps", "peer_read_many_gbps", "raw_tcp_gbps", "peer_vs_raw",
+                "peer_many_vs_raw"} <= set(row)
+        # Every round's chunks (the warm-up rounds' too), read from node 0 through node 1's
+        # agent one by one and in one window, were compared with what was stored (a wrong
+        # byte stops the bench).
+        rounds = 2 * (result["meta"]["reps"] + 1)
         mib = int(size.removesuffix("MiB"))
         assert row["bytes_verified"] == row["chunks"] * mib * 2**20 * rounds
+    tls = peer["tls"]  # the same 16 MiB reads in one window, agents speaking TLS
+    assert {"peer_read_many_gbps", "vs_plain"} <= set(tls) and tls["chunk_bytes"] == 16 * 2**20
+    assert tls["bytes_verified"] == tls["chunks"] * tls["chunk_bytes"] * (
+        result["meta"]["reps"] + 1)
     assert {"p50_us", "p99_us", "dram_p50_us", "dram_p99_us"} <= set(peer["lookup"])
     assert peer["lookup"]["keys"] == 128
     assert peer["lookup"]["remote_entries"] == peer["directory"]["remote_entries"] == 10**5

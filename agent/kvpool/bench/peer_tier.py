@@ -6,8 +6,10 @@ same run.
   agents, as an engine reads a prefix: a LOOKUP of the round's keys, then
   `KVPoolClient.get_into` of each in turn on node 1 (its agent fetches the chunk from node
   0's into its arena, with the peer chunks that follow it in the LOOKUP in the same
-  pipelined batch, verifies each, and the client copies it out), against a raw TCP
-  stream of the same bytes from node 0's namespace to node 1's (`rawtcp`). Every chunk read is
+  pipelined batch, verifies each, and the client copies it out); and the same with one
+  `get_many_into` of the round's keys (one window of ACQUIREs, as an engine's connector
+  loads a prefix); against a raw TCP stream of the same bytes from node 0's namespace to
+  node 1's (`rawtcp`). Every chunk read is
   compared with what was stored: a wrong byte stops the bench.
 - lookup: a 128-key LOOKUP on node 1 whose keys are all remote, with 10^6 remote entries
   in its directory (10^5 with --quick), over the socket (the shared-memory index holds
@@ -15,6 +17,8 @@ same run.
   entries come over the wire from a peer that only announces (`InventoryPeer`, in this
   process, on the bridge: an agent holding 10^6 chunks would need 10^6 arena pages); a
   FETCH from it is answered "absent".
+- tls: the 16 MiB reads in one window between two more agents, with TLS between them
+  (`peers.tls`, a CA made for the run), against the plain ones of the same run.
 - propagation: seconds from a PUT on node 0 returning to node 1's LOOKUP counting the
   chunk (the announcement's way through node 0's subscription to node 1's directory).
 - directory: node 1's resident memory grown by the 10^6 announced entries, per entry.
@@ -45,10 +49,13 @@ import psutil
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.peers import auth, wire
 
+from .certs import make_ca
 from .control import sample
 from .netns import PEER_PORT, Network, Node, peer_agent
 from .stats import MiB, percentile
 
+TLS_PORT = PEER_PORT + 1
+"""The TLS pair's peer port (the plain pair keeps theirs)."""
 LOOKUP_KEYS = 128
 PROPAGATION_CHUNK = 4096
 SMALL_READS = {False: 64, True: 16}
@@ -163,12 +170,12 @@ def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float
 
 
 def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int,
-               reps: int) -> tuple[list[float], int]:
+               reps: int, many: bool = False) -> tuple[list[float], int]:
     """Seconds per round of reading `count` chunks of `size` bytes stored on the holder
     through the reader's agent (each round reads them from the peer again: the reader
     deletes its copies between rounds), and the bytes read and found equal to what was
     stored (every read is compared; a wrong byte stops the bench)."""
-    rng = random.Random(size)
+    rng = random.Random(size * 2 + many)
     keys = [rng.randbytes(16) for _ in range(count)]
     data = [rng.randbytes(size) for _ in range(count)]
     for k, d in zip(keys, data, strict=True):
@@ -180,7 +187,10 @@ def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int
     for _ in range(reps + 1):  # the first round warms the connections up
         start = time.perf_counter()
         found = reader.lookup_tiers(keys)  # as an engine asks before it reads
-        got = [reader.get_into(k, b) for k, b in zip(keys, bufs, strict=True)]
+        if many:  # one window of ACQUIREs, as an engine's connector loads a prefix
+            got = reader.get_many_into(keys, lambda i, n, meta: bufs[i])
+        else:
+            got = [reader.get_into(k, b) for k, b in zip(keys, bufs, strict=True)]
         times.append(time.perf_counter() - start)
         if found != ["peer"] * count:
             raise RuntimeError(f"peer bench: LOOKUP found {found}")
@@ -291,13 +301,37 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
         for size, count in sizes.items():
             raw = [raw_tcp(raw_at, net.nodes[1], size, count) for _ in range(reps)]
             peer, verified = peer_reads(holder, reader, size, count, reps)
+            batch, verified_many = peer_reads(holder, reader, size, count, reps, many=True)
             total = size * count
             peer_gbps = total / percentile(peer, 50) / 1e9
+            many_gbps = total / percentile(batch, 50) / 1e9
             raw_gbps = total / percentile(raw, 50) / 1e9
             result["sizes"][size_name(size)] = {
                 "chunks": count, "peer_read_gbps": round(peer_gbps, 3),
+                "peer_read_many_gbps": round(many_gbps, 3),
                 "raw_tcp_gbps": round(raw_gbps, 3),
-                "peer_vs_raw": round(peer_gbps / raw_gbps, 3), "bytes_verified": verified}
+                "peer_vs_raw": round(peer_gbps / raw_gbps, 3),
+                "peer_many_vs_raw": round(many_gbps / raw_gbps, 3),
+                "bytes_verified": verified + verified_many}
+
+        # The same 16 MiB reads between two agents with TLS on (their own peer port), as
+        # one window each round: what encryption costs the best path.
+        tls = make_ca(tmp / "pool-ca", "kvpool bench pool CA")
+        secured = [stack.enter_context(peer_agent(
+            net, i, tmp / f"tls{i}", secret, nvme=False, dram=str(dram), prefetch=False,
+            extra={"port": TLS_PORT, "addresses": [f"{net.nodes[1 - i].addr}:{TLS_PORT}"],
+                   "tls": tls})) for i in range(2)]
+        tls_holder, tls_reader = (stack.enter_context(KVPoolClient(a.socket_path))
+                                  for a in secured)
+        size, count = 16 * MiB, sizes[16 * MiB]
+        over_tls, verified = peer_reads(tls_holder, tls_reader, size, count, reps, many=True)
+        tls_gbps = size * count / percentile(over_tls, 50) / 1e9
+        plain = result["sizes"][size_name(size)]["peer_read_many_gbps"]
+        result["tls"] = {"chunk_bytes": size, "chunks": count,
+                         "peer_read_many_gbps": round(tls_gbps, 3),
+                         "vs_plain": round(tls_gbps / plain, 3), "bytes_verified": verified}
+        for a in secured:
+            a.stop()
 
         pushed, pulled, verified = handoff(holder, reader, "node1", HANDOFFS[quick])
         result["handoff"] = {"chunk_bytes": HANDOFF_CHUNK, "samples": len(pushed),

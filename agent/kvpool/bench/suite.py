@@ -293,12 +293,17 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
 
 def _print_peer(console: Console, pr: dict[str, Any]) -> None:
     t = Table(title="peer tier: reads on node 1 of chunks node 0 holds, GB/s (median of reps)")
-    for col in ("size", "chunks a round", "peer read", "raw TCP", "peer / raw"):
+    for col in ("size", "chunks a round", "get_into each", "get_many_into", "raw TCP",
+                "each / raw", "many / raw"):
         t.add_column(col, justify="right")
     for size, row in pr["sizes"].items():
         t.add_row(size, str(row["chunks"]), f"{row['peer_read_gbps']:.3f}",
-                  f"{row['raw_tcp_gbps']:.3f}", f"{row['peer_vs_raw']:.2f}x")
+                  f"{row['peer_read_many_gbps']:.3f}", f"{row['raw_tcp_gbps']:.3f}",
+                  f"{row['peer_vs_raw']:.2f}x", f"{row['peer_many_vs_raw']:.2f}x")
     console.print(t)
+    tls = pr["tls"]
+    console.print(f"peer tier over TLS: {tls['chunk_bytes'] >> 20} MiB chunks in one window "
+                  f"{tls['peer_read_many_gbps']:.3f} GB/s, {tls['vs_plain']:.2f}x plain TCP's")
     lk, pg, d = pr["lookup"], pr["propagation"], pr["directory"]
     console.print(
         f"peer tier: LOOKUP of {lk['keys']} remote keys with {lk['remote_entries']:.0e} remote "

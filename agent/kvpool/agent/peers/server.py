@@ -3,11 +3,12 @@
 One asyncio server on `peers.port`. A connection first proves the pool's secret (`auth`);
 one that cannot is counted, logged and closed before anything else is read. Then it
 carries FETCH requests, answered in order, one at a time (a connection's memory is one
-reply header; the bytes go from the arena or the chunk file to the socket with
-sendfile, never through a Python buffer) and PUSH offers (hand-offs: the space decides,
-then reads the chunk from the sender as any peer read), or, after a SUBSCRIBE, the
-inventory of every space followed by its changes (a bounded queue per subscriber: one
-that falls behind is closed, and resyncs when it reconnects).
+reply header; on plain TCP the bytes go from the arena or the chunk file to the socket
+with sendfile, never through a Python buffer; under TLS, which encrypts in this process,
+through 256 KiB blocks) and PUSH offers (hand-offs: the space decides, then reads the
+chunk from the sender as any peer read), or, after a SUBSCRIBE, the inventory of every
+space followed by its changes (a bounded queue per subscriber: one that falls behind is
+closed, and resyncs when it reconnects).
 """
 
 from __future__ import annotations
@@ -296,13 +297,29 @@ class PeerServer:
             self.subscribers.discard(sub)
 
 
+TLS_BLOCK = 256 << 10
+"""Bytes read from the chunk's file per write under TLS."""
+
+
 async def _send(writer: asyncio.StreamWriter, source: ChunkSource) -> None:
     loop = asyncio.get_running_loop()
+    if writer.get_extra_info("sslcontext") is not None:
+        # Under TLS the bytes are encrypted in this process anyway: each block is read
+        # into a buffer of its own, which the transport keeps until it is encrypted.
+        # (asyncio's sendfile fallback reuses one buffer, and a pipelined FETCH behind a
+        # 16 MiB reply got bytes failing their checksum here.)
+        for offset, n in source.ranges:
+            for at in range(offset, offset + n, TLS_BLOCK):
+                size = min(TLS_BLOCK, offset + n - at)
+                block = await loop.run_in_executor(None, os.pread, source.fd, size, at)
+                if len(block) != size:  # the file shrank under the read: the reply is cut
+                    raise ConnectionError(f"the chunk's file ends at {at + len(block)}")
+                writer.write(block)
+                await writer.drain()
+        return
     with open(source.fd, "rb", buffering=0, closefd=False) as f:
         for offset, n in source.ranges:
-            # os.sendfile on plain TCP (no copy through Python); under TLS asyncio reads
-            # and encrypts it in blocks.
-            await loop.sendfile(writer.transport, f, offset, n)
+            await loop.sendfile(writer.transport, f, offset, n)  # os.sendfile: no copy here
     await writer.drain()
 
 
