@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,13 @@ from typing import Any
 import boto3
 import pytest
 import xxhash
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication,
+    MotoRequestHandler,
+    create_backend_app,
+)
 from moto.server import ThreadedMotoServer
+from werkzeug.serving import make_server
 
 from kvpool.agent.config import SharedTier
 from kvpool.agent.metrics import AgentMetrics
@@ -80,6 +87,53 @@ class RestartableMoto:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+
+class StallingMoto:
+    """moto's S3 app in a server of the test's own whose DELETE requests wait while the
+    test holds them (`hold`, `free`): a store that stalls on deletes, so the agent's
+    threads that make them stay busy for as long as the test needs."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._lock = threading.Lock()
+        self.held = 0
+        """DELETE requests waiting now."""
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def stalling(environ: dict[str, Any], start_response: Any) -> Any:
+            if environ["REQUEST_METHOD"] == "DELETE" and not self._open.is_set():
+                with self._lock:
+                    self.held += 1
+                self._open.wait(60)  # a bound, should the test fail while holding
+                with self._lock:
+                    self.held -= 1
+            return app(environ, start_response)
+
+        self._server = make_server("127.0.0.1", 0, stalling, threaded=True,
+                                   request_handler=MotoRequestHandler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def free(self) -> None:
+        self._open.set()
+
+    def stop(self) -> None:
+        self.free()
+        self._server.shutdown()
+        self._thread.join()
+
+
+@pytest.fixture
+def stalling_moto() -> Iterator[StallingMoto]:
+    server = StallingMoto()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -64,6 +64,7 @@ from ..tiers.dram import DramChunk, DramTier
 from ..tiers.nvme import NvmeTier
 from ..tiers.peer import PeerTier
 from ..tiers.shared import SharedChunkTier
+from .deletes import Deletes
 from .demotion import IO_THREADS, Demotion
 from .errors import OpError, check_key
 from .loads import Loaded, Loads
@@ -79,8 +80,6 @@ UNCOMMITTED_SHARE = 2
 committed must not flush the arena (they cannot be evicted)."""
 SPARE_SHARE = 8
 """A spare write lease (put-ahead) takes at most 1/this of the arena."""
-RECENT_DELETES = 1 << 16
-"""Deletes remembered, so a read that was under way when its key was deleted is a miss."""
 DEMOTION_WAIT = 30.0
 """Seconds an ALLOC or PUT waits for chunks on their way to NVMe to free its room before
 it answers NO_SPACE (only a stalled NVMe takes that long)."""
@@ -121,10 +120,8 @@ class ChunkStore:
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
         """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
         self.counts = LookupCounts()
-        self.deletes = 0
-        """DELETEs so far: a read notes this before it waits, to learn of a delete meanwhile."""
-        self.deleted: OrderedDict[bytes, int] = OrderedDict()
-        """Recently deleted keys, with the `deletes` count of their delete."""
+        self.deletes = Deletes()
+        """The DELETEs so far: work that waits notes a mark first, to learn of one meanwhile."""
         self.demoting = 0
         """Arena bytes (whole pages) of chunks on their way to NVMe: still held, soon free."""
         self._room_waiters: list[asyncio.Future[None]] = []
@@ -139,7 +136,7 @@ class ChunkStore:
         self.shared: SharedLink | None = None
         if shared is not None:
             self.shared = SharedLink(shared, config.tiers.shared, metrics, self.io,
-                                     lambda: self.policy, journal)
+                                     lambda: self.policy, journal, self.deletes)
         self.nvme: Demotion | None = None
         if nvme is not None:
             self.nvme = Demotion(nvme, self.io, metrics, policy,
@@ -315,9 +312,9 @@ class ChunkStore:
     async def _load(self, key: bytes) -> Loaded | None:
         """A chunk from below DRAM (`Loads.load`), unless its key was deleted while the
         read was under way: a DELETE is final, whatever reads were in flight."""
-        mark = self.deletes
+        mark = self.deletes.mark()
         loaded = await self.loads.load(key)
-        if loaded is not None and self._deleted_since(key, mark):
+        if loaded is not None and self.deletes.since(key, mark):
             return None
         return loaded
 
@@ -391,7 +388,7 @@ class ChunkStore:
         extents are free again, only once the worker that writes into them is done."""
         assert self.peer is not None
         peer = self.peer
-        mark = self.deletes
+        mark = self.deletes.mark()
         try:
             reads: dict[PeerLink, list[tuple[int, Extents]]] = {}
             for i, key in enumerate(keys):
@@ -437,7 +434,7 @@ class ChunkStore:
         fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
         self._fetching[key] = fut
         try:
-            mark = self.deletes
+            mark = self.deletes.mark()
             try:
                 extents = await self._room(size)
             except OpError:
@@ -470,7 +467,7 @@ class ChunkStore:
             self.dram.free(extents)
             return None
         extents = self._trim(extents, result.size)
-        if self._deleted_since(key, mark) or self.contains(key):
+        if self.deletes.since(key, mark) or self.contains(key):
             self.dram.free(extents)
             return self.dram.get(key)
         if not handoff:
@@ -619,14 +616,6 @@ class ChunkStore:
     def _expire_handoffs(self, now: float) -> None:
         for key in [k for k, (until, _) in self.handoffs.items() if until <= now]:
             self._end_handoff(key, "expired")
-
-    def _deleted_since(self, key: bytes, mark: int) -> bool:
-        n = self.deleted.get(key)
-        if n is not None:
-            return n > mark
-        # Not remembered: deleted since only if deletes were forgotten since the mark.
-        oldest = next(iter(self.deleted.values()), mark + 1)
-        return len(self.deleted) >= RECENT_DELETES and oldest > mark
 
     def contains(self, key: bytes) -> bool:
         return key in self.dram or self._below(key)
@@ -841,9 +830,9 @@ class ChunkStore:
         """Copy a verified lower-tier chunk into DRAM (`promotion` or `prefetch`), waiting
         for room like a write (`_room`)."""
         self.loads.ahead.drop(rec.key)
-        mark = self.deletes
+        mark = self.deletes.mark()
         extents = await self._room(rec.size)
-        if self._deleted_since(rec.key, mark):  # a DELETE is final, whatever waited
+        if self.deletes.since(rec.key, mark):  # a DELETE is final, whatever waited
             self.dram.free(extents)
             raise OpError(ErrorCode.NOT_FOUND, f"{rec.key.hex()} was deleted")
         if self.dram.get(rec.key) is not None:  # promoted by another read while this waited
@@ -902,11 +891,7 @@ class ChunkStore:
 
     def delete(self, key: bytes) -> bool:
         check_key(key)
-        self.deletes += 1
-        self.deleted[key] = self.deletes
-        self.deleted.move_to_end(key)
-        while len(self.deleted) > RECENT_DELETES:
-            self.deleted.popitem(last=False)
+        self.deletes.record(key)
         self._end_handoff(key, "deleted")
         self.dram.unpin(key)
         self.loads.forget(key)

@@ -20,6 +20,7 @@ the two batch pipelines.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -100,7 +101,7 @@ class Demotion:
         run side by side, but two demotions of one key (demoted, promoted from the in-flight
         copy or deleted and written again, demoted again) land in the order they were
         made, so the file holds the newest bytes."""
-        self.removals: Batches[tuple[bytes, bool, int], None] = Batches(
+        self.removals: Batches[tuple[bytes, bool, int, int], None] = Batches(
             io, self._remove_files, self._removed)
         """Files of chunks out of the NVMe index, removed a batch per executor call."""
 
@@ -184,8 +185,15 @@ class Demotion:
             self.writes.offer((rec, chunk))
 
     def forget(self, key: bytes) -> bool:
-        """A deleted key: its in-flight copy goes and its file with it. Whether any was held."""
-        existed = self.inflight.pop(key, None) is not None
+        """A deleted key: its in-flight copy goes and its file with it. Whether any was held.
+
+        A write of its in-flight copy may be landing in a worker thread right now: taken
+        out of `inflight` while NVMe holds off publishing, that write has either indexed
+        its file already (dropped here) or never will (`_wanted`). Before, the file was
+        indexed as it landed and stayed so until its batch was done: a read meanwhile
+        served the deleted chunk and promoted it back into DRAM."""
+        with self.nvme.publishing():
+            existed = self.inflight.pop(key, None) is not None
         if self.nvme.contains(key):
             self.drop([pol.Victim(key, "deleted")])
             existed = True
@@ -196,8 +204,11 @@ class Demotion:
         written, else (error kind, error)."""
         out: WriteResult = []
         for rec, _ in batch:
+            if not self._wanted(rec):  # deleted or demoted again since: nothing to write
+                out.append(None)
+                continue
             try:
-                self.nvme.write(rec)
+                self.nvme.write(rec, functools.partial(self._wanted, rec))
             except OSError as e:
                 out.append(("full" if not self.nvme.healthy()[0] else "write", e))
             except Exception as e:  # a bug must not leave the chunk in flight for ever
@@ -206,6 +217,12 @@ class Demotion:
             else:
                 out.append(None)
         return out
+
+    def _wanted(self, rec: ChunkRecord) -> bool:
+        """Whether a demotion's file is still the one to land: its key neither deleted
+        nor demoted again since (that later demotion's file takes its place)."""
+        got = self.inflight.get(rec.key)
+        return got is not None and got[0] is rec
 
     def _written(self, batch: list[tuple[ChunkRecord, DramChunk]], results: WriteResult) -> None:
         """A batch of demotions has been written (or failed): the chunks leave `inflight`
@@ -291,7 +308,8 @@ class Demotion:
 
     def drop(self, victims: Iterable[pol.Victim]) -> None:
         """Take chunks out of NVMe now; their files go (or move to G4) in a worker thread."""
-        gone: list[tuple[bytes, bool, int]] = []
+        gone: list[tuple[bytes, bool, int, int]] = []
+        mark = self._shared.deletes.mark() if self._shared is not None else 0
         for v in victims:
             entry = self.nvme.entry(v.key)
             hits, size = (entry.hits, entry.size) if entry is not None else (0, 0)
@@ -306,27 +324,28 @@ class Demotion:
             if v.reason in EVICTION_REASONS:
                 self.m.evictions[("nvme", v.reason)].inc()
                 to_shared = self._shared is not None and self._shared.demotes(hits)
-                gone.append((v.key, to_shared, size))
+                gone.append((v.key, to_shared, size, mark))
             else:
-                gone.append((v.key, False, size))
+                gone.append((v.key, False, size, mark))
         self.removing += len(gone)
-        self.removing_bytes += sum(size for _, _, size in gone)
+        self.removing_bytes += sum(size for _, _, size, _ in gone)
         for item in gone:
             self.removals.offer(item)
 
-    def _removed(self, gone: list[tuple[bytes, bool, int]], _: None) -> None:
+    def _removed(self, gone: list[tuple[bytes, bool, int, int]], _: None) -> None:
         self.removing -= len(gone)
-        self.removing_bytes -= sum(size for _, _, size in gone)
+        self.removing_bytes -= sum(size for _, _, size, _ in gone)
         self._unpark()
 
-    def _remove_files(self, gone: list[tuple[bytes, bool, int]]) -> None:
-        """Remove forgotten chunks' files (a worker thread), passing some on to G4 first."""
-        for key, to_shared, _ in gone:
+    def _remove_files(self, gone: list[tuple[bytes, bool, int, int]]) -> None:
+        """Remove forgotten chunks' files (a worker thread), passing some on to G4 first,
+        unless their key is deleted after it left NVMe (`mark`: the deletes then)."""
+        for key, to_shared, _, mark in gone:
             try:
                 if to_shared and self._shared is not None:
                     rec = read_nvme(self.nvme, key, self.m, indexed=False)
                     if rec is not None:
-                        self._shared.upload(rec)
+                        self._shared.upload(rec, since=mark)
                         self.m.demotions["nvme"].inc()
                 self.nvme.remove_file(key)
             except Exception:  # one file must not keep the others of its batch

@@ -25,6 +25,7 @@ from ..metrics import AgentMetrics
 from ..tiers.base import ChunkRecord
 from ..tiers.shared import SharedChunkTier
 from ..writebehind import KeyBusy, QueueStats, WriteBehindQueue
+from .deletes import Deletes
 from .observer import NO_OBSERVER, TierObserver
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ first, or it would bring the chunk back); past that the delete is retried later.
 class SharedLink:
     def __init__(self, tier: SharedChunkTier, cfg: SharedTier | None, metrics: AgentMetrics,
                  background: Executor, policy: Callable[[], TierPolicy],
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, deletes: Deletes | None = None) -> None:
         self.tier = tier
         self.m = metrics
         self._background = background
@@ -79,6 +80,8 @@ class SharedLink:
         self.observer: TierObserver = NO_OBSERVER
         """Told of the chunks this agent knows the shared store to hold (`observe`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.deletes = deletes if deletes is not None else Deletes()
+        """The store's DELETEs: an upload of a copy made before one of its key is dropped."""
 
     def observe(self, observer: TierObserver) -> None:
         """Tell `observer` what this agent learns of the shared store: its own uploads
@@ -152,13 +155,19 @@ class SharedLink:
         self._know_loop()
         return self.uploads is not None and self._policy().tiers.shared.write_through
 
-    def upload(self, rec: ChunkRecord) -> None:
+    def upload(self, rec: ChunkRecord, since: int | None = None) -> None:
+        """Offer a chunk to the write-behind queue. `since`: the `deletes` mark when the
+        copy was made, for a copy made before now (an NVMe file passed on to G4 is read
+        in a worker thread after its chunk left NVMe): dropped if its key was deleted
+        since, or its upload would bring the deleted chunk back, and for every node."""
         assert self.uploads is not None
         loop = self._loop
         if loop is not None and not _runs(loop) and not loop.is_closed():
-            # An NVMe file passed on to G4 (a worker thread): the pending deletes and the
-            # journal are the loop's, and the settle must come before the offer.
-            loop.call_soon_threadsafe(self.upload, rec)
+            # A worker thread: the pending deletes and the journal are the loop's, the
+            # settle must come before the offer, and a DELETE may come before both.
+            loop.call_soon_threadsafe(self.upload, rec, since)
+            return
+        if since is not None and self.deletes.since(rec.key, since):
             return
         self._settle(rec.key)  # written again: this copy is the one
         self.uploads.offer(rec)

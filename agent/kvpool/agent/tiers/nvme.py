@@ -19,7 +19,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .. import atomicfile
@@ -181,7 +181,12 @@ class NvmeTier(ChunkTier):
             self._set_aside(key, path)
             raise
 
-    def write(self, rec: ChunkRecord) -> None:
+    def write(self, rec: ChunkRecord, wanted: Callable[[], bool] | None = None) -> None:
+        """Write a chunk's file and index it. `wanted`, when given, is asked under the
+        tier's lock right before the file is renamed into place and indexed: False
+        withdraws the write (its temporary file goes, nothing is published). So whoever
+        withdraws it inside `publishing()` knows the write has either been indexed
+        already or never will be."""
         path = self.path_of(rec.key)
         header = base.encode_header(rec)
         total = len(header) + rec.size
@@ -191,6 +196,9 @@ class NvmeTier(ChunkTier):
 
         def publish(tmp: Path, path: Path) -> None:
             with self._lock:  # serialised with remove_file: an old unlink never hits this file
+                if wanted is not None and not wanted():
+                    os.unlink(tmp)
+                    return
                 os.replace(tmp, path)
                 # Stamped now, not 0: until the store files the entry in its eviction
                 # order, a TTL sweep of the index must not take it for an ancient chunk.
@@ -214,6 +222,11 @@ class NvmeTier(ChunkTier):
                 self._unhealthy = f"filesystem full: {e.strerror}"
             raise
         self._unhealthy = ""
+
+    def publishing(self) -> contextlib.AbstractContextManager[bool]:
+        """Hold off every write's publishing (its `wanted` check, rename and indexing) for
+        the length of a `with` block."""
+        return self._lock
 
     def delete(self, key: bytes) -> bool:
         if not self.forget(key):
