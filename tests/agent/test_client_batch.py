@@ -3,12 +3,14 @@ both ways, and the same results in inline mode."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.transport import read_groups
 from kvpool.bench.local import LocalAgent
 
 
@@ -86,3 +88,38 @@ def test_lookup_of_a_prefix_longer_than_one_lookup_takes(tmp_path) -> None:
         assert c.lookup(ks) == len(ks)
         assert c.lookup([*ks[: p.MAX_LOOKUP_KEYS + 2], os.urandom(16), ks[0]]) \
             == p.MAX_LOOKUP_KEYS + 2
+
+
+def test_read_windows_of_cpu_copies_go_in_growing_groups_and_device_copies_in_one() -> None:
+    assert read_groups(2) == [(0, 2)]
+    assert read_groups(7) == [(0, 2), (2, 7)]
+    assert read_groups(63) == [(0, 2), (2, 6), (6, 14), (14, 30), (30, 63)]
+    assert read_groups(63, pipelined=False) == [(0, 63)]
+    for n in range(1, 300):
+        groups = read_groups(n)
+        assert groups[0][0] == 0 and groups[-1][1] == n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+
+
+def test_a_read_window_that_fails_in_a_later_group_ends_every_lease_and_the_connection_works(
+        agent: LocalAgent) -> None:
+    """The target refuses a chunk of the window's third group, whose ACQUIREs went out with
+    the fourth's still unanswered: the error reaches the caller, every lease granted so far
+    is released (those of the unanswered group too), and the next call works."""
+    ks = keys(20)
+    with KVPoolClient(agent.socket_path) as c:
+        assert c.put_many(ks, [bytes([i]) * 100 for i in range(20)]) == [True] * 20
+        outs = [bytearray(100) for _ in ks]
+
+        def target(i: int, size: int, meta: bytes) -> bytearray:
+            return bytearray(10) if i == 7 else outs[i]  # too small: refused
+        try:
+            c.get_many_into(ks, target)
+        except ValueError as e:
+            assert "does not fit" in str(e)
+        else:
+            raise AssertionError("a destination too small was accepted")
+        assert c.stats()["leases"]["read"] == 0
+        assert all(outs[i] == bytes([i]) * 100 for i in range(6))  # groups before it
+        assert c.get_many_into(ks, lambda i, size, meta: outs[i]) == [100] * 20
+        assert all(out == bytes([i]) * 100 for i, out in enumerate(outs))

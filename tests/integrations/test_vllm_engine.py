@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 import zmq
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.integrations.vllm.worker import IDLE_WAIT
 from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import wait_until
@@ -162,6 +164,27 @@ def test_a_fresh_engine_loads_every_stored_chunk_and_computes_only_the_rest(run:
     assert got["prefix_cache_hits"] == 0
     assert got["cached"] == [8 * CHUNK]  # B computed only the 10 tokens past them
     assert got["outputs"] == [run.expected(MAIN)] == run.stored[json.dumps(MAIN)]["outputs"]
+
+
+def test_vllms_loop_waits_for_a_load_in_flight_instead_of_stepping_back_to_back(
+        run: Run) -> None:
+    """A load held in flight (paused before it reads the pool): vLLM's engine loop, with
+    nothing else to compute, steps back to back; the connector's worker makes each of those
+    steps wait for the load (up to IDLE_WAIT), so the loop does not take the GIL from the
+    I/O thread thousands of times a second. A slower machine only makes fewer steps."""
+    assert run.b("fault", kind="pause", chunk=0)["armed"] == "pause"
+    run.b.send(json.dumps({"op": "generate", "prompts": [MAIN], "max_tokens": 8}))
+    assert run.b.read() == {"event": "loading"}
+    time.sleep(1.0)  # the load stays in flight this long
+    run.b.send("go")
+    got = run.b.read()
+
+    assert got["outputs"] == [run.expected(MAIN)]
+    assert got["external_prefix_cache_hits"] == 8 * CHUNK
+    assert got["paused_s"] >= 1.0
+    # without the wait: ~10^4 steps a second here; with it at most one per IDLE_WAIT, and
+    # the request's own steps (its prefill, 8 tokens, the steps around the load)
+    assert got["steps"] <= got["paused_s"] / IDLE_WAIT + 50, got
 
 
 def test_a_prompt_sharing_a_prefix_hits_exactly_the_shared_whole_chunks(run: Run) -> None:

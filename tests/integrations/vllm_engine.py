@@ -100,6 +100,15 @@ class Engine:
         self.started_s = time.monotonic() - t0
         self.fault: dict[str, Any] | None = None
         self.worker: Any = None
+        self.steps = 0
+        self.paused_s = 0.0
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def counted() -> Any:  # vLLM's engine loop, counted
+            self.steps += 1
+            return step()
+        engine.step = counted
         if connector is not None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -128,6 +137,7 @@ class Engine:
         else:
             raise RuntimeError("vLLM's prefix cache could not be reset")
         before = self.counters()
+        self.steps, self.paused_s = 0, 0.0
         t0 = time.monotonic()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  SamplingParams(max_tokens=max_tokens, temperature=0,
@@ -137,11 +147,13 @@ class Engine:
                                                 if kv_transfer_params else None),
                                  use_tqdm=False)
         seconds = time.monotonic() - t0
+        steps, paused_s = self.steps, self.paused_s
         self.settle()
         after = self.counters()
         return {"outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "finish": [o.outputs[0].finish_reason for o in outs],
                 "cached": [o.num_cached_tokens for o in outs], "seconds": seconds,
+                "steps": steps, "paused_s": paused_s,
                 **{k.removeprefix("vllm:"): after.get(k, 0) - before.get(k, 0) for k in after}}
 
     def settle(self) -> None:
@@ -166,8 +178,10 @@ class Engine:
             return
         key = keys[fault["chunk"]]
         if fault["kind"] == "pause":
+            t0 = time.monotonic()
             self.say({"event": "loading"})
             assert sys.stdin.readline().strip() == "go"
+            self.paused_s += time.monotonic() - t0
             return
         spoil(fault["kind"], key, self.worker.layout.tenant)
 

@@ -2,8 +2,9 @@
 
 A read destination may be `HostRanges`: (address, bytes) ranges of host memory the caller
 owns (e.g. the blocks of an inference engine's KV cache on the CPU), filled in order. The
-window's copies from the arena into them are planned here as plain integers and made
-together, after the window's ACQUIREs, by one call of the compiled loop of
+copies from the arena into them are planned here as plain integers and made together,
+once per group of a read window (`transport.read_window`), by one call of the compiled
+loop of
 `kvpool.agent.wsumkernel` (`copy_sums`): it copies each piece and sums its 32-bit words
 in the same pass (WSUM, `kvpool.agent.checksums`), and it runs without the GIL.
 
@@ -11,7 +12,7 @@ Why one call and no Python per piece: an engine's own threads keep the GIL busy 
 engine loop steps while a request waits for its KV), and a thread that lets the GIL go
 (any I/O, any torch call, any ctypes call) gets it back only at the interpreter's switch
 interval (5 ms), so a read made of one copy and one checksum call per layer and block
-waited milliseconds per call. Here a window lets the GIL go a few times in all.
+waited milliseconds per call. Here a window lets the GIL go a few times per group.
 
 Checksums: a WSUM chunk is verified from the sums the copy made; an XXH3 chunk (written
 from buffers) is hashed from the destination after the copy. Without the compiled loop
@@ -86,40 +87,67 @@ def plan(base: int, extents: Sequence[tuple[int, int]], ranges: Sequence[tuple[i
 
 
 class HostReads:
-    """A window's reads into `HostRanges`: planned by `add`, made by `run` (one call),
-    each verified by the check `add` returned, asked once `run` returned."""
+    """Reads into `HostRanges`: planned by `add`, made by `run` (one call for everything
+    added since the last run), each verified by the check `add` returned, asked once the
+    `run` after it returned."""
 
     def __init__(self, arena: memoryview, base: int, verify: bool) -> None:
         self.arena = arena
         self.base = base
         self.verify = verify
-        self._pieces: list[int] = []
-        self._sums: list[int] | None = None
-        self._ran = False
+        self._batch = _Batch()
 
     def add(self, lease: p.AcquireReply, out: HostRanges) -> Check:
-        first = len(self._pieces) // 3
-        count = plan(self.base, lease.extents, out.ranges, lease.size, self._pieces)
+        batch = self._batch
+        first = len(batch.pieces) // 3
+        count = plan(self.base, lease.extents, out.ranges, lease.size, batch.pieces)
         kind, wanted, meta, size = lease.checksum_kind, lease.checksum, lease.meta, lease.size
 
         def check() -> bool:
-            assert self._ran, "HostReads.run() first"
+            assert batch.ran, "HostReads.run() first"
             if not self.verify:
                 return True
-            if kind == checksums.WSUM and self._sums is not None:
-                return self._wsum(first, count, size, meta) == wanted
-            views = [_view(d, n) for d, n in self._triples(first, count)]
+            if kind == checksums.WSUM and batch.sums is not None:
+                return batch.wsum(first, count, size, meta) == wanted
+            views = [_view(d, n) for d, n in batch.triples(first, count)]
             return checksums.compute(kind, views, meta) == wanted
         return check
 
-    def _triples(self, first: int, count: int) -> list[tuple[int, int]]:
-        pieces = self._pieces
+    def run(self) -> None:
+        """Make every copy planned since the last run."""
+        batch, self._batch = self._batch, _Batch()
+        batch.run()
+
+
+class _Batch:
+    """Copies made in one call: flat (source, destination, bytes) triples, and after the
+    call each piece's word sums."""
+
+    def __init__(self) -> None:
+        self.pieces: list[int] = []
+        self.sums: list[int] | None = None
+        self.ran = False
+
+    def run(self) -> None:
+        self.ran = True
+        pieces = self.pieces
+        if not pieces:
+            return
+        whole = all(pieces[k] % 4 == 0 for k in range(2, len(pieces), 3))
+        self.sums = wsumkernel.copy_sums(pieces) if whole else None
+        if self.sums is None:
+            for k in range(0, len(pieces), 3):
+                ctypes.memmove(pieces[k + 1], pieces[k], pieces[k + 2])
+
+    def triples(self, first: int, count: int) -> list[tuple[int, int]]:
+        """(destination, bytes) of pieces `first` .. `first + count - 1`."""
+        pieces = self.pieces
         return [(pieces[3 * k + 1], pieces[3 * k + 2]) for k in range(first, first + count)]
 
-    def _wsum(self, first: int, count: int, size: int, meta: bytes) -> int:
-        """The chunk's WSUM from its pieces' sums (word indices from each piece's start)."""
-        assert self._sums is not None
-        sums, pieces = self._sums, self._pieces
+    def wsum(self, first: int, count: int, size: int, meta: bytes) -> int:
+        """A chunk's WSUM from its pieces' sums (word indices from each piece's start)."""
+        assert self.sums is not None
+        sums, pieces = self.sums, self.pieces
         s0 = s1 = words = 0
         for k in range(first, first + count):
             p0 = sums[2 * k]
@@ -127,20 +155,6 @@ class HostReads:
             s1 += sums[2 * k + 1] + words * p0
             words += pieces[3 * k + 2] >> 2
         return checksums.wsum_finish(size, s0 & checksums.U64, s1 & checksums.U64, meta)
-
-    def run(self) -> None:
-        """Make every planned copy (once)."""
-        if self._ran:
-            return
-        self._ran = True
-        pieces = self._pieces
-        if not pieces:
-            return
-        whole = all(pieces[k] % 4 == 0 for k in range(2, len(pieces), 3))
-        self._sums = wsumkernel.copy_sums(pieces) if whole else None
-        if self._sums is None:
-            for k in range(0, len(pieces), 3):
-                ctypes.memmove(pieces[k + 1], pieces[k], pieces[k + 2])
 
 
 def scatter(data: bytes, out: HostRanges) -> None:

@@ -182,7 +182,13 @@ class WindowConnection(Protocol):
 
     def exchange(self, reqs: Sequence[p.Request]) -> list[p.Reply]: ...
 
+    def post(self, reqs: Sequence[p.Request], casts: Sequence[p.Request] = ()) -> None: ...
+
+    def replies(self, n: int) -> list[p.Reply]: ...
+
     def cast(self, *reqs: p.Request) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
@@ -234,11 +240,66 @@ def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
 
 def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], start: int,
                 target: ReadTarget, sizes: list[int]) -> None:
-    """ACQUIRE the window's chunks (one write), copy each granted one into what `target`
-    gives, wait for the copies, then RELEASE every lease (one write, not waited for): a
-    read lease ends only after the copies that read it completed."""
-    replies = conn.exchange([p.Acquire(conn.rid(), k, copies.dma) for k in keys])
-    granted = [r for r in replies if isinstance(r, p.AcquireReply)]
+    """ACQUIRE the window's chunks, copy each granted one into what `target` gives, wait
+    for the copies, then RELEASE the leases (not waited for): a read lease ends only after
+    the copies that read it completed.
+
+    Copies made by this process's CPU go in groups (`read_groups`): the next group's
+    ACQUIREs go out before this group is copied, so the agent answers them meanwhile, and
+    a group's RELEASEs go out with the ACQUIREs of the group after the next. A device's
+    copies (`copies.dma`) go in one group: one write, one fence."""
+    groups = read_groups(len(keys), pipelined=not copies.dma)
+
+    def acquires(group: tuple[int, int]) -> list[p.Request]:
+        return [p.Acquire(conn.rid(), k, copies.dma) for k in keys[group[0] : group[1]]]
+    conn.post(acquires(groups[0]))
+    posted, received = 1, 0
+    releases: list[p.Request] = []
+    """Granted leases whose RELEASE has not gone out."""
+    try:
+        for n, (lo, hi) in enumerate(groups):
+            replies = conn.replies(hi - lo)
+            received += 1
+            granted = [p.Release(conn.rid(), r.lease) for r in replies
+                       if isinstance(r, p.AcquireReply)]
+            if n + 1 < len(groups):
+                conn.post(acquires(groups[n + 1]), casts=releases)
+                posted, releases = posted + 1, []
+            releases += granted
+            _read_group(copies, replies, start + lo, target, sizes)
+    finally:
+        if posted > received:  # a failure with a group's ACQUIREs unanswered: end them too
+            try:
+                releases += [p.Release(conn.rid(), r.lease)
+                             for r in conn.replies(groups[received][1] - groups[received][0])
+                             if isinstance(r, p.AcquireReply)]
+            except (OSError, p.ProtocolError):
+                conn.close()  # the agent ends a closed connection's leases itself
+        conn.cast(*releases)
+
+
+READ_GROUP_FIRST = 2
+"""Keys in a pipelined read window's first group; each next group is twice as large, so a
+group's copies cover the agent's answering of the next group's (larger) ACQUIREs, and a
+window of 128 keys costs 6 groups."""
+
+
+def read_groups(n: int, pipelined: bool = True) -> list[tuple[int, int]]:
+    """The [lo, hi) key ranges of a read window of `n` keys, in order."""
+    if not pipelined or n <= READ_GROUP_FIRST:
+        return [(0, n)]
+    groups, lo, size = [], 0, READ_GROUP_FIRST
+    while lo < n:
+        hi = n if n - lo < 2 * size + size // 2 else lo + size  # no small last group
+        groups.append((lo, hi))
+        lo, size = hi, size * 2
+    return groups
+
+
+def _read_group(copies: Copies, replies: Sequence[p.Reply], start: int, target: ReadTarget,
+                sizes: list[int]) -> None:
+    """Copy a group's granted chunks (`replies` answer the keys from `start` on), wait for
+    the copies, then record the sizes of those that passed their check."""
     started: list[tuple[int, p.AcquireReply]] = []
     checks: list[Check] = []
     fenced = False
@@ -254,7 +315,6 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
     finally:
         if started and not fenced:
             copies.settle()
-        conn.cast(*[p.Release(conn.rid(), r.lease) for r in granted])
 
 
 class BufferCopies(Copies):
@@ -424,9 +484,19 @@ class Connection:
         """Send `reqs` in one write; their replies, error replies included, in order."""
         if not reqs:
             return []
-        self._send(b"".join(p.encode(r) for r in reqs))
+        self.post(reqs)
+        return self.replies(len(reqs))
+
+    def post(self, reqs: Sequence[p.Request], casts: Sequence[p.Request] = ()) -> None:
+        """Send `casts` (not waited for, like `cast`'s) then `reqs` in one write; read
+        `reqs`' replies with `replies` before any other call."""
+        self._send(b"".join(p.encode(r) for r in (*casts, *reqs)))
+        self._unanswered += len(casts)
+
+    def replies(self, n: int) -> list[p.Reply]:
+        """The replies, error replies included, of the `n` requests `post` sent."""
         self._drain()
-        return [self._read_reply() for _ in reqs]
+        return [self._read_reply() for _ in range(n)]
 
     def cast(self, *reqs: p.Request) -> None:
         """Send without waiting; the replies are read before the next call's."""

@@ -156,7 +156,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        return self.worker.finished()
+        return self.worker.finished(idle=self._jobs().idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

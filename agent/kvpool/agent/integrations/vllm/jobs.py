@@ -50,6 +50,9 @@ class StepJobs:
     """Finished requests whose blocks vLLM keeps until the worker says their saves are done."""
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step: their blocks may be reused, so their saves finish first."""
+    idle: bool = False
+    """The step computes no token (every request waits, e.g. for its KV): the worker may
+    wait a little for its loads rather than hand vLLM back a step it would only repeat."""
 
 
 @dataclass(slots=True)

@@ -184,6 +184,7 @@ class SchedulerSide:
     def step_jobs(self, scheduler_output: Any) -> StepJobs:
         jobs, self._jobs = self._jobs, StepJobs()
         jobs.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        jobs.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         if not self.settings.saves:
             return jobs
         block_state = scheduler_output.kv_connector_block_state

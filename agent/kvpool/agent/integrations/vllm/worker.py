@@ -47,6 +47,12 @@ from .settings import Settings
 
 log = logging.getLogger(LOGGER)
 _cuda: Any = torch.cuda
+IDLE_WAIT = 0.005
+"""Seconds a step that computes nothing waits for a load in flight to finish (`finished`).
+vLLM's engine loop steps without pause while its requests wait for their KV: a thread of
+Python that takes the GIL from the I/O thread over and over, and a core, for nothing. A
+load that finishes meanwhile ends the wait at once; a request that arrives meanwhile is
+scheduled at most this much later."""
 
 
 def pieces(t: torch.Tensor) -> list[torch.Tensor]:
@@ -80,6 +86,8 @@ class WorkerSide:
         self._held: set[str] = set()
         self._loaded: set[str] = set()
         self._bad_blocks: set[int] = set()
+        self._loading = 0
+        """Loads queued or running."""
         self._thread: threading.Thread | None = None
         self._stream: Any = None
         self._host: _HostBlocks | None = None
@@ -128,6 +136,7 @@ class WorkerSide:
         fence = self._fence()
         with self._cond:
             self._held.update(jobs.held)
+            self._loading += len(jobs.loads)
         for job in jobs.loads:
             self._queue.put((job, fence))
 
@@ -148,8 +157,13 @@ class WorkerSide:
             self._cond.wait_for(lambda: not any(self._saves[r] for r in req_ids),
                                 timeout=4 * self.settings.timeout)
 
-    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+        """The requests whose saves and whose loads are done. `idle`: this step computed
+        nothing, so wait up to `IDLE_WAIT` for a load in flight to finish first."""
         with self._cond:
+            if idle and self._loading and not self._loaded:
+                self._cond.wait_for(lambda: bool(self._loaded) or not self._loading,
+                                    IDLE_WAIT)
             saved = {r for r in self._held if not self._saves[r]}
             self._held -= saved
             for r in saved:
@@ -258,6 +272,7 @@ class WorkerSide:
         with self._cond:
             self._bad_blocks.update(bad)
             self._loaded.add(job.req_id)
+            self._loading -= 1
 
     def _save(self, job: SaveJob) -> None:
         keys = job.keys[self.rank]
