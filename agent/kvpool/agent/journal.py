@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -30,10 +28,10 @@ import msgspec
 
 from . import atomicfile
 from .protocol import Extents
+from .records import frame, whole_records
 
 log = logging.getLogger(__name__)
 
-_RECORD = struct.Struct("<BII")  # kind, payload length, crc32 of payload
 COMMIT, DROP = 1, 2
 SHARED_DELETE, SHARED_DELETED = 3, 4
 """A shared-tier delete to retry until the store confirms it; that confirmation (or the key
@@ -80,7 +78,7 @@ class Journal:
         next compaction, which is tried at the next append."""
 
     def _append(self, kind: int, payload: bytes) -> None:
-        record = _RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload
+        record = frame(kind, payload)
         try:
             written = os.write(self.fd, record)
             if written != len(record):
@@ -149,7 +147,7 @@ class Journal:
         """Replace the journal by one commit record per live chunk and one delete record
         per pending shared-tier delete (compaction)."""
         deletes = [] if deletes is None else deletes
-        records = (_RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload
+        records = (frame(kind, payload)
                    for kind, payloads in ((COMMIT, map(_enc.encode, live)),
                                           (SHARED_DELETE, map(_enc.encode, deletes)))
                    for payload in payloads)
@@ -175,14 +173,7 @@ def _records(path: Path) -> Iterator[tuple[int, bytes]]:
         data = path.read_bytes()
     except FileNotFoundError:
         return
-    pos = 0
-    while pos + _RECORD.size <= len(data):
-        kind, length, crc = _RECORD.unpack_from(data, pos)
-        payload = data[pos + _RECORD.size : pos + _RECORD.size + length]
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            return  # torn tail: the agent died while appending
-        pos += _RECORD.size + length
-        yield kind, payload
+    yield from whole_records(data)
 
 
 def replay(path: Path) -> Iterator[JournalEntry]:

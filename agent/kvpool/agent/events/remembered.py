@@ -7,12 +7,13 @@ chunk files outlive a reboot of the node; without NVMe beside the arena's journa
 tmpfs, which lives as long as the arena), so a restarted agent's inventories and removals
 name the engine's blocks as before the restart, not kvpool's own keys.
 
-Append-only like the commit journal (`journal.py`), with the same framing: a `KEEP` record
-when a chunk takes an identity, a `FORGET` record when it has left every tier; a torn tail
-(the agent killed mid-append) ends the replay there. At start the file is rewritten with
-the identities of the chunks the tiers still hold, and again whenever it holds more than
-twice as many records as live identities plus `COMPACT_FLOOR`. A write that fails costs
-only the identity's survival of a restart (logged): events never wait for the file.
+Append-only like the commit journal (`journal.py`), with the same framing (`records.py`):
+a `KEEP` record when a chunk takes an identity, a `FORGET` record when it has left every
+tier; a torn tail (the agent killed mid-append) ends the replay there. At start the file
+is rewritten with the identities of the chunks the tiers still hold, and again whenever it
+holds more than twice as many records as live identities plus `COMPACT_FLOOR`. A write
+that fails costs only the identity's survival of a restart (logged): events never wait
+for the file.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import struct
-import zlib
 from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
@@ -29,11 +28,11 @@ from pathlib import Path
 import msgspec
 
 from .. import atomicfile
+from ..records import frame, whole_records
 from .identity import Identity
 
 log = logging.getLogger("kvpool.agent.events")
 
-_RECORD = struct.Struct("<BII")  # kind, payload length, crc32 of payload (as journal.py)
 KEEP, FORGET = 1, 2
 COMPACT_FLOOR = 1024
 
@@ -68,10 +67,6 @@ def _unpack(kept: _Kept) -> Identity:
     return Identity(hashes, kept.parent, tokens, kept.block_size, kept.model)
 
 
-def _frame(kind: int, payload: bytes) -> bytes:
-    return _RECORD.pack(kind, len(payload), zlib.crc32(payload)) + payload
-
-
 def read(path: Path) -> dict[bytes, Identity]:
     """The identities the file says are live, up to a torn or undecodable record (none
     when it cannot be read)."""
@@ -82,13 +77,7 @@ def read(path: Path) -> dict[bytes, Identity]:
             log.warning("KV-event identities file %s unreadable: %s", path, e)
         return {}
     live: dict[bytes, Identity] = {}
-    pos = 0
-    while pos + _RECORD.size <= len(data):
-        kind, length, crc = _RECORD.unpack_from(data, pos)
-        payload = data[pos + _RECORD.size : pos + _RECORD.size + length]
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            break  # torn tail: the agent died while appending
-        pos += _RECORD.size + length
+    for kind, payload in whole_records(data):
         try:
             if kind == KEEP:
                 kept = _dec_kept.decode(payload)
@@ -133,7 +122,7 @@ class IdentityLog:
             self._rewrite(self.live())
             if self.fd < 0:
                 return
-        record = _frame(kind, payload)
+        record = frame(kind, payload)
         try:
             written = os.write(self.fd, record)
             if written != len(record):
@@ -150,7 +139,7 @@ class IdentityLog:
         def records() -> Iterator[bytes]:
             nonlocal n
             for key, ident in live:
-                yield _frame(KEEP, _pack(key, ident))
+                yield frame(KEEP, _pack(key, ident))
                 n += 1
 
         try:
