@@ -266,16 +266,11 @@ class ChunkStore:
             # network on LOOKUP's path); a key that is local after all is reported local.
             for depth in range(local, len(keys)):
                 k = keys[depth]
-                slot = find(k)
-                if slot >= 0:
-                    self._hit_dram(slot, seq, depth, now)
-                    tiers.append(2)
-                elif self._below(k):
-                    tiers.append(3)
-                elif peer.holds(k):
-                    tiers.append(PEER_TIER_CODE)
-                else:
+                code = self._local_after_all(find, k, seq, depth, now) or (
+                    PEER_TIER_CODE if peer.holds(k) else 0)
+                if not code:
                     break
+                tiers.append(code)
         reached = len(tiers)
         if peer is not None and reached > local and PEER_TIER_CODE in tiers:
             self._peer_prompts[seq] = keys[:reached]
@@ -285,15 +280,7 @@ class ChunkStore:
             # Past the local prefix the shared tier decides how far the prefix goes, but a
             # key of it that is local after all is reported (and counted) in its local tier.
             for depth in range(reached, reached + await self.shared.prefix(keys[reached:])):
-                k = keys[depth]
-                slot = find(k)
-                if slot >= 0:
-                    self._hit_dram(slot, seq, depth, now)
-                    tiers.append(2)
-                elif self._below(k):
-                    tiers.append(3)
-                else:
-                    tiers.append(4)
+                tiers.append(self._local_after_all(find, keys[depth], seq, depth, now) or 4)
         count = len(tiers)
         in_dram = tiers.count(2)
         in_nvme = tiers.count(3)
@@ -308,6 +295,17 @@ class ChunkStore:
         for k in pol.prefetch_keys(self.policy, keys, count, bytes(tiers)):
             self._spawn(self._prefetch(k))
         return count, bytes(tiers)
+
+    def _local_after_all(self, find: Callable[[bytes], int], key: bytes, seq: int,
+                         depth: int, now: float) -> int:
+        """The tier code of a key past LOOKUP's local prefix that a local tier holds after
+        all (2, its DRAM hit counted, or 3; 0: neither does): where a lower tier carries
+        the prefix on, a key of it that is local is reported, and counted, as local."""
+        slot = find(key)
+        if slot >= 0:
+            self._hit_dram(slot, seq, depth, now)
+            return 2
+        return 3 if self._below(key) else 0
 
     async def _load(self, key: bytes) -> Loaded | None:
         """A chunk from below DRAM (`Loads.load`), unless its key was deleted while the
