@@ -17,7 +17,6 @@ import copy
 import datetime
 import json
 import re
-import socket
 import ssl
 import threading
 import time
@@ -34,6 +33,7 @@ import kmock._internal.parsing as _kmock_parsing
 import kopf
 from op_support import NAMESPACE, condition
 
+from kvpool.bench.local import free_port
 from kvpool.operator import api
 from kvpool.operator.kube import Kube
 from kvpool.operator.render import Names, Settings
@@ -310,12 +310,6 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
             verbs=verbs,
             subresources={"status"},
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-from op_cluster import Emulator, declare_resources, free_port
+from op_cluster import Emulator, declare_resources
 from op_support import pool_body
 
+from kvpool.bench.local import free_port
 from kvpool.operator.kube import Kube
 
 pytestmark = pytest.mark.kmock(cls=Emulator)

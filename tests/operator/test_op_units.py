@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import socket
 import urllib.request
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 from op_support import GOLDEN_SETTINGS, example
 from typer.testing import CliRunner
 
+from kvpool.bench.local import free_port
 from kvpool.operator import api, cli, metrics, status, webhook
 from kvpool.operator.kube import contains, path_of, removals
 from kvpool.operator.status import Problem, Reason, Rollout
@@ -329,14 +329,8 @@ def test_paths_of_core_custom_and_cluster_scoped_kinds() -> None:
 # --------------------------------------------------------------------------- metrics, CLI
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_metrics_series_exist_from_the_start() -> None:
-    port = _free_port()
+    port = free_port()
     metrics.serve(port, addr="127.0.0.1")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,16 +29,10 @@ from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.tiers.base import ChunkRecord
 from kvpool.agent.tiers.factory import open_shared_tier
 from kvpool.agent.tiers.shared import SharedChunkTier, object_name
+from kvpool.bench.local import free_port
 
 REGION = "us-east-1"
 _bucket_ids = itertools.count()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_moto(port: int) -> ThreadedMotoServer:
