@@ -43,6 +43,24 @@ def test_a_read_takes_the_peer_chunks_after_it_in_its_lookup_in_one_batch(
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="ok") == 8
 
 
+def test_a_lookups_prefetch_reads_only_its_lookahead_from_a_peer(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    with ExitStack() as stack:
+        # policy.prefetch on (the default): a LOOKUP loads its first lookaheadChunks (4)
+        # ahead; a read's batch would take the rest of the prompt, a prefetch does not.
+        (_, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False,
+                                    extra={"connections": 1})
+        keys = [os.urandom(16) for _ in range(8)]
+        for k in keys:
+            assert ca.put(k, os.urandom(64 << 10))
+        # One LOOKUP only (each LOOKUP prefetches the next four below DRAM).
+        wait_until(lambda: cb.stats()["tiers"]["peer"]["chunks"] == 8, "the directory")
+        assert cb.lookup_tiers(keys) == ["peer"] * 8
+        wait_until(lambda: cb.stats()["tiers"]["dram"]["chunks"] == 4, "the prefetch")
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="ok") == 4
+        assert cb.lookup_tiers(keys) == ["dram"] * 4 + ["peer"] * 4
+
+
 class HoldingPeer:
     """A peer that speaks the protocol, announces `chunks` and serves them from memory, but
     answers no FETCH until `batch` of them have arrived (or a few seconds pass): a reader

@@ -339,16 +339,18 @@ class ChunkStore:
                     key.hex(), FIND_TRIES)
         return None
 
-    async def _from_peer(self, key: bytes) -> DramChunk | None:
+    async def _from_peer(self, key: bytes, ahead: bool = True) -> DramChunk | None:
         """The chunk read from the peer the directory names, one read per key however many
-        ask; None: the shared tier, then a miss, decide. The keys that follow it in the
-        LOOKUP that found it in the peer tier (`_peer_following`) are read in the same
-        batch (`_fetch_peer`): the client reads them next."""
+        ask; None: the shared tier, then a miss, decide. With `ahead` (a client's read),
+        the keys that follow it in the LOOKUP that found it in the peer tier
+        (`_peer_following`) are read in the same batch (`_fetch_peer`): the client reads
+        them next. A prefetch reads its key only (its LOOKUP's `lookaheadChunks` bound
+        what it loads)."""
         pending = self._fetching.get(key)
         if pending is not None:
             return await asyncio.shield(pending)
         loop = asyncio.get_running_loop()
-        keys = [key, *self._peer_following(key)]
+        keys = [key, *(self._peer_following(key) if ahead else ())]
         futs: list[asyncio.Future[DramChunk | None]] = [loop.create_future() for _ in keys]
         for k, fut in zip(keys, futs, strict=True):
             self._fetching[k] = fut
@@ -854,7 +856,7 @@ class ChunkStore:
         # A key a peer holds comes from it, as a read of it would (the peer tier is above
         # the shared one); where that fails, from below as any other.
         if self.peer is not None and not self._below(key) \
-                and await self._from_peer(key) is not None:
+                and await self._from_peer(key, ahead=False) is not None:
             return
         loaded = await self._load(key)
         if loaded is not None and self.dram.get(key) is None:
