@@ -82,9 +82,6 @@ class ArenaTarget:
     extents: list[tuple[int, int]]
     write: Callable[[list[tuple[int, int]], memoryview], None]
     """`Arena.write`: the bytes go in through it."""
-    splice: bool
-    """The arena file takes splice(2) (not hugetlbfs); unused since reads go through
-    `write`."""
 
     @property
     def room(self) -> int:

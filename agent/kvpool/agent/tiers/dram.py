@@ -208,10 +208,10 @@ class DramTier:
 
     def fetch_target(self, extents: Extents) -> ArenaTarget:
         """Where a peer read puts a chunk: `extents`, through the arena file, its size
-        restored first (a splice past a shrunk end would grow a sparse file instead)."""
+        restored first (a write past a shrunk end would grow a sparse file instead)."""
         arena = self.arena
         arena.restore_size()
-        return ArenaTarget(arena.fd, extents, arena.write, splice=not arena.huge_pages)
+        return ArenaTarget(arena.fd, extents, arena.write)
 
     # -- pins
 
