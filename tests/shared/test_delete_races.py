@@ -9,6 +9,9 @@ DRAM for good (an 8-client soak saw it once in four runs). And the evicted chunk
 replaced the shared delete still pending, so the object came back in G4 and was served
 from there.
 
+An NVMe file of a deleted chunk goes before the DELETE is answered: removed by the pool
+later, it outlived an agent killed meanwhile, and the restarted agent served the chunk.
+
 To hold the moves back until the DELETE has been acknowledged, the pool's threads are
 kept busy by shared deletes of other keys that the S3 server holds (`StallingMoto`):
 a real agent, real S3 requests, nothing of the agent replaced.
@@ -184,3 +187,31 @@ def test_a_delete_of_a_chunk_on_its_way_from_nvme_to_the_shared_tier_is_final(
         wait_until(lambda: settled(c, s3), "the uploads and deletes to land")
         assert c.lookup([key]) == 0 and c.get(key) is None, \
             f"a deleted chunk back in {c.lookup_tiers([key])}"
+
+
+def test_a_deleted_nvme_chunk_stays_deleted_through_a_sigkill(
+        tmp_path: Path, stalling_moto: StallingMoto) -> None:
+    """The DELETE of a chunk in NVMe is answered, the background pool is busy, and the
+    agent is killed: its restart finds no file of the chunk (before, the file went only
+    when the pool got to it, and the restarted agent indexed it and served it)."""
+    s3 = stalling_moto
+    policy = {"tiers": {"dram": {"eviction": "lru"}}}
+    agent = start_agent(tmp_path, s3, policy, nvme="64Mi", dram="4Mi")
+    with agent:
+        with KVPoolClient(agent.socket_path, timeout=20, reconnect_timeout=0) as c:
+            key = os.urandom(16)  # the oldest chunk: the first to leave DRAM
+            assert c.put(key, data_of(key))
+            while not demoting(c):
+                filler = os.urandom(16)
+                assert c.put(filler, data_of(filler))
+            wait_until(lambda: settled(c, s3), "the demotions to land")
+            assert c.lookup_tiers([key]) == ["nvme"]
+            hold_background_pool(agent, s3)
+            assert c.delete(key)
+        agent.kill()
+        s3.free()
+        agent.start()
+        with KVPoolClient(agent.socket_path, timeout=20) as c:
+            assert c.lookup([key]) == 0 and c.get(key) is None, \
+                f"a deleted chunk back in {c.lookup_tiers([key])} after a restart"
+

@@ -197,6 +197,14 @@ class Demotion:
         if self.nvme.contains(key):
             self.drop([pol.Victim(key, "deleted")])
             existed = True
+        # Its file goes now, not when the background pool gets to it: an agent killed
+        # meanwhile would find the deleted chunk again at its next start. (So does the
+        # file of an eviction of the key still waiting for its removal.) One unlink, on a
+        # DELETE only.
+        try:
+            self.nvme.remove_file(key)
+        except OSError as e:  # a removal queued for it (by `drop`) tries again
+            log.warning("removing the nvme file of deleted %s failed: %s", key.hex(), e)
         return existed
 
     def _write_files(self, batch: list[tuple[ChunkRecord, DramChunk]]) -> WriteResult:
