@@ -9,7 +9,7 @@ behind a burst of background writes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..config import TierName
@@ -77,8 +77,7 @@ class Loads:
             fut.set_result(result)
             return result
         except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: waiting readers get it, nobody else must
+            _fail([fut], e)
             raise
         finally:
             if self.loading.get(key) is fut:
@@ -117,10 +116,7 @@ class Loads:
                     first = result
             return first
         except BaseException as e:
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(e)
-                    fut.exception()  # retrieved: waiting readers get it, nobody else must
+            _fail(futs, e)
             raise
         finally:
             for k, fut in zip(keys, futs, strict=True):
@@ -148,3 +144,11 @@ class Loads:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _fail(futs: Iterable[asyncio.Future[Loaded | None]], e: BaseException) -> None:
+    """A read failed: whoever waits for one of its chunks gets `e`."""
+    for fut in futs:
+        if not fut.done():
+            fut.set_exception(e)
+            fut.exception()  # retrieved: waiting readers get it, nobody else must
