@@ -3,7 +3,8 @@
 The test starts, on 127.0.0.1 only:
 - two real `kvpool agent` processes of one pool, peers of each other (the peer tier on
   loopback, the second standing for another node), and drives load through `KVPoolClient`,
-  part of it reading on the first agent chunks put on the second;
+  part of it reading on the first agent chunks put on the second, and every other put
+  hinted with the other node (a hand-off) and read there;
 - the operator's real metrics registry (`kvpool.operator.metrics`) served by a child
   process, standing in for the operator process, which needs a Kubernetes API server;
 - the real `prometheus` binary, scraping both every second with the labels the chart's
@@ -125,6 +126,8 @@ class Peers:
     secret: Path
 
     def config(self, port: int, other: int) -> dict[str, Any]:
+        """An agent's peers, named by address (the hand-off's hints name nodes: each
+        agent's config gives its own `nodeName`)."""
         return {
             "enabled": True, "port": port, "address": "127.0.0.1", "advertise": "127.0.0.1",
             "secretFile": str(self.secret), "addresses": [f"127.0.0.1:{other}"],
@@ -150,6 +153,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[Lo
         "events": {
             "enabled": True, "port": free_port(), "replayPort": free_port(), "topic": "node"},
         "peers": peers.config(peers.port, peers.peer_port),
+        "nodeName": NODE,
     }))
     args = ["--config", str(config), "--no-lock", "--pool", POOL,
             "--nvme-dir", str(workdir / "nvme"), "--nvme", "64Mi",
@@ -163,7 +167,8 @@ def peer_agent(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterat
     """The pool's agent on another node (here: another peer port on loopback)."""
     workdir = tmp_path_factory.mktemp("peer-agent")
     config = workdir / "agent.yaml"
-    config.write_text(yaml.safe_dump({"peers": peers.config(peers.peer_port, peers.port)}))
+    config.write_text(yaml.safe_dump({"peers": peers.config(peers.peer_port, peers.port),
+                                      "nodeName": PEER_NODE}))
     with LocalAgent("--config", str(config), "--no-lock", "--pool", POOL, workdir=workdir,
                     dram="16Mi") as a:
         yield a
@@ -272,7 +277,9 @@ def prometheus(
 class Load:
     """Clients putting, looking up and reading chunks in a bounded background loop; chunks
     put on the peer agent are looked up and read on the agent a few rounds later (through
-    the peer tier, once the peer's inventory reached it)."""
+    the peer tier, once the peer's inventory reached it). Every other put on each agent is
+    hinted with the other's node (a hand-off: pushed there, pinned) and read there a few
+    rounds later, ending its pin."""
 
     def __init__(self, socket_path: Path, peer_socket_path: Path) -> None:
         self.socket_path = socket_path
@@ -297,8 +304,9 @@ class Load:
                     # (a miss), read a chunk back. 16 MiB of DRAM fill after ~64 chunks, so
                     # evictions follow (demotions into NVMe when the agent has it); looking
                     # up and reading chunks from ~100 puts ago then hits the slower tiers.
+                    handoff = self.lookups % 2 == 0
                     key = os.urandom(16)
-                    c.put(key, data)
+                    c.put(key, data, to=PEER_NODE if handoff else None)
                     keys.append(key)
                     c.lookup([*keys[-32:], os.urandom(16)])
                     c.get(keys[-32:][0])
@@ -306,10 +314,12 @@ class Load:
                     c.lookup(old)
                     c.get(old[0])
                     on_peer.append(os.urandom(16))
-                    peer.put(on_peer[-1], data)
-                    if len(on_peer) > 5:
+                    peer.put(on_peer[-1], data, to=NODE if handoff else None)
+                    if len(on_peer) > 5:  # pushed here (a DRAM hit) or read from the peer
                         c.lookup([on_peer[-6]])
                         c.get(on_peer[-6])
+                        if handoff:  # the consumer's read on the peer, six rounds later
+                            peer.get(keys[-7])
                     self.lookups += 1
                     time.sleep(0.01)
         except BaseException as e:
@@ -460,6 +470,36 @@ def test_load_shows_reads_from_the_peer(loaded: Prometheus) -> None:
     refused, broken = by_title["Peer connections refused"]
     assert sum(samples(refused, "node").values()) == 0
     assert sum(samples(broken, "node").values()) == 0
+
+
+def test_load_shows_handoffs_pushed_pinned_and_read(loaded: Prometheus) -> None:
+    """The hand-off's panels under load, on the agent: it sends pushes to its peer's node
+    and receives the peer's (ok), with a push latency; the pushed chunks' pins end by the
+    reads on this node; the pinned bytes are a gauge within the pin quota."""
+    by_title: dict[str, list[str]] = {}
+    for title, expr in dashboard.panel_queries():
+        by_title.setdefault(title, []).append(expr)
+
+    def samples(expr: str, *labels: str) -> dict[tuple[str, ...], float]:
+        out: dict[tuple[str, ...], float] = {}
+        for s in loaded.query(substitute(expr)):
+            key = tuple(str(s["metric"].get(label, "")) for label in labels)
+            out[key] = out.get(key, 0.0) + float(s["value"][1])
+        return out
+
+    (pushes,) = by_title["Hand-off pushes by result"]
+    for direction in ("sent", "received"):
+        _wait(lambda d=direction: samples(pushes, "direction", "result").get((d, "ok"), 0) > 0,
+              45, f"hand-off pushes {direction}")
+    p50, p99 = by_title["Hand-off push latency p50 / p99"]
+    _wait(lambda: 0 < samples(p50, "node").get((NODE,), 0) < 10, 45, "a push latency")
+    assert samples(p50, "node")[(NODE,)] <= samples(p99, "node")[(NODE,)]
+    (ended,) = by_title["Hand-off pins ended"]
+    _wait(lambda: samples(ended, "end").get(("read",), 0) > 0, 45, "pins ended by a read")
+    (pinned,) = by_title["Hand-off pinned bytes"]
+    (value,) = samples(pinned, "node").values()
+    # at most peers.handoffShare (25 %) of the 16 MiB arena
+    assert 0 <= value <= 4 << 20
 
 
 # ----------------------------------------------------------------------------- alerts

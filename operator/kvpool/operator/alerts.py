@@ -39,6 +39,14 @@ HIT_RATIO_COLLAPSE_FACTOR = 0.5
 HIT_RATIO_MIN_KEYS_PER_SECOND = 1
 """Below this lookup traffic a pool's hit ratio is too noisy to alert on."""
 
+HANDOFF_FAILING_SHARE = 0.1
+"""Hand-off pushes of one result other than ok, held or unreachable, over every push a
+node sent, from which the hand-off is failing."""
+HANDOFF_FAILING_MIN_PUSHES = 10
+"""Fewer failed pushes in 10 minutes are too few to alert on (a consumer restarting)."""
+_SENT_PUSHES = 'kvpool_peer_pushes_total{direction="sent"}'
+_FAILED_PUSHES = 'kvpool_peer_pushes_total{direction="sent", result!~"ok|held|unreachable"}'
+
 
 @dataclass(frozen=True)
 class Alert:
@@ -217,6 +225,31 @@ AGENT_ALERTS: tuple[Alert, ...] = (
             "{{ $labels.node }} read from its peer {{ $labels.peer }} in the last 15 minutes "
             "failed their checksum. They were served as misses and the peer is marked suspect; "
             "the peer's memory or disk, or the peer itself, is suspect."
+        ),
+    ),
+    Alert(
+        name="KVPoolHandoffFailing",
+        expr=(
+            # Per result, as a share of every push the node sent: the result says what to
+            # fix. Pushes to a node that is down (unreachable) are KVPoolPeerUnreachable's.
+            f"sum by (namespace, pool, node, result) (rate({_FAILED_PUSHES}[10m]))\n"
+            "  / ignoring (result) group_left\n"
+            f"sum by (namespace, pool, node) (rate({_SENT_PUSHES}[10m]))\n"
+            f"  > {HANDOFF_FAILING_SHARE}\n"
+            "and\n"
+            f"sum by (namespace, pool, node, result) (increase({_FAILED_PUSHES}[10m]))\n"
+            f"  >= {HANDOFF_FAILING_MIN_PUSHES}"
+        ),
+        for_="15m",
+        severity="warning",
+        summary="kvpool hand-off pushes keep failing.",
+        description=(
+            "{{ $value | humanizePercentage }} of the hand-off pushes the agent of pool "
+            "{{ $labels.pool }} on node {{ $labels.node }} sent in the last 10 minutes ended "
+            f"{{{{ $labels.result }}}}, for 15 minutes (alerting above "
+            f"{HANDOFF_FAILING_SHARE:.0%}). The puts are "
+            "stored and the consumers read them by key, from a peer or the shared tier, "
+            "instead of from their own DRAM."
         ),
     ),
     Alert(

@@ -534,6 +534,69 @@ ROWS: tuple[Row, ...] = (
                 unit="ops",
                 width=6,
             ),
+            Panel(
+                "Hand-off pushes by result",
+                "Hand-off pushes (a put hinted with the node that will read it, pushed there "
+                "after COMMIT) per second, by direction (sent by a producer's agent, received "
+                "by a consumer's) and result: ok, held, refused (the receiver's pin quota, a "
+                "tenant or sender it lacks), error, timeout, auth, unreachable, unknown (no "
+                "peer has the hinted name), dropped (the push queue was full). Alert "
+                "KVPoolHandoffFailing.",
+                (
+                    _q(
+                        "sum by (pool, node, direction, result) "
+                        f"({_rate('kvpool_peer_pushes_total')})",
+                        "{{node}} {{direction}} {{result}}",
+                    ),
+                ),
+                unit="ops",
+                width=6,
+            ),
+            Panel(
+                "Hand-off push latency p50 / p99",
+                "Time of a push the receiver answered, from the offer to its answer (its "
+                "read of the chunk, verified and stored, included), on the sending node.",
+                (
+                    _q(
+                        "histogram_quantile(0.5, sum by (pool, node, le) "
+                        f"({_rate('kvpool_peer_push_duration_seconds_bucket')}))",
+                        "{{node}} p50",
+                    ),
+                    _q(
+                        "histogram_quantile(0.99, sum by (pool, node, le) "
+                        f"({_rate('kvpool_peer_push_duration_seconds_bucket')}))",
+                        "{{node}} p99",
+                    ),
+                ),
+                unit="s",
+                width=6,
+            ),
+            Panel(
+                "Hand-off pinned bytes",
+                "Arena bytes each receiving node holds pinned for chunks pushed to it and "
+                "not read yet (at most peers.handoffShare of its arena; a push past it is "
+                "refused).",
+                (
+                    _q(f"sum by (pool, node) (kvpool_peer_handoff_pinned_bytes{{{SEL}}})",
+                       "{{node}} pinned"),
+                ),
+                unit="bytes",
+                width=6,
+            ),
+            Panel(
+                "Hand-off pins ended",
+                "Pins of pushed chunks ended per second on each receiving node: read (the "
+                "consumer read it: the hand-off worked), expired (unread for "
+                "peers.handoffTtl: the consumer ran elsewhere, or never came), deleted.",
+                (
+                    _q(
+                        f"sum by (pool, node, end) ({_rate('kvpool_peer_handoff_pins_total')})",
+                        "{{node}} {{end}}",
+                    ),
+                ),
+                unit="ops",
+                width=6,
+            ),
         ),
     ),
     Row(
