@@ -156,7 +156,11 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        return self.worker.finished(idle=self._jobs().idle)
+        # The step's jobs say whether it computed nothing (then a load in flight is worth
+        # a short wait); a caller outside a step, with no metadata bound, never waits.
+        meta = self._connector_metadata if self.has_connector_metadata() else None
+        idle = isinstance(meta, KVPoolConnectorMetadata) and meta.jobs.idle
+        return self.worker.finished(idle=idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
