@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -33,6 +35,21 @@ def pushes(agent: LocalAgent, direction: str, result: str) -> float:
     return metric(agent, "kvpool_peer_pushes_total", direction=direction, result=result)
 
 
+def handoffs_in_stats(client: KVPoolClient) -> tuple[int, int]:
+    """The pinned hand-offs (chunks, arena bytes) STATS gives in the peer tier's row."""
+    peer = client.stats()["tiers"]["peer"]
+    return peer["handoff_pins"], peer["handoff_bytes"]
+
+
+def stats_command(agent: LocalAgent) -> str:
+    """What `kvpool stats` prints of the agent, whole lines."""
+    run = subprocess.run([sys.executable, "-m", "kvpool.agent", "stats", "--socket",
+                          str(agent.socket_path)], capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "250"})
+    assert run.returncode == 0, run.stderr
+    return " ".join(run.stdout.split())
+
+
 def fill(client: KVPoolClient, n: int) -> None:
     """Put `n` chunks of 1 MiB of the node's own: pressure on its arena (LRU: every chunk
     it held before goes, unless pinned)."""
@@ -52,6 +69,9 @@ def test_a_put_for_another_node_is_pushed_there_and_pinned_until_its_first_read(
         assert pushes(a, "sent", "ok") == 1
         assert pushes(b, "received", "ok") == 1
         assert metric(b, "kvpool_peer_handoff_pinned_bytes") == MiB
+        assert handoffs_in_stats(cb) == (1, MiB)
+        assert "peer │ - │ - │" in (shown := stats_command(b)), shown
+        assert "hand-offs pinned: 1 (1.0 MiB)" in shown, shown
         # Pinned: node 1's own puts fill its 8 MiB arena over and over; the pushed chunk
         # stays in its DRAM, unread.
         fill(cb, 12)
@@ -63,6 +83,7 @@ def test_a_put_for_another_node_is_pushed_there_and_pinned_until_its_first_read(
         assert metric(b, "kvpool_peer_requests_total", direction="read") == reads == 1
         assert metric(b, "kvpool_peer_handoff_pins_total", end="read") == 1
         assert metric(b, "kvpool_peer_handoff_pinned_bytes") == 0
+        assert handoffs_in_stats(cb) == (0, 0)
         # Read once, it is an ordinary chunk: the next pressure evicts it (node 0 still
         # holds it, so node 1 counts it in the peer tier).
         fill(cb, 12)

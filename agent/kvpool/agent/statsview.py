@@ -33,15 +33,23 @@ def tier_notes(t: dict[str, Any]) -> str:
         notes.append(f"uploads: {queue.get('pending', 0)} pending, "
                      f"{queue.get('in_flight', 0)} in flight, {queue.get('written', 0)} "
                      f"written, {queue.get('dropped', 0)} dropped")
+    if "handoff_pins" in t:
+        notes.append(f"hand-offs pinned: {t['handoff_pins']} "
+                     f"({human_size(t.get('handoff_bytes', 0))})")
     return "; ".join(notes)
 
 
 def tier_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
-    """One row of `COLUMNS` per tier."""
+    """One row of `COLUMNS` per tier. The peer tier has no capacity nor bytes of its own
+    (its chunks are those the directory says other agents hold): "-" there."""
     rows: list[tuple[str, ...]] = []
     for name, t in data.get("tiers", {}).items():
-        capacity = human_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
-        rows.append((name, capacity, human_size(t["used_bytes"]), str(t["chunks"]),
+        if "capacity_bytes" not in t:
+            capacity = used = "-"
+        else:
+            capacity = human_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+            used = human_size(t["used_bytes"])
+        rows.append((name, capacity, used, str(t["chunks"]),
                      str(t["hits"]), str(t["misses"]),
                      "yes" if t["healthy"] else f"no: {t.get('reason', '')}", tier_notes(t)))
     return rows

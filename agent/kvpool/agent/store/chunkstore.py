@@ -1220,7 +1220,8 @@ class ChunkStore:
                              d.write_leases, d.pin_count, d.locked_bytes, d.lock_error,
                              demoting, demoting_bytes, removing, url, queue, d.draining_reads,
                              d.draining_bytes,
-                             None if self.peer is None else self.peer.chunks)
+                             None if self.peer is None else self.peer.chunks,
+                             len(self.handoffs), self._handoff_bytes)
 
     # -- checks
 

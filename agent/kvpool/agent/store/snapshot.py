@@ -69,6 +69,11 @@ class StoreSnapshot:
     drain ends (among the DRAM tier's used bytes)."""
     peer_chunks: int | None = None
     """Remote chunks in the peer directory; None: the peer tier is off."""
+    handoff_pins: int = 0
+    """Chunks pushed here by peers (hand-offs), pinned until their first read or TTL."""
+    handoff_bytes: int = 0
+    """Their arena bytes, with those of pushes being received (the pin quota's count, as
+    `kvpool_peer_handoff_pinned_bytes`)."""
 
 
 def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
@@ -96,7 +101,9 @@ def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
         tiers[t.tier] = row
     if snap.peer_chunks is not None:
         tiers[PEER_TIER] = {"chunks": snap.peer_chunks, "hits": snap.counts.hits[PEER_TIER],
-                            "misses": snap.counts.misses[PEER_TIER], "healthy": True}
+                            "misses": snap.counts.misses[PEER_TIER], "healthy": True,
+                            "handoff_pins": snap.handoff_pins,
+                            "handoff_bytes": snap.handoff_bytes}
     return {
         "pool": pool,
         "tiers": tiers,
