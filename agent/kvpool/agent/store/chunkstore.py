@@ -551,7 +551,7 @@ class ChunkStore:
         from every node)."""
         size = self.peer_size(key)
         if self.peer is not None and to and size:
-            self.peer.network.push(self.peer.tenant, key, size, to)
+            self.peer.push(key, size, to)
 
     async def take_push(self, key: bytes, size: int, sender: bytes) -> tuple[int, str]:
         """A peer's offer of a chunk a client put for a reader on this node: read it from
@@ -566,7 +566,7 @@ class ChunkStore:
         if not 0 < size <= self.config.max_chunk_bytes:
             return wire.PUSH_REFUSED, (f"chunk size {size} is outside "
                                        f"1..{self.config.max_chunk_bytes}")
-        link = self.peer.network.link_of(sender)
+        link = self.peer.link_of(sender)
         if link is None:
             return wire.PUSH_REFUSED, "the sender is not a peer this agent follows"
         pages = self._pages(size)
@@ -607,7 +607,7 @@ class ChunkStore:
         if unpin:
             self.dram.unpin(key)
         if end is not None and self.peer is not None:
-            self.peer.network.m.handoff_ended(end)
+            self.peer.handoff_ended(end)
 
     @property
     def handoff_bytes(self) -> int:

@@ -46,6 +46,18 @@ class PeerTier:
         return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads],
                                        timeout)
 
+    def push(self, key: bytes, size: int, to: str) -> None:
+        """Queue a hand-off: offer `key` to the node `to` (never waits)."""
+        self.network.push(self.tenant, key, size, to)
+
+    def link_of(self, sender: bytes) -> PeerLink | None:
+        """The link to the agent that offers a push, if it is a peer this one follows."""
+        return self.network.link_of(sender)
+
+    def handoff_ended(self, end: str) -> None:
+        """Count the end of a pushed chunk's pin (read, expired, deleted)."""
+        self.network.m.handoff_ended(end)
+
     @property
     def chunks(self) -> int:
         return len(self.directory)
