@@ -87,7 +87,7 @@ class StallingMoto:
     test holds them (`hold`, `free`): a store that stalls on deletes, so the agent's
     threads that make them stay busy for as long as the test needs."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self._open = threading.Event()
         self._open.set()
         self._lock = threading.Lock()
@@ -104,9 +104,9 @@ class StallingMoto:
                     self.held -= 1
             return app(environ, start_response)
 
-        self._server = make_server("127.0.0.1", 0, stalling, threaded=True,
+        self._server = make_server(host, 0, stalling, threaded=True,
                                    request_handler=MotoRequestHandler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.endpoint = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 

@@ -97,13 +97,14 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
                tenants: list[str] | None = None, extra: dict[str, object] | None = None,
                arena: Path | None = None, prefetch: bool = True,
                events: dict[str, object] | None = None, named: bool = False,
-               lru: bool = False) -> LocalAgent:
+               lru: bool = False, shared_tier: dict[str, object] | None = None) -> LocalAgent:
     """An agent on node `i` of `net`, its peers the network's other nodes. Its peer reads
     time out after `timeout`: by default long, so that a loaded machine never turns a read
     the test expects into a timeout. `named`: its node name is `node<i>` (what hand-off
     hints name; otherwise the host's name, the same for every namespace). `lru`: DRAM
     evicts the least recently used chunk first (not the default's S3-FIFO, which keeps
-    chunks that were read)."""
+    chunks that were read). `shared_tier`: its `tiers.shared` section as given (an S3
+    store, say), in place of `shared`'s directory."""
     node = net.nodes[i]
     workdir.mkdir(parents=True, exist_ok=True)
     cfg: dict[str, object] = {
@@ -120,6 +121,8 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
         tiers["nvme"] = {"path": str(workdir / "nvme"), "size": "256Mi"}
     if shared is not None:
         tiers["shared"] = {"url": f"file://{shared}"}
+    if shared_tier is not None:
+        tiers["shared"] = shared_tier
     cfg["tiers"] = tiers
     if events is not None:
         cfg["events"] = events

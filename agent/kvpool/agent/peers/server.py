@@ -5,8 +5,9 @@ one that cannot is counted, logged and closed before anything else is read. Then
 carries FETCH requests, answered in order, one at a time (a connection's memory is one
 reply header; on plain TCP the bytes go from the arena or the chunk file to the socket
 with sendfile, never through a Python buffer; under TLS, which encrypts in this process,
-through 256 KiB blocks) and PUSH offers (hand-offs: the space decides, then reads the
-chunk from the sender as any peer read), or, after a SUBSCRIBE, the inventory of every
+through 256 KiB blocks; a chunk on its way to NVMe from its in-flight copy in memory)
+and PUSH offers (hand-offs: the space decides, then reads the chunk from the sender as
+any peer read), or, after a SUBSCRIBE, the inventory of every
 space followed by its changes (a bounded queue per subscriber: one that falls behind is
 closed, and resyncs when it reconnects).
 """
@@ -47,7 +48,8 @@ _owners = iter(range(-1, -(1 << 62), -1))
 @dataclass(slots=True)
 class ChunkSource:
     """Where a chunk's bytes are, for the time they are sent: `fd` (owned: closed by
-    `close`) at the byte `ranges`, in order."""
+    `close`) at the byte `ranges`, in order; or, with `data`, those bytes themselves (the
+    heap copy of a chunk on its way from DRAM to NVMe: no file holds it yet; `fd` is -1)."""
 
     size: int
     checksum: int
@@ -57,12 +59,14 @@ class ChunkSource:
     fd: int
     ranges: list[tuple[int, int]]
     release: Callable[[], None] = field(default=lambda: None)
+    data: bytes | memoryview | None = None
 
     def close(self) -> None:
         try:
             self.release()
         finally:
-            os.close(self.fd)
+            if self.fd >= 0:
+                os.close(self.fd)
 
 
 class Holdings(Protocol):
@@ -303,6 +307,15 @@ TLS_BLOCK = 256 << 10
 
 async def _send(writer: asyncio.StreamWriter, source: ChunkSource) -> None:
     loop = asyncio.get_running_loop()
+    if source.data is not None:
+        # Bytes in this process already (immutable: a DELETE or the demotion landing
+        # meanwhile leaves them to this reply), written a block at a time so that the
+        # transport's buffer stays bounded.
+        view = memoryview(source.data)
+        for at in range(0, len(view), TLS_BLOCK):
+            writer.write(view[at : at + TLS_BLOCK])
+            await writer.drain()
+        return
     if writer.get_extra_info("sslcontext") is not None:
         # Under TLS the bytes are encrypted in this process anyway: each block is read
         # into a buffer of its own, which the transport keeps until it is encrypted.

@@ -502,8 +502,11 @@ class ChunkStore:
 
     async def peer_source(self, key: bytes, owner: int) -> ChunkSource | None:
         """Where a peer's read of `key` takes the bytes from: the arena (under a read lease
-        until sent) or the chunk's NVMe file (open: a rewrite or removal meanwhile leaves
-        this read its own inode); None when neither holds it."""
+        until sent), the in-flight copy of a chunk on its way to NVMe (as a local read
+        takes it: `Loads.load`), or the chunk's NVMe file (open: a rewrite or removal
+        meanwhile leaves this read its own inode); None when none holds it. Before, a chunk
+        mid-demotion was out of DRAM's index and not yet in NVMe's: announced still
+        (`peer_size`), yet answered ABSENT. A deleted chunk is in none of them."""
         chunk = self.dram.get(key)
         if chunk is not None:
             lease = self.dram.open_read(chunk, owner)
@@ -514,6 +517,11 @@ class ChunkStore:
             return ChunkSource(chunk.size, chunk.checksum, chunk.checksum_kind, chunk.meta,
                                chunk.tenant, self.dram.dup_fd(), list(chunk.extents),
                                release)
+        copy = self.nvme.copy_of(key) if self.nvme is not None else None
+        if copy is not None:
+            self.m.read_bytes["nvme"].inc(copy.size)
+            return ChunkSource(copy.size, copy.checksum, copy.checksum_kind, copy.meta,
+                               copy.tenant, -1, [(0, copy.size)], data=copy.data)
         if self.nvme is not None and self.nvme.entry(key) is not None:
             loop = asyncio.get_running_loop()
             source = await loop.run_in_executor(self.loads.pool, open_nvme_source,
@@ -537,9 +545,15 @@ class ChunkStore:
         return 0
 
     def peer_inventory(self) -> Iterator[tuple[bytes, int]]:
+        """What `peer_size` counts: DRAM's chunks, those on their way to NVMe (served from
+        their in-flight copy) and NVMe's."""
         for chunk in self.dram.entries():
             yield chunk.key, chunk.size
         if self.nvme is not None:
+            # A copy (the stream waits between batches: the dict may change meanwhile).
+            for key, (rec, _) in list(self.nvme.inflight.items()):
+                if key not in self.dram and not self.nvme.nvme.contains(key):
+                    yield key, rec.size
             for entry in self.nvme.nvme.entries():
                 yield entry.key, entry.size
 
@@ -1027,10 +1041,14 @@ class ChunkStore:
                     # file has landed: a SIGKILL meanwhile finds it in DRAM again.
                     self.dram_queue.discard(v.key)  # first, as in `_drop_dram`
                     self.dram.detach(v.key)
-                    self.observer.removed("dram", v.key)
                     self.demoting += self._pages(chunk.size)
                     self.m.evictions[("dram", v.reason)].inc()
+                    # In flight before DRAM tells it is gone: the peer tier hears no
+                    # change (it serves the in-flight copy). Told the other way round,
+                    # peers dropped the chunk until its file landed, and a read of it
+                    # already on its way was answered ABSENT.
                     self.nvme.demote(rec, chunk)
+                    self.observer.removed("dram", v.key)
                     continue
                 rec = None  # no room can be made in NVMe: dropped, as if not admitted
             self._drop_dram(v.key)

@@ -193,10 +193,13 @@ class Demotion:
         indexed as it landed and stayed so until its batch was done: a read meanwhile
         served the deleted chunk and promoted it back into DRAM."""
         with self.nvme.publishing():
-            existed = self.inflight.pop(key, None) is not None
+            in_flight = self.inflight.pop(key, None) is not None
+        existed = in_flight
         if self.nvme.contains(key):
             self.drop([pol.Victim(key, "deleted")])
             existed = True
+        elif in_flight:  # held only in flight: its leaving is told here (peers drop it)
+            self.observer.removed("nvme", key)
         # Its file goes now, not when the background pool gets to it: an agent killed
         # meanwhile would find the deleted chunk again at its next start. (So does the
         # file of an eviction of the key still waiting for its removal.) One unlink, on a
@@ -257,6 +260,9 @@ class Demotion:
                     # A file an earlier demotion of the key left (it deferred to this one)
                     # is tracked by nobody: it goes too.
                     self.drop([pol.Victim(rec.key, "superseded")])
+                    # Announced while in flight: peers hear it is gone (unless DRAM holds
+                    # it again, which they are then told is no change).
+                    self.observer.removed("nvme", rec.key)
                     if self._shared is not None and self._shared.demotes(chunk.hits):
                         self._shared.upload(rec)
                 continue
