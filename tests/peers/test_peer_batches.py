@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
 from kvpool.agent import checksums
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.peers import auth, wire
+from kvpool.agent.peers import wire
+from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
 
 from .conftest import metric, wait_until
 from .nodes import Network, peer_agent
@@ -61,80 +61,46 @@ def test_a_lookups_prefetch_reads_only_its_lookahead_from_a_peer(
         assert cb.lookup_tiers(keys) == ["dram"] * 4 + ["peer"] * 4
 
 
-class HoldingPeer:
+class HoldingPeer(ScriptedPeer):
     """A peer that speaks the protocol, announces `chunks` and serves them from memory, but
     answers no FETCH until `batch` of them have arrived (or a few seconds pass): a reader
     that waited for each reply before sending the next request would get its first reply
     only after that wait, and `before_first_reply` says how many had come."""
 
     def __init__(self, host: str, secret: bytes, chunks: dict[bytes, bytes], batch: int) -> None:
-        self.secret, self.chunks, self.batch = secret, chunks, batch
-        self.server = socket.create_server((host, 0))
-        self.port: int = self.server.getsockname()[1]
+        self.chunks, self.batch = chunks, batch
         self.before_first_reply: list[int] = []
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(host, secret)
 
-    def close(self) -> None:
-        self.closed = True
-        self.server.close()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        me = os.urandom(16)
-        with conn, suppress(OSError, auth.AuthError, wire.WireError):
-            client_id, client_nonce = auth.parse_hello(_recv(conn, wire.HELLO.size))
-            mine = auth.nonce()
-            conn.sendall(auth.hello(me, mine) + auth.proof(
-                self.secret, b"server", client_nonce, mine, client_id, me))
-            auth.check(auth.proof(self.secret, b"client", client_nonce, mine, client_id, me),
-                       _recv(conn, wire.PROOF_BYTES))
-            conn.sendall(wire.ACCEPTED)
-            op, rid, tlen, key = wire.request_head(_recv(conn, wire.REQUEST.size))
-            _recv(conn, tlen)
-            if op == wire.OP_SUBSCRIBE:
-                conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
-                    wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
-                    + wire.encode_stream(wire.SYNCED))
-                while not self.closed:
-                    time.sleep(0.2)
-                    conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
-                return
+    def speak(self, conn: socket.socket) -> None:
+        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+        recv_exact(conn, tlen)
+        if op == wire.OP_SUBSCRIBE:
+            conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
+                wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
+                + wire.encode_stream(wire.SYNCED))
+            while not self.closed:
+                time.sleep(0.2)
+                conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+            return
+        pending = [(rid, key)]
+        conn.settimeout(5)
+        with suppress(TimeoutError):
+            while len(pending) < self.batch:
+                _, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+                recv_exact(conn, tlen)
+                pending.append((rid, key))
+        self.before_first_reply.append(len(pending))
+        conn.settimeout(None)
+        while True:
+            for rid, key in pending:
+                data = self.chunks[key]
+                conn.sendall(wire.encode_reply(
+                    wire.OK, rid, kind=checksums.XXH3, size=len(data),
+                    checksum=checksums.compute(checksums.XXH3, [data])) + data)
+            _, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+            recv_exact(conn, tlen)
             pending = [(rid, key)]
-            conn.settimeout(5)
-            with suppress(TimeoutError):
-                while len(pending) < self.batch:
-                    _, rid, tlen, key = wire.request_head(_recv(conn, wire.REQUEST.size))
-                    _recv(conn, tlen)
-                    pending.append((rid, key))
-            self.before_first_reply.append(len(pending))
-            conn.settimeout(None)
-            while True:
-                for rid, key in pending:
-                    data = self.chunks[key]
-                    conn.sendall(wire.encode_reply(
-                        wire.OK, rid, kind=checksums.XXH3, size=len(data),
-                        checksum=checksums.compute(checksums.XXH3, [data])) + data)
-                _, rid, tlen, key = wire.request_head(_recv(conn, wire.REQUEST.size))
-                _recv(conn, tlen)
-                pending = [(rid, key)]
-
-
-def _recv(conn: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        got = conn.recv(n - len(buf))
-        if not got:
-            raise ConnectionError("closed")
-        buf += got
-    return buf
 
 
 def test_a_batch_goes_out_in_one_write_and_its_replies_are_read_in_order(

@@ -47,11 +47,12 @@ from typing import Any
 import psutil
 
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.peers import auth, wire
+from kvpool.agent.peers import wire
 
 from .certs import make_ca
 from .control import sample
 from .netns import PEER_PORT, Network, Node, peer_agent
+from .scripted_peer import ScriptedPeer, recv_exact
 from .stats import MiB, percentile
 
 TLS_PORT = PEER_PORT + 1
@@ -75,52 +76,28 @@ def size_name(size: int) -> str:
     return f"{size // MiB}MiB"
 
 
-class InventoryPeer:
+class InventoryPeer(ScriptedPeer):
     """A peer of the pool that holds nothing but announces `count` keys of `size` bytes:
     it proves the pool's secret like an agent, and on SUBSCRIBE sends an empty inventory,
     then, on `announce`, the keys as changes (ADD messages of `wire.MAX_RECORDS`), then
     heartbeats. A FETCH is answered "absent"."""
 
     def __init__(self, host: str, secret: bytes, keys: bytes, size: int) -> None:
-        self.secret, self.keys, self.size = secret, keys, size
-        self.agent_id = os.urandom(16)
-        self.server = socket.create_server((host, 0))
-        self.port: int = self.server.getsockname()[1]
+        self.keys, self.size = keys, size
         self.go = threading.Event()
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(host, secret)
 
     def announce(self) -> None:
         self.go.set()
 
-    def close(self) -> None:
-        self.closed = True
-        self.server.close()
-
-    def _accept(self) -> None:
+    def speak(self, conn: socket.socket) -> None:
         while not self.closed:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
+            op, rid, tlen, _ = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+            recv_exact(conn, tlen)
+            if op == wire.OP_SUBSCRIBE:
+                self._stream(conn)
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError, auth.AuthError, wire.WireError):
-            client_id, client_nonce = auth.parse_hello(_recv(conn, wire.HELLO.size))
-            mine = auth.nonce()
-            conn.sendall(auth.hello(self.agent_id, mine) + auth.proof(
-                self.secret, b"server", client_nonce, mine, client_id, self.agent_id))
-            auth.check(auth.proof(self.secret, b"client", client_nonce, mine, client_id,
-                                  self.agent_id), _recv(conn, wire.PROOF_BYTES))
-            conn.sendall(wire.ACCEPTED)
-            while not self.closed:
-                op, rid, tlen, _ = wire.request_head(_recv(conn, wire.REQUEST.size))
-                _recv(conn, tlen)
-                if op == wire.OP_SUBSCRIBE:
-                    self._stream(conn)
-                    return
-                conn.sendall(wire.encode_reply(wire.ABSENT, rid))
+            conn.sendall(wire.encode_reply(wire.ABSENT, rid))
 
     def _stream(self, conn: socket.socket) -> None:
         conn.sendall(wire.encode_stream(wire.BEGIN, "", sent_at=time.time())
@@ -135,17 +112,6 @@ class InventoryPeer:
         while not self.closed:
             time.sleep(0.25)
             conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
-
-
-def _recv(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("closed")
-        got += k
-    return bytes(buf)
 
 
 def _wait(check: Any, what: str, timeout: float = 60.0) -> None:

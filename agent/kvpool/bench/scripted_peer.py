@@ -1,0 +1,67 @@
+"""A peer of the pool scripted in Python, for the bench and the tests: it listens on a TCP
+port, proves the pool's secret to each agent that connects (the server side of the peer
+handshake, `kvpool.agent.peers.auth`), then hands the connection to `speak`, which a
+subclass writes to play the part it needs (a peer that only announces, one that holds
+its replies back...)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+
+from kvpool.agent.peers import auth, wire
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    """`n` bytes from `conn`; ConnectionError if it closes first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("closed")
+        got += k
+    return bytes(buf)
+
+
+class ScriptedPeer:
+    """Accepts connections on `host` (a thread per connection) until `close`; each one
+    that proves `secret` goes to `speak`. A connection that fails the handshake, breaks
+    the wire format or closes is dropped quietly."""
+
+    def __init__(self, host: str, secret: bytes) -> None:
+        self.secret = secret
+        self.agent_id = os.urandom(16)
+        self.server = socket.create_server((host, 0))
+        self.port: int = self.server.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.close()
+
+    def speak(self, conn: socket.socket) -> None:
+        """What the peer does on an accepted, authenticated connection."""
+        raise NotImplementedError
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError, auth.AuthError, wire.WireError):
+            client_id, client_nonce = auth.parse_hello(recv_exact(conn, wire.HELLO.size))
+            mine = auth.nonce()
+            conn.sendall(auth.hello(self.agent_id, mine) + auth.proof(
+                self.secret, b"server", client_nonce, mine, client_id, self.agent_id))
+            auth.check(auth.proof(self.secret, b"client", client_nonce, mine, client_id,
+                                  self.agent_id), recv_exact(conn, wire.PROOF_BYTES))
+            conn.sendall(wire.ACCEPTED)
+            self.speak(conn)
