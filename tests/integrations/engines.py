@@ -19,16 +19,18 @@ import pytest
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench import needs
+from kvpool.bench.engine_process import EngineProcess
 from kvpool.bench.local import LocalAgent
+from kvpool.bench.vllm_ttft import CONNECTOR, prompt
 
 from . import vllm_engine
 
 HARNESS = Path(vllm_engine.__file__)
 START_TIMEOUT = 300
-KVPOOL_CONNECTOR = {"kv_connector": "KVPoolConnector",
-                    "kv_connector_module_path": "kvpool.agent.integrations.vllm",
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+KVPOOL_CONNECTOR = CONNECTOR
 """What docs/integrations.md tells a user to pass as --kv-transfer-config."""
+tokens = prompt
+"""A prompt of `n` token ids for seed `seed` (the model's vocabulary is 1000; 0-2 special)."""
 
 
 def vllm_python() -> Path:
@@ -37,11 +39,6 @@ def vllm_python() -> Path:
     if not path.exists():
         pytest.fail(f"no vLLM test environment at {path}: run tests/install (tests/install-vllm)")
     return path
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """A prompt of `n` token ids (the model's vocabulary is 1000; ids 0-2 are special)."""
-    return [(i * 7919 + seed * 104729 + seed * i * 31) % 990 + 5 for i in range(n)]
 
 
 def write_models(*dirs_and_seeds: tuple[Path, int]) -> None:
@@ -55,7 +52,7 @@ def write_models(*dirs_and_seeds: tuple[Path, int]) -> None:
         assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
 
 
-class Engine:
+class Engine(EngineProcess):
     """A vLLM engine process answering the harness's JSON commands."""
 
     def __init__(self, name: str, model: Path, agent: LocalAgent | None, workdir: Path,
@@ -63,8 +60,6 @@ class Engine:
                  chunk_tokens: int = 64, harness: Path = HARNESS,
                  llm_args: dict[str, Any] | None = None, prefix: tuple[str, ...] = (),
                  **env_extra: str) -> None:
-        self.name = name
-        self.log_path = workdir / f"vllm-{name}.log"
         env = dict(os.environ, KVPOOL_TENANT=tenant, KVPOOL_CHUNK_TOKENS=str(chunk_tokens),
                    POD_NAME=f"vllm-{name}", **env_extra)
         if llm_args:
@@ -75,23 +70,8 @@ class Engine:
         args = [*prefix, str(vllm_python()), str(harness), "serve", str(model)]
         if connector is not None:
             args.append(json.dumps(connector))
-        with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=env, cwd=workdir)
+        super().__init__(name, args, env, workdir)
         self.started: dict[str, Any] = {}
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=60)
-            raise AssertionError(f"engine {self.name} exited ({self.proc.returncode}):\n"
-                                 f"{self.log()[-8000:]}")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
 
     def ready(self) -> dict[str, Any]:
         if not self.started:
@@ -99,26 +79,8 @@ class Engine:
         assert self.started.get("ready"), self.started
         return self.started
 
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
-        self.send(json.dumps({"op": op, **args}))
-        return self.read()
-
     def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
         return self("generate", prompts=list(prompts), max_tokens=max_tokens)
-
-    def quit(self) -> None:
-        if self.proc.poll() is None:
-            self.send(json.dumps({"op": "quit"}))
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def stats(agent: LocalAgent) -> dict[str, Any]:

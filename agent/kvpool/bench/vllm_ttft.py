@@ -25,6 +25,7 @@ from typing import Any
 
 import kvpool
 
+from .engine_process import EngineProcess
 from .local import LocalAgent
 from .needs import vllm_python
 
@@ -48,41 +49,11 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(i * 7919 + seed * 104729 + seed * i * 31) % 990 + 5 for i in range(n)]
 
 
-class _Engine:
-    def __init__(self, name: str, model: Path, max_len: int, workdir: Path,
-                 env: dict[str, str], connector: dict[str, Any] | None) -> None:
-        self.name, self.log = name, workdir / f"vllm-{name}.log"
-        args = [str(vllm_python()), "-m", "kvpool.bench.vllm_engine", "serve", str(model),
-                str(max_len)] + ([json.dumps(connector)] if connector else [])
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=env, cwd=workdir)
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=60)
-            raise RuntimeError(f"vLLM engine {self.name} exited ({self.proc.returncode}):\n"
-                               f"{self.log.read_text(errors='replace')[-4000:]}")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def ttft(self, tokens: list[int]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "ttft", "prompt": tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+def _engine(name: str, model: Path, max_len: int, workdir: Path, env: dict[str, str],
+            connector: dict[str, Any] | None) -> EngineProcess:
+    args = [str(vllm_python()), "-m", "kvpool.bench.vllm_engine", "serve", str(model),
+            str(max_len)] + ([json.dumps(connector)] if connector else [])
+    return EngineProcess(name, args, env, workdir)
 
 
 def run_vllm(quick: bool) -> dict[str, Any]:
@@ -106,21 +77,22 @@ def run_vllm(quick: bool) -> dict[str, Any]:
         (work / "agent").mkdir()
         with LocalAgent(workdir=work / "agent", dram=dram) as agent:
             env["KVPOOL_SOCKET"] = str(agent.socket_path)
-            engines = {name: _Engine(name, model, max_len, work, env,
+            engines = {name: _engine(name, model, max_len, work, env,
                                      None if name == "reference" else CONNECTOR)
                        for name in ("A", "reference", "B")}
             try:
                 starts = {name: e.read()["start_s"] for name, e in engines.items()}
                 for seed, e in enumerate(engines.values()):  # one-time costs, untimed
-                    e.ttft(prompt(100 + seed, WARM_UP))
+                    e("ttft", prompt=prompt(100 + seed, WARM_UP))
                 prompts = {n: prompt(n, n) for n in sizes}
                 for p in prompts.values():
-                    engines["A"].ttft(p)  # stored when it returns
-                reference = {n: engines["reference"].ttft(p) for n, p in prompts.items()}
-                hit = {n: engines["B"].ttft(p) for n, p in prompts.items()}
+                    engines["A"]("ttft", prompt=p)  # stored when it returns
+                reference = {n: engines["reference"]("ttft", prompt=p)
+                             for n, p in prompts.items()}
+                hit = {n: engines["B"]("ttft", prompt=p) for n, p in prompts.items()}
             finally:
                 for e in engines.values():
-                    e.stop()
+                    e.quit()
     return {"model": {**shape, "dtype": "float32", "weights": "random"},
             "chunk_tokens": chunk, "engine_start_s": round(max(starts.values()), 1),
             "sizes": {str(n): _row(n, reference[n], hit[n]) for n in sizes}}
