@@ -563,8 +563,9 @@ class ChunkStore:
         """A client put `key` with a hint naming the node `to` that will read it: queue its
         push there (never waits; a push that fails leaves the chunk here, readable by key
         from every node)."""
-        size = self.peer_size(key)
-        if self.peer is not None and to and size:
+        if self.peer is None or not to:
+            return  # every put without a hint (nearly all) stops here, before a tier lookup
+        if size := self.peer_size(key):
             self.peer.push(key, size, to)
 
     async def take_push(self, key: bytes, size: int, sender: bytes) -> tuple[int, str]:
