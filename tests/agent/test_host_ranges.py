@@ -36,10 +36,21 @@ def gathered(ranges: HostRanges) -> bytes:
     return b"".join(ctypes.string_at(a, n) for a, n in ranges.ranges)
 
 
-@pytest.mark.parametrize("cut", [[], [4096], [1000, 5004, 9000], [128 * 7, 128 * 7 + 4]])
+BLOCK = wsumkernel.BLOCK_BYTES
+
+
+@pytest.mark.parametrize(("size", "cut"), [
+    (12_288 + 36, []), (12_288 + 36, [4096]), (12_288 + 36, [1000, 5004, 9000]),
+    (12_288 + 36, [128 * 7, 128 * 7 + 4]),
+    # pieces of whole blocks of pages (copied in four streams) and the rows and words after
+    (3 * BLOCK + 12_288 + 36, []), (3 * BLOCK + 12_288 + 36, [4096]),
+    (3 * BLOCK + 12_288 + 36, [2 * BLOCK + 128, 2 * BLOCK + 132]),
+    # 1 MiB: S1 wraps modulo 2^64 many times
+    (64 * BLOCK + 36, [BLOCK - 64]),
+])
 def test_copy_sums_copies_every_piece_and_its_sums_give_the_wsum_of_the_whole(
-        cut: list[int]) -> None:
-    data = os.urandom(12_288 + 36)
+        size: int, cut: list[int]) -> None:
+    data = os.urandom(size)
     src = (ctypes.c_char * len(data)).from_buffer_copy(data)
     dst = (ctypes.c_char * (len(data) + 64))()
     shift = -ctypes.addressof(dst) % 64  # pieces landing 64-byte aligned and not
