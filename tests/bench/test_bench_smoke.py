@@ -109,6 +109,10 @@ def test_the_peer_part_reads_every_chunk_back_and_reports_each_figure(
     h = peer["handoff"]
     assert {"p50_ms", "p99_ms", "pull_p50_ms", "pull_p99_ms"} <= set(h)
     assert h["bytes_verified"] == 2 * h["samples"] * h["chunk_bytes"] == 2 * 4 * 16 * 2**20
+    for name, chunks in (("handoff_window", 16), ("handoff_small_window", 64)):
+        w = peer[name]  # windows of one put_many each, every chunk read back and compared
+        assert {"p50_ms", "p99_ms"} <= set(w) and w["chunks"] == chunks
+        assert w["bytes_verified"] == w["samples"] * w["bytes"] > 0
 
 
 def test_every_figure_is_a_positive_number(result: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
 from .conftest import metric, wait_until
 from .nodes import Network, peer_agent
 from .test_peer_reads import seen_as, start
+from .test_peer_security import authenticated
 
 
 def test_a_read_takes_the_peer_chunks_after_it_in_its_lookup_in_one_batch(
@@ -63,44 +64,51 @@ def test_a_lookups_prefetch_reads_only_its_lookahead_from_a_peer(
 
 class HoldingPeer(ScriptedPeer):
     """A peer that speaks the protocol, announces `chunks` and serves them from memory, but
-    answers no FETCH until `batch` of them have arrived (or a few seconds pass): a reader
-    that waited for each reply before sending the next request would get its first reply
-    only after that wait, and `before_first_reply` says how many had come."""
+    holds back its replies to a burst of requests (FETCHes, answered with the chunk; PUSH
+    offers, answered `held`) until `batch` of them have arrived on the connection (or a few
+    seconds pass): a side that waited for each reply before sending its next request would
+    get its first reply only after that wait. `before_first_reply` says, per burst, its op
+    and how many requests had come."""
 
     def __init__(self, host: str, secret: bytes, chunks: dict[bytes, bytes], batch: int) -> None:
         self.chunks, self.batch = chunks, batch
-        self.before_first_reply: list[int] = []
+        self.before_first_reply: list[tuple[int, int]] = []
         super().__init__(host, secret)
 
     def speak(self, conn: socket.socket) -> None:
-        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-        recv_exact(conn, tlen)
-        if op == wire.OP_SUBSCRIBE:
-            conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
-                wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
-                + wire.encode_stream(wire.SYNCED))
-            while not self.closed:
-                time.sleep(0.2)
-                conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
-            return
-        pending = [(rid, key)]
-        conn.settimeout(5)
-        with suppress(TimeoutError):
-            while len(pending) < self.batch:
-                _, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-                recv_exact(conn, tlen)
-                pending.append((rid, key))
-        self.before_first_reply.append(len(pending))
-        conn.settimeout(None)
         while True:
-            for rid, key in pending:
+            first = self._request(conn)
+            if first[0] == wire.OP_SUBSCRIBE:
+                conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
+                    wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
+                    + wire.encode_stream(wire.SYNCED))
+                while not self.closed:
+                    time.sleep(0.2)
+                    conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+                return
+            pending = [first]
+            conn.settimeout(5)
+            with suppress(TimeoutError):
+                while len(pending) < self.batch:
+                    pending.append(self._request(conn))
+            conn.settimeout(None)
+            self.before_first_reply.append((first[0], len(pending)))
+            for op, rid, key in pending:
+                if op == wire.OP_PUSH:
+                    conn.sendall(wire.encode_push_reply(wire.PUSH_HELD, rid))
+                    continue
                 data = self.chunks[key]
                 conn.sendall(wire.encode_reply(
                     wire.OK, rid, kind=checksums.XXH3, size=len(data),
                     checksum=checksums.compute(checksums.XXH3, [data])) + data)
-            _, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-            recv_exact(conn, tlen)
-            pending = [(rid, key)]
+
+    @staticmethod
+    def _request(conn: socket.socket) -> tuple[int, int, bytes]:
+        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+        recv_exact(conn, tlen)
+        if op == wire.OP_PUSH:
+            recv_exact(conn, wire.PUSH.size)
+        return op, rid, key
 
 
 def test_a_batch_goes_out_in_one_write_and_its_replies_are_read_in_order(
@@ -117,8 +125,49 @@ def test_a_batch_goes_out_in_one_write_and_its_replies_are_read_in_order(
         seen_as(client, keys, ["peer"] * len(keys))
         assert client.get(keys[0]) == chunks[keys[0]]
         # Every FETCH of the batch was in before the peer's first reply.
-        assert peer.before_first_reply == [len(keys)]
+        assert peer.before_first_reply == [(wire.OP_FETCH, len(keys))]
         for k, d in chunks.items():
             assert client.get(k) == d
         assert metric(agent, "kvpool_peer_requests_total", direction="read",
                       result="ok") == len(keys)
+
+
+def test_a_windows_pushes_go_out_in_one_batch_and_a_batch_of_offers_is_read_in_one(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """Hand-offs in batches (docs/cross-node.md#hand-off): the pushes of one put_many go to
+    the node it names as one write of PUSH offers, and a receiver given a batch of offers
+    reads their chunks from the sender as one pipelined batch of FETCHes."""
+    pushed = {os.urandom(16): os.urandom(32 << 10) for _ in range(6)}
+    peer = HoldingPeer(net.host, secret.read_bytes().strip(), pushed, batch=len(pushed))
+    with ExitStack() as stack:
+        stack.callback(peer.close)
+        agent = stack.enter_context(peer_agent(
+            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
+            extra={"addresses": [f"{net.host}:{peer.port}"]}))
+        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        wait_until(lambda: metric(agent, "kvpool_peer_up") == 1, "the scripted peer followed")
+        # The agent as the sender: every offer of the window was in before the receiver's
+        # first answer (one worker offering a chunk at a time got its answer after the
+        # receiver's wait, with one offer in).
+        keys = [os.urandom(16) for _ in range(6)]
+        assert client.put_many(keys, [os.urandom(16 << 10) for _ in keys],
+                               to=f"{net.host}:{peer.port}") == [True] * 6
+        wait_until(lambda: metric(agent, "kvpool_peer_pushes_total", direction="sent",
+                                  result="held") == 6, "the six offers answered")
+        assert peer.before_first_reply == [(wire.OP_PUSH, 6)]
+        # The agent as the receiver: six offers in one write from the peer it follows; it
+        # takes them together, its FETCHes all reach the sender before the first reply, and
+        # it answers each, in order, once its chunk is stored and pinned.
+        with authenticated(net.nodes[1].addr, secret, peer.agent_id) as s:
+            s.sendall(b"".join(wire.encode_request(wire.OP_PUSH, rid, k, "")
+                               + wire.PUSH.pack(len(d))
+                               for rid, (k, d) in enumerate(pushed.items(), 1)))
+            for rid in range(1, len(pushed) + 1):
+                status, mlen, got = wire.push_reply_head(
+                    recv_exact(s, wire.PUSH_REPLY.size))
+                assert (status, got, recv_exact(s, mlen)) == (wire.PUSH_STORED, rid, b"")
+        assert peer.before_first_reply[1:] == [(wire.OP_FETCH, 6)]
+        assert client.lookup_tiers(list(pushed)) == ["dram"] * 6
+        for k, d in pushed.items():
+            assert client.get(k) == d
+        assert metric(agent, "kvpool_peer_handoff_pins_total", end="read") == 6

@@ -26,9 +26,11 @@ def recv_all(s: socket.socket) -> bytes:
     return out
 
 
-def authenticated(host: str, secret: Path) -> socket.socket:
+def authenticated(host: str, secret: Path, my_id: bytes | None = None) -> socket.socket:
+    """A connection to the agent at `host` that proved the pool's secret as the agent whose
+    id is `my_id` (by default a new one)."""
     s = socket.create_connection((host, PEER_PORT), timeout=30)
-    mine, my_id = auth.nonce(), os.urandom(16)
+    mine, my_id = auth.nonce(), my_id or os.urandom(16)
     s.sendall(auth.hello(my_id, mine))
     theirs = b""
     while len(theirs) < wire.HELLO.size + wire.PROOF_BYTES:

@@ -28,6 +28,11 @@ same run.
   from node 0's, verified, pinned), against the same put without the hint until node 1's
   client has the bytes by key (the announcement, then a read through the peer tier).
   Every chunk is read back on node 1 and compared.
+- handoff window: seconds from one `put_many` on node 0 of a window of chunks naming node 1
+  (what a prefill engine's connector saves of one request) to node 1's LOOKUP counting
+  every one of them in its own DRAM (`handoff_window`: 16 chunks of 1 to 4 MiB;
+  `handoff_small_window`: 64 of 64 KiB, where per-chunk round trips weigh most); each is
+  read back and compared.
 """
 
 from __future__ import annotations
@@ -68,6 +73,13 @@ PROPAGATIONS = {False: 200, True: 20}
 LOOKUPS = {False: 10000, True: 1000}
 HANDOFF_CHUNK = 16 * MiB
 HANDOFFS = {False: 20, True: 4}
+WINDOW_SIZES = [1 * MiB, 2 * MiB, 3 * MiB, 4 * MiB] * 4
+"""The hand-off window's chunks: 16, 40 MiB in all."""
+SMALL_WINDOW_SIZES = [64 << 10] * 64
+"""The small hand-off window's chunks: 64, 4 MiB in all."""
+WINDOWS = {False: 10, True: 2}
+HANDOFF_SHARE = 0.5
+"""The agents' `peers.handoffShare`: a whole window pinned unread fits their quota."""
 POLL = 0.0005
 """Seconds between a hand-off sample's questions to node 1 (both columns alike)."""
 
@@ -237,6 +249,35 @@ def handoff(holder: KVPoolClient, reader: KVPoolClient, to: str,
     return pushed, pulled, verified
 
 
+def handoff_window(holder: KVPoolClient, reader: KVPoolClient, to: str, n: int,
+                   sizes: list[int]) -> tuple[list[float], int]:
+    """(seconds, bytes verified): from one `put_many` on the holder of chunks of `sizes`
+    naming the reader's node `to` to the reader's LOOKUP counting them all in its DRAM, `n`
+    times; each chunk is then read on the reader and compared."""
+    rng = random.Random(29)
+    data = [rng.randbytes(size) for size in sizes]
+    times: list[float] = []
+    verified = 0
+    for _ in range(n):
+        keys = [os.urandom(16) for _ in data]
+        start = time.perf_counter()
+        holder.put_many(keys, data, to=to)
+        deadline = start + 60
+        while reader.lookup_tiers(keys) != ["dram"] * len(keys):
+            if time.perf_counter() > deadline:
+                raise RuntimeError("peer bench: a hand-off window took over 60 s")
+            time.sleep(POLL)
+        times.append(time.perf_counter() - start)
+        for k, d in zip(keys, data, strict=True):
+            if reader.get(k) != d:
+                raise RuntimeError("peer bench: a chunk of a hand-off window read on node 1 "
+                                   "differs from what was put on node 0")
+            verified += len(d)
+            reader.delete(k)
+            holder.delete(k)
+    return times, verified
+
+
 def run_peer(quick: bool, reps: int) -> dict[str, Any]:
     sizes = {1 * MiB: SMALL_READS[quick], 16 * MiB: LARGE_READS[quick]}
     entries = REMOTE_ENTRIES[quick]
@@ -253,7 +294,8 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
         agents = [stack.enter_context(peer_agent(
             net, i, tmp / f"node{i}", secret, nvme=False, dram=str(dram), prefetch=False,
             named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}",
-                                 f"{net.host}:{fake.port}"]})) for i in range(2)]
+                                             f"{net.host}:{fake.port}"],
+                               "handoffShare": HANDOFF_SHARE})) for i in range(2)]
         holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
         sender = subprocess.Popen(_in(net.nodes[0], sys.executable, "-m", "kvpool.bench.rawtcp",
                                       "send", net.nodes[0].addr),
@@ -306,6 +348,14 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
                              "pull_p50_ms": round(percentile(pulled, 50) * 1e3, 2),
                              "pull_p99_ms": round(percentile(pulled, 99) * 1e3, 2),
                              "bytes_verified": verified}
+        for name, chunks in (("handoff_window", WINDOW_SIZES),
+                             ("handoff_small_window", SMALL_WINDOW_SIZES)):
+            window, verified = handoff_window(holder, reader, "node1", WINDOWS[quick], chunks)
+            result[name] = {"chunks": len(chunks), "bytes": sum(chunks),
+                            "samples": len(window),
+                            "p50_ms": round(percentile(window, 50) * 1e3, 2),
+                            "p99_ms": round(percentile(window, 99) * 1e3, 2),
+                            "bytes_verified": verified}
 
         prop = propagation(holder, reader, PROPAGATIONS[quick])
         result["propagation"] = {"samples": len(prop),

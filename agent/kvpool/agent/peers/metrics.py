@@ -49,9 +49,9 @@ class PeerMetrics:
             "it) between this agent and a peer, by direction (sent, received) and result",
             [*p, "peer", "direction", "result"], registry=r)
         self._push_latency = Histogram(
-            "kvpool_peer_push_duration_seconds", "Hand-off pushes sent, from the offer to the "
-            "receiver's answer (its read of the chunk included)", [*p, "peer"],
-            buckets=_BUCKETS, registry=r)
+            "kvpool_peer_push_duration_seconds", "Hand-off pushes sent, from the offer (its "
+            "batch's write) to the receiver's answer (its read of the chunk included)",
+            [*p, "peer"], buckets=_BUCKETS, registry=r)
         self._handoffs = Counter(
             "kvpool_peer_handoff_pins", "Pins of chunks pushed here that ended, by how: read "
             "(the first GET or ACQUIRE), expired (peers.handoffTtl), deleted", [*p, "end"],

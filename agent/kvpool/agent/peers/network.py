@@ -8,7 +8,9 @@ agent id, and stops). A peer the name stops listing is dropped with its entries.
 
 Hand-offs: a chunk a client put with a hint naming another node is queued here
 (`push`, bounded: a full queue drops the push, never the put) and offered to that node's
-agent by a few workers; the receiver reads it like any peer read and pins it until read.
+agent by a few workers, what is queued together in one batch (one write of PUSH offers
+on one connection); the receiver reads the batch's chunks like any peer reads (one
+pipelined batch of FETCHes) and pins them until read.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from prometheus_client import CollectorRegistry
 
 from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..metrics import Sample
-from . import auth
+from . import auth, wire
 from .directory import PeerDirectory
-from .links import PUSH_TIMEOUT, ArenaTarget, Fetched, PeerLink
+from .links import MAX_BATCH_BYTES, PUSH_TIMEOUT, ArenaTarget, Fetched, PeerLink
 from .metrics import PeerMetrics
 from .server import Holdings, PeerServer
 
@@ -208,36 +210,53 @@ class PeerNetwork:
                            PUSH_QUEUE)
 
     async def _push_worker(self) -> None:
+        """Offers queued pushes: whatever is queued when it is free (a put_many's window,
+        a request's saves), up to `wire.MAX_PUSH_BATCH` chunks and `MAX_BATCH_BYTES`,
+        goes out as one batch per node named."""
         assert self._pushes is not None
         while True:
-            tenant, key, size, to = await self._pushes.get()
-            try:
-                await self._push_one(tenant, key, size, to)
-            except Exception:
-                log.exception("push of %s to %s failed", key.hex(), to)
+            batch = [await self._pushes.get()]
+            total = batch[0][2]
+            while len(batch) < wire.MAX_PUSH_BATCH and not self._pushes.empty():
+                nxt = self._pushes.get_nowait()
+                batch.append(nxt)
+                total += nxt[2]
+                if total >= MAX_BATCH_BYTES:
+                    break
+            by_node: dict[str, list[tuple[str, bytes, int]]] = {}
+            for tenant, key, size, to in batch:
+                by_node.setdefault(to, []).append((tenant, key, size))
+            for to, offers in by_node.items():
+                try:
+                    await self._push_batch(offers, to)
+                except Exception:
+                    log.exception("push of %d chunks to %s failed", len(offers), to)
 
-    async def _push_one(self, tenant: str, key: bytes, size: int, to: str) -> None:
+    async def _push_batch(self, offers: list[tuple[str, bytes, int]], to: str) -> None:
         link = self.link_to(to)
         if link is None:
-            self.m.pushed("", "unknown", 0.0)
+            for _ in offers:
+                self.m.pushed("", "unknown", 0.0)
             self._log_once(to, "push hint %r names no peer of this agent: pushes to it "
                            "dropped (the reader can still read the chunks by key)", to)
             return
         if link.unreachable:
-            self.m.pushed(link.name, "unreachable", 0.0)
+            for _ in offers:
+                self.m.pushed(link.name, "unreachable", 0.0)
             self._log_once(to, "push to %s (%s): the peer is unreachable", to, link.name)
             return
         start = time.monotonic()
         loop = asyncio.get_running_loop()
-        result, why = await loop.run_in_executor(self.pool, link.push, tenant, key, size,
-                                                 start + PUSH_TIMEOUT)
-        self.m.pushed(link.name, result, time.monotonic() - start)
-        if result in ("ok", "held"):
-            self._failing.discard(to)
-            self._failing.discard("queue")
-        else:
-            self._log_once(to, "push of %s to %s (%s): %s%s", key.hex(), to, link.name,
-                           result, f": {why}" if why else "")
+        results = await loop.run_in_executor(self.pool, link.push_many, offers,
+                                             start + PUSH_TIMEOUT)
+        for (_, key, _), (result, why, at) in zip(offers, results, strict=True):
+            self.m.pushed(link.name, result, at - start)
+            if result in ("ok", "held"):
+                self._failing.discard(to)
+                self._failing.discard("queue")
+            else:
+                self._log_once(to, "push of %s to %s (%s): %s%s", key.hex(), to, link.name,
+                               result, f": {why}" if why else "")
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
         if what in self._failing or len(self._failing) >= MAX_LOGGED:

@@ -7,9 +7,9 @@ reply header; on plain TCP the bytes go from the arena or the chunk file to the 
 with sendfile, never through a Python buffer; under TLS, which encrypts in this process,
 through 256 KiB blocks; a chunk on its way to NVMe from its in-flight copy in memory)
 and PUSH offers (hand-offs: the space decides, then reads the chunk from the sender as
-any peer read), or, after a SUBSCRIBE, the inventory of every
-space followed by its changes (a bounded queue per subscriber: one that falls behind is
-closed, and resyncs when it reconnects).
+any peer read; the offers of a batch are taken together, answered in order), or, after
+a SUBSCRIBE, the inventory of every space followed by its changes (a bounded queue per
+subscriber: one that falls behind is closed, and resyncs when it reconnects).
 """
 
 from __future__ import annotations
@@ -200,22 +200,41 @@ class PeerServer:
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         peer: str, owner: int, client_id: bytes) -> None:
-        while True:
-            op, rid, tlen, key = wire.request_head(await reader.readexactly(wire.REQUEST.size))
-            tenant = (await reader.readexactly(tlen)).decode(errors="replace")
-            if op == wire.OP_SUBSCRIBE:
-                await self._stream(reader, writer)
-                return
-            if op == wire.OP_PUSH:
-                (size,) = wire.PUSH.unpack(await reader.readexactly(wire.PUSH.size))
-                await self._push(writer, peer, rid, tenant, key, size, client_id)
-                continue
-            await self._fetch(writer, peer, owner, rid, tenant, key)
+        offers: deque[asyncio.Task[None]] = deque()
+        """PUSH offers of this connection under way, in order: each answers once the one
+        before it has (replies keep the requests' order)."""
+        try:
+            while True:
+                if len(offers) >= wire.MAX_PUSH_BATCH:  # a batch's worth: no more meanwhile
+                    await offers.popleft()
+                op, rid, tlen, key = wire.request_head(
+                    await reader.readexactly(wire.REQUEST.size))
+                tenant = (await reader.readexactly(tlen)).decode(errors="replace")
+                if op == wire.OP_PUSH:
+                    (size,) = wire.PUSH.unpack(await reader.readexactly(wire.PUSH.size))
+                    # Taken at once, not after the offers before it: the offers of a
+                    # batch (one write) are all read before their first reply, so the
+                    # reads of their chunks go out together.
+                    offers.append(asyncio.ensure_future(self._push(
+                        writer, peer, rid, tenant, key, size, client_id,
+                        offers[-1] if offers else None)))
+                    continue
+                while offers:  # any other request's reply comes after theirs
+                    await offers.popleft()
+                if op == wire.OP_SUBSCRIBE:
+                    await self._stream(reader, writer)
+                    return
+                await self._fetch(writer, peer, owner, rid, tenant, key)
+        finally:
+            for task in offers:  # the connection is gone: its offers go with it
+                task.cancel()
+            await asyncio.gather(*offers, return_exceptions=True)
 
     async def _push(self, writer: asyncio.StreamWriter, peer: str, rid: int, tenant: str,
-                    key: bytes, size: int, sender: bytes) -> None:
+                    key: bytes, size: int, sender: bytes,
+                    before: asyncio.Task[None] | None) -> None:
         """A hand-off offer: the space takes it (reading the chunk from the sender) or says
-        why not; either way one reply, and the connection goes on."""
+        why not; either way one reply, after the reply to the offer `before` it."""
         holdings = self.spaces.get(tenant)
         if holdings is None:
             status, why = wire.PUSH_REFUSED, f"this agent has no space of tenant {tenant!r}"
@@ -229,6 +248,8 @@ class PeerServer:
         elif peer not in self._refusing:  # once until a push from it is taken again
             self._refusing.add(peer)
             log.warning("push of %s from %s refused: %s", key.hex(), peer, why)
+        if before is not None:
+            await before
         writer.write(wire.encode_push_reply(status, rid, why))
         await writer.drain()
 

@@ -4,8 +4,8 @@ more than a few KiB before the chunk bytes, which land in arena extents of the s
 directory announced.
 
 After the handshake (`auth`), a connection carries either requests (FETCH and PUSH,
-answered one at a time, in order) or, after one SUBSCRIBE, the holder's inventory and its
-changes.
+answered in order: FETCHes one at a time, up to `MAX_PUSH_BATCH` PUSH offers at once) or,
+after one SUBSCRIBE, the holder's inventory and its changes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ from the sender like any peer read (FETCH on its own connection), and answers
 `PUSH_REPLY` once it is stored or refused."""
 PUSH = struct.Struct("<Q")
 """The chunk's size in bytes."""
+MAX_PUSH_BATCH = 32
+"""PUSH offers a sender may have unanswered on one connection (a batch, sent in one
+write): the receiver takes them together, its reads of their chunks in one pipelined
+batch, and answers each in order; it reads no further request of that connection while
+this many are unanswered."""
 PUSH_REPLY = struct.Struct("<BBHI")
 """status, 0, message length, request id; then the message (why, for a refusal)."""
 PUSH_STORED = 0

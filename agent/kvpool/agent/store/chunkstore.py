@@ -439,8 +439,10 @@ class ChunkStore:
                 extents = await self._room(size)
             except OpError:
                 return None
-            work = self.peer.fetch_many(link, [(key, self.dram.fetch_target(extents))],
-                                        PUSH_READ_TIMEOUT)[0]
+            # With the other offers of its batch (taken in the same turn of the loop):
+            # one pipelined batch of reads from the sender.
+            work = self.peer.fetch_soon(link, key, self.dram.fetch_target(extents),
+                                        PUSH_READ_TIMEOUT)
             try:
                 result = await asyncio.shield(work)
             except asyncio.CancelledError:

@@ -13,9 +13,12 @@ from this agent.
 from __future__ import annotations
 
 import asyncio
+import functools
 
-from ..peers.links import ArenaTarget, Fetched, PeerLink
+from ..peers.links import FAILED, ArenaTarget, Fetched, PeerLink
 from ..peers.network import PeerNetwork
+
+_Soon = list[tuple[bytes, ArenaTarget, "asyncio.Future[Fetched | str]"]]
 
 
 class PeerTier:
@@ -25,6 +28,8 @@ class PeerTier:
         self.network = network
         self.tenant = tenant
         self.directory = network.directories[tenant]
+        self._soon: dict[tuple[PeerLink, float], _Soon] = {}
+        """Reads asked for in this turn of the event loop (`fetch_soon`), by peer."""
 
     def holds(self, key: bytes) -> bool:
         """A readable peer holds `key`, says the directory (which may be stale)."""
@@ -46,6 +51,26 @@ class PeerTier:
         return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads],
                                        timeout)
 
+    def fetch_soon(self, link: PeerLink, key: bytes, target: ArenaTarget,
+                   timeout: float) -> asyncio.Future[Fetched | str]:
+        """A read of `key` from `link` into `target` within `timeout`, sent with the other
+        reads from that peer asked for in this turn of the event loop, as one pipelined
+        batch: a batch of push offers is taken offer by offer, each asking for its own
+        chunk, and its chunks still travel together."""
+        loop = asyncio.get_running_loop()
+        if not self._soon:
+            loop.call_soon(self._send_soon)
+        fut: asyncio.Future[Fetched | str] = loop.create_future()
+        self._soon.setdefault((link, timeout), []).append((key, target, fut))
+        return fut
+
+    def _send_soon(self) -> None:
+        soon, self._soon = self._soon, {}
+        for (link, timeout), reads in soon.items():
+            works = self.fetch_many(link, [(k, t) for k, t, _ in reads], timeout)
+            for (_, _, fut), work in zip(reads, works, strict=True):
+                work.add_done_callback(functools.partial(_pass_on, fut))
+
     def push(self, key: bytes, size: int, to: str) -> None:
         """Queue a hand-off: offer `key` to the node `to` (never waits)."""
         self.network.push(self.tenant, key, size, to)
@@ -61,3 +86,8 @@ class PeerTier:
     @property
     def chunks(self) -> int:
         return len(self.directory)
+
+
+def _pass_on(fut: asyncio.Future[Fetched | str], work: asyncio.Future[Fetched | str]) -> None:
+    if not fut.done():
+        fut.set_result(FAILED if work.cancelled() else work.result())
