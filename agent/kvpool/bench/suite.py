@@ -316,6 +316,12 @@ def _print_peer(console: Console, pr: dict[str, Any]) -> None:
         f"hand-off of a {h['chunk_bytes'] >> 20} MiB chunk, put on node 0 to in node 1's DRAM: "
         f"p50 {h['p50_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms (without the hint, put to read "
         f"by key on node 1: {h['pull_p50_ms']:.1f} / {h['pull_p99_ms']:.1f} ms)")
+    for name in ("handoff_window", "handoff_small_window"):
+        w = pr[name]
+        console.print(
+            f"hand-off of a window of {w['chunks']} chunks ({w['bytes'] / 2**20:.0f} MiB) in "
+            f"one put_many, put on node 0 to all in node 1's DRAM: p50 {w['p50_ms']:.1f} ms, "
+            f"p99 {w['p99_ms']:.1f} ms")
 
 
 def _tag(n: int) -> str:
