@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -223,6 +226,29 @@ async def test_outside_a_cluster_or_without_a_node_it_does_nothing(
     nameless.start()
     await nameless.stop()
     assert "no node name" in caplog.text
+
+
+def test_an_agent_outside_a_cluster_never_imports_the_kubernetes_client(
+        tmp_path: Path) -> None:
+    """Outside a pod the agent's start leaves the `kubernetes` package unimported (a third
+    of its start-up CPU); in a pod (the kubelet's service env set) it asks the package,
+    which here finds no service account and so no cluster."""
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kvpool.agent.config import AgentConfig\n"
+        "import kvpool.agent.server.agent\n"
+        "from kvpool.agent.nodelabel import NodeLabeler\n"
+        f"labeler = NodeLabeler.from_config(AgentConfig(socket_path=Path({str(tmp_path)!r})))\n"
+        "print(labeler.client is None, 'kubernetes' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
+    outside = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert outside.stdout.split() == ["True", "False"], outside.stderr
+    env.update(KUBERNETES_SERVICE_HOST="10.0.0.1", KUBERNETES_SERVICE_PORT="443")
+    in_pod = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert in_pod.stdout.split() == ["True", "True"], in_pod.stderr
 
 
 async def test_node_name_comes_from_the_config_first(

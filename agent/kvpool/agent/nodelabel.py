@@ -22,12 +22,13 @@ import contextlib
 import json
 import logging
 import os
-from typing import Any
-
-import kubernetes
+from typing import TYPE_CHECKING, Any
 
 from .config import AgentConfig
 from .constants import ENV_NODE_NAME, NODE_LABEL_PREFIX, NODE_LABEL_READY
+
+if TYPE_CHECKING:
+    import kubernetes
 
 log = logging.getLogger("kvpool.agent.nodelabel")
 
@@ -45,8 +46,21 @@ def backoff(attempt: int, base: float, cap: float) -> float:
     return float(min(cap, base * 2 ** min(attempt, 30)))
 
 
+IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+"""What the kubelet sets in every pod, and the first thing the `kubernetes` package's
+in-cluster configuration needs (it refuses without either)."""
+
+
 def in_cluster_client() -> kubernetes.client.ApiClient | None:
-    """A client with the pod's service account, or None outside a cluster."""
+    """A client with the pod's service account, or None outside a cluster.
+
+    Outside a pod (no `IN_CLUSTER_ENV`) the `kubernetes` package is not even imported: it
+    is a third of the agent's start-up CPU, which every agent on a laptop, a bare-metal
+    node or in a test would otherwise pay for nothing."""
+    if not all(os.environ.get(name) for name in IN_CLUSTER_ENV):
+        return None
+    import kubernetes
+
     config = kubernetes.client.Configuration()
     try:
         kubernetes.config.load_incluster_config(client_configuration=config)
@@ -210,6 +224,8 @@ class NodeLabeler:
 
 def _short(e: BaseException) -> str:
     """An API error without its response headers and body."""
+    import kubernetes  # already imported: a labeler making API calls has a client
+
     if isinstance(e, kubernetes.client.exceptions.ApiException):
         return f"{e.status} {e.reason}"
     return f"{type(e).__name__}: {e}"
