@@ -16,7 +16,14 @@ import pytest
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.journal import Journal, JournalEntry, pending_shared_deletes, replay
+from kvpool.agent.journal import (
+    Handoff,
+    Journal,
+    JournalEntry,
+    pending_handoffs,
+    pending_shared_deletes,
+    replay,
+)
 from kvpool.bench.local import LocalAgent
 
 from .conftest import RawConn
@@ -135,6 +142,33 @@ def test_pending_shared_deletes_are_replayed_and_kept_by_every_rewrite(tmp_path:
         assert [e.key for e in replay(path)] == [key_of(9)]
         journal.shared_deleted(key_of(1))
         assert pending_shared_deletes(path) == [key_of(3)]
+    finally:
+        journal.close()
+
+
+def test_hand_off_pins_are_replayed_until_read_dropped_or_committed_again(
+        tmp_path: Path) -> None:
+    """A pushed chunk's pin (with its wall-clock end) is read back at start-up until it ends
+    (its first read, a client's pin), or its key is dropped or committed anew (a new chunk
+    owes nothing to an old pin); a rewrite keeps the pins it is given after the commits."""
+    path = tmp_path / "arena.journal"
+    journal = Journal(path)
+    try:
+        entries = [JournalEntry(key_of(i), [(i * PAGE, PAGE)], PAGE, i, b"", "")
+                   for i in range(5)]
+        for e in entries:
+            journal.commit(e)
+        for i in range(5):
+            journal.handoff(key_of(i), 1000.0 + i)
+        journal.handoff_ended(key_of(1))
+        journal.drop(key_of(2))
+        journal.commit(entries[3])
+        assert pending_handoffs(path) == [Handoff(key_of(0), 1000.0),
+                                          Handoff(key_of(4), 1004.0)]
+        journal.rewrite([entries[0], entries[4]], [], pending_handoffs(path))
+        assert pending_handoffs(path) == [Handoff(key_of(0), 1000.0),
+                                          Handoff(key_of(4), 1004.0)]
+        assert [e.key for e in replay(path)] == [key_of(0), key_of(4)]
     finally:
         journal.close()
 

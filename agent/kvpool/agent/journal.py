@@ -8,7 +8,10 @@ checksum against the arena bytes, and serves what passes. A torn last record
 
 It also records the shared-tier deletes not yet confirmed by the store (`shared_delete`,
 `shared_deleted`): a DELETE answered during a shared-tier outage is retried by the agent
-that restarts, so another node never serves the chunk once the store is back.
+that restarts, so another node never serves the chunk once the store is back. And the
+hand-off pins of chunks pushed here by peers and not read yet (`handoff`,
+`handoff_ended`), with the wall-clock time each ends unread: a restarted agent pins them
+again until then, since the reader it was pushed for may not have read it yet.
 
 The file is bounded by what the arena holds, not by how long the agent has run: once it
 holds more than twice as many records as live chunks (plus `COMPACT_FLOOR`), it is
@@ -36,6 +39,9 @@ COMMIT, DROP = 1, 2
 SHARED_DELETE, SHARED_DELETED = 3, 4
 """A shared-tier delete to retry until the store confirms it; that confirmation (or the key
 written to the store again, which makes its copy the one to keep)."""
+HANDOFF, HANDOFF_ENDED = 5, 6
+"""A pushed chunk pinned until its first read or a wall-clock time; that pin's end (read,
+expired, deleted, taken over by a client's pin). A commit or drop of the key ends it too."""
 COMPACT_FLOOR = 1024
 """Records allowed beyond twice the live chunks and pending deletes before the journal is
 compacted."""
@@ -52,9 +58,16 @@ class JournalEntry(msgspec.Struct, array_like=True):
     """Absent in journals written before checksum kinds: XXH3."""
 
 
+class Handoff(msgspec.Struct, array_like=True):
+    key: bytes
+    until: float
+    """Wall-clock seconds (`time.time`) at which the pin ends unread."""
+
+
 _enc = msgspec.msgpack.Encoder()
 _dec_entry = msgspec.msgpack.Decoder(JournalEntry)
 _dec_key = msgspec.msgpack.Decoder(bytes)
+_dec_handoff = msgspec.msgpack.Decoder(Handoff)
 
 
 class Journal:
@@ -71,6 +84,10 @@ class Journal:
         """The shared-tier deletes still pending, for compaction (set by the store)."""
         self.deletes = 0
         """Shared-tier deletes the records describe as pending."""
+        self.live_handoffs: Callable[[], Iterable[Handoff]] = tuple
+        """The hand-off pins now, for compaction (set by the store)."""
+        self.handoffs = 0
+        """Hand-off pins the records describe as live."""
         self._compact_at = COMPACT_FLOOR
         self.compactions = 0
         self.stale = False
@@ -120,6 +137,26 @@ class Journal:
         self._record_delete(SHARED_DELETED, key)
         self.deletes = max(0, self.deletes - 1)
 
+    def handoff(self, key: bytes, until: float) -> None:
+        """Record a pushed chunk's pin (after its commit), ending unread at `until`
+        (wall clock). Never raises: the pin holds either way, only a restart would lose
+        it (the chunk stays, evictable)."""
+        self._record(HANDOFF, _enc.encode(Handoff(key, until)), key)
+        self.handoffs += 1
+
+    def handoff_ended(self, key: bytes) -> None:
+        """Record the end of a pushed chunk's pin."""
+        self._record(HANDOFF_ENDED, _enc.encode(key), key)
+        self.handoffs = max(0, self.handoffs - 1)
+
+    def _record(self, kind: int, payload: bytes, key: bytes) -> None:
+        try:
+            self._maybe_compact()
+            self._append(kind, payload)
+        except OSError as e:
+            log.error("commit journal %s could not record a hand-off pin of %s: %s",
+                      self.path, key.hex(), e)
+
     def _record_delete(self, kind: int, key: bytes) -> None:
         try:
             self._maybe_compact()
@@ -131,11 +168,12 @@ class Journal:
     def _maybe_compact(self) -> None:
         if self.live_entries is None:
             return
-        live = self.live + self.deletes
+        live = self.live + self.deletes + self.handoffs
         if not self.stale and self.records < max(self._compact_at, 2 * live + COMPACT_FLOOR):
             return
         try:
-            self.rewrite(list(self.live_entries()), list(self.live_deletes()))
+            self.rewrite(list(self.live_entries()), list(self.live_deletes()),
+                         list(self.live_handoffs()))
         except OSError as e:
             # Retry after as many records again, not at every append (that would be quadratic).
             self._compact_at = 2 * self.records + COMPACT_FLOOR
@@ -143,13 +181,17 @@ class Journal:
             return
         self.compactions += 1
 
-    def rewrite(self, live: list[JournalEntry], deletes: list[bytes] | None = None) -> None:
-        """Replace the journal by one commit record per live chunk and one delete record
-        per pending shared-tier delete (compaction)."""
+    def rewrite(self, live: list[JournalEntry], deletes: list[bytes] | None = None,
+                handoffs: list[Handoff] | None = None) -> None:
+        """Replace the journal by one commit record per live chunk, one delete record per
+        pending shared-tier delete and one record per hand-off pin (after the commits: a
+        commit ends a pin before it) (compaction)."""
         deletes = [] if deletes is None else deletes
+        handoffs = [] if handoffs is None else handoffs
         records = (frame(kind, payload)
                    for kind, payloads in ((COMMIT, map(_enc.encode, live)),
-                                          (SHARED_DELETE, map(_enc.encode, deletes)))
+                                          (SHARED_DELETE, map(_enc.encode, deletes)),
+                                          (HANDOFF, map(_enc.encode, handoffs)))
                    for payload in payloads)
         # No fsync: the journal outlives the agent's crash, not the node's (its arena is in
         # memory and gone with a reboot), and its appends are not synced either.
@@ -158,8 +200,8 @@ class Journal:
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self.size = os.fstat(self.fd).st_size
-        self.records = len(live) + len(deletes)
-        self.live, self.deletes = len(live), len(deletes)
+        self.records = len(live) + len(deletes) + len(handoffs)
+        self.live, self.deletes, self.handoffs = len(live), len(deletes), len(handoffs)
         self._compact_at = COMPACT_FLOOR
         self.stale = False
 
@@ -205,3 +247,22 @@ def pending_shared_deletes(path: Path) -> list[bytes]:
         except msgspec.DecodeError:
             break
     return list(pending)
+
+
+def pending_handoffs(path: Path) -> list[Handoff]:
+    """The hand-off pins the journal says are live (a pin, with no commit, drop or end of
+    its key after it), in the order they were taken."""
+    pins: dict[bytes, Handoff] = {}
+    for kind, payload in _records(path):
+        try:
+            if kind == HANDOFF:
+                pin = _dec_handoff.decode(payload)
+                pins.pop(pin.key, None)
+                pins[pin.key] = pin
+            elif pins and kind in (COMMIT, DROP, HANDOFF_ENDED):
+                key = (_dec_entry.decode(payload).key if kind == COMMIT
+                       else _dec_key.decode(payload))
+                pins.pop(key, None)
+        except msgspec.DecodeError:
+            break
+    return list(pins.values())

@@ -226,11 +226,18 @@ class PeerLink:
             backoff = min(2 * backoff, RETRY_MAX)
 
     def _forget(self) -> None:
-        """The subscription ended: the peer's entries go until its inventory is back."""
+        """The subscription ended: the peer's entries go until its inventory is back, and so
+        do the idle connections to it (to a peer that restarted or went away, each would
+        fail the next batch taken on it: a push batch is not retried)."""
         self.synced = False
         self.last_heard = 0.0
         for d in self.directories.values():
             d.drop_peer(self.index)
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            with contextlib.suppress(OSError):
+                s.close()
 
     async def _handshake(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:

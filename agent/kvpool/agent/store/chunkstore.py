@@ -52,7 +52,7 @@ from ..config import AgentConfig, TierName, TierPolicy
 from ..constants import KEY_BYTES, PEER_TIER, PEER_TIER_CODE
 from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
-from ..journal import Journal, JournalEntry, replay
+from ..journal import Handoff, Journal, JournalEntry, pending_handoffs, replay
 from ..metrics import AgentMetrics
 from ..peers import wire
 from ..peers.links import MAX_BATCH, MAX_BATCH_BYTES, PUSH_READ_TIMEOUT, Fetched, PeerLink
@@ -115,6 +115,7 @@ class ChunkStore:
         self.journal = journal
         if journal is not None:
             journal.live_entries = self._journal_live  # what its compaction keeps
+            journal.live_handoffs = self._journal_handoffs
         self.dram.repin((), (bytes.fromhex(k) for k in policy.pins))
         self.seq = 0
         self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
@@ -153,7 +154,8 @@ class ChunkStore:
         self._fetching: dict[bytes, asyncio.Future[DramChunk | None]] = {}
         self.handoffs: dict[bytes, tuple[float, int]] = {}
         """Chunks pushed here by peers (hand-offs) and not read yet: pinned until their
-        first read or this monotonic time; with their arena bytes (whole pages)."""
+        first read or this monotonic time; with their arena bytes (whole pages). Journaled
+        (with the wall-clock time they end): a warm restart pins them again."""
         self._handoff_bytes = 0
         """Arena bytes of `handoffs` and of the pushes being received (their quota)."""
         """Reads from peers under way, one per key however many ask."""
@@ -606,13 +608,27 @@ class ChunkStore:
             self._pin_handoff(chunk)  # read by a concurrent read of this node's
         return wire.PUSH_STORED, ""
 
-    def _pin_handoff(self, chunk: DramChunk) -> None:
+    def _pin_handoff(self, chunk: DramChunk, until: float | None = None) -> None:
+        """Pin a pushed chunk until its first read or `until` (wall clock; by default
+        `peers.handoffTtl` from now), and journal the pin (a restart keeps it)."""
         if self.dram.pinned(chunk.key):
             return  # pinned already (a policy's or a client's pin): that pin outlives it
         pages = self._pages(chunk.size)
-        self.handoffs[chunk.key] = (time.monotonic() + self.config.peers.handoff_ttl, pages)
+        now = time.time()
+        if until is None:
+            until = now + self.config.peers.handoff_ttl
+        self.handoffs[chunk.key] = (time.monotonic() + until - now, pages)
         self._handoff_bytes += pages
         self.dram.pin(chunk.key)
+        if self.journal is not None:
+            self.journal.handoff(chunk.key, until)
+
+    def _journal_handoffs(self) -> Iterator[Handoff]:
+        """The hand-off pins now, with the wall-clock time each ends (what a journal
+        compaction keeps)."""
+        mono, wall = time.monotonic(), time.time()
+        for key, (until, _) in self.handoffs.items():
+            yield Handoff(key, wall + until - mono)
 
     def _end_handoff(self, key: bytes, end: str | None, unpin: bool = True) -> None:
         """The pin of a pushed chunk ends (`end`: read, expired, deleted; None: not
@@ -621,6 +637,8 @@ class ChunkStore:
         if got is None:
             return
         self._handoff_bytes -= got[1]
+        if self.journal is not None:
+            self.journal.handoff_ended(key)
         if unpin:
             self.dram.unpin(key)
         if end is not None and self.peer is not None:
@@ -1204,8 +1222,16 @@ class ChunkStore:
             live.append(e)
             kept += 1
         if self.journal is not None:
+            # Pushed chunks not read yet are pinned again until their pin's end: the
+            # reader they were pushed for may not have read them yet.
+            now = time.time()
+            for pin in pending_handoffs(self.journal.path):
+                pushed = self.dram.get(pin.key)
+                if pushed is not None and pin.until > now:
+                    self._pin_handoff(pushed, pin.until)
             # The shared-tier deletes still pending stay recorded (read at start-up).
-            self.journal.rewrite(live, list(self.journal.live_deletes()))
+            self.journal.rewrite(live, list(self.journal.live_deletes()),
+                                 list(self._journal_handoffs()))
         return kept, dropped
 
     def _spawn(self, work: Coroutine[object, object, None] | asyncio.Future[None]) -> None:
