@@ -1,4 +1,6 @@
-"""A chunk on its way from DRAM to NVMe is served to peers, from its in-flight copy.
+"""A chunk on its way from DRAM to NVMe is served to peers, from its in-flight copy; its
+peers hear of a demotion once (the chunk announced), not again when it lands, and hear
+that a chunk whose demotion failed is gone.
 
 A demotion takes the chunk out of DRAM's index at once and into NVMe's only once its file
 has landed, written by the store's background pool. Meanwhile the holder still announces
@@ -18,18 +20,23 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import pytest
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.peers import wire
+from kvpool.bench.scripted_peer import recv_exact
 
+from ..agent.test_nvme import fill_filesystem, settle, small_tmpfs
 from ..shared.conftest import REGION, StallingMoto, s3_client
 from ..shared.test_delete_races import demoting, hold_background_pool
 from .conftest import metric, wait_until
 from .nodes import Network, peer_agent
+from .test_peer_security import authenticated
 
 KiB = 1 << 10
 CHUNK = 64 * KiB
@@ -121,3 +128,76 @@ def test_a_chunk_being_demoted_is_served_to_peers_from_its_in_flight_copy_unless
         wait_until(lambda: not demoting(ca) and s3.held == 0, "the demotions to land")
         assert ca.lookup_tiers([early, late]) == ["nvme"] * 2
         assert ca.lookup([deleted]) == 0 and not nvme_file(holder_dir, deleted).exists()
+
+
+class Subscriber:
+    """The test process subscribed to an agent's inventory as a peer would be: the ADDs and
+    REMOVEs it hears, per key, in order."""
+
+    def __init__(self, host: str, secret: Path) -> None:
+        self.sock = authenticated(host, secret)
+        self.sock.sendall(wire.encode_request(wire.OP_SUBSCRIBE, 0, bytes(16), ""))
+        self.heard: dict[bytes, list[int]] = {}
+        self.heartbeats = 0
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        with suppress(OSError, wire.WireError):
+            while True:
+                msg, tlen, count, _ = wire.stream_head(recv_exact(self.sock, wire.STREAM.size))
+                recv_exact(self.sock, tlen)
+                body = recv_exact(self.sock, count * wire.RECORD.size)
+                if msg in (wire.ADD, wire.REMOVE):
+                    for key, _ in wire.records(body):
+                        self.heard.setdefault(key, []).append(msg)
+                elif msg == wire.HEARTBEAT:
+                    self.heartbeats += 1
+
+    def caught_up(self) -> None:
+        """Wait for a heartbeat sent after now: every change the agent made before it has
+        been heard (a stream sends its changes in order, a heartbeat when it has none)."""
+        seen = self.heartbeats
+        wait_until(lambda: self.heartbeats >= seen + 2, "a heartbeat after the changes")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_peers_hear_a_landed_demotion_once_and_a_failed_one_as_the_chunk_gone(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    size = 64 * KiB
+    workdir = tmp_path / "node0"
+    workdir.mkdir()
+    with ExitStack() as stack:
+        # Node 0's NVMe directory is a real 4 MiB file system (its tier is configured
+        # larger): demotions land until the test fills the disk, then fail.
+        nvme_dir = stack.enter_context(small_tmpfs(workdir / "nvme", "4m"))
+        a = stack.enter_context(peer_agent(net, 0, workdir, secret, dram="2Mi",
+                                           prefetch=False, lru=True))
+        ca = stack.enter_context(KVPoolClient(a.socket_path))
+        peer = Subscriber(net.nodes[0].addr, secret)
+        stack.callback(peer.close)
+        # 48 chunks through 2 MiB of DRAM: the oldest go down to NVMe and land. Each was
+        # announced once, when it was put; a demotion, landed, is no change for peers.
+        first = [os.urandom(16) for _ in range(48)]
+        for k in first:
+            assert ca.put(k, os.urandom(size))
+        settle(ca)
+        peer.caught_up()
+        landed = [k for k in first if ca.lookup_tiers([k]) == ["nvme"]]
+        assert len(landed) >= 8, ca.lookup_tiers(first)
+        assert {k: peer.heard.get(k) for k in first} == {k: [wire.ADD] for k in first}
+        # The disk fills up behind the agent's back: the next demotions fail, the chunks
+        # are dropped, and peers hear each one is gone (the directory must not send them
+        # to a holder that answers ABSENT).
+        fill_filesystem(nvme_dir / "filler")
+        more = [os.urandom(16) for _ in range(24)]
+        for k in more:
+            assert ca.put(k, os.urandom(size))
+        settle(ca)
+        peer.caught_up()
+        assert metric(a, "kvpool_tier_errors_total", tier="nvme", kind="full") > 0
+        gone = [k for k in first + more if ca.lookup_tiers([k]) == []]
+        assert gone
+        assert {k: peer.heard.get(k) for k in first + more} == {
+            k: [wire.ADD, wire.REMOVE] if k in gone else [wire.ADD] for k in first + more}

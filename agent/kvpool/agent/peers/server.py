@@ -359,13 +359,18 @@ async def _send(writer: asyncio.StreamWriter, source: ChunkSource) -> None:
 
 class Watch:
     """Tells the server of a space's chunks entering and leaving its local tiers (a
-    `store.observer.TierObserver`); the shared tier's are every node's already."""
+    `store.observer.TierObserver`); the shared tier's are every node's already.
+
+    A chunk enters NVMe only by a demotion from DRAM, and stays announced all the way
+    (served from its in-flight copy): its landing is no change for peers, and is not sent
+    (it was, as a second ADD of every demoted chunk to every peer). A demotion that fails,
+    or a DELETE meanwhile, is a removal, and is sent."""
 
     def __init__(self, server: PeerServer, tenant: str, holdings: Holdings) -> None:
         self.server, self.tenant, self.holdings = server, tenant, holdings
 
     def stored(self, tier: str, key: bytes) -> None:
-        if tier != "shared":
+        if tier not in ("shared", "nvme"):
             self.server.changed(self.tenant, key, self.holdings, True)
 
     def removed(self, tier: str, key: bytes) -> None:
