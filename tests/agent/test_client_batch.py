@@ -91,9 +91,11 @@ def test_lookup_of_a_prefix_longer_than_one_lookup_takes(tmp_path) -> None:
 
 
 def test_read_windows_of_cpu_copies_go_in_growing_groups_and_device_copies_in_one() -> None:
-    assert read_groups(2) == [(0, 2)]
-    assert read_groups(7) == [(0, 2), (2, 7)]
-    assert read_groups(63) == [(0, 2), (2, 6), (6, 14), (14, 30), (30, 63)]
+    assert read_groups(4) == [(0, 4)]
+    assert read_groups(17) == [(0, 17)]  # 13 keys after the first 4: no group of their own
+    assert read_groups(18) == [(0, 4), (4, 18)]
+    assert read_groups(63) == [(0, 4), (4, 63)]
+    assert read_groups(128) == [(0, 4), (4, 20), (20, 128)]
     assert read_groups(63, pipelined=False) == [(0, 63)]
     for n in range(1, 300):
         groups = read_groups(n)
@@ -103,12 +105,13 @@ def test_read_windows_of_cpu_copies_go_in_growing_groups_and_device_copies_in_on
 
 def test_a_read_window_that_fails_in_a_later_group_ends_every_lease_and_the_connection_works(
         agent: LocalAgent) -> None:
-    """The target refuses a chunk of the window's third group, whose ACQUIREs went out with
-    the fourth's still unanswered: the error reaches the caller, every lease granted so far
+    """The target refuses a chunk of the window's second group, whose ACQUIREs went out with
+    the third's still unanswered: the error reaches the caller, every lease granted so far
     is released (those of the unanswered group too), and the next call works."""
-    ks = keys(20)
+    ks = keys(90)
+    assert read_groups(90) == [(0, 4), (4, 20), (20, 90)]
     with KVPoolClient(agent.socket_path) as c:
-        assert c.put_many(ks, [bytes([i]) * 100 for i in range(20)]) == [True] * 20
+        assert c.put_many(ks, [bytes([i]) * 100 for i in range(90)]) == [True] * 90
         outs = [bytearray(100) for _ in ks]
 
         def target(i: int, size: int, meta: bytes) -> bytearray:
@@ -120,6 +123,6 @@ def test_a_read_window_that_fails_in_a_later_group_ends_every_lease_and_the_conn
         else:
             raise AssertionError("a destination too small was accepted")
         assert c.stats()["leases"]["read"] == 0
-        assert all(outs[i] == bytes([i]) * 100 for i in range(6))  # groups before it
-        assert c.get_many_into(ks, lambda i, size, meta: outs[i]) == [100] * 20
+        assert all(outs[i] == bytes([i]) * 100 for i in range(4))  # the group before it
+        assert c.get_many_into(ks, lambda i, size, meta: outs[i]) == [100] * 90
         assert all(out == bytes([i]) * 100 for i, out in enumerate(outs))

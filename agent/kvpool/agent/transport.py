@@ -278,10 +278,15 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
         conn.cast(*releases)
 
 
-READ_GROUP_FIRST = 2
-"""Keys in a pipelined read window's first group; each next group is twice as large, so a
-group's copies cover the agent's answering of the next group's (larger) ACQUIREs, and a
-window of 128 keys costs 6 groups."""
+READ_GROUP_FIRST = 4
+"""Keys in a pipelined read window's first group (its round trip is the one no copy hides)."""
+READ_GROUP_GROWTH = 4
+"""How many times larger each next group is: its ACQUIREs, answered while the group before
+is copied, take the agent ~20 µs a key against ~0.4 ms to copy a 4 MiB chunk, so a
+group four times larger is still answered in time; each group costs a write, which wakes
+the agent (on a loaded machine, often onto this thread's core) and lets the GIL go. A
+window of 63 keys is 2 groups (4 and 59: 26.0 ms against 29.1 ms for 5 groups doubling
+from 2), one of 7 keys one group (docs/benchmarks.md, "vLLM's time to first token")."""
 
 
 def read_groups(n: int, pipelined: bool = True) -> list[tuple[int, int]]:
@@ -290,9 +295,9 @@ def read_groups(n: int, pipelined: bool = True) -> list[tuple[int, int]]:
         return [(0, n)]
     groups, lo, size = [], 0, READ_GROUP_FIRST
     while lo < n:
-        hi = n if n - lo < 2 * size + size // 2 else lo + size  # no small last group
+        hi = n if n - lo < READ_GROUP_GROWTH * size + size // 2 else lo + size  # no small last
         groups.append((lo, hi))
-        lo, size = hi, size * 2
+        lo, size = hi, size * READ_GROUP_GROWTH
     return groups
 
 

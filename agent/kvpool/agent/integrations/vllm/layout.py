@@ -131,6 +131,8 @@ def chunk_meta(layout: Layout, block_shape: list[int]) -> bytes:
 
 def meta_matches(raw: bytes, expected: bytes) -> bool:
     """Whether a stored chunk's metadata is the one this engine writes (else: not loaded)."""
+    if raw == expected:  # the same encoding: no decoding (a load asks this for every chunk)
+        return True
     try:
         return _meta_decoder.decode(raw) == _meta_decoder.decode(expected)
     except msgspec.MsgspecError:
