@@ -20,7 +20,8 @@ from kvpool.bench.needs import vllm_python
 from kvpool.bench.vllm_ttft import QUICK_TOKENS
 
 ROW = {"recompute_ttft_s", "hit_ttft_s", "speedup", "hit_tokens", "prompt_tokens", "lookup_s",
-       "load_s", "rest_s", "loaded_mib", "copy_s", "overhead_of_load"}
+       "load_s", "rest_s", "loaded_mib", "copy_s", "overhead_of_load", "best_load_s",
+       "overhead_of_best_load", "cold_copy_s", "overhead_of_best_load_cold"}
 
 
 def bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -50,6 +51,8 @@ def test_quick_vllm_part_times_a_hit_against_a_recompute_with_its_breakdown() ->
         assert row["loaded_mib"] > 0 and row["load_s"] > 0 and row["lookup_s"] > 0, row
         assert row["recompute_ttft_s"] > 0 and row["hit_ttft_s"] > 0, row
         assert 0 <= row["overhead_of_load"] <= 1, row
+        assert 0 < row["best_load_s"] <= row["load_s"], row
+        assert row["overhead_of_best_load"] <= row["overhead_of_load"], row
         assert row["hit_ttft_s"] >= row["lookup_s"] + row["load_s"] - 1e-3, row
     assert "vLLM time to first token" in run.stderr
 

@@ -279,14 +279,18 @@ def _print_tables(console: Console, r: dict[str, Any]) -> None:
                         f"({v['model']['layers']} layers of {v['model']['hidden']}, "
                         f"random weights)")
         for col in ("prompt tokens", "recomputed", "hit", "speedup", "lookup", "load",
-                    "rest", "loaded MiB", "overhead / load"):
+                    "rest", "loaded MiB", "overhead / load", "best load",
+                    "overhead / best", "(cold copy)"):
             t.add_column(col, justify="right")
         for n, row in v["sizes"].items():
-            over = row["overhead_of_load"]
+            over, best = row["overhead_of_load"], row["overhead_of_best_load"]
+            cold = row["overhead_of_best_load_cold"]
             t.add_row(n, f"{row['recompute_ttft_s']:.3f}", f"{row['hit_ttft_s']:.3f}",
                       f"{row['speedup']:.1f}x", f"{row['lookup_s']:.4f}",
                       f"{row['load_s']:.4f}", f"{row['rest_s']:.3f}",
-                      f"{row['loaded_mib']:.1f}", "-" if over is None else f"{over:.0%}")
+                      f"{row['loaded_mib']:.1f}", "-" if over is None else f"{over:.0%}",
+                      f"{row['best_load_s']:.4f}", "-" if best is None else f"{best:.0%}",
+                      "-" if cold is None else f"{cold:.0%}")
         console.print(t)
     console.print(f"total {r['meta']['seconds']}s")
 

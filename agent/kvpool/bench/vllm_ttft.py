@@ -11,7 +11,8 @@ timings do not contend with each other. Each engine serves a warm-up prompt firs
 Per prompt size: both times to first token, their ratio, and B's breakdown: the
 connector's lookup, its loads, the rest (the prefill of the tail, the output token, vLLM);
 and the connector's own overhead, the load time less what a plain copy of the same bytes
-takes, as a fraction of the load time.
+takes, as a fraction of the load time: of B's first run, and of the fastest of its
+`HIT_RUNS` runs of the prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ CONNECTOR = {"kv_connector": "KVPoolConnector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 WARM_UP = 256
 """Tokens of the prompt each engine serves first (its one-time costs are not timed)."""
+HIT_RUNS = 3
+"""Times engine B serves each prompt (its prefix cache emptied each time, so each run loads
+from the pool again): the first run is the hit as a pod meets it; the fastest load of the
+runs is compared, as `copy_s` is, best against best (one run of each on a shared machine
+compares a moment's load with the machine's best copy)."""
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -89,7 +95,8 @@ def run_vllm(quick: bool) -> dict[str, Any]:
                     engines["A"]("ttft", prompt=p)  # stored when it returns
                 reference = {n: engines["reference"]("ttft", prompt=p)
                              for n, p in prompts.items()}
-                hit = {n: engines["B"]("ttft", prompt=p) for n, p in prompts.items()}
+                hit = {n: [engines["B"]("ttft", prompt=p) for _ in range(HIT_RUNS)]
+                       for n, p in prompts.items()}
             finally:
                 for e in engines.values():
                     e.quit()
@@ -98,8 +105,11 @@ def run_vllm(quick: bool) -> dict[str, Any]:
             "sizes": {str(n): _row(n, reference[n], hit[n]) for n in sizes}}
 
 
-def _row(tokens: int, reference: dict[str, Any], hit: dict[str, Any]) -> dict[str, Any]:
-    load, copy = hit["load_s"], hit["copy_s"]
+def _row(tokens: int, reference: dict[str, Any], hits: list[dict[str, Any]]) -> dict[str, Any]:
+    hit, fastest = hits[0], min(hits, key=lambda h: float(h["load_s"]))
+    load, best = hit["load_s"], fastest["load_s"]
+    copy = min(h["copy_s"] for h in hits)  # the fastest plain copy of every run's
+    cold = min(h["cold_copy_s"] for h in hits)
     return {
         "recompute_ttft_s": round(reference["ttft_s"], 4),
         "hit_ttft_s": round(hit["ttft_s"], 4),
@@ -111,5 +121,14 @@ def _row(tokens: int, reference: dict[str, Any], hit: dict[str, Any]) -> dict[st
         "rest_s": round(hit["ttft_s"] - hit["lookup_s"] - load, 4),
         "loaded_mib": round(hit["loaded_bytes"] / 2**20, 1),
         "copy_s": round(copy, 4),
-        "overhead_of_load": round((load - copy) / load, 3) if load > 0 else None,
+        "overhead_of_load": _overhead(load, copy),
+        "best_load_s": round(best, 4),
+        "overhead_of_best_load": _overhead(best, copy),
+        "cold_copy_s": round(cold, 4),
+        "overhead_of_best_load_cold": _overhead(best, cold),
     }
+
+
+def _overhead(load: float, copy: float) -> float | None:
+    """The connector's own overhead, all but the copies, as a fraction of the load."""
+    return round((load - copy) / load, 3) if load > 0 else None
