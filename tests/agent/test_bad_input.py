@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,18 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
 from .conftest import RawConn, scrape, used_bytes, wait_until
+
+DROP_AFTER = 3
+"""This module's agents' `sendTimeout` and `frameTimeout`, in seconds (10 by default): a
+client that stops reading is dropped after the one, as with the default, sooner."""
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[LocalAgent]:
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"sendTimeout: {DROP_AFTER}s\nframeTimeout: {DROP_AFTER}s\n")
+    with LocalAgent("--no-lock", "--config", str(config), workdir=tmp_path, dram="32Mi") as a:
+        yield a
 
 
 @pytest.fixture

@@ -54,6 +54,17 @@ def test_watermarks_must_be_ordered(tmp_path: Path) -> None:
         load_policy(f)
 
 
+def test_a_stalled_clients_timeouts_default_to_ten_seconds_and_must_be_positive(
+        tmp_path: Path) -> None:
+    assert (AgentConfig().frame_timeout, AgentConfig().send_timeout) == (10.0, 10.0)
+    f = tmp_path / "agent.yaml"
+    f.write_text("frameTimeout: 3s\nsendTimeout: 500ms\n")
+    assert (load_agent_config(f).frame_timeout, load_agent_config(f).send_timeout) == (3, 0.5)
+    f.write_text("sendTimeout: 0s\n")
+    with pytest.raises(ConfigError, match=r"sendTimeout: .*greater than zero"):
+        load_agent_config(f)
+
+
 def test_config_round_trips_through_its_wire_form() -> None:
     cfg = AgentConfig.model_validate({"pool": "ns.p", "tiers": {"dram": {"size": "2Gi"}}})
     again = AgentConfig.model_validate(cfg.to_wire())

@@ -51,7 +51,6 @@ from kvpool.agent import checksums
 from kvpool.agent import protocol as p
 from kvpool.agent.arena import MAX_EXTENTS, PAGE_BYTES
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.server import FRAME_TIMEOUT, SEND_TIMEOUT
 from kvpool.agent.store import MAX_LEASES_PER_CLIENT
 from kvpool.bench.local import LocalAgent
 
@@ -64,8 +63,12 @@ pytestmark = pytest.mark.fuzz
 MAX_CHUNK = 256 * 1024
 MAX_META = 512
 ARENA_BYTES = 16 << 20
-REPLY_GUARD = FRAME_TIMEOUT + SEND_TIMEOUT
-"""Longest any read waits: past every timeout the agent documents, so only a hang trips it."""
+FRAME_TIMEOUT = SEND_TIMEOUT = 3.0
+"""The fuzzed agent's `frameTimeout` and `sendTimeout` (10 s each by default): the stall
+test waits for the first, and waits no longer than it must."""
+REPLY_GUARD = 20.0
+"""Longest any read waits: past every timeout of the agent (the defaults' sum), so only a
+hang trips it."""
 
 POOL_KEYS = [bytes([0xA0 + i]) * 16 for i in range(4)]
 """The keys the fuzzers store under; deleted after every example."""
@@ -168,7 +171,8 @@ class Harness:
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     work = tmp_path_factory.mktemp("fuzz-agent")
     cfg = work / "agent.yaml"
-    cfg.write_text(f"maxChunkBytes: {MAX_CHUNK}\nmaxMetaBytes: {MAX_META}\n")
+    cfg.write_text(f"maxChunkBytes: {MAX_CHUNK}\nmaxMetaBytes: {MAX_META}\n"
+                   f"frameTimeout: {FRAME_TIMEOUT}\nsendTimeout: {SEND_TIMEOUT}\n")
     with LocalAgent("--no-lock", "--config", str(cfg), workdir=work,
                     dram=str(ARENA_BYTES)) as agent, \
             KVPoolClient(agent.socket_path) as client:

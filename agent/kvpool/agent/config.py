@@ -548,6 +548,14 @@ class AgentConfig(Model):
     write_lease_timeout: Duration = Field(
         30.0, description="An ALLOC not committed for this long is aborted."
     )
+    frame_timeout: Duration = Field(
+        10.0, description="A client that sends nothing for this long inside a frame it has "
+        "started (a stalled or half-dead writer) is disconnected, its leases ended.",
+    )
+    send_timeout: Duration = Field(
+        10.0, description="A client that reads none of its replies for this long (its socket "
+        "full) is disconnected, its leases ended.",
+    )
     tiers: Tiers = Field(default_factory=Tiers)
     policy: TierPolicy = Field(default_factory=TierPolicy)
     policy_file: Path | None = Field(

@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.agent")
 
-FRAME_TIMEOUT = 10.0
-"""Longest a client may take to send the rest of a frame it started."""
-SEND_TIMEOUT = 10.0
-"""Longest a reply may wait for a client to read; then the client is dropped."""
 RECEIVE_BUFFER = 64 * 1024
 """What a connection's receive buffer holds between frames. It grows for a large frame
 and goes back to this once the frame is handled, so an idle connection holds no more."""
@@ -110,7 +106,8 @@ class Connection:
                 self.buf = bytearray(RECEIVE_BUFFER)
                 self.dispatcher.memory_released = True
         await self._fill(1, None)  # idle between frames: no limit
-        await self._fill(p.HEADER.size, FRAME_TIMEOUT)  # inside a frame: the frame timeout
+        # inside a frame: the frame timeout
+        await self._fill(p.HEADER.size, self.dispatcher.frame_timeout)
         (length,) = p.HEADER.unpack_from(self.buf, self.start)
         limit = self.dispatcher.max_frame_bytes
         if length > limit:
@@ -118,7 +115,7 @@ class Connection:
                                   f"frame of {length} bytes exceeds the limit of {limit}")
             raise Closed("frame too large")
         self.start += p.HEADER.size
-        await self._fill(length, FRAME_TIMEOUT)
+        await self._fill(length, self.dispatcher.frame_timeout)
         with memoryview(self.buf) as view:  # one copy of the body, not two
             body = bytes(view[self.start : self.start + length])
         self.start += length
@@ -167,7 +164,7 @@ class Connection:
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.sock_sendall(self.sock, memoryview(frame)[sent:]),
-                                   SEND_TIMEOUT)
+                                   self.dispatcher.send_timeout)
         except TimeoutError as e:
             raise Closed("client does not read its replies") from e
         except OSError as e:

@@ -28,6 +28,10 @@ class Dispatcher:
                  clients: Callable[[Space], int]) -> None:
         self.metrics = metrics
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
+        self.frame_timeout = config.frame_timeout
+        """Longest a client may take to send the rest of a frame it started."""
+        self.send_timeout = config.send_timeout
+        """Longest a reply may wait for its client to read; then the client is dropped."""
         ev = config.events
         self.events: dict[str, Any] | None = None if not ev.enabled else {
             "address": ev.address, "port": ev.port, "replay_port": ev.replay_port,
