@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
 
 from .integrations.engines import Reference, write_models
+
+ALONE_MARK = "pytest.mark.alone"
+"""What `tests/run` looks for to find the files of the tests it runs one at a time: it
+collects only those files (docs/testing.md, "In parallel")."""
+
+
+@cache
+def _says_alone(path: Path) -> bool:
+    return ALONE_MARK in path.read_text()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked `alone` in a file that does not say `pytest.mark.alone` (a mark applied
+    some other way) would run in neither of `tests/run`'s runs: refuse it."""
+    for item in items:
+        if item.get_closest_marker("alone") and not _says_alone(item.path):
+            raise pytest.UsageError(f"{item.nodeid} is marked alone, but its file does not say "
+                                    f"{ALONE_MARK}: tests/run would never run it")
 
 
 @pytest.fixture(scope="session")
