@@ -540,7 +540,7 @@ FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
     p.Op.PUT: [("bytes", keys, 3), ("bytes", datas, 3), ("int", u64s, 3), ("bytes", metas, 3),
                *engine_blocks(3), ("str", nodes, 3)],
     p.Op.GET: [("bytes", keys, 1)],
-    p.Op.DELETE: [("bytes", keys, 1)],
+    p.Op.DELETE: [("bytes", keys, 1), ("bool", st.booleans(), 1)],
     p.Op.PIN: [("bytes", keys, 1)],
     p.Op.UNPIN: [("bytes", keys, 1)],
     p.Op.STATS: [],

@@ -458,9 +458,12 @@ class KVPoolClient:
         limit = self.hello.max_leases if self.hello is not None else self.batch_window
         return self._live().window(self.batch_window, limit)
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, *, local: bool = False) -> bool:
+        """Delete the chunk from the pool: this node's tiers, the shared tier and, with
+        peers on, the copies other nodes hold (in the background); whether this node held
+        it. `local`: this node's copy only (as an eviction would)."""
         def call(t: Transport) -> bool:
-            reply = t.conn.call(p.Delete(t.conn.rid(), key))
+            reply = t.conn.call(p.Delete(t.conn.rid(), key, local))
             assert isinstance(reply, p.DeleteReply)
             return reply.existed
         return self._retrying(call)

@@ -205,6 +205,9 @@ class Get(Request, tag=int(Op.GET)):
 
 class Delete(Request, tag=int(Op.DELETE)):
     key: bytes
+    local: bool = False
+    """This node's copy only (DRAM and NVMe): the shared tier's and other nodes' copies
+    stay (docs/cross-node.md#delete)."""
 
 
 class Pin(Request, tag=int(Op.PIN)):

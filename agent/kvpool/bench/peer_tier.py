@@ -180,7 +180,7 @@ def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int
                                "from what was stored")
         verified += size * count
         for k in keys:
-            reader.delete(k)
+            reader.delete(k, local=True)  # node 1's copies only: node 0 keeps its own
         _wait(lambda: reader.lookup_tiers(keys) == ["peer"] * count, "the reader's delete")
     for k in keys:
         holder.delete(k)

@@ -48,6 +48,14 @@ class PeerDirectory:
             self.table.remove(key)
             self.table.release(slot)
 
+    def forget(self, key: bytes) -> None:
+        """`key` was deleted in the pool: no holder is credited with it any more (each
+        holder's REMOVE follows)."""
+        slot = self.table.find(key)
+        if slot >= 0:
+            self.table.remove(key)
+            self.table.release(slot)
+
     def holder(self, key: bytes) -> tuple[int, int] | None:
         """(peer, size) of the key's holder, or None."""
         slot = self.table.find(key)

@@ -32,7 +32,7 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -62,6 +62,11 @@ PUSH_TIMEOUT = 10.0
 read's own limit is `PUSH_READ_TIMEOUT`: a push is not on a reader's path, so it gets
 longer than `peers.timeout`)."""
 PUSH_READ_TIMEOUT = 8.0
+MAX_PENDING_DELETES = 1 << 16
+"""DELETEs waiting for one peer (unreachable, or not answered yet); past it the oldest is
+dropped (counted, logged)."""
+MAX_DELETE_BATCH = 256
+"""DELETEs sent in one write."""
 _buffers = threading.local()
 
 
@@ -175,6 +180,11 @@ class PeerLink:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self.task: asyncio.Task[None] | None = None
+        self.deletes: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        """DELETEs (tenant, key) made on this node, or on another one while this peer was
+        unreachable from here, not yet delivered to the peer: sent as soon as it is
+        reachable, and before this agent takes its inventory again (`run`), so a peer that
+        was down never has this agent read a deleted chunk from it."""
 
     @property
     def readable(self) -> bool:
@@ -199,6 +209,8 @@ class PeerLink:
                 writer = opened
                 self.unreachable = False
                 await asyncio.wait_for(self._handshake(reader, opened), DEAD_AFTER)
+                while self.deletes:  # before its inventory: it must not list them
+                    await asyncio.wait_for(self._deliver(reader, opened), DEAD_AFTER)
                 opened.write(wire.encode_request(wire.OP_SUBSCRIBE, 0, bytes(16), ""))
                 await self._follow(reader)
             except SelfPeer:
@@ -257,6 +269,87 @@ class PeerLink:
         auth.check(auth.proof(self.secret, b"server", mine, server_nonce, self.agent_id,
                               server_id), theirs[wire.HELLO.size:])
         return auth.proof(self.secret, b"client", mine, server_nonce, self.agent_id, server_id)
+
+    def queue_delete(self, tenant: str, key: bytes) -> None:
+        """Queue a DELETE of `key` in `tenant`'s space for the peer (bounded)."""
+        self.deletes[(tenant, key)] = None
+        self.deletes.move_to_end((tenant, key))
+        if len(self.deletes) > MAX_PENDING_DELETES:
+            self.deletes.popitem(last=False)
+            self.m.deleted(self.name, "sent", "dropped")
+            if not self.failing:
+                log.warning("peer %s: more than %d deletes wait for it: the oldest dropped",
+                            self.name, MAX_PENDING_DELETES)
+
+    def take_deletes(self) -> list[tuple[str, bytes]]:
+        """The next batch of queued DELETEs, out of the queue (`requeue` what fails)."""
+        batch: list[tuple[str, bytes]] = []
+        while self.deletes and len(batch) < MAX_DELETE_BATCH:
+            batch.append(self.deletes.popitem(last=False)[0])
+        return batch
+
+    def requeue(self, batch: list[tuple[str, bytes]]) -> None:
+        """DELETEs not delivered: first in line again (a newer one of a key stays)."""
+        for item in reversed(batch):
+            if item not in self.deletes:
+                self.deletes[item] = None
+                self.deletes.move_to_end(item, last=False)
+
+    def _count_delete(self, status: int) -> None:
+        self.m.deleted(self.name, "sent", {wire.DELETED: "ok", wire.NOT_HELD: "absent"}.get(
+            status, "refused"))
+
+    async def _deliver(self, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+        """Send a batch of queued DELETEs on the subscription's connection, before its
+        SUBSCRIBE, and read their answers."""
+        batch = self.take_deletes()
+        try:
+            rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
+            writer.write(b"".join(wire.encode_request(wire.OP_DELETE, rid, key, tenant)
+                                  for rid, (tenant, key) in zip(rids, batch, strict=True)))
+            for rid in rids:
+                status, mlen, got = wire.push_reply_head(
+                    await reader.readexactly(wire.DELETE_REPLY.size), wire.DELETE_STATUSES)
+                await reader.readexactly(mlen)
+                if got != rid:
+                    raise wire.WireError(f"reply to request {got}, expected {rid}")
+                batch = batch[1:]
+                self._count_delete(status)
+        except BaseException:
+            self.requeue(batch)
+            raise
+
+    def delete_many(self, batch: list[tuple[str, bytes]],
+                    deadline: float) -> list[tuple[str, bytes]]:
+        """Send DELETEs of (tenant, key) to the peer in one write and read the answers (a
+        worker thread); the ones not delivered (no connection, no answer)."""
+        try:
+            sock = self._checkout(deadline)
+        except (OSError, auth.AuthError, ssl.SSLError, wire.WireError):
+            return batch
+        keep = False
+        done = 0
+        try:
+            rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
+            _bounded(sock, deadline)
+            sock.sendall(b"".join(wire.encode_request(wire.OP_DELETE, rid, key, tenant)
+                                  for rid, (tenant, key) in zip(rids, batch, strict=True)))
+            for rid in rids:
+                status, mlen, got = wire.push_reply_head(
+                    _recv_exact(sock, wire.DELETE_REPLY.size, deadline), wire.DELETE_STATUSES)
+                _recv_exact(sock, mlen, deadline)
+                if got != rid:
+                    raise wire.WireError(f"reply to request {got}, expected {rid}")
+                done += 1
+                self._count_delete(status)
+            keep = True
+        except (OSError, wire.WireError, ssl.SSLError) as e:  # TimeoutError is an OSError
+            log.warning("peer %s: deletes not delivered (tried again): %s", self.name,
+                        str(e) or type(e).__name__)
+        finally:
+            self._checkin(sock, keep)
+        return batch[done:]
 
     async def _follow(self, reader: asyncio.StreamReader) -> None:
         while True:

@@ -15,6 +15,11 @@ by the receiver (its pin quota, its spaces), its read failed, past the push's ti
 peer did not prove the pool's secret, the node is down, no peer has the hinted name, the
 push queue was full. Received: the first four."""
 HANDOFF_ENDS = ("read", "expired", "deleted")
+DELETE_RESULTS = ("ok", "absent", "refused", "error", "dropped")
+"""How a DELETE sent to a peer (a client's DELETE reaching the pool's other copies) ended:
+deleted there, not held there, refused (no such tenant space there, or it does not follow
+this agent), not delivered yet (the peer unreachable: tried again when it is back),
+dropped (too many waiting for it). Received: the first three."""
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -52,10 +57,17 @@ class PeerMetrics:
             "kvpool_peer_push_duration_seconds", "Hand-off pushes sent, from the offer (its "
             "batch's write) to the receiver's answer (its read of the chunk included)",
             [*p, "peer"], buckets=_BUCKETS, registry=r)
+        self._deletes = Counter(
+            "kvpool_peer_deletes", "DELETEs of a key between this agent and a peer (a "
+            "client's DELETE reaching the copies other agents hold), by direction (sent, "
+            "received) and result", [*p, "peer", "direction", "result"], registry=r)
         self._handoffs = Counter(
             "kvpool_peer_handoff_pins", "Pins of chunks pushed here that ended, by how: read "
             "(the first GET or ACQUIRE), expired (peers.handoffTtl), deleted", [*p, "end"],
             registry=r)
+
+    def deleted(self, peer: str, direction: str, result: str) -> None:
+        self._deletes.labels(self.pool, peer, direction, result).inc()
 
     def pushed(self, peer: str, result: str, seconds: float) -> None:
         self._pushes.labels(self.pool, peer, "sent", result).inc()

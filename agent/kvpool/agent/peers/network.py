@@ -46,6 +46,11 @@ PUSH_QUEUE = 4096
 not held back."""
 PUSH_WORKERS = 2
 """Pushes offered at once (each holds a connection to its peer and a worker thread)."""
+DELETE_RETRY = 1.0
+"""Seconds between attempts to deliver DELETEs to a peer that follows and did not answer
+(one unreachable gets them when its link is back, before its inventory)."""
+DELETE_TIMEOUT = 5.0
+"""Seconds a batch of DELETEs to a peer may take."""
 MAX_LOGGED = 1024
 """Hint names and peers remembered as failing (each logged once until a push works)."""
 
@@ -93,6 +98,8 @@ class PeerNetwork:
         self._pushes: asyncio.Queue[tuple[str, bytes, int, str]] | None = None
         self._failing: set[str] = set()
         """Push targets whose failure was logged (once, until a push to them works)."""
+        self._deletes = asyncio.Event()
+        """Set when DELETEs were queued for peers."""
 
     async def start(self) -> None:
         await self.server.start(self.cfg.address, self.cfg.port)
@@ -103,6 +110,7 @@ class PeerNetwork:
             self._tasks.append(loop.create_task(self._discover()))
         self._pushes = asyncio.Queue(PUSH_QUEUE)
         self._tasks += [loop.create_task(self._push_worker()) for _ in range(PUSH_WORKERS)]
+        self._tasks.append(loop.create_task(self._delete_worker()))
         log.info("peer tier serving on %s:%d%s, %d static peers%s", self.cfg.address,
                  self.cfg.port, " (TLS)" if self._server_tls else "", len(self.cfg.addresses),
                  f", discovery {self.cfg.discovery}" if self.cfg.discovery else "")
@@ -257,6 +265,46 @@ class PeerNetwork:
             else:
                 self._log_once(to, "push of %s to %s (%s): %s%s", key.hex(), to, link.name,
                                result, f": {why}" if why else "")
+
+    # -- deletes (docs/cross-node.md#delete)
+
+    def delete(self, tenant: str, key: bytes, here: bool) -> None:
+        """A DELETE of `key` in `tenant`'s space: no peer is read from for it any more, and
+        it goes to every peer (`here`: made on this node, by a client) or, made on another
+        node and received from it, to the peers unreachable from here only (when each is
+        back, before its inventory is taken: one that missed it from the deleting node
+        may be reachable from here first). Never waits."""
+        d = self.directories.get(tenant)
+        if d is not None:
+            d.forget(key)
+        for link in self.links.values():
+            if link.is_self or link.closed or not (here or not link.synced):
+                continue
+            link.queue_delete(tenant, key)
+        self._deletes.set()
+
+    async def _delete_worker(self) -> None:
+        """Delivers queued DELETEs to the peers this agent follows now (an unreachable
+        peer's wait for its link: `PeerLink.run` sends them first)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._deletes.wait(), DELETE_RETRY)
+            self._deletes.clear()
+            for link in list(self.links.values()):
+                while link.deletes and link.synced and not link.closed:
+                    batch = link.take_deletes()
+                    try:
+                        left = await loop.run_in_executor(
+                            self.pool, link.delete_many, batch,
+                            time.monotonic() + DELETE_TIMEOUT)
+                    except RuntimeError:  # the executor is shut down: the agent stops
+                        return
+                    if left:
+                        for _ in left:
+                            self.m.deleted(link.name, "sent", "error")
+                        link.requeue(left)
+                        break
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
         if what in self._failing or len(self._failing) >= MAX_LOGGED:

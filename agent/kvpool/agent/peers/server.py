@@ -92,6 +92,11 @@ class Holdings(Protocol):
         """Arena bytes pinned by pushed chunks not read yet."""
         ...
 
+    def peer_delete(self, key: bytes, sender: bytes) -> tuple[int, str]:
+        """A DELETE of `key` made on the node of the agent whose id is `sender`: (a
+        `wire.DELETED`, `NOT_HELD` or `DELETE_REFUSED` status, why)."""
+        ...
+
 
 class Subscriber:
     def __init__(self) -> None:
@@ -224,6 +229,9 @@ class PeerServer:
                 if op == wire.OP_SUBSCRIBE:
                     await self._stream(reader, writer)
                     return
+                if op == wire.OP_DELETE:
+                    await self._delete(writer, peer, rid, tenant, key, client_id)
+                    continue
                 await self._fetch(writer, peer, owner, rid, tenant, key)
         finally:
             for task in offers:  # the connection is gone: its offers go with it
@@ -250,6 +258,23 @@ class PeerServer:
             log.warning("push of %s from %s refused: %s", key.hex(), peer, why)
         if before is not None:
             await before
+        writer.write(wire.encode_push_reply(status, rid, why))
+        await writer.drain()
+
+    async def _delete(self, writer: asyncio.StreamWriter, peer: str, rid: int, tenant: str,
+                      key: bytes, sender: bytes) -> None:
+        """A DELETE from a peer's node: this agent's copy goes (if the tenant's space has
+        one and the sender is a peer it follows); one reply."""
+        holdings = self.spaces.get(tenant)
+        if holdings is None:
+            status, why = wire.DELETE_REFUSED, f"this agent has no space of tenant {tenant!r}"
+        else:
+            status, why = holdings.peer_delete(key, sender)
+        self.m.deleted(peer, "received", {wire.DELETED: "ok", wire.NOT_HELD: "absent"}.get(
+            status, "refused"))
+        if status == wire.DELETE_REFUSED and f"delete {peer}" not in self._refusing:
+            self._refusing.add(f"delete {peer}")  # once per peer: it may send many
+            log.warning("delete of %s from %s refused: %s", key.hex(), peer, why)
         writer.write(wire.encode_push_reply(status, rid, why))
         await writer.drain()
 

@@ -3,9 +3,9 @@ little-endian structs, each bounded, so a peer's frame can never make the agent 
 more than a few KiB before the chunk bytes, which land in arena extents of the size the
 directory announced.
 
-After the handshake (`auth`), a connection carries either requests (FETCH and PUSH,
-answered in order: FETCHes one at a time, up to `MAX_PUSH_BATCH` PUSH offers at once) or,
-after one SUBSCRIBE, the holder's inventory and its changes.
+After the handshake (`auth`), a connection carries either requests (FETCH, PUSH and
+DELETE, answered in order: FETCHes and DELETEs one at a time, up to `MAX_PUSH_BATCH` PUSH
+offers at once) or, after one SUBSCRIBE, the holder's inventory and its changes.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ this node) and asks the receiver to take it; `PUSH` follows the tenant name. The
 receiver decides (its pin quota, its spaces) before any byte moves, then reads the chunk
 from the sender like any peer read (FETCH on its own connection), and answers
 `PUSH_REPLY` once it is stored or refused."""
+OP_DELETE = 4
+"""A DELETE made on the sender's node (a client's, docs/cross-node.md#delete): the receiver
+deletes its copy of the key in the tenant's space (DRAM and NVMe; the shared tier is the
+sender's to delete) and answers `DELETE_REPLY`. Only from an agent the receiver follows."""
 PUSH = struct.Struct("<Q")
 """The chunk's size in bytes."""
 MAX_PUSH_BATCH = 32
@@ -52,6 +56,15 @@ PUSH_REFUSED = 2
 PUSH_FAILED = 3
 """The receiver's read of the chunk failed (absent by then, timeout, corrupt, no room)."""
 PUSH_STATUSES = (PUSH_STORED, PUSH_HELD, PUSH_REFUSED, PUSH_FAILED)
+DELETE_REPLY = PUSH_REPLY
+"""status, 0, message length, request id; then the message (why, for a refusal)."""
+DELETED = 0
+"""The receiver held the key in the space and has deleted it."""
+NOT_HELD = 1
+"""The receiver did not hold it (nothing to do; it is not read from a peer there either)."""
+DELETE_REFUSED = 2
+"""Unknown tenant space, or a sender the receiver does not follow: nothing deleted."""
+DELETE_STATUSES = (DELETED, NOT_HELD, DELETE_REFUSED)
 MAX_MESSAGE_BYTES = 1024
 
 REPLY = struct.Struct("<BBHIQQI")
@@ -102,7 +115,7 @@ def encode_request(op: int, rid: int, key: bytes, tenant: str) -> bytes:
 def request_head(data: bytes) -> tuple[int, int, int, bytes]:
     """(op, rid, tenant length, key) of a request's fixed part."""
     op, _, tlen, rid, key = REQUEST.unpack(data)
-    if op not in (OP_FETCH, OP_SUBSCRIBE, OP_PUSH):
+    if op not in (OP_FETCH, OP_SUBSCRIBE, OP_PUSH, OP_DELETE):
         raise WireError(f"unknown op {op}")
     if tlen > MAX_TENANT_BYTES:
         raise WireError(f"tenant name of {tlen} bytes")
@@ -141,11 +154,13 @@ def encode_push_reply(status: int, rid: int, message: str = "") -> bytes:
     return PUSH_REPLY.pack(status, 0, len(m), rid & 0xFFFFFFFF) + m
 
 
-def push_reply_head(data: bytes) -> tuple[int, int, int]:
-    """(status, message length, request id) of a PUSH reply's fixed part."""
+def push_reply_head(data: bytes, statuses: tuple[int, ...] = PUSH_STATUSES
+                    ) -> tuple[int, int, int]:
+    """(status, message length, request id) of a PUSH reply's fixed part (of a DELETE
+    reply's, with `DELETE_STATUSES`)."""
     status, _, mlen, rid = PUSH_REPLY.unpack(data)
-    if status not in PUSH_STATUSES:
-        raise WireError(f"unknown push status {status}")
+    if status not in statuses:
+        raise WireError(f"unknown reply status {status}")
     if mlen > MAX_MESSAGE_BYTES:
         raise WireError(f"push reply message of {mlen} bytes")
     return status, mlen, rid

@@ -50,7 +50,7 @@ class Dispatcher:
             p.Op.RELEASE: _release,
             p.Op.PUT: _put,
             p.Op.GET: _get,
-            p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, c.store.delete(r.key)),
+            p.Op.DELETE: lambda c, r: p.DeleteReply(r.rid, c.store.delete(r.key, r.local)),
             p.Op.PIN: _pin,
             p.Op.UNPIN: _unpin,
             p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats(c.space)),

@@ -924,8 +924,32 @@ class ChunkStore:
 
     # -- management
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, local: bool = False) -> bool:
+        """A client's DELETE: final on this node, in the shared tier (in the background)
+        and, with peers on, on every other node of the pool (docs/cross-node.md#delete);
+        `local`: on this node only. Whether this node held it."""
         check_key(key)
+        existed = self._delete_here(key)
+        if local:
+            return existed
+        if self.shared is not None:
+            self._spawn(self.shared.delete(key))
+        if self.peer is not None:
+            self.peer.delete(key, here=True)
+        return existed
+
+    def peer_delete(self, key: bytes, sender: bytes) -> tuple[int, str]:
+        """A DELETE made on the node of the agent whose id is `sender` (a peer this one
+        follows): this node's copy goes, and no peer is read from for it any more."""
+        if self.peer is None:
+            return wire.DELETE_REFUSED, "peers are off on this agent"
+        if self.peer.link_of(sender) is None:
+            return wire.DELETE_REFUSED, "the sender is not a peer this agent follows"
+        self.peer.delete(key, here=False)
+        return (wire.DELETED if self._delete_here(key) else wire.NOT_HELD), ""
+
+    def _delete_here(self, key: bytes) -> bool:
+        """The key's copy on this node goes: DRAM, in flight, NVMe; whether one was held."""
         self.deletes.record(key)
         self._end_handoff(key, "deleted")
         self.dram.unpin(key)
@@ -936,8 +960,6 @@ class ChunkStore:
             self.journal.drop(key)  # journaled till its demotion lands: a delete is final
         if self.nvme is not None and self.nvme.forget(key):
             existed = True
-        if self.shared is not None:
-            self._spawn(self.shared.delete(key))
         return existed
 
     def pin(self, key: bytes) -> None:
