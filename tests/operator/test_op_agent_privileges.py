@@ -237,6 +237,18 @@ def test_hostdirs_hands_a_root_owned_tree_to_the_agent(tmp_path: Path) -> None:
     assert "(0 entries changed)" in again.stdout
 
 
+@pytest.mark.parametrize(("args", "what"), [
+    ((), "required: DIR"), (("/tmp/x",), "--owner is required"),
+    (("--owner=root", "/tmp/x"), "owner 'root' is not UID[:GID]")])
+def test_a_hostdirs_usage_error_is_one_line_saying_what_is_wrong(
+        args: tuple[str, ...], what: str) -> None:
+    result = _run_hostdirs(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("kvpool hostdirs: ")
+    assert what in result.stderr and "(usage: python3 -m kvpool.operator.hostdirs" in \
+        result.stderr, result.stderr
+
+
 def test_hostdirs_fails_with_the_directory_named(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")

@@ -29,6 +29,7 @@ import stat
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 
 def parse_owner(text: str) -> tuple[int, int]:
@@ -95,16 +96,26 @@ def remove(directory: Path) -> int:
     return removed
 
 
+USAGE = "python3 -m kvpool.operator.hostdirs (--owner UID:GID | --remove) DIR..."
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line (an init container's log shows it whole), not argparse's usage block:
+        what is wrong, then how it is called."""
+        self.exit(2, f"kvpool hostdirs: {message} (usage: {USAGE})\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python3 -m kvpool.operator.hostdirs",
+    parser = _Parser(
+        prog="python3 -m kvpool.operator.hostdirs", usage=USAGE,
         description="Give the kvpool agent's host directories to its UID:GID, or remove "
         "a deleted pool's.",
     )
     parser.add_argument("--owner", help="UID:GID of the agent")
     parser.add_argument("--remove", action="store_true",
                         help="delete the directories instead (a deleted pool's)")
-    parser.add_argument("directories", nargs="+", type=Path)
+    parser.add_argument("directories", nargs="+", type=Path, metavar="DIR")
     args = parser.parse_args(argv)
     if args.remove:
         for directory in args.directories:
