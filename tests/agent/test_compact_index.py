@@ -1,17 +1,21 @@
-"""The flat structures of a tier's index (`keytable.KeyTable`, `eviction.GhostList`) answer
-exactly as the dicts they replace, under any sequence of operations."""
+"""The flat structures of a tier's index (`keytable.KeyTable`, `eviction.GhostList`) and of
+the store's memory of recent LOOKUPs (`store.recent.RecentLookups`) answer exactly as the
+dicts they replace, under any sequence of operations."""
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.agent import probekernel
 from kvpool.agent.constants import KEY_BYTES
 from kvpool.agent.eviction import GhostList
-from kvpool.agent.keytable import KeyTable
+from kvpool.agent.keytable import KeyTable, homes
+from kvpool.agent.store.recent import RecentLookups
 
 # Long random runs over up to 2,000 keys: keys come and go and come back, and the tables
 # grow past their first 1,024 cells and are rebuilt (checked: most runs rebuild), which
@@ -85,3 +89,74 @@ def test_ghost_list_remembers_and_forgets_as_an_ordered_dict(run: tuple[int, int
         ghost.pop_oldest()
         model.popitem(last=False)
         assert oldest not in ghost and all(k in ghost for k in model)
+
+
+@settings(max_examples=8, deadline=None)
+@given(_runs)
+def test_key_table_finds_many_keys_at_once_as_it_finds_each(run: tuple[int, int]) -> None:
+    # LOOKUP's probe of 128 keys in one call (the compiled loop, and the Python walk it
+    # falls back to) against `find`, at every stage of a random run: tombstones, reused
+    # slots, rebuilt tables, keys asked twice, keys never added.
+    assert probekernel.kernels() is not None  # llvmlite is the agent's dependency
+    seed, n_keys = run
+    rnd = random.Random(seed)
+    table = KeyTable()
+    removed: list[int] = []
+    for i in range(_OPS):
+        key = rnd.randrange(n_keys).to_bytes(KEY_BYTES, "little")
+        op = rnd.choice(["add", "add", "remove", "release"])
+        if op == "add" and table.find(key) < 0:
+            table.add(key)
+        elif op == "remove" and table.find(key) >= 0:
+            removed.append(table.remove(key))
+        elif op == "release" and removed:
+            table.release(removed.pop(rnd.randrange(len(removed))))
+        if i % 300 == 0:
+            keys = [rnd.randrange(2 * n_keys).to_bytes(KEY_BYTES, "little")
+                    for _ in range(rnd.randrange(129))]
+            slots = [table.find(k) for k in keys]
+            for compiled in (True, False):
+                got, found = table.find_many(keys, b"".join(keys), homes(keys), compiled)
+                assert list(got) == slots
+                assert found == bytes(s >= 0 for s in slots)
+
+
+def test_key_table_refuses_keys_and_hashes_that_do_not_match() -> None:
+    table = KeyTable()
+    table.add(bytes(KEY_BYTES))
+    keys = [bytes(KEY_BYTES), b"\1" * KEY_BYTES]
+    assert probekernel.kernels() is not None
+    with pytest.raises(ValueError):
+        table.find_many(keys, b"".join(keys)[:-1], homes(keys))
+    with pytest.raises(ValueError):
+        table.find_many(keys, b"".join(keys), homes(keys[:1]))
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(0, 2**32), st.integers(2, 600))
+def test_recent_lookups_remember_each_keys_last_place_as_an_ordered_dict(
+        seed: int, n_keys: int) -> None:
+    # The store's model before: an OrderedDict of key -> (seq, depth, last), each LOOKUP's
+    # keys moved to its end, the oldest dropped past its size. The generations remember
+    # every key of the last half of that size (less one LOOKUP's keys) exactly as it did,
+    # and never more keys than the size.
+    rnd = random.Random(seed)
+    size, most = 256, 40
+    recent = RecentLookups(size)
+    model: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
+    for seq in range(1, 300):
+        keys = [rnd.randrange(n_keys).to_bytes(KEY_BYTES, "little")
+                for _ in range(rnd.randrange(1, most + 1))]
+        recent.told(seq, keys)
+        for depth, k in enumerate(keys):
+            model[k] = (seq, depth, depth == len(keys) - 1)
+            model.move_to_end(k)
+        while len(model) > size:
+            model.popitem(last=False)
+        assert len(recent) <= size
+        if seq % 10 == 0:
+            kept = list(model)[-(size // 2 - most):]
+            assert all(recent.get(k) == model[k] for k in kept)
+            # older ones: right, or forgotten
+            assert all(recent.get(k) in (None, model[k]) for k in model)
+    assert recent.get(b"\xff" * KEY_BYTES) is None

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 import tracemalloc
 
+import pytest
+
+from kvpool.agent import probekernel
+from kvpool.agent.constants import PEER_TIER_CODE
+from kvpool.agent.keytable import homes
 from kvpool.agent.peers.directory import PeerDirectory
 
 REMOTE_CHUNKS = 300_000
@@ -46,3 +52,31 @@ def test_a_key_is_credited_to_its_last_announcer_and_a_peer_drops_only_its_own()
     assert d.holder(k3) is None
     d.add(k3, 2, 0)  # nothing to reserve: never an entry
     assert k3 not in d
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_lookups_keys_are_coded_at_once_as_each_holder_says(compiled: bool) -> None:
+    # LOOKUP's view of its keys past the local prefix, in one call: a local key is local
+    # (2), a key held by a peer that may be read is the peer tier's, anything else (no
+    # entry, a peer not readable, a peer this agent has no link for) ends the prefix (0).
+    assert probekernel.kernels() is not None
+    rnd = random.Random(29)
+    d = PeerDirectory()
+    keys = [rnd.randbytes(16) for _ in range(3000)]
+    for i, k in enumerate(keys):
+        d.add(k, i % 6, 4096)
+    for k in keys[::5]:
+        d.remove(k, keys.index(k) % 6)
+    d.drop_peer(3)
+    readable = bytes([1, 0, 1, 1, 1])  # peer 1 suspect, peer 5 unknown to the links
+    for _ in range(20):
+        asked = rnd.sample(keys, 100) + [rnd.randbytes(16) for _ in range(28)]
+        local = bytes(rnd.random() < 0.1 for _ in asked)
+        want = []
+        for k, here in zip(asked, local, strict=True):
+            held = d.holder(k)
+            ok = held is not None and held[0] < len(readable) and readable[held[0]]
+            want.append(2 if here else PEER_TIER_CODE if ok else 0)
+        got = d.codes(asked, b"".join(asked), homes(asked), readable, local, PEER_TIER_CODE,
+                      compiled)
+        assert list(got) == want

@@ -153,6 +153,12 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         data = os.urandom(256 << 10)
         assert ca.put(key, data) and ca.put(other, os.urandom(4096))
         seen_as(cb, [key, other], ["peer", "peer"])
+        # A key node 1 holds itself, between two a peer holds, is its own DRAM's (and hit).
+        mine = os.urandom(16)
+        assert cb.put(mine, os.urandom(4096))
+        hits = metric(b, "kvpool_tier_hits_total", tier="dram")
+        assert cb.lookup_tiers([key, mine, other]) == ["peer", "dram", "peer"]
+        assert metric(b, "kvpool_tier_hits_total", tier="dram") == hits + 1
         # Flip a byte of the chunk in node 0's arena: it sends what is there, unverified.
         arena = a.arena_path.read_bytes()
         at = arena.find(data[:4096])
@@ -167,8 +173,9 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         assert metric(b, "kvpool_peer_suspect_total") == 1
         # A suspect peer is not read from (nor counted by LOOKUP) for a while.
         assert cb.lookup_tiers([other]) == []
+        assert cb.lookup_tiers([mine, other]) == ["dram"]
         assert cb.get(other) is None
-        assert cb.stats()["tiers"]["dram"]["chunks"] == 0
+        assert cb.stats()["tiers"]["dram"]["chunks"] == 1  # its own chunk alone
 
 
 def test_a_stopped_peer_costs_a_read_its_timeout_then_a_miss(

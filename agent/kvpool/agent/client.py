@@ -38,6 +38,7 @@ from .constants import (
     ENV_PUT_AHEAD,
     ENV_SOCKET,
     ENV_TENANT,
+    TIER_CODES,
     TIER_NAMES,
 )
 from .protocol import EngineBlocks
@@ -63,6 +64,8 @@ T = TypeVar("T")
 
 BATCH_WINDOW = 128
 """Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
+DRAM_CODES = bytes([TIER_CODES["dram"]]) * p.MAX_LOOKUP_KEYS
+"""Tier codes of a window the shared-memory index answers (DRAM only)."""
 
 
 def default_socket(socket_path: str | os.PathLike[str] | None = None) -> str:
@@ -218,29 +221,35 @@ class KVPoolClient:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the pool holds (in any tier)."""
-        return len(self.lookup_tiers(keys))
+        return len(self._lookup_codes(keys))
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier of each key of the longest stored prefix: "dram", "nvme" or "shared".
+        """The tier of each key of the longest stored prefix: "dram", "nvme", "peer" or
+        "shared".
 
         A prefix longer than one LOOKUP takes (`MAX_LOOKUP_KEYS`) is asked in windows,
         the next only while the previous one was a hit all the way.
         """
-        def call(window: Sequence[bytes], t: Transport) -> list[str]:
+        return [TIER_NAMES.get(t, str(t)) for t in self._lookup_codes(keys)]
+
+    def _lookup_codes(self, keys: Sequence[bytes]) -> bytes:
+        """`lookup_tiers` as the reply's tier codes (a byte a key: no name made per key
+        for a caller that only counts them)."""
+        def call(window: Sequence[bytes], t: Transport) -> bytes:
             reply = t.conn.call(p.Lookup(t.conn.rid(), list(window)))
             assert isinstance(reply, p.LookupReply)
-            return [TIER_NAMES.get(t, str(t)) for t in reply.tiers]
+            return reply.tiers
 
-        tiers: list[str] = []
+        codes = b""
         for start in range(0, max(len(keys), 1), p.MAX_LOOKUP_KEYS):
             window = keys[start : start + p.MAX_LOOKUP_KEYS]
             found = self._local_lookup(window)
             if found is None:
                 found = self._retrying(partial(call, window))
-            tiers += found
+            codes += found
             if len(found) < len(window):
                 break
-        return tiers
+        return codes
 
     def lookup_nowait(self, keys: Sequence[bytes]) -> int | None:
         """How many leading keys the pool holds, answered from the agent's shared-memory
@@ -255,7 +264,7 @@ class KVPoolClient:
         found = self._local_lookup(keys, always=True)
         return None if found is None else len(found)
 
-    def _local_lookup(self, window: Sequence[bytes], always: bool = False) -> list[str] | None:
+    def _local_lookup(self, window: Sequence[bytes], always: bool = False) -> bytes | None:
         """The window's answer from the shared-memory index, or None: ask the socket."""
         t = self._transport
         if not (self.local_lookup or always) or not isinstance(t, ZeroCopyTransport) \
@@ -269,7 +278,7 @@ class KVPoolClient:
         # (prefetch has nothing to do: the index answers only when no lower tier may
         # hold more of the prefix).
         t.conn.tell(p.Lookup(t.conn.rid(), list(window)))
-        return ["dram"] * count
+        return DRAM_CODES[:count]
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]) == 1

@@ -22,17 +22,28 @@ while a write is under way (NVMe's index is written by worker threads and read b
 the event loop): a write changes one cell at a time, and a rebuild makes the whole
 new table before it swaps it in, so a reader sees the old table or the new one.
 A caller that claims a slot fills its row before `insert` makes the key findable.
+
+`find_many` answers many keys at once (a LOOKUP's 128) in one compiled loop
+(`probekernel`) over the same cells and keys. It reads the key bytes at an address taken
+before the call, which a concurrent `claim` growing them would leave behind: only a table
+written on the caller's own thread (DRAM's and the peer directory's, on the event loop)
+may use it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import struct
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+from . import probekernel
 from .constants import KEY_BYTES
 
 _MIN_CELLS = 1 << 10
 _EMPTY, _DEAD = 0, -1
+NONE = (-1,)
+"""`find_many`'s slot of a key not found."""
 
 
 class KeyTable:
@@ -71,6 +82,30 @@ class KeyTable:
             i = (i + 1) & mask
             cell = cells[i]
         return -1
+
+    def find_many(self, keys: Sequence[bytes], want: bytes, homes: bytes,
+                  compiled: bool = True) -> tuple[array[int], bytes]:
+        """The slot of each of `keys` (-1: none) and, one byte a key, whether it was found
+        (1) or not (0). `want` is the keys joined, `homes` their `homes`. On the thread
+        that writes the table only (see the module). `compiled=False`: key by key in
+        Python, as where the compiled loop is missing."""
+        n = len(keys)
+        if not self.live:
+            return array("q", NONE) * n, bytes(n)
+        kernels = probekernel.ready() if compiled else None
+        if kernels is None:
+            slots = array("q", map(self.find, keys))
+            return slots, bytes(s >= 0 for s in slots)
+        if len(want) != KEY_BYTES * n or len(homes) != 8 * n:
+            raise ValueError(f"{n} keys need {KEY_BYTES * n} bytes of keys and {8 * n} of "
+                             f"hashes")
+        slots = array("q", bytes(8 * n))
+        found = array("B", bytes(n))
+        cells = self._cells
+        kernels.probe(cells.buffer_info()[0], len(cells) - 1,
+                      ctypes.addressof(ctypes.c_char.from_buffer(self._keys)), self.slots,
+                      want, homes, n, slots.buffer_info()[0], found.buffer_info()[0])
+        return slots, found.tobytes()
 
     def add(self, key: bytes) -> int:
         """A slot for a key not in the table (the caller checked with `find`)."""
@@ -155,6 +190,12 @@ class KeyTable:
         for slot in self.live_slots():
             self._place(self.key_at(slot), slot, cells)
         self._cells, self._mask, self._dead = cells, size - 1, 0
+
+
+def homes(keys: Sequence[bytes]) -> bytes:
+    """Each key's `hash()` as a little-endian i64: what `KeyTable.find_many` starts from
+    (one serves every table a LOOKUP asks)."""
+    return struct.pack(f"<{len(keys)}q", *map(hash, keys))
 
 
 class NameIds:

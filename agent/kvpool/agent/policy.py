@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 from .config import AdmissionMode, EvictionOrder, OnEvict, TierName, TierPolicy, TierRules
@@ -171,5 +172,7 @@ def prefetch_keys(policy: TierPolicy, keys: list[bytes], hit_count: int,
     """
     if not policy.prefetch.enabled or policy.prefetch.lookahead_chunks == 0:
         return []
-    below = [keys[i] for i in range(hit_count) if tiers[i] != 2]
-    return below[: policy.prefetch.lookahead_chunks]
+    if tiers.count(2, 0, hit_count) == hit_count:  # all in DRAM (LOOKUP's common case)
+        return []
+    below = (keys[i] for i in range(hit_count) if tiers[i] != 2)
+    return list(islice(below, policy.prefetch.lookahead_chunks))

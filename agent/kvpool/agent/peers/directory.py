@@ -11,7 +11,9 @@ directory is eventually consistent: a read of an entry that turns out stale fall
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
+from .. import probekernel
 from ..keytable import KeyTable
 
 MAX_SIZE = 0xFFFFFFFF
@@ -62,6 +64,24 @@ class PeerDirectory:
         if slot < 0:
             return None
         return self._peer[slot], self._size[slot]
+
+    def codes(self, keys: Sequence[bytes], want: bytes, hashes: bytes, readable: bytes,
+              local: bytes, code: int, compiled: bool = True) -> bytes:
+        """A LOOKUP's keys at once, one byte each: 2 where `local` (a byte a key) says a
+        local tier has it, else `code` where its holder is a peer that `readable` (a byte
+        a peer number) says may be read, else 0. `want` is the keys joined, `hashes` their
+        `keytable.homes`. `compiled=False`: in Python (`KeyTable.find_many`)."""
+        slots, _ = self.table.find_many(keys, want, hashes, compiled)
+        kernels = probekernel.ready() if compiled else None
+        n = len(keys)
+        if kernels is None:
+            peers, count = self._peer, len(readable)
+            return bytes(2 if local[i] else code if s >= 0 and peers[s] < count
+                         and readable[peers[s]] else 0 for i, s in enumerate(slots))
+        out = array("B", bytes(n))
+        kernels.codes(slots.buffer_info()[0], n, self._peer.buffer_info()[0], len(readable),
+                      readable, local, code, out.buffer_info()[0])
+        return out.tobytes()
 
     def __contains__(self, key: bytes) -> bool:
         return self.table.find(key) >= 0

@@ -166,6 +166,10 @@ class PeerNetwork:
             return None
         return link, got[1]
 
+    def readable(self) -> bytes:
+        """One byte per peer number: 1 where that peer may be read now (`holder`'s rule)."""
+        return bytes(link is not None and link.readable for link in self.by_index)
+
     async def fetch(self, link: PeerLink, tenant: str, key: bytes,
                     target: ArenaTarget) -> Fetched | str:
         """The chunk read from `link` into `target` (`PeerLink.fetch`), within

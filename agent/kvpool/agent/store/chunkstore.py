@@ -46,13 +46,14 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .. import checksums
+from .. import checksums, probekernel
 from .. import policy as pol
 from ..config import AgentConfig, TierName, TierPolicy
 from ..constants import KEY_BYTES, PEER_TIER, PEER_TIER_CODE
 from ..constants import TIER_CODES as TIER_CODE
 from ..eviction import new_queue
 from ..journal import Handoff, Journal, JournalEntry, pending_handoffs, replay
+from ..keytable import homes
 from ..metrics import AgentMetrics
 from ..peers import wire
 from ..peers.links import MAX_BATCH, MAX_BATCH_BYTES, PUSH_READ_TIMEOUT, Fetched, PeerLink
@@ -69,6 +70,7 @@ from .demotion import IO_THREADS, Demotion
 from .errors import OpError, check_key
 from .loads import Loaded, Loads
 from .observer import NO_OBSERVER, Observers, TierObserver
+from .recent import RecentLookups
 from .sharedlink import SharedLink
 from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot
 
@@ -84,9 +86,12 @@ DEMOTION_WAIT = 30.0
 """Seconds an ALLOC or PUT waits for chunks on their way to NVMe to free its room before
 it answers NO_SPACE (only a stalled NVMe takes that long)."""
 RECENT_LOOKUPS = 1 << 16
+"""Keys remembered from recent LOOKUPs, so a chunk written next knows its depth (at least
+half as many, the last ones told: `RecentLookups`)."""
 RECENT_PEER_PROMPTS = 256
 """Recent LOOKUPs that counted peer chunks whose keys are kept, to know what follows a key."""
-"""Keys remembered from recent LOOKUPs, so a chunk written next knows its depth."""
+DRAM_CODES = bytes([2]) * MAX_LOOKUP_KEYS
+"""A LOOKUP's tier codes where every key is in DRAM (the prefix of it that is)."""
 FIND_TRIES = 4
 """Reads of a chunk that keeps moving between DRAM and NVMe under one GET or ACQUIRE
 before it is a miss (each try is one NVMe read; a chunk moves only that often when DRAM
@@ -118,7 +123,8 @@ class ChunkStore:
             journal.live_handoffs = self._journal_handoffs
         self.dram.repin((), (bytes.fromhex(k) for k in policy.pins))
         self.seq = 0
-        self.recent: OrderedDict[bytes, tuple[int, int, bool]] = OrderedDict()
+        probekernel.compile_soon()  # LOOKUP's probes (`KeyTable.find_many`)
+        self.recent = RecentLookups(RECENT_LOOKUPS)
         """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
         self.counts = LookupCounts()
         self.deletes = Deletes()
@@ -230,70 +236,92 @@ class ChunkStore:
 
     async def lookup(self, keys: list[bytes]) -> tuple[int, bytes]:
         """How many leading keys are stored, and the tier code of each (2, 3, 4)."""
-        if len(keys) > MAX_LOOKUP_KEYS:
+        n = len(keys)
+        if n > MAX_LOOKUP_KEYS:
             raise OpError(ErrorCode.BAD_ARGUMENT,
-                          f"LOOKUP takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
-        for k in keys:
-            check_key(k)
+                          f"LOOKUP takes at most {MAX_LOOKUP_KEYS} keys, got {n}")
+        want = b"".join(keys)
+        if len(want) != KEY_BYTES * n or (n and min(map(len, keys)) != KEY_BYTES):
+            for k in keys:
+                check_key(k)
         m = self.m
         m.lookups.inc()
-        m.lookup_keys.inc(len(keys))
+        m.lookup_keys.inc(n)
         seq = self._next_seq()
         now = time.time()
-        tiers = bytearray()
+        # Every key's DRAM slot at once (`KeyTable.find_many`): the walks below only act.
+        hashes = homes(keys)
+        slots, in_dram = self.dram.find_many(keys, want, hashes)
+        hit = self._hit_dram
         nvme = self.nvme
-        find = self.dram.finder()
-        for depth, k in enumerate(keys):
-            slot = find(k)
-            if slot >= 0:
-                self._hit_dram(slot, seq, depth, now)
-                tiers.append(2)
-                continue
-            if nvme is not None and nvme.hit(k, seq, depth, now):
-                tiers.append(3)
-                continue
-            break
-        last = len(keys) - 1
-        for depth, k in enumerate(keys):
-            self.recent[k] = (seq, depth, depth == last)
-            self.recent.move_to_end(k)
-        while len(self.recent) > RECENT_LOOKUPS:
-            self.recent.popitem(last=False)
+        run = in_dram.find(0)
+        run = n if run < 0 else run
+        dram_hit, touched = self.dram.hit, self.dram_queue.touched_slot  # (`_hit_dram`)
+        for depth in range(run):
+            slot = slots[depth]
+            dram_hit(slot, seq, depth, now)
+            touched(slot, depth)
+        tiers = bytearray(DRAM_CODES[:run])
+        if nvme is not None:
+            for depth in range(run, n):
+                slot = slots[depth]
+                if slot >= 0:
+                    hit(slot, seq, depth, now)
+                    tiers.append(2)
+                    continue
+                if nvme.hit(keys[depth], seq, depth, now):
+                    tiers.append(3)
+                    continue
+                break
+        self.recent.told(seq, keys)
         local = len(tiers)
         if 3 in tiers:  # its NVMe chunks are about to be read: one read can take several
             self.loads.ahead.remember_prompt(seq, keys[:local])
         peer = self.peer
-        if peer is not None:
+        if peer is not None and local < n:
             # Past the local prefix, the directory of what peers hold (memory only: no
             # network on LOOKUP's path); a key that is local after all is reported local.
-            for depth in range(local, len(keys)):
-                k = keys[depth]
-                code = self._local_after_all(find, k, seq, depth, now) or (
-                    PEER_TIER_CODE if peer.holds(k) else 0)
-                if not code:
-                    break
-                tiers.append(code)
+            codes = peer.codes(keys, want, hashes, in_dram)
+            if nvme is None:
+                end = codes.find(0, local)
+                end = n if end < 0 else end
+                if codes.count(2, local, end):
+                    for depth in range(local, end):
+                        if codes[depth] == 2:
+                            hit(slots[depth], seq, depth, now)
+                tiers += codes[local:end]
+            else:
+                for depth in range(local, n):
+                    code = codes[depth]
+                    if code == 2:
+                        hit(slots[depth], seq, depth, now)
+                    elif self._below(keys[depth]):
+                        code = 3
+                    elif not code:
+                        break
+                    tiers.append(code)
         reached = len(tiers)
         if peer is not None and reached > local and PEER_TIER_CODE in tiers:
             self._peer_prompts[seq] = keys[:reached]
             if len(self._peer_prompts) > RECENT_PEER_PROMPTS:
                 self._peer_prompts.popitem(last=False)
-        if reached < len(keys) and self.shared is not None:
+        if reached < n and self.shared is not None:
             # Past the local prefix the shared tier decides how far the prefix goes, but a
             # key of it that is local after all is reported (and counted) in its local tier.
+            find = self.dram.finder()  # (after the wait: DRAM may have changed meanwhile)
             for depth in range(reached, reached + await self.shared.prefix(keys[reached:])):
                 tiers.append(self._local_after_all(find, keys[depth], seq, depth, now) or 4)
         count = len(tiers)
-        in_dram = tiers.count(2)
+        in_dram_count = tiers.count(2)
         in_nvme = tiers.count(3)
         in_peer = tiers.count(PEER_TIER_CODE)
-        self.counts.add("dram", in_dram, len(keys) - in_dram)
+        self.counts.add("dram", in_dram_count, n - in_dram_count)
         if self.nvme is not None:
-            self.counts.add("nvme", in_nvme, len(keys) - in_dram - in_nvme)
+            self.counts.add("nvme", in_nvme, n - in_dram_count - in_nvme)
         if peer is not None:
-            self.counts.add(PEER_TIER, in_peer, len(keys) - in_dram - in_nvme - in_peer)
+            self.counts.add(PEER_TIER, in_peer, n - in_dram_count - in_nvme - in_peer)
         if self.shared is not None:
-            self.counts.add("shared", count - in_dram - in_nvme - in_peer, len(keys) - count)
+            self.counts.add("shared", count - in_dram_count - in_nvme - in_peer, n - count)
         for k in pol.prefetch_keys(self.policy, keys, count, bytes(tiers)):
             self._spawn(self._prefetch(k))
         return count, bytes(tiers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +235,12 @@ class DramTier:
         """The index's own key -> slot lookup (-1: none), for a loop over many keys to bind
         once (LOOKUP: no call layer per key)."""
         return self.index.find
+
+    def find_many(self, keys: Sequence[bytes], want: bytes,
+                  hashes: bytes) -> tuple[array[int], bytes]:
+        """Each key's slot (-1: none) and whether it is visible here (1 or 0 a key):
+        `KeyTable.find_many` (LOOKUP: the index is written on the event loop only)."""
+        return self.index.find_many(keys, want, hashes)
 
     def __len__(self) -> int:
         """Visible chunks."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Sequence
 
+from ..constants import PEER_TIER_CODE
 from ..peers.links import FAILED, ArenaTarget, Fetched, PeerLink
 from ..peers.network import PeerNetwork
 
@@ -34,6 +36,13 @@ class PeerTier:
     def holds(self, key: bytes) -> bool:
         """A readable peer holds `key`, says the directory (which may be stale)."""
         return self.network.holder(self.tenant, key) is not None
+
+    def codes(self, keys: Sequence[bytes], want: bytes, hashes: bytes, local: bytes) -> bytes:
+        """LOOKUP's view of many keys at once, a byte each: 2 where `local` says DRAM has
+        it, else the peer tier's code where a readable peer holds it (as `holds`), else 0
+        (`PeerDirectory.codes`)."""
+        return self.directory.codes(keys, want, hashes, self.network.readable(), local,
+                                    PEER_TIER_CODE)
 
     def holder(self, key: bytes) -> tuple[PeerLink, int] | None:
         """The peer to read `key` from and the bytes to reserve for it."""

@@ -1,0 +1,220 @@
+"""LOOKUP's probes of a `KeyTable` for many keys in one call: a loop compiled at run time
+by llvmlite (as `wsumkernel`'s).
+
+A LOOKUP of 128 keys probes DRAM's table for each key and, with peers on, the peer
+directory's: in Python each probe is a call, a hash, a few array reads and a slice
+compared, ~0.4 us a key on a small machine, 128 keys twice ~100 us, more than the round
+trip itself. Here the keys' hashes (Python's `hash()`, SipHash seeded per process: what
+the table is built with, so a client still cannot aim keys at one probe run) are taken
+in Python, and one call walks every key's probe run and compares the keys: a few
+microseconds for 128.
+
+- `probe(cells, mask, keys, slots, want, homes, n, out, found)`: for each of the `n`
+  keys (16 bytes each at `want`, hashes at `homes`), its slot in the table (`out`, i64,
+  -1: absent) and 1 or 0 in `found` (u8). `cells` is the table's i32 cells (0 empty, -1
+  a tombstone, else slot + 1), `mask` its size - 1, `keys` its 16-byte keys by slot
+  (`slots` of them: a cell past them is taken for a miss).
+- `codes(dir_slots, n, peers, npeers, readable, local, code, out)`: the peer tier's
+  code per key of a LOOKUP past its local prefix: 2 where `local` (u8) says DRAM holds
+  the key, else `code` where the directory's slot (i64) names a peer (u16 `peers` by
+  slot) that `readable` (u8 by peer, `npeers` of them) says may be read, else 0.
+
+Called with the GIL held (ctypes' PYFUNCTYPE): the table's arrays cannot change during
+the call, and a call is a few microseconds. Where llvmlite is missing or cannot compile,
+`kernels` is None and `KeyTable` probes key by key in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_IR = """
+define void @probe(ptr %cells, i64 %mask, ptr %keys, i64 %slots, ptr %want, ptr %homes,
+                   i64 %n, ptr %out, ptr %found) nounwind {
+entry:
+  %none = icmp eq i64 %n, 0
+  br i1 %none, label %done, label %key
+key:
+  %i = phi i64 [0, %entry], [%i.n, %next]
+  %hp = getelementptr i64, ptr %homes, i64 %i
+  %h = load i64, ptr %hp, align 1
+  %home = and i64 %h, %mask
+  %woff = shl i64 %i, 4
+  %wp0 = getelementptr i8, ptr %want, i64 %woff
+  %wp1 = getelementptr i8, ptr %wp0, i64 8
+  %w0 = load i64, ptr %wp0, align 1
+  %w1 = load i64, ptr %wp1, align 1
+  br label %walk
+walk:
+  %at = phi i64 [%home, %key], [%at.n, %step]
+  %steps = phi i64 [0, %key], [%steps.n, %step]
+  %cp = getelementptr i32, ptr %cells, i64 %at
+  %c = load i32, ptr %cp, align 4
+  %empty = icmp eq i32 %c, 0
+  br i1 %empty, label %miss, label %live
+live:
+  %held = icmp sgt i32 %c, 0
+  br i1 %held, label %slot, label %step
+slot:
+  %c1 = sub i32 %c, 1
+  %s = zext i32 %c1 to i64
+  %known = icmp ult i64 %s, %slots
+  br i1 %known, label %compare, label %step
+compare:
+  %koff = shl i64 %s, 4
+  %kp0 = getelementptr i8, ptr %keys, i64 %koff
+  %kp1 = getelementptr i8, ptr %kp0, i64 8
+  %k0 = load i64, ptr %kp0, align 1
+  %k1 = load i64, ptr %kp1, align 1
+  %e0 = icmp eq i64 %k0, %w0
+  %e1 = icmp eq i64 %k1, %w1
+  %same = and i1 %e0, %e1
+  br i1 %same, label %hit, label %step
+step:
+  %at.1 = add i64 %at, 1
+  %at.n = and i64 %at.1, %mask
+  %steps.n = add i64 %steps, 1
+  %more = icmp ule i64 %steps.n, %mask
+  br i1 %more, label %walk, label %miss
+hit:
+  %op = getelementptr i64, ptr %out, i64 %i
+  store i64 %s, ptr %op, align 1
+  %fp = getelementptr i8, ptr %found, i64 %i
+  store i8 1, ptr %fp, align 1
+  br label %next
+miss:
+  %op.m = getelementptr i64, ptr %out, i64 %i
+  store i64 -1, ptr %op.m, align 1
+  %fp.m = getelementptr i8, ptr %found, i64 %i
+  store i8 0, ptr %fp.m, align 1
+  br label %next
+next:
+  %i.n = add i64 %i, 1
+  %again = icmp ult i64 %i.n, %n
+  br i1 %again, label %key, label %done
+done:
+  ret void
+}
+
+define void @codes(ptr %dslots, i64 %n, ptr %peers, i64 %npeers, ptr %readable,
+                   ptr %local, i8 %code, ptr %out) nounwind {
+entry:
+  %none = icmp eq i64 %n, 0
+  br i1 %none, label %done, label %key
+key:
+  %i = phi i64 [0, %entry], [%i.n, %next]
+  %lp = getelementptr i8, ptr %local, i64 %i
+  %l = load i8, ptr %lp, align 1
+  %isl = icmp ne i8 %l, 0
+  br i1 %isl, label %dram, label %dir
+dir:
+  %sp = getelementptr i64, ptr %dslots, i64 %i
+  %s = load i64, ptr %sp, align 1
+  %has = icmp sge i64 %s, 0
+  br i1 %has, label %peer, label %absent
+peer:
+  %pp = getelementptr i16, ptr %peers, i64 %s
+  %p16 = load i16, ptr %pp, align 1
+  %p = zext i16 %p16 to i64
+  %inr = icmp ult i64 %p, %npeers
+  br i1 %inr, label %ready, label %absent
+ready:
+  %rp = getelementptr i8, ptr %readable, i64 %p
+  %r = load i8, ptr %rp, align 1
+  %isr = icmp ne i8 %r, 0
+  br i1 %isr, label %remote, label %absent
+dram:
+  %op.d = getelementptr i8, ptr %out, i64 %i
+  store i8 2, ptr %op.d, align 1
+  br label %next
+remote:
+  %op.r = getelementptr i8, ptr %out, i64 %i
+  store i8 %code, ptr %op.r, align 1
+  br label %next
+absent:
+  %op.a = getelementptr i8, ptr %out, i64 %i
+  store i8 0, ptr %op.a, align 1
+  br label %next
+next:
+  %i.n = add i64 %i, 1
+  %again = icmp ult i64 %i.n, %n
+  br i1 %again, label %key, label %done
+done:
+  ret void
+}
+"""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+Probe = Callable[..., None]
+
+
+class Kernels:
+    def __init__(self, probe: Probe, codes: Probe) -> None:
+        self.probe = probe
+        self.codes = codes
+
+
+_lock = threading.Lock()
+_kernels: Kernels | None = None
+_tried = False
+_keep: list[Any] = []
+"""The JIT engine owning the compiled code: it must live as long as the process."""
+
+
+def _compile() -> Kernels | None:
+    try:
+        import llvmlite.binding as llvm
+    except ImportError:
+        return None
+    try:
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        target = llvm.Target.from_default_triple()
+        machine = target.create_target_machine(
+            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
+            opt=2, jit=True)
+        module = llvm.parse_assembly(_IR)
+        module.verify()
+        engine = llvm.create_mcjit_compiler(module, machine)
+        engine.finalize_object()
+        probe_at, codes_at = (engine.get_function_address(f) for f in ("probe", "codes"))
+    except Exception as e:  # a JIT refused (e.g. no executable memory): Python still works
+        log.warning("LOOKUP probe kernel not compiled (%s); keys are probed one by one", e)
+        return None
+    _keep.append(engine)
+    # PYFUNCTYPE: the GIL stays held, so no thread changes a table during the call.
+    probe = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, _I, _P, _P)(probe_at)
+    codes = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, ctypes.c_uint8, _P)(codes_at)
+    _keep.extend((probe, codes))
+    return Kernels(probe, codes)
+
+
+def kernels() -> Kernels | None:
+    """The compiled loops (compiled once per process, by the first caller), or None."""
+    global _kernels, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _kernels = _compile()
+                _tried = True
+    return _kernels
+
+
+def ready() -> Kernels | None:
+    """The compiled loops if compiled already, else None (never compiles: LOOKUP's path
+    must not wait for a compile; `compile_soon` starts one)."""
+    return _kernels
+
+
+def compile_soon() -> None:
+    """Compile the loops on a thread of their own, once per process (at an agent's start:
+    LOOKUPs probe key by key until it is done, ~0.1 s)."""
+    if not _tried:
+        threading.Thread(target=kernels, name="kvpool-probe-jit", daemon=True).start()

@@ -1,0 +1,59 @@
+"""The keys of recent LOOKUPs: where each stood in the last one that asked for it.
+
+A chunk written or read after a LOOKUP keeps the request grouping that LOOKUP gave it (its
+request's seq and its depth in the prefix: what the eviction orders and the read batches
+go by). Remembering that costs every LOOKUP one step per key, so the step is one C loop:
+a key maps to its LOOKUP's seq alone (`dict.update` of the keys with one value), each
+LOOKUP's key list is kept once, and a key's depth is found in that list when asked (a
+read or a write asks for one key; a LOOKUP tells 128).
+
+Bounded by generations: keys go into the current one; once the next LOOKUP's keys would
+take it past `keys // 2` it becomes the previous one and the one before is dropped with
+its LOOKUPs. So the last `keys // 2` keys told, less one LOOKUP's, are always remembered
+(as the store's OrderedDict of the last `keys` did), and at most `keys` are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+
+
+class RecentLookups:
+    def __init__(self, keys: int) -> None:
+        self._half = max(1, keys // 2)
+        self._seq: dict[bytes, int] = {}
+        """Key -> the seq of the last LOOKUP that asked for it (the current generation)."""
+        self._old: dict[bytes, int] = {}
+        """The previous generation's."""
+        self._keys: dict[int, tuple[bytes, ...]] = {}
+        """Each LOOKUP's keys, by seq (this generation's LOOKUPs)."""
+        self._old_keys: dict[int, tuple[bytes, ...]] = {}
+
+    def __len__(self) -> int:
+        """Keys remembered (a key in both generations counts once)."""
+        return len(self._seq) + sum(1 for k in self._old if k not in self._seq)
+
+    def told(self, seq: int, keys: Sequence[bytes]) -> None:
+        """LOOKUP `seq` asked for `keys`, in order."""
+        if len(self._seq) + len(keys) > self._half and self._seq:
+            self._old, self._seq = self._seq, {}
+            self._old_keys, self._keys = self._keys, {}
+        self._seq.update(zip(keys, repeat(seq)))
+        self._keys[seq] = tuple(keys)
+
+    def get(self, key: bytes) -> tuple[int, int, bool] | None:
+        """(seq, depth, last of its prompt) of the last LOOKUP that asked for `key`, or
+        None."""
+        seq = self._seq.get(key)
+        keys = self._keys if seq is not None else self._old_keys
+        if seq is None:
+            seq = self._old.get(key)
+            if seq is None:
+                return None
+        prompt = keys.get(seq)
+        if prompt is None:
+            return None
+        # its last place in that LOOKUP (a key asked twice in one is at its deeper place)
+        depth = len(prompt) - 1 - prompt[::-1].index(key)
+        return seq, depth, depth == len(prompt) - 1
