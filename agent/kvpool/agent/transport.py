@@ -428,9 +428,10 @@ class Connection:
     def _drain(self) -> None:
         while self._unanswered:
             # Replies to fire-and-forget RELEASEs/ABORTs come first; a failed
-            # release only means the lease was already gone.
+            # release only means the lease was already gone, so they are skipped unread.
             self._unanswered -= 1
-            self._read_reply()
+            (length,) = p.HEADER.unpack(self._recv_exact(p.HEADER.size))
+            self._recv_exact(length)
 
     def _send(self, frames: bytes) -> None:
         """Write the told requests waiting, then `frames`, in one write."""

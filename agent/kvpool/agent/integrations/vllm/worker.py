@@ -327,10 +327,16 @@ class _HostBlocks:
     def ranges(self, block_ids: list[int], scratch_blocks: int = 0) -> HostRanges:
         """A chunk's destination: for each layer, its blocks in order (adjacent ones
         merged); the first `scratch_blocks` blocks go to the scratch block."""
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise ValueError(f"kvpool: block ids {block_ids} out of the KV cache's "
                              f"{self.num_blocks} blocks")
         scratch, stride, nbytes = self.scratch.data_ptr(), self.stride, self.nbytes
+        first, n = block_ids[0] if block_ids else 0, len(block_ids)
+        if n and not scratch_blocks and stride == nbytes \
+                and block_ids == list(range(first, first + n)):
+            # the usual chunk: consecutive blocks, one range a layer
+            return HostRanges([(base + first * stride, n * nbytes) for base in self.bases],
+                              owner=self)
         out: list[tuple[int, int]] = []
         for base in self.bases:
             for i, b in enumerate(block_ids):

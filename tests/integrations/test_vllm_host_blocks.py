@@ -1,0 +1,55 @@
+"""Where a load copies a chunk on the CPU: vLLM's blocks as host memory ranges
+(`kvpool.agent.integrations.vllm.worker._HostBlocks`, no vLLM: KV-cache layers as vLLM
+0.32's CPU worker makes them, a block a slice of the first dimension)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kvpool.agent.integrations.vllm.worker import _HostBlocks
+
+BLOCKS, PER_BLOCK = 12, 4
+
+
+def layers(n: int = 2) -> list[torch.Tensor]:
+    return [torch.arange(BLOCKS * PER_BLOCK * 6, dtype=torch.float32).reshape(
+        BLOCKS * PER_BLOCK, 2, 3) + 10_000 * i for i in range(n)]
+
+
+def filled(host: _HostBlocks, block_ids: list[int], scratch: int = 0) -> bytes:
+    return b"".join(ctypes.string_at(a, n) for a, n in host.ranges(block_ids, scratch).ranges)
+
+
+@pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [0], [3, 5, 6, 2], [11, 10]])
+def test_a_chunks_ranges_are_each_layers_blocks_in_order(block_ids: list[int]) -> None:
+    kv = layers()
+    host = _HostBlocks.of(kv, PER_BLOCK, BLOCKS)
+    assert host is not None
+    expected = b"".join(layer[b * PER_BLOCK : (b + 1) * PER_BLOCK].numpy().tobytes()
+                        for layer in kv for b in block_ids)
+    assert filled(host, block_ids) == expected
+
+
+def test_consecutive_blocks_are_one_range_a_layer_and_scratch_blocks_go_to_scratch() -> None:
+    kv = layers()
+    host = _HostBlocks.of(kv, PER_BLOCK, BLOCKS)
+    assert host is not None
+    block = PER_BLOCK * 6 * 4
+    assert host.ranges([3, 4, 5, 6]).ranges == [(t.data_ptr() + 3 * block, 4 * block)
+                                                for t in kv]
+    ranges = host.ranges([3, 4, 5, 6], scratch_blocks=2).ranges
+    assert ranges == [(host.scratch.data_ptr(), block), (host.scratch.data_ptr(), block),
+                      (kv[0].data_ptr() + 5 * block, 2 * block),
+                      (host.scratch.data_ptr(), block), (host.scratch.data_ptr(), block),
+                      (kv[1].data_ptr() + 5 * block, 2 * block)]
+
+
+def test_block_ids_outside_the_cache_are_refused() -> None:
+    host = _HostBlocks.of(layers(), PER_BLOCK, BLOCKS)
+    assert host is not None
+    for bad in ([BLOCKS], [2, -1]):
+        with pytest.raises(ValueError, match="out of the KV cache"):
+            host.ranges(bad)
