@@ -30,6 +30,7 @@ import itertools
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections import OrderedDict, deque
@@ -636,14 +637,44 @@ def _received(sock: socket.socket, target: ArenaTarget, extents: list[tuple[int,
     the next piece is asked for. Every piece is received and written whatever the caller
     does with it."""
     buf = _buffer()
+    fill = _recv_into if isinstance(sock, ssl.SSLSocket) else _recv_all
     for offset, n in extents:
         done = 0
         while done < n:
             m = min(n - done, len(buf))
-            _recv_into(sock, buf[:m], deadline)
+            fill(sock, buf[:m], deadline)
             yield buf[:m]
             target.write([(offset + done, m)], buf[:m])
             done += m
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """`_recv_into` in as few calls as the kernel allows: the socket blocking, each call
+    asking for all that is left (MSG_WAITALL) within what is left of the deadline
+    (SO_RCVTIMEO), so that the bytes of a piece cost one system call, not one per
+    segment that arrived."""
+    got = 0
+    sock.settimeout(None)
+    try:
+        while got < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sec = int(left)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
+            try:
+                n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO ran out with nothing received
+                raise TimeoutError from None
+            if n == 0:
+                raise ConnectionError("the peer closed the connection")
+            got += n
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
 
 
 def _resolve(fut: asyncio.Future[Fetched | str], result: Fetched | str) -> None:

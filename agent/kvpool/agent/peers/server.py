@@ -292,9 +292,10 @@ class PeerServer:
             writer.write(wire.encode_reply(wire.OK, rid, kind=source.kind, size=source.size,
                                            checksum=source.checksum, meta=source.meta,
                                            tenant=source.tenant))
-            # Bounded: a reader that stops reading must not hold the chunk's read lease
-            # (keeping it from eviction) for longer than this.
-            await asyncio.wait_for(_send(writer, source), STALL_TIMEOUT)
+            if not _send_now(writer, source):
+                # Bounded: a reader that stops reading must not hold the chunk's read
+                # lease (keeping it from eviction) for longer than this.
+                await asyncio.wait_for(_send(writer, source), STALL_TIMEOUT)
         except BaseException:
             self.m.served(peer, "error", time.monotonic() - start)
             raise
@@ -380,6 +381,37 @@ async def _send(writer: asyncio.StreamWriter, source: ChunkSource) -> None:
         for offset, n in source.ranges:
             await loop.sendfile(writer.transport, f, offset, n)  # os.sendfile: no copy here
     await writer.drain()
+
+
+def _send_now(writer: asyncio.StreamWriter, source: ChunkSource) -> bool:
+    """Send what of the chunk the socket's buffer takes now, straight from its file
+    (`os.sendfile` on the non-blocking socket, plain TCP only, once every byte written
+    before has left the transport's buffer); True when that was all of it. What is left
+    stays in `source.ranges` for `_send`, which waits for the socket (a task, the
+    transport's waiters: more than the send itself when the whole chunk fits, as a
+    1 MiB chunk mostly does once the connection's buffer has grown)."""
+    transport = writer.transport
+    if (source.data is not None or source.fd < 0 or transport.is_closing()
+            or transport.get_write_buffer_size()
+            or writer.get_extra_info("sslcontext") is not None):
+        return False
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    out = sock.fileno()
+    while source.ranges:
+        offset, n = source.ranges[0]
+        try:
+            sent = os.sendfile(out, source.fd, offset, n)
+        except BlockingIOError:
+            return False
+        if sent == 0:  # the file ends before the range: `_send` says so
+            return False
+        if sent < n:
+            source.ranges[0] = (offset + sent, n - sent)
+        else:
+            source.ranges.pop(0)
+    return True
 
 
 class Watch:
