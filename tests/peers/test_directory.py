@@ -80,3 +80,20 @@ def test_a_lookups_keys_are_coded_at_once_as_each_holder_says(compiled: bool) ->
         got = d.codes(asked, b"".join(asked), homes(asked), readable, local, PEER_TIER_CODE,
                       compiled)
         assert list(got) == want
+
+
+def test_a_key_deleted_in_the_pool_is_not_listed_again_for_a_while() -> None:
+    """An ADD of a deleted key still on its way from a holder that has not taken the DELETE
+    yet must not list it again (a read of that copy would bring the deleted chunk back)."""
+    d = PeerDirectory()
+    k1, k2 = os.urandom(16), os.urandom(16)
+    d.add(k1, 0, 100)
+    d.forget(k1)
+    assert k1 not in d
+    d.add(k1, 1, 100)  # announced after the DELETE: ignored
+    d.add(k2, 1, 100)
+    assert k1 not in d and d.holder(k2) == (1, 100)
+    brief = PeerDirectory(forget_for=0.0)  # past the while: announced again, listed
+    brief.forget(k1)
+    brief.add(k1, 1, 100)
+    assert brief.holder(k1) == (1, 100)

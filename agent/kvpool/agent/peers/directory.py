@@ -6,31 +6,48 @@ a quarter and half full), a 2-byte peer number and a 4-byte size: 30-38 bytes of
 holder, the last that announced it; a removal by another holder leaves it be. The
 directory is eventually consistent: a read of an entry that turns out stale falls back
 (`tiers.peer`), never serves wrong bytes.
+
+A key deleted in the pool (`forget`) is not listed again for `FORGET_SECONDS`, whoever
+announces it: an ADD sent before a holder took the DELETE may still be on its way, and
+a read of that holder's copy before it does would bring the deleted chunk back here.
 """
 
 from __future__ import annotations
 
+import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from .. import probekernel
 from ..keytable import KeyTable
 
+FORGET_SECONDS = 10.0
+"""How long announcements of a key deleted in the pool are ignored: the DELETE reaches every
+holder the agents follow well within it (one that is unreachable gets it before its next
+inventory is taken). A key put again somewhere meanwhile is a miss here until that
+holder's next inventory: never a deleted chunk."""
+MAX_FORGOTTEN = 1 << 16
 MAX_SIZE = 0xFFFFFFFF
 """Chunks larger than this (4 GiB) are not tracked: reads of them go to the shared tier."""
 
 
 class PeerDirectory:
-    def __init__(self) -> None:
+    def __init__(self, forget_for: float = FORGET_SECONDS) -> None:
         self.table = KeyTable()
         self._peer = array("H")
         self._size = array("I")
+        self._forget_for = forget_for
+        self._forgotten: OrderedDict[bytes, float] = OrderedDict()
+        """Keys deleted in the pool, until when (monotonic) their ADDs are ignored."""
 
     def __len__(self) -> int:
         return len(self.table)
 
     def add(self, key: bytes, peer: int, size: int) -> None:
         if not 0 < size <= MAX_SIZE:
+            return
+        if self._forgotten and self._deleted_lately(key):
             return
         slot = self.table.find(key)
         if slot < 0:
@@ -52,11 +69,27 @@ class PeerDirectory:
 
     def forget(self, key: bytes) -> None:
         """`key` was deleted in the pool: no holder is credited with it any more (each
-        holder's REMOVE follows)."""
+        holder's REMOVE follows), nor is for `FORGET_SECONDS` (an ADD on its way)."""
         slot = self.table.find(key)
         if slot >= 0:
             self.table.remove(key)
             self.table.release(slot)
+        now = time.monotonic()
+        forgotten = self._forgotten
+        forgotten[key] = now + self._forget_for
+        forgotten.move_to_end(key)
+        while forgotten and (len(forgotten) > MAX_FORGOTTEN
+                             or next(iter(forgotten.values())) <= now):
+            forgotten.popitem(last=False)
+
+    def _deleted_lately(self, key: bytes) -> bool:
+        until = self._forgotten.get(key)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self._forgotten[key]
+        return False
 
     def holder(self, key: bytes) -> tuple[int, int] | None:
         """(peer, size) of the key's holder, or None."""
