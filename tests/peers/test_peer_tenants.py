@@ -81,7 +81,7 @@ def test_a_key_is_served_and_deleted_only_in_its_tenants_space_across_the_pool(
                    "blue's copies to go on every node")
         assert all(c.get(key) is None for c in blue)
         assert green[1].get(key) == green[2].get(key) == theirs
-        assert deletes(nodes[1], "sent", "ok") == 2
+        wait_until(lambda: deletes(nodes[1], "sent", "ok") == 2, "node 1 to read the answers")
         assert deletes(nodes[0], "received", "ok") == deletes(nodes[2], "received", "ok") == 1
         # A node down when a DELETE is made: node 2 holds a copy of blue's `late`, and is
         # killed; node 0 deletes it meanwhile, then node 2 restarts with its arena (a warm
@@ -96,7 +96,7 @@ def test_a_key_is_served_and_deleted_only_in_its_tenants_space_across_the_pool(
         wait_until(lambda: metric(nodes[0], "kvpool_peer_up") == 1, "node 0 to lose node 2")
         wait_until(lambda: metric(nodes[1], "kvpool_peer_up") == 1, "node 1 to lose node 2")
         assert blue[0].delete(late)
-        assert blue[1].lookup_tiers([late]) == []
+        wait_until(lambda: blue[1].lookup_tiers([late]) == [], "node 1 to take the DELETE")
         pool_socket = down.socket_path
         down.socket_path = tenant_socket_path(pool_socket, "green")  # up when it answers
         down.start()
