@@ -31,10 +31,10 @@ def kvpool(*args: str, timeout: float = 300,
 
 
 def test_demo_json_reports_all_three_tiers_and_hit_ratios() -> None:
-    run = kvpool("demo", "--json", "--requests", "400")
+    run = kvpool("demo", "--json", "--requests", "150")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["requests"] == 400
+    assert report["requests"] == 150
     assert report["wrong_bytes"] == 0
     assert 0 < report["local_hit_ratio"] <= report["block_hit_ratio"]
     # Write-through, every upload landed before the next request: the shared tier serves
