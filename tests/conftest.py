@@ -20,13 +20,47 @@ def _says_alone(path: Path) -> bool:
     return ALONE_MARK in path.read_text()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+LONGEST_FIRST = (
+    "bench/test_bench_smoke.py",  # the quick bench run, one set-up of over a minute
+    "agent/test_cli.py",
+    "peers/test_peer_partition.py",  # one test waiting on a partition (~13 s)
+    "operator/test_op_faults.py",
+    "chart/test_prometheus_live.py",
+    "integrations/test_sglang_backend.py",
+    "bench/test_bench_needs.py",
+    "peers/test_directory.py",
+    "agent/test_restart.py",
+)
+"""The files that take longest in CI (tests/slowest.py lists them), under tests/: the parallel
+run hands them out first. The two processes take whole files, the next as one runs out: a
+long file handed out last keeps one process busy while the other has nothing left."""
+
+
+def _file_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` a file at a time (each file's tests in their order): `LONGEST_FIRST`, then the
+    other files by their number of tests, most first (what pytest-xdist would do)."""
+    files: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    here = Path(__file__).parent
+
+    def rank(path: Path) -> tuple[int, int]:
+        name = path.relative_to(here).as_posix() if path.is_relative_to(here) else ""
+        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, -len(files[path])
+    return [item for path in sorted(files, key=rank) for item in files[path]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked `alone` in a file that does not say `pytest.mark.alone` (a mark applied
-    some other way) would run in neither of `tests/run`'s runs: refuse it."""
+    some other way) would run in neither of `tests/run`'s runs: refuse it. In a process of
+    the parallel run (pytest-xdist's worker), order the files longest first."""
     for item in items:
         if item.get_closest_marker("alone") and not _says_alone(item.path):
             raise pytest.UsageError(f"{item.nodeid} is marked alone, but its file does not say "
                                     f"{ALONE_MARK}: tests/run would never run it")
+    if hasattr(config, "workerinput"):
+        items[:] = _file_order(items)
 
 
 @pytest.fixture(scope="session")
