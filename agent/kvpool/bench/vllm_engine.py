@@ -16,7 +16,8 @@ With kvpool's connector the reply breaks the time down: `lookup_s` (from the sch
 first question to the connector to its answer), `load_s` (the worker's loads, socket and
 copies) and `copy_s` (the fastest plain copy of the bytes loaded, in this process: what
 the copies alone cost), so `load_s - copy_s` is the connector's own overhead; and
-`cold_copy_s`, the same copy with the caches swept first.
+`cold_copy_s`, the same copy with the caches swept first; and `copy_call_s`, the time the
+load spent in its copy calls (the compiled loop that copies and sums).
 
 `write_model` is also the vLLM engine tests' model (tests/integrations/vllm_engine.py):
 Llama-shaped, random weights, a tokenizer trained here; nothing comes from a model hub.
@@ -83,6 +84,18 @@ def _last_level_cache_bytes() -> int:
     return best or 256 * 2**20
 
 
+_sweeps: list[Any] = []
+
+
+def _sweep() -> Any:
+    """A tensor twice the last-level cache (made once): writing it evicts what was cached."""
+    import torch
+
+    if not _sweeps:
+        _sweeps.append(torch.ones(2 * _last_level_cache_bytes(), dtype=torch.uint8))
+    return _sweeps[0]
+
+
 class TimedEngine:
     def __init__(self, model: str, max_len: int, connector: dict[str, Any] | None,
                  reply: Any) -> None:
@@ -94,7 +107,8 @@ class TimedEngine:
                        max_model_len=max_len, max_num_batched_tokens=max_len, max_num_seqs=1,
                        seed=0, kv_transfer_config=connector)
         self.start_s = time.monotonic() - t0
-        self.times: dict[str, float] = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0}
+        self.times: dict[str, float] = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0,
+                                        "copy_call_s": 0.0}
         self.pieces: list[int] = []
         """The sizes of the load's contiguous copies (`copy_s`)."""
         self.worker: Any = None
@@ -130,6 +144,17 @@ class TimedEngine:
 
         scheduler.matched_tokens = timed_matched
         self.worker._load = timed_load
+        # The load's copy calls (the compiled copy-and-sum loop), timed where the client
+        # makes them: the connector's time outside them is `load_s - copy_call_s`.
+        from kvpool.agent import hostcopy
+
+        run = hostcopy._Batch.run
+
+        def timed_run(batch: hostcopy._Batch) -> None:
+            t0 = time.perf_counter()
+            run(batch)
+            self.times["copy_call_s"] += time.perf_counter() - t0
+        hostcopy._Batch.run = timed_run  # type: ignore[method-assign, assignment]
 
     def _pieces(self, job: Any) -> list[int]:
         """The sizes of the contiguous copies a load of `job` makes: per chunk, per layer,
@@ -145,7 +170,7 @@ class TimedEngine:
                 for _, n in host.ranges(bids, job.skip_blocks if i == 0 else 0).ranges]
 
     @staticmethod
-    def copy_s(pieces: list[int]) -> tuple[float, float]:
+    def copy_s(pieces: list[int]) -> tuple[float, float, float]:
         """What copying the loaded bytes alone takes in this process: the fastest plain
         copy (libc's memmove, best of 3) between two buffers of that size (the source made
         like the arena, the destination like vLLM's KV cache: allocated and touched
@@ -154,19 +179,25 @@ class TimedEngine:
 
         Two figures: with both buffers as their making left them (warm: bytes just written
         may still be in the last-level cache, which can hold a whole load of a small
-        prompt), and cold, with the caches swept before each copy (a buffer twice the
-        last-level cache written first), as a load's source is: chunks written by another
-        engine, a prefill or more ago."""
+        prompt), and cold, the copy in one piece with the caches swept before it (a buffer
+        twice the last-level cache written first; once a call), as a load's source is:
+        chunks written by another engine, a prefill or more ago.
+
+        Third, for comparison, the connector's own copy loop (`wsumkernel.copy_sums`, which
+        sums the words as it copies) over the same pieces between the same warm buffers,
+        best of 3 (inf without the compiled loop)."""
         import ctypes
 
         import torch
 
+        from kvpool.agent import wsumkernel
+
         nbytes = sum(pieces)
         if not nbytes:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
         s, d = src.data_ptr(), dst.data_ptr()
-        sweep = torch.empty(2 * _last_level_cache_bytes(), dtype=torch.uint8)
+        sweep = _sweep()
 
         def whole() -> None:
             ctypes.memmove(d, s, nbytes)
@@ -176,16 +207,26 @@ class TimedEngine:
             for n in pieces:
                 ctypes.memmove(d + at, s + at, n)
                 at += n
+        triples: list[int] = []
+        at = 0
+        for n in pieces:
+            triples += [s + at, d + at, n]
+            at += n
         best = {False: float("inf"), True: float("inf")}
-        for _ in range(3):
-            for cold in (False, True):
-                for copy in (whole, by_piece):
-                    if cold:
-                        sweep.fill_(1)  # evicts both buffers' lines
-                    t0 = time.perf_counter()
-                    copy()
-                    best[cold] = min(best[cold], time.perf_counter() - t0)
-        return best[False], best[True]
+        summed = float("inf")
+        for i in range(3):
+            # one cold copy a call (a sweep writes twice the cache): the best of B's runs
+            trials = [(False, whole), (False, by_piece)] + ([(True, whole)] if i == 0 else [])
+            for cold, copy in trials:
+                if cold:
+                    sweep.fill_(1)  # evicts both buffers' lines
+                t0 = time.perf_counter()
+                copy()
+                best[cold] = min(best[cold], time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            if wsumkernel.copy_sums(triples) is not None:
+                summed = min(summed, time.perf_counter() - t0)
+        return best[False], best[True], summed
 
     def ttft(self, prompt: list[int]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -194,7 +235,7 @@ class TimedEngine:
             if self.llm.reset_prefix_cache():
                 break
             time.sleep(0.05)
-        self.times = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0}
+        self.times = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0, "copy_call_s": 0.0}
         self.pieces = []
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}],
@@ -207,9 +248,9 @@ class TimedEngine:
             core = self.llm.llm_engine.engine_core.engine_core
             while core.scheduler.has_requests():
                 self.llm.llm_engine.step()
-        copy, cold = self.copy_s(self.pieces)
+        copy, cold, summed = self.copy_s(self.pieces)
         return {"ttft_s": seconds, "cached_tokens": out.num_cached_tokens, **times,
-                "copy_s": copy, "cold_copy_s": cold}
+                "copy_s": copy, "cold_copy_s": cold, "sum_copy_s": summed}
 
     def serve(self) -> None:
         self.reply.write(json.dumps({"ready": True, "start_s": self.start_s}) + "\n")
