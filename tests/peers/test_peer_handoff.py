@@ -66,7 +66,8 @@ def test_a_put_for_another_node_is_pushed_there_and_pinned_until_its_first_read(
         key, data = os.urandom(16), os.urandom(MiB)
         assert ca.put(key, data, b"meta", to="node1")  # stored here, whatever the push does
         wait_until(lambda: cb.lookup_tiers([key]) == ["dram"], "the push to land on node 1")
-        assert pushes(a, "sent", "ok") == 1
+        # (Stored and pinned there before its answer reaches node 0.)
+        wait_until(lambda: pushes(a, "sent", "ok") == 1, "node 0 to read the push's answer")
         assert pushes(b, "received", "ok") == 1
         assert metric(b, "kvpool_peer_requests_total", direction="read") == 1  # the push's
         # Node 1's agent restarts (killed, its arena kept: a warm restart) before the
@@ -104,7 +105,7 @@ def test_a_put_for_another_node_is_pushed_there_and_pinned_until_its_first_read(
         assert ca.put(key, data, b"meta", to="node1") is False
         wait_until(lambda: cb.lookup_tiers([*keys, key]) == ["dram"] * 4,
                    "the batch and the deduplicated put to land on node 1")
-        assert pushes(a, "sent", "ok") == 5
+        wait_until(lambda: pushes(a, "sent", "ok") == 5, "node 0 to read their answers")
         for k in [*keys, key]:  # read: their pins end
             assert cb.get(k) is not None
         vllm_producer_saves_to_the_node_its_request_names(a, cb)
