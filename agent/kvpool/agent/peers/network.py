@@ -282,8 +282,8 @@ class PeerNetwork:
         if d is not None:
             d.forget(key)
         for link in self.links.values():
-            if link.is_self or link.closed or not (here or not link.synced):
-                continue
+            if link.is_self or link.closed or (link.synced and not here):
+                continue  # (a peer this agent follows got it from the deleting node)
             link.queue_delete(tenant, key)
         self._deletes.set()
 
