@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvpool.agent.config import EvictionOrder, TierPolicy
+from kvpool.bench.trace import bundled_trace_path
 
 SIZES_QUICK = ("1MiB", "16MiB")
 CONTROL = ("lookup_p50_us_1c", "lookup_p99_us_1c", "lookup_p50_us_8c", "lookup_p99_us_8c",
@@ -42,10 +43,20 @@ def _figures(node: Any, path: str = "") -> list[tuple[str, Any]]:
     return [(path, node)]
 
 
+TRACE_REQUESTS = 500
+"""The run replays the bundled trace's first 500 requests (`--trace`), half of what `--quick`
+takes: its replays through an agent, one per eviction order, were a third of the run, and
+every figure of the part is there as with the whole (test_bench_trace.py and
+test_bench_peers.py check the replay and the simulators' figures themselves)."""
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "kvpool.agent", "bench", "--quick", "--json", "--out", str(out)]
+    trace = tmp_path_factory.mktemp("bench-trace") / "trace.jsonl"
+    trace.write_text("".join(bundled_trace_path().read_text().splitlines(True)[:TRACE_REQUESTS]))
+    cmd = [sys.executable, "-m", "kvpool.agent", "bench", "--quick", "--json", "--out", str(out),
+           "--trace", str(trace)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -70,6 +81,7 @@ def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> No
     assert {"bytes_per_chunk", "lookup_p50_us_1e4", "lookup_p50_us_1e6",
             "g3_rebuild_s_1e5", "nvme_index_bytes_per_chunk_1e4",
             "nvme_index_lookup_ns_per_key_1e4"} <= set(result["scale"])
+    assert result["trace"]["requests"] == TRACE_REQUESTS
     caps = result["trace"]["capacities"]
     assert 0.2 in [c["fraction"] for c in caps]
     orders = {o.value for o in EvictionOrder}
