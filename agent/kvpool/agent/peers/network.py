@@ -340,7 +340,7 @@ class PeerNetwork:
                          {"peer": link.name}, link.lag)
 
     async def close(self) -> None:
-        self.server.close()
+        await self.server.close()
         for t in self._tasks:
             t.cancel()
         for link in list(self.links.values()):

@@ -128,15 +128,37 @@ class PeerServer:
         """Peers whose last push was refused (logged once)."""
         self.connections = 0
         self.server: asyncio.Server | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        """Every connection's task, ended by `close`."""
+        self._closing = False
 
     async def start(self, host: str, port: int) -> None:
         self.server = await asyncio.start_server(
-            self._serve, None if host == "*" else host, port, ssl=self.tls,
+            self._accepted, None if host == "*" else host, port, ssl=self.tls,
             ssl_handshake_timeout=HANDSHAKE_TIMEOUT if self.tls else None, reuse_address=True)
 
-    def close(self) -> None:
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain function, not the coroutine itself: asyncio's stream server would run a
+        # coroutine as a task nobody ends but the loop's final cancellation, and on Python
+        # 3.11 its done-callback logs a cancelled one as an error with a traceback. This
+        # server owns its connections' tasks and ends them in `close`.
+        if self._closing:  # accepted as the agent stops: nothing to serve it
+            writer.transport.abort()
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
+    async def close(self) -> None:
+        """Stop accepting and end every connection (their tasks are over on return)."""
+        self._closing = True
         if self.server is not None:
             self.server.close()
+        while self._serving:
+            tasks = list(self._serving)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- what every subscriber hears
 
