@@ -76,6 +76,7 @@ EXPECTED_ALERTS = {
     "KVPoolPeerUnreachable",
     "KVPoolPeerBadChecksums",
     "KVPoolHandoffFailing",
+    "KVPoolPeerDeletesDropped",
     "KVPoolHitRatioCollapse",
     "KVPoolOperatorReconcileErrors",
 }

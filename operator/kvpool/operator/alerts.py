@@ -253,6 +253,22 @@ AGENT_ALERTS: tuple[Alert, ...] = (
         ),
     ),
     Alert(
+        name="KVPoolPeerDeletesDropped",
+        expr=(
+            'increase(kvpool_peer_deletes_total{direction="sent", result="dropped"}[15m]) '
+            "> 0"
+        ),
+        for_="1m",
+        severity="warning",
+        summary="kvpool DELETEs for a peer were dropped: it keeps deleted chunks.",
+        description=(
+            "{{ $value | humanize }} DELETEs the agent of pool {{ $labels.pool }} on node "
+            "{{ $labels.node }} had for its peer {{ $labels.peer }} were dropped in the last "
+            "15 minutes (more than 65,536 waited while the peer was unreachable). The peer "
+            "keeps those keys' copies and serves them until they are evicted."
+        ),
+    ),
+    Alert(
         name="KVPoolHitRatioCollapse",
         expr=(
             f"{HIT_RATIO}\n"

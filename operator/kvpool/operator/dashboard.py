@@ -451,7 +451,7 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="Bps",
-                width=8,
+                width=6,
             ),
             Panel(
                 "Peer reads by result",
@@ -467,7 +467,7 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="ops",
-                width=8,
+                width=6,
             ),
             Panel(
                 "Peer read latency p50 / p99",
@@ -486,7 +486,25 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="s",
-                width=8,
+                width=6,
+            ),
+            Panel(
+                "Peer DELETEs by result",
+                "DELETEs of a key between agents per second (a client's DELETE reaching the "
+                "copies its peers hold), by direction and result: ok, absent (not held "
+                "there), refused (a tenant space the peer lacks, or it does not follow the "
+                "sender), error (not delivered yet: sent again when the peer is back), "
+                "dropped (too many waited for an unreachable peer: it keeps its copy; alert "
+                "KVPoolPeerDeletesDropped).",
+                (
+                    _q(
+                        "sum by (pool, node, peer, direction, result) "
+                        f"({_rate('kvpool_peer_deletes_total')})",
+                        "{{node}} {{direction}} {{peer}} {{result}}",
+                    ),
+                ),
+                unit="ops",
+                width=6,
             ),
             Panel(
                 "Peers followed",
