@@ -36,7 +36,9 @@ CHUNK = 64 * KiB
 # -- vLLM's format, written from its source: map events tagged by "type", or arrays led by it
 
 
-class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+class Stored(msgspec.Struct):
+    """BlockStored's fields, in vLLM's order: the same in both shapes."""
+
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -45,27 +47,29 @@ class MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     medium: str | None = None
 
 
-class MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+class Removed(msgspec.Struct):
     block_hashes: list[int]
     medium: str | None = None
+
+
+class MapStored(Stored, tag="BlockStored", tag_field="type"):
+    pass
+
+
+class MapRemoved(Removed, tag="BlockRemoved", tag_field="type"):
+    pass
 
 
 class MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
-class ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
+class ArrStored(Stored, array_like=True, tag="BlockStored"):
+    pass
 
 
-class ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
+class ArrRemoved(Removed, array_like=True, tag="BlockRemoved"):
+    pass
 
 
 class ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
@@ -122,7 +126,7 @@ class Mirror:
         for e in events:
             if isinstance(e, MapCleared | ArrCleared):
                 self.held.clear()
-            elif isinstance(e, MapStored | ArrStored):
+            elif isinstance(e, Stored):
                 self.held.setdefault(e.medium or "", set()).update(e.block_hashes)
             else:
                 self.held.get(e.medium or "", set()).difference_update(e.block_hashes)

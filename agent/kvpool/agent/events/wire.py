@@ -22,14 +22,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end marker: sequence -1 with an empty payload."""
 
 
-# -- map shape: {"type": "BlockStored", ...}
+# -- the events' fields, in vLLM's order: the same in both shapes
 
 
-class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class BlockStored(_MapEvent):
+class _Stored(msgspec.Struct, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -38,9 +34,24 @@ class BlockStored(_MapEvent):
     medium: str | None = None
 
 
-class BlockRemoved(_MapEvent):
+class _Removed(msgspec.Struct, gc=False):
     block_hashes: list[int]
     medium: str | None = None
+
+
+# -- map shape: {"type": "BlockStored", ...}
+
+
+class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_Stored, _MapEvent):
+    pass
+
+
+class BlockRemoved(_Removed, _MapEvent):
+    pass
 
 
 class AllBlocksCleared(_MapEvent):
@@ -54,18 +65,12 @@ class _ArrayEvent(msgspec.Struct, array_like=True, tag=True, omit_defaults=True,
     pass
 
 
-class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
+class ArrayBlockStored(_Stored, _ArrayEvent, tag="BlockStored"):
+    pass
 
 
-class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
+class ArrayBlockRemoved(_Removed, _ArrayEvent, tag="BlockRemoved"):
+    pass
 
 
 class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
