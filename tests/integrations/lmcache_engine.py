@@ -18,9 +18,6 @@ which is what a GPU connector does with device memory.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import traceback
 from typing import Any
 
 import torch
@@ -30,6 +27,8 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
+
+from kvpool.bench.engine_process import run_main
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 4, 2, 16, 16
 DTYPE = torch.bfloat16
@@ -121,12 +120,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main(sys.argv[1:])
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # LMCache leaves non-daemon threads behind after a failure; never hang the test on them.
-    os._exit(code)
+    run_main(main)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvpool.bench.engine_process import reply_channel, run_main
+
 try:  # the engine driver beside this file: run as a script, its folder is on the path
     from . import vllm_engine
 except ImportError:
@@ -176,10 +178,7 @@ class LMCacheEngine(vllm_engine.Engine):
 def main(argv: list[str]) -> int:
     import json
 
-    reply = os.fdopen(os.dup(1), "w")  # replies on the test's pipe, vLLM's prints to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    LMCacheEngine(argv[1], json.loads(argv[2]), reply).serve()
+    LMCacheEngine(argv[1], json.loads(argv[2]), reply_channel()).serve()
     return 0
 
 
@@ -188,12 +187,4 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     install_cpu_copier()
-    code = 1
-    try:
-        code = main(sys.argv[1:])
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    sys.stderr.flush()
-    os._exit(code)
+    run_main(main)

@@ -40,8 +40,9 @@ import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
+
+from kvpool.bench.engine_process import reply_channel, run_main
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4, 256, 4, 2, 64
 BLOCK = 32
@@ -229,12 +230,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "model":
         make_model(argv[1], int(argv[2]) if len(argv) > 2 else 0)
         return 0
-    # Replies go to the stdout the test reads; all else (vLLM's logs, prints) to stderr.
-    reply = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
     connector = json.loads(argv[2]) if len(argv) > 2 else None
-    engine = Engine(argv[1], connector, reply)
+    engine = Engine(argv[1], connector, reply_channel())
     engine.serve()
     return 0
 
@@ -243,10 +240,4 @@ if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    try:
-        code = main(sys.argv[1:])
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stderr.flush()
-    os._exit(code)
+    run_main(main)

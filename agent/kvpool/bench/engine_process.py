@@ -1,14 +1,19 @@
 """An inference engine in a process of its own, driven by JSON lines: the driver writes a
 command per line to its stdin and reads a reply per line from its stdout; the engine's own
 output (logs, prints) goes to a log file. The vLLM part of the bench and the engine tests
-drive their engines (each as a pod would be: a fresh process) through it."""
+drive their engines (each as a pod would be: a fresh process) through it; the engine side
+keeps its replies apart from its output (`reply_channel`) and ends through `run_main`."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TextIO
 
 
 class EngineExited(RuntimeError):
@@ -56,3 +61,29 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+
+
+# -- the engine's side
+
+
+def reply_channel() -> TextIO:
+    """In the engine process: its stdout, kept for the replies the driver reads; whatever
+    else is printed from now on (the engine's logs, its prints) goes to stderr, the log."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return reply
+
+
+def run_main(main: Callable[[list[str]], int]) -> NoReturn:
+    """In the engine process: `main(sys.argv[1:])`, then exit with its code (1, the
+    traceback on stderr, when it raised) at once: the engines leave non-daemon threads
+    behind (LMCache's after a failure), and the driver must never wait on them."""
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

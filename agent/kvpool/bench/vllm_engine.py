@@ -29,9 +29,10 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+from .engine_process import reply_channel, run_main
 
 BLOCK = 32
 """vLLM's CPU attention takes block sizes that are multiples of 32."""
@@ -268,21 +269,12 @@ def main(argv: list[str]) -> int:
     if argv[0] == "model":
         write_model(argv[1], **json.loads(argv[2]))
         return 0
-    reply = os.fdopen(os.dup(1), "w")  # replies to the driver; vLLM's prints to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
     TimedEngine(argv[1], int(argv[2]), json.loads(argv[3]) if len(argv) > 3 else None,
-                reply).serve()
+                reply_channel()).serve()
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        code = main(sys.argv[1:])
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stderr.flush()
-    os._exit(code)
+    run_main(main)
