@@ -32,6 +32,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .jit import compile_ir
+
 log = logging.getLogger(__name__)
 
 _IR = """
@@ -165,30 +167,18 @@ _lock = threading.Lock()
 _kernels: Kernels | None = None
 _tried = False
 _keep: list[Any] = []
-"""The JIT engine owning the compiled code: it must live as long as the process."""
+"""The ctypes functions over the compiled code, kept with it for the process's life."""
 
 
 def _compile() -> Kernels | None:
     try:
-        import llvmlite.binding as llvm
-    except ImportError:
-        return None
-    try:
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        target = llvm.Target.from_default_triple()
-        machine = target.create_target_machine(
-            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
-            opt=2, jit=True)
-        module = llvm.parse_assembly(_IR)
-        module.verify()
-        engine = llvm.create_mcjit_compiler(module, machine)
-        engine.finalize_object()
-        probe_at, codes_at = (engine.get_function_address(f) for f in ("probe", "codes"))
+        compiled = compile_ir(_IR, ("probe", "codes"), opt=2)
     except Exception as e:  # a JIT refused (e.g. no executable memory): Python still works
         log.warning("LOOKUP probe kernel not compiled (%s); keys are probed one by one", e)
         return None
-    _keep.append(engine)
+    if compiled is None:
+        return None
+    probe_at, codes_at = compiled
     # PYFUNCTYPE: the GIL stays held, so no thread changes a table during the call.
     probe = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, _I, _P, _P)(probe_at)
     codes = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, ctypes.c_uint8, _P)(codes_at)

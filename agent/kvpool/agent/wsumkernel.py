@@ -37,6 +37,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .jit import compile_ir
+
 log = logging.getLogger(__name__)
 
 LANES = 16
@@ -405,30 +407,17 @@ _kernel: _Kernel | None = None
 _copy: _Kernel | None = None
 _tried = False
 _keep: list[Any] = []
-"""The JIT engine owning the compiled code: it must live as long as the process."""
+"""The ctypes functions over the compiled code, kept with it for the process's life."""
 
 
 def _compile() -> tuple[_Kernel, _Kernel] | None:
     try:
-        import llvmlite.binding as llvm
-    except ImportError:
-        return None
-    try:
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        target = llvm.Target.from_default_triple()
-        machine = target.create_target_machine(
-            cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
-            opt=3, jit=True)
-        module = llvm.parse_assembly(_ir())
-        module.verify()
-        engine = llvm.create_mcjit_compiler(module, machine)
-        engine.finalize_object()
-        addresses = [engine.get_function_address(f) for f in ("wsum_rows", "wsum_copy")]
+        addresses = compile_ir(_ir(), ("wsum_rows", "wsum_copy"), opt=3)
     except Exception as e:  # a JIT refused (e.g. no executable memory): numpy still works
         log.warning("WSUM kernel not compiled (%s); WSUM sums use numpy", e)
         return None
-    _keep.append(engine)
+    if addresses is None:
+        return None
     # ctypes releases the GIL for the call
     fns = [ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)(a)
            for a in addresses]
