@@ -484,16 +484,19 @@ def _job_succeeded(job: Mapping[str, Any]) -> bool:
     )
 
 
-def _write_deleting(ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any]) -> None:
-    """Progressing=True/Deleting: the finalizer has started removing what the pool stored."""
+def _write_deleting(ctx: Context, pool: api.KVCachePool, body: Mapping[str, Any],
+                    problem: Problem | None = None) -> None:
+    """Progressing=True/Deleting: the finalizer has started removing what the pool stored;
+    with `problem`, what keeps it from finishing (the DaemonSet is not looked up then)."""
     _write_status(
         ctx.kube,
         body,
         pool_status(
             pool=pool,
             generation=(body.get("status") or {}).get("observedGeneration"),
-            daemon_set=_daemon_set(ctx.kube, pool.metadata.namespace, pool.metadata.name),
-            problem=None,
+            daemon_set=None if problem else _daemon_set(
+                ctx.kube, pool.metadata.namespace, pool.metadata.name),
+            problem=problem,
             previous=(body.get("status") or {}).get("conditions") or [],
             deleting=True,
         ),
@@ -508,7 +511,6 @@ def collect_garbage(
     assert shared is not None
     ns = pool.metadata.namespace
     job_name = Names(ns, pool.metadata.name).gc_job(pool.metadata.uid)
-    previous = (body.get("status") or {}).get("conditions") or []
     job = ctx.kube.get("batch/v1", "Job", ns, job_name)
     if job is None:
         try:
@@ -534,18 +536,7 @@ def collect_garbage(
         f"spec.tiers.shared.reclaimPolicy to Retain to keep the chunks.",
     )
     metrics.failed(api.POOL_KIND, problem.reason)
-    _write_status(
-        ctx.kube,
-        body,
-        pool_status(
-            pool=pool,
-            generation=(body.get("status") or {}).get("observedGeneration"),
-            daemon_set=None,
-            problem=problem,
-            previous=previous,
-            deleting=True,
-        ),
-    )
+    _write_deleting(ctx, pool, body, problem)
     raise kopf.TemporaryError(str(problem), delay=ctx.retry_delay)
 
 
