@@ -80,7 +80,14 @@ class Engine(EngineProcess):
         return self.started
 
     def generate(self, *prompts: list[int], max_tokens: int = 8) -> dict[str, Any]:
-        return self("generate", prompts=list(prompts), max_tokens=max_tokens)
+        self.submit(*prompts, max_tokens=max_tokens)
+        return self.read()
+
+    def submit(self, *prompts: list[int], max_tokens: int = 8) -> None:
+        """A generate of `prompts`, sent without waiting for its reply (`read` takes it):
+        what makes engines generate at once, or a request run while the test acts."""
+        self.send(json.dumps({"op": "generate", "prompts": list(prompts),
+                              "max_tokens": max_tokens}))
 
 
 def stats(agent: LocalAgent) -> dict[str, Any]:

@@ -203,8 +203,8 @@ def test_a_chunk_corrupted_in_the_arena_between_requests_is_recomputed(run: Run)
 
 def test_two_engines_at_once_store_and_serve_their_own_prompts(run: Run) -> None:
     before = stats(run.agent)["tiers"]["dram"]["chunks"]
-    run.a.send(json.dumps({"op": "generate", "prompts": OWN_A, "max_tokens": 8}))
-    run.b.send(json.dumps({"op": "generate", "prompts": OWN_B, "max_tokens": 8}))
+    run.a.submit(*OWN_A)
+    run.b.submit(*OWN_B)
     got_a, got_b = run.a.read(), run.b.read()
 
     assert got_a["outputs"] == [run.reference(p) for p in OWN_A]

@@ -173,7 +173,7 @@ def test_vllms_loop_waits_for_a_load_in_flight_instead_of_stepping_back_to_back(
     steps wait for the load (up to IDLE_WAIT), so the loop does not take the GIL from the
     I/O thread thousands of times a second. A slower machine only makes fewer steps."""
     assert run.b("fault", kind="pause", chunk=0)["armed"] == "pause"
-    run.b.send(json.dumps({"op": "generate", "prompts": [MAIN], "max_tokens": 8}))
+    run.b.submit(MAIN)
     assert run.b.read() == {"event": "loading"}
     time.sleep(1.0)  # the load stays in flight this long
     run.b.send("go")
@@ -254,8 +254,8 @@ def test_a_chunk_lost_between_lookup_and_load_is_recomputed(run: Run, fault: str
 
 def test_two_engines_at_once_store_and_serve_their_own_prompts(run: Run) -> None:
     before = stats(run.agent)["tiers"]["dram"]["chunks"]
-    run.b.send(json.dumps({"op": "generate", "prompts": OWN_B, "max_tokens": 8}))
-    run.c.send(json.dumps({"op": "generate", "prompts": OWN_C, "max_tokens": 8}))
+    run.b.submit(*OWN_B)
+    run.c.submit(*OWN_C)
     got_b, got_c = run.b.read(), run.c.read()
 
     assert got_b["outputs"] == [run.expected(p) for p in OWN_B]
@@ -287,7 +287,7 @@ def test_agent_killed_between_lookup_and_load_then_back(run: Run) -> None:
     serving while the agent is away with one warning per connection, not per request, and
     the connector reconnects by itself once the agent is back (warm: its chunks hit again)."""
     assert run.b("fault", kind="pause", chunk=0)["armed"] == "pause"
-    run.b.send(json.dumps({"op": "generate", "prompts": [KILLED], "max_tokens": 8}))
+    run.b.submit(KILLED)
     assert run.b.read() == {"event": "loading"}
     run.agent.kill()
     run.b.send("go")
