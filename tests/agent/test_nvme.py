@@ -89,6 +89,18 @@ def in_nvme(c: KVPoolClient, nvme_dir: Path, keys: list[bytes]) -> list[bytes]:
     return [k for k in keys if chunk_file(nvme_dir, k).exists()]
 
 
+@contextlib.contextmanager
+def overflowed(tmp_path: Path, mode: str) -> Iterator[tuple[LocalAgent, KVPoolClient,
+                                                           KVPoolClient, list[bytes]]]:
+    """An agent whose DRAM overflowed into NVMe: the agent, the client that wrote, a reader
+    in `mode`, and the keys of the chunks in NVMe (their files there)."""
+    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
+            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
+        keys = fill(writer, 24)
+        settle(writer)
+        yield agent, writer, c, in_nvme(writer, tmp_path / "nvme", keys)
+
+
 def test_writes_beyond_dram_are_demoted_to_nvme_and_looked_up_there(tmp_path: Path) -> None:
     with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as c:
         keys = fill(c, 24)  # 6 MiB into a 4 MiB arena
@@ -112,11 +124,8 @@ def test_writes_beyond_dram_are_demoted_to_nvme_and_looked_up_there(tmp_path: Pa
 def test_reading_an_nvme_chunk_returns_its_bytes_and_moves_it_up(tmp_path: Path,
                                                                  mode: str) -> None:
     nvme_dir = tmp_path / "nvme"
-    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
-            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
-        keys = fill(writer, 24)
-        settle(writer)
-        k = in_nvme(writer, nvme_dir, keys)[0]
+    with overflowed(tmp_path, mode) as (agent, _, c, on_nvme):
+        k = on_nvme[0]
         assert c.get(k, verify=True) == data_for(k, 256 * KiB)
         assert scrape(agent)[PROMOTED] == 1
         # Tiers are exclusive: the promoted chunk is in DRAM and its file goes.
@@ -155,11 +164,8 @@ def truncate_to_half(path: Path) -> None:
 def test_a_damaged_nvme_chunk_is_a_counted_quarantined_miss(tmp_path: Path, mode: str,
                                                             damage: object) -> None:
     nvme_dir = tmp_path / "nvme"
-    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
-            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
-        keys = fill(writer, 24)
-        settle(writer)
-        bad, good = in_nvme(writer, nvme_dir, keys)[:2]
+    with overflowed(tmp_path, mode) as (agent, _, c, on_nvme):
+        bad, good = on_nvme[:2]
         path = chunk_file(nvme_dir, bad)
         damage(path)  # type: ignore[operator]
         assert c.get(bad) is None  # never the damaged bytes
@@ -173,11 +179,8 @@ def test_a_damaged_nvme_chunk_is_a_counted_quarantined_miss(tmp_path: Path, mode
 @pytest.mark.parametrize("mode", ["zero_copy", "inline"])
 def test_an_unreadable_nvme_chunk_leaves_no_stuck_index_entry(tmp_path: Path, mode: str) -> None:
     nvme_dir = tmp_path / "nvme"
-    with nvme_agent(tmp_path) as agent, KVPoolClient(agent.socket_path) as writer, \
-            KVPoolClient(agent.socket_path, mode=mode) as c:  # type: ignore[arg-type]
-        keys = fill(writer, 24)
-        settle(writer)
-        bad, good = in_nvme(writer, nvme_dir, keys)[:2]
+    with overflowed(tmp_path, mode) as (agent, writer, c, on_nvme):
+        bad, good = on_nvme[:2]
         chunks = writer.stats()["tiers"]["nvme"]["chunks"]
         path = chunk_file(nvme_dir, bad)
         path.unlink()
