@@ -5,6 +5,7 @@ dicts they replace, under any sequence of operations."""
 from __future__ import annotations
 
 import random
+from array import array
 from collections import OrderedDict
 
 import pytest
@@ -16,6 +17,7 @@ from kvpool.agent.constants import KEY_BYTES
 from kvpool.agent.eviction import GhostList
 from kvpool.agent.keytable import KeyTable, homes
 from kvpool.agent.store.recent import RecentLookups
+from kvpool.agent.tiers.facts import FactRows, hit_run
 
 # Long random runs over up to 2,000 keys: keys come and go and come back, and the tables
 # grow past their first 1,024 cells and are rebuilt (checked: most runs rebuild), which
@@ -119,6 +121,41 @@ def test_key_table_finds_many_keys_at_once_as_it_finds_each(run: tuple[int, int]
                 got, found = table.find_many(keys, b"".join(keys), homes(keys), compiled)
                 assert list(got) == slots
                 assert found == bytes(s >= 0 for s in slots)
+
+
+def test_the_compiled_loop_joins_and_hashes_keys_as_python_does() -> None:
+    # What LOOKUP's probes start from, taken by calling CPython's own C API: the same
+    # bytes and the same hash() as `b"".join` and `homes`, and a key of another length is
+    # found (LOOKUP then says which, as before).
+    kernels = probekernel.kernels()
+    assert kernels is not None
+    rnd = random.Random(7)
+    for n in (0, 1, 128, 8192):
+        keys = [rnd.randbytes(KEY_BYTES) for _ in range(n)]
+        assert kernels.prepare(keys) == (b"".join(keys), homes(keys))
+    keys = [rnd.randbytes(KEY_BYTES) for _ in range(5)]
+    for bad in (b"", b"x" * (KEY_BYTES - 1), b"x" * (KEY_BYTES + 1)):
+        assert kernels.prepare([*keys, bad, *keys]) is None
+
+
+def test_a_lookups_dram_hits_update_their_facts_at_once_as_one_by_one() -> None:
+    # LOOKUP's leading DRAM keys, their facts updated in one compiled call: each slot one
+    # more hit, the LOOKUP's seq, its depth (a key asked twice: its deeper one), the time.
+    assert probekernel.kernels() is not None
+    rnd = random.Random(11)
+    rows = [FactRows(), FactRows()]
+    for r in rows:
+        for _ in range(300):
+            r.add_row()
+    for seq in range(1, 40):
+        slots = array("q", (rnd.randrange(300) for _ in range(rnd.randrange(129))))
+        n = rnd.randrange(len(slots) + 1)
+        now = rnd.random() * 1e9
+        for r, compiled in zip(rows, (True, False), strict=True):
+            hit_run(r, slots, n, seq, now, compiled)
+        assert [list(getattr(rows[0], c)) for c in FactRows.__slots__] == \
+            [list(getattr(rows[1], c)) for c in FactRows.__slots__]
+    assert sum(rows[0].hits) > 0
 
 
 def test_key_table_refuses_keys_and_hashes_that_do_not_match() -> None:

@@ -19,6 +19,17 @@ microseconds for 128.
   the key, else `code` where the directory's slot (i64) names a peer (u16 `peers` by
   slot) that `readable` (u8 by peer, `npeers` of them) says may be read, else 0.
 
+- `facts(slots, n, rows, hits, seqs, depths, access, seq, now)`: the DRAM hits of a
+  LOOKUP's leading `n` keys (their slots, i64), as `FactRows.hit` of each at its depth
+  (its index): one more hit, LOOKUP `seq`, the depth, the time `now` (rows past `rows`
+  are left alone).
+- `prepare(list, n, ...)`: what the two above start from, for a list of `n` keys: each
+  key's `hash()` and its 16 bytes, written in place of `b"".join(keys)` and
+  `keytable.homes(keys)` (~15 us of Python for 128 keys), by calling CPython's own C API
+  (`PyList_GetItem`, `PyBytes_Size`, `PyObject_Hash`, `PyBytes_AsString`: the same hash
+  Python takes); it stops at the first key that is not 16 bytes and returns its index
+  (-1: all were).
+
 Called with the GIL held (ctypes' PYFUNCTYPE): the table's arrays cannot change during
 the call, and a call is a few microseconds. Where llvmlite is missing or cannot compile,
 `kernels` is None and `KeyTable` probes key by key in Python.
@@ -26,6 +37,7 @@ the call, and a call is a few microseconds. Where llvmlite is missing or cannot 
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 import threading
@@ -104,6 +116,73 @@ done:
   ret void
 }
 
+define i64 @prepare(ptr %list, i64 %n, ptr %getitem, ptr %size, ptr %hash, ptr %data,
+                    ptr %homes, ptr %want) {
+entry:
+  %none = icmp eq i64 %n, 0
+  br i1 %none, label %done, label %key
+key:
+  %i = phi i64 [0, %entry], [%i.n, %next]
+  %item = call ptr %getitem(ptr %list, i64 %i)
+  %len = call i64 %size(ptr %item)
+  %good = icmp eq i64 %len, 16
+  br i1 %good, label %take, label %bad
+take:
+  %h = call i64 %hash(ptr %item)
+  %hp = getelementptr i64, ptr %homes, i64 %i
+  store i64 %h, ptr %hp, align 1
+  %src = call ptr %data(ptr %item)
+  %s1 = getelementptr i8, ptr %src, i64 8
+  %k0 = load i64, ptr %src, align 1
+  %k1 = load i64, ptr %s1, align 1
+  %woff = shl i64 %i, 4
+  %w0 = getelementptr i8, ptr %want, i64 %woff
+  %w1 = getelementptr i8, ptr %w0, i64 8
+  store i64 %k0, ptr %w0, align 1
+  store i64 %k1, ptr %w1, align 1
+  br label %next
+next:
+  %i.n = add i64 %i, 1
+  %again = icmp ult i64 %i.n, %n
+  br i1 %again, label %key, label %done
+bad:
+  ret i64 %i
+done:
+  ret i64 -1
+}
+
+define void @facts(ptr %slots, i64 %n, i64 %rows, ptr %hits, ptr %seqs, ptr %depths,
+                   ptr %access, i64 %seq, double %now) nounwind {
+entry:
+  %none = icmp eq i64 %n, 0
+  br i1 %none, label %done, label %key
+key:
+  %i = phi i64 [0, %entry], [%i.n, %next]
+  %sp = getelementptr i64, ptr %slots, i64 %i
+  %s = load i64, ptr %sp, align 1
+  %known = icmp ult i64 %s, %rows
+  br i1 %known, label %hit, label %next
+hit:
+  %hp = getelementptr i64, ptr %hits, i64 %s
+  %h = load i64, ptr %hp, align 1
+  %h.n = add i64 %h, 1
+  store i64 %h.n, ptr %hp, align 1
+  %qp = getelementptr i64, ptr %seqs, i64 %s
+  store i64 %seq, ptr %qp, align 1
+  %dp = getelementptr i32, ptr %depths, i64 %s
+  %d = trunc i64 %i to i32
+  store i32 %d, ptr %dp, align 1
+  %ap = getelementptr double, ptr %access, i64 %s
+  store double %now, ptr %ap, align 1
+  br label %next
+next:
+  %i.n = add i64 %i, 1
+  %again = icmp ult i64 %i.n, %n
+  br i1 %again, label %key, label %done
+done:
+  ret void
+}
+
 define void @codes(ptr %dslots, i64 %n, ptr %peers, i64 %npeers, ptr %readable,
                    ptr %local, i8 %code, ptr %out) nounwind {
 entry:
@@ -158,9 +237,27 @@ Probe = Callable[..., None]
 
 
 class Kernels:
-    def __init__(self, probe: Probe, codes: Probe) -> None:
+    def __init__(self, probe: Probe, codes: Probe, prepare: Callable[..., int],
+                 facts: Probe) -> None:
         self.probe = probe
         self.codes = codes
+        self.facts = facts
+        self._prepare = prepare
+        api = ctypes.pythonapi
+        # CPython's own C API (the stable ABI), called by the loop with the GIL held.
+        self._api = [ctypes.cast(f, ctypes.c_void_p).value for f in (
+            api.PyList_GetItem, api.PyBytes_Size, api.PyObject_Hash, api.PyBytes_AsString)]
+
+    def prepare(self, keys: list[bytes]) -> tuple[bytes, bytes] | None:
+        """The keys joined and their `hash()`es as little-endian i64 (`keytable.homes`), in
+        one call; None where a key is not 16 bytes (the caller says which)."""
+        n = len(keys)
+        want = array.array("B", bytes(16 * n))
+        homes = array.array("q", bytes(8 * n))
+        if self._prepare(keys, n, *self._api, homes.buffer_info()[0],
+                         want.buffer_info()[0]) >= 0:
+            return None
+        return want.tobytes(), homes.tobytes()
 
 
 _lock = threading.Lock()
@@ -172,18 +269,21 @@ _keep: list[Any] = []
 
 def _compile() -> Kernels | None:
     try:
-        compiled = compile_ir(_IR, ("probe", "codes"), opt=2)
+        compiled = compile_ir(_IR, ("probe", "codes", "prepare", "facts"), opt=2)
     except Exception as e:  # a JIT refused (e.g. no executable memory): Python still works
         log.warning("LOOKUP probe kernel not compiled (%s); keys are probed one by one", e)
         return None
     if compiled is None:
         return None
-    probe_at, codes_at = compiled
+    probe_at, codes_at, prepare_at, facts_at = compiled
     # PYFUNCTYPE: the GIL stays held, so no thread changes a table during the call.
     probe = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, _I, _P, _P)(probe_at)
     codes = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, ctypes.c_uint8, _P)(codes_at)
-    _keep.extend((probe, codes))
-    return Kernels(probe, codes)
+    prepare = ctypes.PYFUNCTYPE(ctypes.c_int64, ctypes.py_object, _I, _P, _P, _P, _P, _P,
+                                _P)(prepare_at)
+    facts = ctypes.PYFUNCTYPE(None, _P, _I, _I, _P, _P, _P, _P, _I, ctypes.c_double)(facts_at)
+    _keep.extend((probe, codes, prepare, facts))
+    return Kernels(probe, codes, prepare, facts)
 
 
 def kernels() -> Kernels | None:

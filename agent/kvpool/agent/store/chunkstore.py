@@ -236,31 +236,36 @@ class ChunkStore:
 
     async def lookup(self, keys: list[bytes]) -> tuple[int, bytes]:
         """How many leading keys are stored, and the tier code of each (2, 3, 4)."""
+        keys = keys if type(keys) is list else list(keys)
         n = len(keys)
         if n > MAX_LOOKUP_KEYS:
             raise OpError(ErrorCode.BAD_ARGUMENT,
                           f"LOOKUP takes at most {MAX_LOOKUP_KEYS} keys, got {n}")
-        want = b"".join(keys)
-        if len(want) != KEY_BYTES * n or (n and min(map(len, keys)) != KEY_BYTES):
+        # The keys joined and hashed (in one compiled call once it is there), what the
+        # probes of every key at once start from (`KeyTable.find_many`).
+        kernels = probekernel.ready()
+        prepared = None if kernels is None else kernels.prepare(keys)
+        if prepared is None:
             for k in keys:
                 check_key(k)
+            want, hashes = b"".join(keys), homes(keys)
+        else:
+            want, hashes = prepared
         m = self.m
         m.lookups.inc()
         m.lookup_keys.inc(n)
         seq = self._next_seq()
         now = time.time()
-        # Every key's DRAM slot at once (`KeyTable.find_many`): the walks below only act.
-        hashes = homes(keys)
         slots, in_dram = self.dram.find_many(keys, want, hashes)
         hit = self._hit_dram
         nvme = self.nvme
         run = in_dram.find(0)
         run = n if run < 0 else run
-        dram_hit, touched = self.dram.hit, self.dram_queue.touched_slot  # (`_hit_dram`)
+        # (`_hit_dram` of each: their facts in one call, then their places in the order)
+        self.dram.hit_run(slots, run, seq, now)
+        touched = self.dram_queue.touched_slot
         for depth in range(run):
-            slot = slots[depth]
-            dram_hit(slot, seq, depth, now)
-            touched(slot, depth)
+            touched(slots[depth], depth)
         tiers = bytearray(DRAM_CODES[:run])
         if nvme is not None:
             for depth in range(run, n):

@@ -22,7 +22,7 @@ from ..lookupindex import SharedIndex
 from ..peers.links import ArenaTarget
 from ..policy import Entry
 from ..protocol import Extents, checksum
-from .facts import FactRows, SlotFacts
+from .facts import FactRows, SlotFacts, hit_run
 
 
 class DramChunk(SlotFacts):
@@ -241,6 +241,11 @@ class DramTier:
         """Each key's slot (-1: none) and whether it is visible here (1 or 0 a key):
         `KeyTable.find_many` (LOOKUP: the index is written on the event loop only)."""
         return self.index.find_many(keys, want, hashes)
+
+    def hit_run(self, slots: array[int], n: int, seq: int, now: float) -> None:
+        """The chunks in the first `n` of `slots` hit by LOOKUP `seq`, each at its index
+        as its depth (`hit` of each, in one call: `facts.hit_run`)."""
+        hit_run(self.facts, slots, n, seq, now)
 
     def __len__(self) -> int:
         """Visible chunks."""

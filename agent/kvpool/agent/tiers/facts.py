@@ -11,6 +11,8 @@ from __future__ import annotations
 from array import array
 from typing import Protocol
 
+from .. import probekernel
+
 
 class FactRows:
     """One row of facts per slot, in parallel arrays indexed by it."""
@@ -37,6 +39,23 @@ class FactRows:
         wall-clock time `now`."""
         self.hits[slot] += 1
         self.seq[slot], self.depth[slot], self.access[slot] = seq, depth, now
+
+
+def hit_run(rows: FactRows, slots: array[int], n: int, seq: int, now: float,
+            compiled: bool = True) -> None:
+    """`FactRows.hit` of the first `n` of `slots`, each at its index as its depth (a
+    LOOKUP's leading DRAM keys), in one compiled call where there is one
+    (`probekernel`)."""
+    kernels = probekernel.ready() if compiled else None
+    if kernels is None:
+        for depth in range(n):
+            rows.hit(slots[depth], seq, depth, now)
+        return
+    if n > len(slots):
+        raise ValueError(f"{n} hits of {len(slots)} slots")
+    kernels.facts(slots.buffer_info()[0], n, len(rows.seq), rows.hits.buffer_info()[0],
+                  rows.seq.buffer_info()[0], rows.depth.buffer_info()[0],
+                  rows.access.buffer_info()[0], seq, now)
 
 
 class HasFacts(Protocol):
