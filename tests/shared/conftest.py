@@ -83,20 +83,22 @@ class RestartableMoto:
 
 
 class StallingMoto:
-    """moto's S3 app in a server of the test's own whose DELETE requests wait while the
-    test holds them (`hold`, `free`): a store that stalls on deletes, so the agent's
-    threads that make them stay busy for as long as the test needs."""
+    """moto's S3 app in a server of the test's own whose requests of one method (DELETE
+    unless `hold` names another) wait while the test holds them (`hold`, `free`): a store
+    that stalls on deletes, or on lookups (HEAD), so the agent's threads that make them stay
+    busy for as long as the test needs."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self._open = threading.Event()
         self._open.set()
         self._lock = threading.Lock()
+        self._method = "DELETE"
         self.held = 0
-        """DELETE requests waiting now."""
+        """Requests waiting now."""
         app = DomainDispatcherApplication(create_backend_app)
 
         def stalling(environ: dict[str, Any], start_response: Any) -> Any:
-            if environ["REQUEST_METHOD"] == "DELETE" and not self._open.is_set():
+            if environ["REQUEST_METHOD"] == self._method and not self._open.is_set():
                 with self._lock:
                     self.held += 1
                 self._open.wait(60)  # a bound, should the test fail while holding
@@ -110,7 +112,8 @@ class StallingMoto:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def hold(self) -> None:
+    def hold(self, method: str = "DELETE") -> None:
+        self._method = method
         self._open.clear()
 
     def free(self) -> None:
