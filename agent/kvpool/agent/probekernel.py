@@ -263,6 +263,8 @@ class Kernels:
 _lock = threading.Lock()
 _kernels: Kernels | None = None
 _tried = False
+_started = False
+"""`compile_soon` started the compile."""
 _keep: list[Any] = []
 """The ctypes functions over the compiled code, kept with it for the process's life."""
 
@@ -304,7 +306,9 @@ def ready() -> Kernels | None:
 
 
 def compile_soon() -> None:
-    """Compile the loops on a thread of their own, once per process (at an agent's start:
-    LOOKUPs probe key by key until it is done, ~0.1 s)."""
-    if not _tried:
+    """Compile the loops on a thread of their own, once per process (LOOKUPs probe key by
+    key until it is done, ~0.2 s of CPU)."""
+    global _started
+    if not _started:
+        _started = True
         threading.Thread(target=kernels, name="kvpool-probe-jit", daemon=True).start()

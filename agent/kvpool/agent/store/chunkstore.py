@@ -90,6 +90,9 @@ RECENT_LOOKUPS = 1 << 16
 half as many, the last ones told: `RecentLookups`)."""
 RECENT_PEER_PROMPTS = 256
 """Recent LOOKUPs that counted peer chunks whose keys are kept, to know what follows a key."""
+COMPILE_FROM = 16
+"""A LOOKUP of this many keys has LOOKUP's compiled loops made (`probekernel`, once per
+process, on a thread): below it a LOOKUP costs little key by key."""
 DRAM_CODES = bytes([2]) * MAX_LOOKUP_KEYS
 """A LOOKUP's tier codes where every key is in DRAM (the prefix of it that is)."""
 FIND_TRIES = 4
@@ -123,7 +126,6 @@ class ChunkStore:
             journal.live_handoffs = self._journal_handoffs
         self.dram.repin((), (bytes.fromhex(k) for k in policy.pins))
         self.seq = 0
-        probekernel.compile_soon()  # LOOKUP's probes (`KeyTable.find_many`)
         self.recent = RecentLookups(RECENT_LOOKUPS)
         """key -> (request seq, depth, last of its prompt) from recent LOOKUPs."""
         self.counts = LookupCounts()
@@ -244,6 +246,8 @@ class ChunkStore:
         # The keys joined and hashed (in one compiled call once it is there), what the
         # probes of every key at once start from (`KeyTable.find_many`).
         kernels = probekernel.ready()
+        if kernels is None and n >= COMPILE_FROM:
+            probekernel.compile_soon()  # (an agent that never sees one pays no compile)
         prepared = None if kernels is None else kernels.prepare(keys)
         if prepared is None:
             for k in keys:
