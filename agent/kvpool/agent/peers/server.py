@@ -27,6 +27,7 @@ from typing import Protocol
 
 from . import auth, wire
 from .metrics import PeerMetrics
+from .unacked import Unacked
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,12 @@ class PeerServer:
             writer.close()
             return
         self.connections += 1
+        # The leases of chunks sent with sendfile whose bytes are not acknowledged yet
+        # (under TLS the bytes are copies: nothing to hold).
+        sock = writer.get_extra_info("socket")
+        unacked = (Unacked(writer.transport, sock, STALL_TIMEOUT)
+                   if sock is not None and self.tls is None else None)
+        cancelled = False
         try:
             try:
                 client_id = await asyncio.wait_for(self._handshake(reader, writer),
@@ -195,7 +202,10 @@ class PeerServer:
                 self.m.auth_failures.inc()
                 log.warning("peer connection from %s refused: %s", peer, e or type(e).__name__)
                 return
-            await self._requests(reader, writer, peer, owner, client_id)
+            await self._requests(reader, writer, peer, owner, client_id, unacked)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ssl.SSLError):
             pass  # the peer went away
         except wire.WireError as e:
@@ -205,6 +215,10 @@ class PeerServer:
             log.exception("serving peer %s failed", peer)
         finally:
             self.connections -= 1
+            if unacked is not None:
+                # Before the close: the kernel would go on sending queued bytes from the
+                # chunks' pages after it, and before `disconnect`, which ends the leases.
+                await unacked.settle(wait=not cancelled)
             for h in self.spaces.values():
                 h.disconnect(owner)
             writer.close()
@@ -226,7 +240,8 @@ class PeerServer:
         return client_id
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        peer: str, owner: int, client_id: bytes) -> None:
+                        peer: str, owner: int, client_id: bytes,
+                        unacked: Unacked | None) -> None:
         offers: deque[asyncio.Task[None]] = deque()
         """PUSH offers of this connection under way, in order: each answers once the one
         before it has (replies keep the requests' order)."""
@@ -254,7 +269,7 @@ class PeerServer:
                 if op == wire.OP_DELETE:
                     await self._delete(writer, peer, rid, tenant, key, client_id)
                     continue
-                await self._fetch(writer, peer, owner, rid, tenant, key)
+                await self._fetch(writer, peer, owner, rid, tenant, key, unacked)
         finally:
             for task in offers:  # the connection is gone: its offers go with it
                 task.cancel()
@@ -301,7 +316,7 @@ class PeerServer:
         await writer.drain()
 
     async def _fetch(self, writer: asyncio.StreamWriter, peer: str, owner: int, rid: int,
-                     tenant: str, key: bytes) -> None:
+                     tenant: str, key: bytes, unacked: Unacked | None) -> None:
         start = time.monotonic()
         holdings = self.spaces.get(tenant)
         source = None if holdings is None else await holdings.peer_source(key, owner)
@@ -310,6 +325,7 @@ class PeerServer:
             await writer.drain()
             self.m.served(peer, "absent", time.monotonic() - start)
             return
+        whole = False
         try:
             writer.write(wire.encode_reply(wire.OK, rid, kind=source.kind, size=source.size,
                                            checksum=source.checksum, meta=source.meta,
@@ -318,11 +334,18 @@ class PeerServer:
                 # Bounded: a reader that stops reading must not hold the chunk's read
                 # lease (keeping it from eviction) for longer than this.
                 await asyncio.wait_for(_send(writer, source), STALL_TIMEOUT)
+            whole = True
         except BaseException:
             self.m.served(peer, "error", time.monotonic() - start)
             raise
         finally:
-            source.close()
+            if unacked is not None and source.data is None and source.fd >= 0:
+                # Sent with sendfile: the socket's queue refers to the chunk's pages until
+                # the peer acknowledges them. The descriptor is not needed for that.
+                os.close(source.fd)
+                unacked.hold(source.release, whole)
+            else:
+                source.close()
         self.m.served(peer, "ok", time.monotonic() - start, source.size)
 
     async def _stream(self, reader: asyncio.StreamReader,

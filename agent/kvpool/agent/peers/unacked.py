@@ -1,0 +1,148 @@
+"""Read leases of chunks sent with `sendfile`, held until TCP has their bytes acknowledged.
+
+`sendfile` on a TCP socket queues references to the file's pages, not copies: bytes not
+sent yet (a small receive window, a slow reader) and bytes sent but not acknowledged (a
+retransmission resends from the same pages) still point at the chunk's arena extents when
+`sendfile` returns. Were the read lease to end then, a DELETE, an eviction or a demotion
+could free the extents, a put could rewrite them, and the peer would receive the new
+bytes: a checksum failure on its side (a miss, never wrong KV) and an honest holder marked
+suspect. So a connection's chunk leases end once the kernel no longer needs the pages:
+once the peer acknowledged the chunk's last byte, or the connection was reset (which
+purges its send queue).
+
+The kernel's own counters say where a chunk ends and what is acknowledged, so no write of
+the connection needs counting: right after a chunk's last byte went to the socket (nothing
+written after it), the bytes the socket was ever given are its send queue (`SIOCOUTQ`:
+unsent and unacknowledged) plus what was acknowledged (`tcp_info.tcpi_bytes_acked`). The
+lease ends when `tcpi_bytes_acked` reaches that. Checked at each hand-off and, while
+leases wait, every `POLL` seconds (a timer, no busy loop). A reader that acknowledges
+nothing of a chunk for `timeout` seconds after its last byte was handed (the bound a send
+had before) gets its connection reset (SO_LINGER 0: the close drops the queue) and only
+then are the leases released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import math
+import socket
+import struct
+import termios
+import time
+from collections import deque
+from collections.abc import Callable
+
+POLL = 0.001
+"""Seconds between checks while leases wait for their bytes' acknowledgement."""
+
+_TCP_INFO = struct.Struct("<B119xQ")
+"""`struct tcp_info` up to `tcpi_bytes_acked` (Linux 4.2+): `tcpi_state` is its first byte,
+`tcpi_bytes_acked` the u64 at byte 120."""
+_TCP_CLOSE = 7
+"""`tcpi_state` of a connection that is over: reset or closed, its send queue purged."""
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+def _acked(sock: socket.socket) -> tuple[int, bool]:
+    """(bytes the peer acknowledged, whether the connection is over and its queue gone)."""
+    state, acked = _TCP_INFO.unpack(
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size))
+    return acked, state == _TCP_CLOSE
+
+
+def handed(sock: socket.socket) -> int:
+    """Bytes the socket was given so far, at least: the send queue read first, so that an
+    acknowledgement between the two reads makes the sum later, never earlier."""
+    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    return queued + _acked(sock)[0]
+
+
+class Unacked:
+    """The chunk leases of one plain-TCP connection whose bytes the kernel may still send.
+
+    `hold` right after a chunk's last byte was handed to the socket; `settle` before the
+    connection closes (a graceful close would leave the kernel sending from the pages
+    after the leases ended: it waits for the acknowledgements, or resets)."""
+
+    def __init__(self, transport: asyncio.WriteTransport, sock: socket.socket,
+                 timeout: float) -> None:
+        self.transport = transport
+        self.sock = sock
+        self.timeout = timeout
+        self.pending: deque[tuple[float, float, Callable[[], None]]] = deque()
+        """(end: acknowledged bytes that free it, deadline, release), in end order."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reset = False
+
+    def hold(self, release: Callable[[], None], whole: bool = True) -> None:
+        """Keep a chunk's lease (`release` ends it) until its bytes are acknowledged; one
+        not sent `whole` (its send failed part way) until the connection is reset."""
+        if self._reset:
+            release()
+            return
+        try:
+            end = float(handed(self.sock)) if whole else math.inf
+        except OSError:  # the socket is closed: a reset or failed connection, queue gone
+            release()
+            return
+        self.pending.append((end, time.monotonic() + self.timeout, release))
+        self._idle.clear()
+        self.check()
+
+    def check(self) -> None:
+        """Release what is acknowledged; reset a connection whose oldest chunk waited past
+        its deadline; otherwise look again in `POLL` seconds."""
+        self._timer = None
+        if not self.pending or self._reset:
+            return
+        try:
+            acked, over = _acked(self.sock)
+        except OSError:
+            acked, over = 0, True
+        if over:
+            self._release_all()
+            return
+        while self.pending and self.pending[0][0] <= acked:
+            self.pending.popleft()[2]()
+        if not self.pending:
+            self._idle.set()
+        elif self.pending[0][1] <= time.monotonic():
+            self.reset()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(POLL, self.check)
+
+    def reset(self) -> None:
+        """Abort the connection with a reset, which drops its send queue (and with it the
+        page references), then release every lease (after the socket is closed: the
+        transport closes it in a callback queued before ours)."""
+        if self._reset:
+            return
+        self._reset = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        with contextlib.suppress(OSError):  # closed already
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        self.transport.abort()
+        asyncio.get_running_loop().call_soon(self._release_all)
+
+    def _release_all(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.pending:
+            self.pending.popleft()[2]()
+        self._idle.set()
+
+    async def settle(self, wait: bool) -> None:
+        """Before the connection closes: every lease released, once its bytes are
+        acknowledged (`wait`, bounded by the deadlines) or at once by a reset."""
+        if not self.pending:
+            return
+        if not wait or any(math.isinf(end) for end, _, _ in self.pending):
+            self.reset()
+        await self._idle.wait()

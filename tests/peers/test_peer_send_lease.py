@@ -1,0 +1,81 @@
+"""A chunk served to a peer keeps its read lease until the peer acknowledged its bytes:
+`sendfile` queues references to the arena's pages, so a DELETE and puts that reuse the
+extent while the bytes wait in the holder's send queue must not change what the peer
+receives."""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent import checksums
+from kvpool.agent.peers import wire
+
+from .conftest import metric, wait_until
+from .nodes import Network, in_ns
+from .test_peer_reads import start
+from .test_peer_security import authenticated
+
+KiB = 1 << 10
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        more = s.recv(n - len(out))
+        assert more, "the holder closed the connection mid-reply"
+        out += more
+    return out
+
+
+def test_a_chunk_deleted_and_its_extent_rewritten_while_its_bytes_wait_reaches_the_peer_whole(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    # The holder's sockets start with a 1 MiB send buffer (its listener's, which accepted
+    # connections inherit): the whole reply goes into the send queue at once.
+    in_ns(net.nodes[0], "sysctl", "-qw", "net.ipv4.tcp_wmem=4096 1048576 4194304")
+    with ExitStack() as stack:
+        ((a, ca),) = start(stack, net, tmp_path, secret, n=1, nvme=False, dram="2Mi",
+                           prefetch=False)
+        size = 32 * KiB
+        # The arena full of chunks, K the last one in.
+        for _ in range(2 * (2 << 20) // size):
+            assert ca.put(os.urandom(16), os.urandom(size))
+        stalled = os.urandom(16)
+        assert ca.put(stalled, os.urandom(size))
+        key, data, meta = os.urandom(16), os.urandom(size), b"k-meta"
+        assert ca.put(key, data, meta)
+        # A peer that asks for a chunk and never reads: after the bound its connection is
+        # reset (which drops the holder's queued references to the pages), then the lease
+        # ends.
+        stuck = stack.enter_context(authenticated(net.nodes[0].addr, secret, rcvbuf=2 * KiB))
+        stuck.sendall(wire.encode_request(wire.OP_FETCH, 1, stalled, ""))
+        wait_until(lambda: metric(a, "kvpool_peer_requests_total", direction="served",
+                                  result="ok") == 1, "the holder to have sent the chunk")
+        # A peer whose receive window is tiny: the reply waits in the holder's send queue.
+        s = authenticated(net.nodes[0].addr, secret, rcvbuf=2 * KiB)
+        with s:
+            s.sendall(wire.encode_request(wire.OP_FETCH, 7, key, ""))
+            wait_until(lambda: metric(a, "kvpool_peer_requests_total", direction="served",
+                                      result="ok") == 2, "the holder to have sent the chunk")
+            # Sent, not acknowledged: the leases hold the chunks' pages.
+            assert ca.stats()["leases"]["read"] == 2
+            assert ca.delete(key)
+            for _ in range(2 * (2 << 20) // size):  # the arena's worth of other bytes
+                assert ca.put(os.urandom(16), os.urandom(size))
+            head = wire.reply_head(recv_exact(s, wire.REPLY.size))
+            assert (head.status, head.rid, head.size) == (wire.OK, 7, size)
+            got_meta = recv_exact(s, head.meta_len)
+            recv_exact(s, head.tenant_len)
+            got = recv_exact(s, size)
+            assert checksums.compute(head.kind, [got], got_meta) == head.checksum
+            assert (got, got_meta) == (data, meta)
+        wait_until(lambda: ca.stats()["leases"] == {"read": 1, "write": 0},
+                   "K's lease to end once its bytes were acknowledged")
+        wait_until(lambda: ca.stats()["leases"] == {"read": 0, "write": 0},
+                   "the stalled reader's lease to end after the bound")
+        with pytest.raises(ConnectionResetError):
+            recv_exact(stuck, 64 * KiB)
