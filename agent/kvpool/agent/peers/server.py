@@ -215,15 +215,18 @@ class PeerServer:
             log.exception("serving peer %s failed", peer)
         finally:
             self.connections -= 1
-            if unacked is not None:
-                # Before the close: the kernel would go on sending queued bytes from the
-                # chunks' pages after it, and before `disconnect`, which ends the leases.
-                await unacked.settle(wait=not cancelled)
-            for h in self.spaces.values():
-                h.disconnect(owner)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            try:
+                if unacked is not None:
+                    # Before the close: the kernel would go on sending queued bytes from
+                    # the chunks' pages after it; and before `disconnect`, which ends the
+                    # leases.
+                    await unacked.settle(wait=not cancelled)
+            finally:  # cancelled again meanwhile: nothing of the connection is left held
+                for h in self.spaces.values():
+                    h.disconnect(owner)
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
 
     async def _handshake(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> bytes:

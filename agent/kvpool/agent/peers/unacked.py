@@ -15,9 +15,9 @@ the connection needs counting: right after a chunk's last byte went to the socke
 written after it), the bytes the socket was ever given are its send queue (`SIOCOUTQ`:
 unsent and unacknowledged) plus what was acknowledged (`tcp_info.tcpi_bytes_acked`). The
 lease ends when `tcpi_bytes_acked` reaches that. Checked at each hand-off and, while
-leases wait, every `POLL` seconds (a timer, no busy loop). A reader that acknowledges
-nothing of a chunk for `timeout` seconds after its last byte was handed (the bound a send
-had before) gets its connection reset (SO_LINGER 0: the close drops the queue) and only
+leases wait, every `POLL` seconds (a timer, no busy loop). A reader that has not
+acknowledged a chunk `timeout` seconds after its last byte was handed (the bound a send
+has) gets its connection reset (SO_LINGER 0: the close drops the queue) and only
 then are the leases released.
 """
 
