@@ -47,8 +47,10 @@ _LINGER_RESET = struct.pack("ii", 1, 0)
 
 def _acked(sock: socket.socket) -> tuple[int, bool]:
     """(bytes the peer acknowledged, whether the connection is over and its queue gone)."""
-    state, acked = _TCP_INFO.unpack(
-        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size))
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    if len(info) < _TCP_INFO.size:  # a kernel before 4.2: leases end as the bytes go
+        raise OSError("tcp_info without tcpi_bytes_acked")
+    state, acked = _TCP_INFO.unpack(info)
     return acked, state == _TCP_CLOSE
 
 
