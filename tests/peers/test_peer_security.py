@@ -50,9 +50,30 @@ def authenticated(host: str, secret: Path, my_id: bytes | None = None,
     return s
 
 
-def open_fds(agent: LocalAgent) -> int:
+def held_files_and_sockets_from(agent: LocalAgent, address: str) -> tuple[int, int]:
+    """The agent's descriptors that are not sockets (chunk files, the arena...), and its
+    TCP sockets whose other end is at `address`. (All its descriptors would also count its
+    pool of connections to the other nodes, which may grow or be renewed meanwhile.)"""
     assert agent.proc is not None
-    return len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
+    pid = agent.proc.pid
+    inodes, files = set(), 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue  # closed while listed
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+        else:
+            files += 1
+    # /proc/PID/net/tcp is the table of the agent's own network namespace; addresses are
+    # little-endian hex, as the kernel stores them.
+    peer = socket.inet_aton(address)[::-1].hex().upper()
+    with open(f"/proc/{pid}/net/tcp") as table:
+        next(table)
+        sockets = sum(1 for row in map(str.split, table)
+                      if row[2].split(":")[0] == peer and row[9] in inodes)
+    return files, sockets
 
 
 def test_a_connection_without_the_pools_secret_is_refused_counted_and_logged(
@@ -102,13 +123,17 @@ def test_fuzzed_peer_frames_close_the_connection_and_leave_the_agent_whole(
         assert ca.put(key, data)
         seen_as(cb, [key], ["peer"])
         assert cb.get(key) == data  # node 1 keeps a connection for reads from now on
-        fds = open_fds(a)
         host = net.nodes[0].addr
+        files, _ = held_files_and_sockets_from(a, host)
+        me = ""
         frames = 0
         for i in range(60):
             before_auth = i % 3 == 0
             s = (socket.create_connection((host, PEER_PORT), timeout=30) if before_auth
                  else authenticated(host, secret))
+            me = s.getsockname()[0]
+            if i == 1:  # the count sees a connection the agent holds
+                assert held_files_and_sockets_from(a, me)[1] == 1
             with s:
                 try:
                     for _ in range(rng.randint(1, 5)):
@@ -133,7 +158,9 @@ def test_fuzzed_peer_frames_close_the_connection_and_leave_the_agent_whole(
         assert ca.put(k2, data)
         seen_as(cb, [k2], ["peer"])
         assert cb.get(k2) == data
-        wait_until(lambda: open_fds(a) <= fds, "node 0's descriptors back to what they were")
+        # Nothing of the fuzzer's connections stays: no socket to it, no file opened for it.
+        wait_until(lambda: held_files_and_sockets_from(a, me) <= (files, 0),
+                   "node 0's descriptors for the fuzzer closed")
         # (A served chunk's lease ends once its reader acknowledged the last byte.)
         wait_until(lambda: ca.stats()["leases"] == {"read": 0, "write": 0},
                    "node 0's leases all ended")
