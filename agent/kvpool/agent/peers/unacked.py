@@ -97,8 +97,12 @@ class Unacked:
 
     def check(self) -> None:
         """Release what is acknowledged; reset a connection whose oldest chunk waited past
-        its deadline; otherwise look again in `POLL` seconds."""
-        self._timer = None
+        its deadline; otherwise look again in `POLL` seconds. (Called by `hold` too while
+        a look is scheduled: that one is cancelled, so a connection polls once, not once
+        for every chunk held since its first wait.)"""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self.pending or self._reset:
             return
         try:
