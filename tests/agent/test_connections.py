@@ -9,13 +9,14 @@ from __future__ import annotations
 import http.client
 import os
 import resource
+import select
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, suppress
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,8 @@ def hello(path: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(str(path))
-    s.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "test", "")))
+    with suppress(BrokenPipeError):  # refused unread: the refusal is still there to read
+        s.sendall(p.encode(p.Hello(1, p.PROTOCOL_VERSION, "test", "")))
     return s
 
 
@@ -114,8 +116,27 @@ def test_one_tenants_connection_flood_leaves_the_other_tenant_served(
             key, data = b"b" * 16, b"team-b" * 1000
             assert b.put(key, data)
             assert b.get(key) == data
+        # A client refused the same way gets the agent's reason even when the agent has
+        # closed before the client's HELLO went out (it does not read it): the client's
+        # connect is held until the refusal has arrived, so its HELLO meets a closed socket.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(socket.socket, "connect", connect_then_wait_for_the_agent)
+            with pytest.raises(p.ProtocolError) as refusal:
+                KVPoolClient(tenants.socket_of("team-a")).close()
+        assert refusal.value.code == p.ErrorCode.TOO_MANY_CONNECTIONS
     refused_total = scrape(tenants)['kvpool_connections_refused_total{pool="default"}']
-    assert refused_total == len(refused)
+    assert refused_total == len(refused) + 1
+
+
+_connect = socket.socket.connect
+
+
+def connect_then_wait_for_the_agent(s: socket.socket, address: str) -> None:
+    """socket.connect, returning once the agent has written to (and closed) the socket."""
+    _connect(s, address)
+    readable, _, _ = select.select([s], [], [], 30)
+    assert readable, "the agent neither answered nor closed the connection"
+    time.sleep(0.05)  # the close follows the refusal's write
 
 
 def test_once_its_socket_takes_a_connection_the_whole_agent_is_up(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ on the mode again.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import select
@@ -762,7 +763,10 @@ def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,
     fds: list[int] = []
     try:
         sock.connect(path)
-        sock.sendall(p.encode(hello))
+        # An agent refusing the connection (over its space's share) answers and closes
+        # without reading HELLO: its reply is still there to read, and says why.
+        with contextlib.suppress(BrokenPipeError):
+            sock.sendall(p.encode(hello))
         # The arena's fd, then the lookup index's (an older agent sends the first only).
         msg, fds, _, _ = socket.recv_fds(sock, _HELLO_RECV, 2)
         frame = bytearray(msg)
