@@ -197,3 +197,25 @@ def test_recent_lookups_remember_each_keys_last_place_as_an_ordered_dict(
             # older ones: right, or forgotten
             assert all(recent.get(k) in (None, model[k]) for k in model)
     assert recent.get(b"\xff" * KEY_BYTES) is None
+
+
+def test_recent_lookups_answer_every_read_of_a_large_lookup_and_of_the_ones_after_it() -> None:
+    # A LOOKUP of 8,192 keys, some asked twice (a key's depth is its deeper place), read key
+    # by key (each read after the first uses what the first made), with LOOKUPs told in
+    # between: a key told again answers for its new LOOKUP, the others for the old one.
+    rnd = random.Random(5)
+    recent = RecentLookups(1 << 16)
+    keys = [rnd.randbytes(KEY_BYTES) for _ in range(8192)]
+    keys[100] = keys[7]  # asked twice: its place is 100
+    recent.told(1, keys)
+    assert recent.get(keys[7]) == (1, 100, False)
+    assert recent.get(keys[0]) == (1, 0, False)
+    assert recent.get(keys[-1]) == (1, 8191, True)
+    later = [keys[5], rnd.randbytes(KEY_BYTES)]
+    recent.told(2, later)
+    assert recent.get(keys[5]) == (2, 0, False)
+    assert recent.get(later[1]) == (2, 1, True)
+    for depth, key in enumerate(keys):
+        if key not in (keys[5], keys[7]):
+            assert recent.get(key) == (1, depth, depth == 8191)
+    assert recent.get(rnd.randbytes(KEY_BYTES)) is None
