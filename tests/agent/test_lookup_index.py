@@ -5,9 +5,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import random
 import signal
 import socket
 import threading
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpool.agent import lookupkernel
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.constants import PEER_TIER_CODE
 from kvpool.agent.lookupindex import IndexReader, SharedIndex
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
@@ -258,6 +262,134 @@ def test_the_table_answers_what_it_holds_through_tombstones_rebuilds_and_overflo
                 assert reader.lookup(list(held)) == len(held)
         if not index.overflowed:
             assert reader.lookup(list(held)) == len(held)
+    finally:
+        reader.close()
+        index.close()
+
+
+def _bulk(held: dict[bytes, int]) -> tuple[bytes, array[int]]:
+    """The directory's entries as a peer table's rebuild takes them."""
+    return b"".join(held), array("H", held.values())
+
+
+def _answers(reader: IndexReader, keys: list[bytes],
+             monkeypatch: pytest.MonkeyPatch) -> tuple[bytes | None, bytes | None]:
+    """The reader's answer by the compiled walk and by the Python one."""
+    kernels = lookupkernel.kernels()
+    assert kernels is not None
+    with monkeypatch.context() as m:
+        m.setattr(lookupkernel, "ready", lambda: kernels)
+        compiled = reader.answer(keys)
+    with monkeypatch.context() as m:
+        m.setattr(lookupkernel, "ready", lambda: None)
+        walked = reader.answer(keys)
+    return compiled, walked
+
+
+@pytest.mark.parametrize("seed,max_slots,compiled_writes",
+                         [(1, 1 << 12, True), (2, 1 << 12, False), (3, 1 << 10, True)])
+def test_the_peer_table_answers_as_the_directory_and_the_peers_states_say(
+        seed: int, max_slots: int, compiled_writes: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer table driven as the directory and the network drive it (entries added,
+    moved to another holder, removed; a peer's entries dropped at once; peers turning
+    unreadable and back), against a dict: up to 1,500 remote keys, so it grows from
+    1,024 slots and is rebuilt (and with 1,024 slots at most, overflows: every LOOKUP
+    then asks the socket). Both walks, compiled and Python, give the model's answer, of
+    a table the agent wrote with its compiled writes or in Python."""
+    assert lookupkernel.kernels() is not None
+    if not compiled_writes:
+        monkeypatch.setattr(lookupkernel, "ready", lambda: None)  # (`_answers` has its own)
+    rnd = random.Random(seed)
+    universe = [_key(i) for i in range(1500)]
+    index = SharedIndex(64, lower_tiers=False, peer_slots=max_slots)
+    peers = index.peers
+    assert peers is not None
+    reader = IndexReader(index.fd)
+    held: dict[bytes, int] = {}  # the directory: key -> peer
+    readable = [True, True, True, False]
+    dram = set(universe[:40:3])
+    assert all(index.add(k) for k in dram)
+    peers.entries = lambda: _bulk(held)
+    for peer, r in enumerate(readable):
+        peers.set_readable(peer, r)
+    grown = False
+    try:
+        for step in range(4000):
+            op = rnd.random()
+            key = rnd.choice(universe)
+            if op < 0.6:
+                held[key] = rnd.randrange(4)
+                peers.add(key, held[key])
+            elif op < 0.7:
+                if key in held:
+                    del held[key]
+                    peers.remove(key)
+            elif op < 0.702:
+                peer = rnd.randrange(4)
+                for k in [k for k, q in held.items() if q == peer]:
+                    del held[k]
+                if peers.drop(peer):
+                    peers.rebuild()
+            elif op < 0.72:
+                peer = rnd.randrange(4)
+                readable[peer] = not readable[peer]
+                peers.set_readable(peer, readable[peer])
+            grown = grown or peers.slots > 1024
+            if step % 100:
+                continue
+            for _ in range(10):
+                keys = rnd.sample(universe, rnd.randrange(1, 140))
+                if rnd.random() < 0.5:  # mostly held, to get far into the prefix
+                    keys = [k for k in keys if k in held or k in dram] + keys[:1]
+                want = bytearray()
+                for k in keys:
+                    if k in dram:
+                        want.append(2)
+                    elif k in held and readable[held[k]]:
+                        want.append(PEER_TIER_CODE)
+                    else:
+                        break
+                compiled, walked = _answers(reader, keys, monkeypatch)
+                if peers.overflowed:
+                    assert compiled is walked is None, "overflowed: the socket answers"
+                else:
+                    assert compiled == walked == bytes(want)
+        assert grown == (max_slots > 1 << 10)
+        assert peers.overflowed == (max_slots == 1 << 10)
+    finally:
+        reader.close()
+        index.close()
+
+
+def test_a_torn_peer_slot_or_a_rebuild_under_way_sends_the_lookup_to_the_socket(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    index = SharedIndex(16, lower_tiers=False, peer_slots=1 << 10)
+    peers = index.peers
+    assert peers is not None
+    reader = IndexReader(index.fd)
+    keys = [_key(i) for i in range(20)]
+    try:
+        peers.entries = lambda: _bulk(dict.fromkeys(keys, 1))
+        peers.rebuild()
+        peers.set_readable(1, True)
+        assert _answers(reader, keys, monkeypatch) == (bytes([5]) * 20,) * 2
+        at, _ = peers._find(keys[7])
+        assert at is not None
+        peers._words[3 * at] |= 1  # the agent in the middle of writing it
+        assert _answers(reader, keys, monkeypatch) == (None, None)
+        assert _answers(reader, keys[:7], monkeypatch) == (bytes([5]) * 7,) * 2
+        peers._words[3 * at] += 1
+        assert _answers(reader, keys, monkeypatch) == (bytes([5]) * 20,) * 2
+        peers._set_epoch(peers.epoch + 1)  # a rebuild under way
+        assert _answers(reader, keys, monkeypatch) == (None, None)
+        peers._set_epoch(peers.epoch + 1)
+        # A peer that is not readable, or whose entries went at once, counts for nothing.
+        peers.set_readable(1, False)
+        assert _answers(reader, keys, monkeypatch) == (b"", b"")
+        peers.set_readable(1, True)
+        peers.drop(1)
+        assert _answers(reader, keys, monkeypatch) == (b"", b"")
     finally:
         reader.close()
         index.close()

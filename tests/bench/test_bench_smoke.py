@@ -111,12 +111,12 @@ def test_the_peer_part_reads_every_chunk_back_and_reports_each_figure(
     assert {"peer_read_many_gbps", "vs_plain"} <= set(tls) and tls["chunk_bytes"] == 16 * 2**20
     assert tls["bytes_verified"] == tls["chunks"] * tls["chunk_bytes"] * (
         result["meta"]["reps"] + 1)
-    assert {"p50_us", "p99_us", "dram_p50_us", "dram_p99_us", "one_key_p50_us",
-            "one_key_p99_us", "load_average"} <= set(peer["lookup"])
+    assert {"p50_us", "p99_us", "local_p50_us", "local_p99_us", "dram_p50_us", "dram_p99_us",
+            "one_key_p50_us", "one_key_p99_us", "load_average"} <= set(peer["lookup"])
     assert peer["lookup"]["keys"] == 128
     assert peer["lookup"]["remote_entries"] == peer["directory"]["remote_entries"] == 10**5
     assert {"samples", "p50_ms", "p99_ms"} <= set(peer["propagation"])
-    assert "agent_rss_bytes_per_entry" in peer["directory"]
+    assert {"agent_rss_bytes_per_entry", "shared_bytes_per_entry"} <= set(peer["directory"])
     # Every handed-off chunk (pushed, and pulled by key beside it) was read back on node 1
     # and compared with what node 0 was given.
     h = peer["handoff"]

@@ -149,6 +149,7 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         net: Network, tmp_path: Path, secret: Path) -> None:
     with ExitStack() as stack:
         (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False, prefetch=False)
+        local = stack.enter_context(KVPoolClient(b.socket_path, local_lookup=True))
         key, other = os.urandom(16), os.urandom(16)
         data = os.urandom(256 << 10)
         assert ca.put(key, data) and ca.put(other, os.urandom(4096))
@@ -159,6 +160,12 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         hits = metric(b, "kvpool_tier_hits_total", tier="dram")
         assert cb.lookup_tiers([key, mine, other]) == ["peer", "dram", "peer"]
         assert metric(b, "kvpool_tier_hits_total", tier="dram") == hits + 1
+        # (from shared memory alike: the hit told to the agent with the next call)
+        assert local.lookup_tiers([key, mine, other]) == ["peer", "dram", "peer"]
+        assert local.lookup_nowait([key, mine, other]) == 3
+        local.stats()
+        wait_until(lambda: metric(b, "kvpool_tier_hits_total", tier="dram") == hits + 3,
+                   "the local LOOKUPs told to the agent")
         # Flip a byte of the chunk in node 0's arena: it sends what is there, unverified.
         arena = a.arena_path.read_bytes()
         at = arena.find(data[:4096])
@@ -174,6 +181,7 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         # A suspect peer is not read from (nor counted by LOOKUP) for a while.
         assert cb.lookup_tiers([other]) == []
         assert cb.lookup_tiers([mine, other]) == ["dram"]
+        assert local.lookup_nowait([mine, other]) == 1  # its clients' tables say so too
         assert cb.get(other) is None
         assert cb.stats()["tiers"]["dram"]["chunks"] == 1  # its own chunk alone
 

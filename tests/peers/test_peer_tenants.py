@@ -61,6 +61,15 @@ def test_a_key_is_served_and_deleted_only_in_its_tenants_space_across_the_pool(
         assert blue[0].put(key, ours)
         wait_until(lambda: blue[1].lookup_tiers([key]) == ["peer"], "blue's directory on node 1")
         assert green[1].lookup_tiers([key]) == [] and green[1].get(key) is None
+        # Each tenant's shared-memory tables are its own: blue's clients answer the key
+        # from them without a round trip (in the peer tier, or in DRAM once its LOOKUP
+        # prefetched it), green's find it in neither.
+        blue_local = stack.enter_context(KVPoolClient(
+            tenant_socket_path(nodes[1].socket_path, "blue"), local_lookup=True))
+        green_local = stack.enter_context(KVPoolClient(
+            tenant_socket_path(nodes[1].socket_path, "green"), local_lookup=True))
+        assert len(blue_local.lookup_tiers([key])) == 1 and green_local.lookup_tiers([key]) == []
+        assert blue_local.lookup_nowait([key]) == 1 and green_local.lookup_nowait([key]) == 0
         assert blue[1].get(key) == ours
         assert green[1].get(key) is None
         # The same key in green's space (other bytes) put on node 2 and read on node 1;

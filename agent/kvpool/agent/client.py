@@ -38,7 +38,6 @@ from .constants import (
     ENV_PUT_AHEAD,
     ENV_SOCKET,
     ENV_TENANT,
-    TIER_CODES,
     TIER_NAMES,
 )
 from .protocol import EngineBlocks
@@ -64,10 +63,6 @@ T = TypeVar("T")
 
 BATCH_WINDOW = 128
 """Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
-DRAM_CODES = bytes([TIER_CODES["dram"]]) * p.MAX_LOOKUP_KEYS
-"""Tier codes of a window the shared-memory index answers (DRAM only)."""
-
-
 def default_socket(socket_path: str | os.PathLike[str] | None = None) -> str:
     """The agent socket to use: `socket_path`, else `$KVPOOL_SOCKET`, else the socket an
     agent started without `--socket` serves (one default for the client and the CLI)."""
@@ -105,10 +100,11 @@ class KVPoolClient:
         `registrar` pins each arena mapping for DMA when tensors first use it; by
         default CUDA's (`cudaHostRegister`) where torch sees a GPU, else none.
 
-        `local_lookup` answers `lookup` from the DRAM index the agent publishes in shared
-        memory, without a round trip, where that index can say (docs/client.md): such a
-        LOOKUP does not refresh the chunks' place in the eviction order, count hits, or
-        trigger prefetch, as one over the socket does.
+        `local_lookup` answers `lookup` from the tables the agent publishes in shared
+        memory (its DRAM keys and, where it reads peers and has no NVMe tier, the keys
+        readable peers hold), without a round trip, where they can say (docs/client.md);
+        the agent is still told of each such LOOKUP (not waited for), so hit counts and
+        the eviction order stay as if it had been asked.
 
         `pod`, `model` and `block_size` (tokens per engine block) name the engine for KV
         events (docs/events.md): its pod's topic is `kv@<pod>@<model>`. `chunk_tokens`
@@ -265,20 +261,20 @@ class KVPoolClient:
         return None if found is None else len(found)
 
     def _local_lookup(self, window: Sequence[bytes], always: bool = False) -> bytes | None:
-        """The window's answer from the shared-memory index, or None: ask the socket."""
+        """The window's answer from the shared-memory tables, or None: ask the socket."""
         t = self._transport
         if not (self.local_lookup or always) or not isinstance(t, ZeroCopyTransport) \
                 or t.index is None or t.conn.closed:
             return None
-        count = t.index.lookup(window)
-        if count is None:
+        codes = t.index.answer(window)
+        if codes is None:
             return None
         # The agent still hears of the lookup, with this client's next call: the hit
-        # chunks' place in the eviction order and the hit counts stay as if it had asked
-        # (prefetch has nothing to do: the index answers only when no lower tier may
-        # hold more of the prefix).
+        # chunks' place in the eviction order, the hit counts and the peer reads that
+        # follow stay as if it had asked (prefetch has nothing to do: the tables answer
+        # only when no local tier below DRAM may hold more of the prefix).
         t.conn.tell(p.Lookup(t.conn.rid(), list(window)))
-        return DRAM_CODES[:count]
+        return codes
 
     def contains(self, key: bytes) -> bool:
         return self.lookup([key]) == 1

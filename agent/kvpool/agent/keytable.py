@@ -161,6 +161,11 @@ class KeyTable:
         reader (copy it: an array exporting its buffer cannot be replaced in place)."""
         return self._cells
 
+    def key_bytes(self) -> bytes:
+        """A copy of every slot's key, `KEY_BYTES` each by slot, for a bulk reader (a
+        released slot's is the key it held)."""
+        return bytes(self._keys)
+
     def key_at(self, slot: int) -> bytes:
         return bytes(self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
 

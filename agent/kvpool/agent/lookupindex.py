@@ -34,6 +34,31 @@ What it answers. The table holds DRAM only. Where the pool has no tier below
 DRAM its answer is the agent's; where it has one (flag LOWER_TIERS), a prefix
 that ends before the last key may go on in NVMe or the shared tier, so only
 an answer that covers every key is final and the rest go to the socket.
+
+The peer table. Where the agent reads peers and the pool has no NVMe tier (flag
+PEER_TABLE), the same memfd also holds what the peer directory says of remote keys, at
+the header's `peer_at` (a page boundary past the DRAM table), so a LOOKUP of keys in
+DRAM or held by a readable peer is answered without a round trip too:
+
+    peer header, 64 bytes: epoch u64 | slots u32 | max_slots u32 | pad
+    MAX_PEERS x 4 bytes: each peer's state: gen u16 | readable << 16
+    max_slots x 24 bytes: word u64 (seq u16 | gen u16 | peer u16 | state u16) | key 16 bytes
+
+The same open addressing (XXH3-64 of the key, linear probing, tombstones) and the same
+seqlock per slot (`seq` odd while the agent writes the slot; every word written in one
+store) and epoch (odd while the table is rebuilt). A slot is HELD by the peer it names
+while its `gen` equals that peer's: when a peer's entries go at once (its stream ended,
+a resync) the agent bumps the peer's gen, one store, and all of its slots stop counting
+(they are reused as tombstones are and go at the next rebuild). A peer's `readable` bit
+is the agent's `PeerLink.readable` (not closed, not this agent, not suspect), written
+when it changes. The table grows: it is rebuilt at twice its keys once it is 3/4 used,
+up to `max_slots` (pages past its `slots` are never written, so they take no memory);
+past 3/4 of that it overflows (epoch odd: LOOKUPs ask the socket) until keys go.
+
+A key's answer is then what the socket's LOOKUP answers (DRAM, then NVMe, then peer,
+then shared): 2 where DRAM holds it, else the peer tier's code where a readable peer
+holds it, else the prefix ends; where the pool has a shared tier (flag SHARED_BELOW)
+an answer that ends before the last key goes to the socket, as it may go on there.
 """
 
 from __future__ import annotations
@@ -43,12 +68,17 @@ import mmap
 import os
 import platform
 import struct
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from .constants import KEY_BYTES
+from . import lookupkernel
+from .constants import KEY_BYTES, PEER_TIER_CODE
+from .protocol import MAX_LOOKUP_KEYS
+
+DRAM_CODES = bytes([2]) * MAX_LOOKUP_KEYS
 
 MAGIC = 0x31584449_4C50564B  # "KVPLIDX1" read as a little-endian u64
 VERSION = 1
@@ -57,12 +87,24 @@ HEADER_BYTES = 64
 _EPOCH_AT = 16
 _EPOCH = struct.Struct("<Q")
 SLOT = struct.Struct("<II16s")
+_PEER_SLOT = struct.Struct("<Q16s")
+_STATE = struct.Struct("<I")
 _SEQ = struct.Struct("<I")
 SLOT_BYTES = SLOT.size
 
 EMPTY, LIVE, DEAD = 0, 1, 2
 LOWER_TIERS = 1
-"""Flag: the pool has a tier below DRAM (NVMe or shared), so a miss here is not final."""
+"""Flag: the pool has a tier below DRAM (NVMe, peer or shared), so a miss here is not final
+(to a reader that does not know the peer table)."""
+PEER_TABLE = 2
+"""Flag: the peer table is at `peer_at` and the pool has no NVMe tier: a key in neither
+table ends the prefix, unless SHARED_BELOW."""
+SHARED_BELOW = 4
+"""Flag (with PEER_TABLE): the pool has a shared tier, so a prefix that ends in the tables
+may go on there."""
+_PEER_AT = struct.Struct("<Q")
+_PEER_AT_AT = 32
+DRAM_CODE = 2
 
 MIN_SLOTS = 1 << 10
 MAX_SLOTS = 1 << 21
@@ -77,6 +119,32 @@ _LIVE_WORD = LIVE << 32
 """A slot's first word (seq | state << 32) masked to an even seq, and LIVE's part of it."""
 
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not in Python's fcntl module
+
+PEER_HEADER = struct.Struct("<QII")
+"""epoch, slots, max_slots, at the peer table's start."""
+PEER_HEADER_BYTES = 64
+MAX_PEERS = 1 << 16
+"""Peer numbers a table has state words for (the directory's are u16)."""
+PEER_STATE_BYTES = 4
+READABLE = 1 << 16
+"""A peer state word's bit: the peer may be read now."""
+HELD = 1
+"""A peer slot's state: its peer holds its key (while its gen is the peer's)."""
+PEER_MIN_SLOTS = 1 << 10
+PEER_MAX_SLOTS = 1 << 22
+"""24 B a slot: at most 96 MiB of table (written only as far as it has grown), for up to
+~3M remote keys (at 3/4 load)."""
+_PAGE = 4096
+
+
+def _word(seq: int, gen: int, peer: int, state: int) -> int:
+    """A peer slot's first word: seq u16 | gen u16 | peer u16 | state u16."""
+    return seq | gen << 16 | peer << 32 | state << 48
+
+
+def peer_table_bytes(max_slots: int) -> int:
+    """The peer table's bytes (its header, the peers' states, `max_slots` slots)."""
+    return PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES + max_slots * SLOT_BYTES
 
 
 def slots_for(max_chunks: int) -> int:
@@ -97,12 +165,21 @@ def _home(key: bytes, mask: int) -> int:
 class SharedIndex:
     """The agent's side: a sealed memfd table of its visible DRAM keys."""
 
-    def __init__(self, slots: int, lower_tiers: bool, name: str = "kvpool-lookup") -> None:
+    def __init__(self, slots: int, lower_tiers: bool, name: str = "kvpool-lookup",
+                 peer_slots: int = 0, shared_below: bool = False) -> None:
+        """`peer_slots`: the most slots of a peer table (PEER_TABLE; 0: none), for a pool
+        that reads peers and has no NVMe tier; `shared_below`: it has a shared tier."""
         if slots & (slots - 1) or slots < 1:
             raise ValueError(f"slots must be a power of two, got {slots}")
+        if peer_slots & (peer_slots - 1) or 0 < peer_slots < PEER_MIN_SLOTS:
+            raise ValueError(f"peer_slots must be a power of two from {PEER_MIN_SLOTS}")
         self.slots = slots
         self.mask = slots - 1
         self.size = HEADER_BYTES + slots * SLOT_BYTES
+        peer_at = 0
+        if peer_slots:
+            peer_at = -(-self.size // _PAGE) * _PAGE
+            self.size = peer_at + peer_table_bytes(peer_slots)
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
@@ -115,8 +192,15 @@ class SharedIndex:
             os.close(self.fd)
             raise
         self.view = memoryview(self._mm)
-        HEADER.pack_into(self.view, 0, MAGIC, VERSION, slots, 0,
-                         LOWER_TIERS if lower_tiers else 0)
+        flags = LOWER_TIERS if lower_tiers or peer_slots else 0
+        if peer_slots:
+            flags |= PEER_TABLE | (SHARED_BELOW if shared_below else 0)
+        HEADER.pack_into(self.view, 0, MAGIC, VERSION, slots, 0, flags)
+        _PEER_AT.pack_into(self.view, _PEER_AT_AT, peer_at)
+        self.peers: PeerIndex | None = None
+        """The peer table (`PeerDirectory.publish` fills it), where there is one."""
+        if peer_slots:
+            self.peers = PeerIndex(self.view[peer_at:], peer_slots)
         self.live = 0
         self.dead = 0
         self.epoch = 0
@@ -208,9 +292,182 @@ class SharedIndex:
         _EPOCH.pack_into(self.view, _EPOCH_AT, epoch)
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.view.release()
         self._mm.close()
         os.close(self.fd)
+
+
+class PeerIndex:
+    """The agent's side of the peer table (see the module): what the peer directory says,
+    mirrored by it (`PeerDirectory.publish`), and each peer's state (`PeerNetwork`)."""
+
+    def __init__(self, view: memoryview, max_slots: int) -> None:
+        self._view = view
+        self._head = view[:PEER_HEADER_BYTES]
+        states_end = PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES
+        self._states = view[PEER_HEADER_BYTES:states_end].cast("I")
+        self._words = view[states_end:states_end + max_slots * SLOT_BYTES].cast("Q")
+        self._table_at = states_end
+        self.max_slots = max_slots
+        self.slots = PEER_MIN_SLOTS
+        self.mask = self.slots - 1
+        self.used = 0
+        """Slots not EMPTY: held (by a current gen or a stale one) or tombstones."""
+        self.epoch = 0
+        self.overflowed = False
+        self._gen = array("H", [1]) * MAX_PEERS
+        self._readable = bytearray(MAX_PEERS)
+        self.entries: Callable[[], tuple[bytes, array[int]]] = lambda: (b"", array("H"))
+        """The directory's keys (joined) and the peer of each (u16), what a rebuild writes
+        (set by the directory)."""
+        self._table_addr = lookupkernel.address_of(self._words)
+        self._gen_addr = self._gen.buffer_info()[0]
+        PEER_HEADER.pack_into(self._head, 0, 0, self.slots, max_slots)
+        lookupkernel.compile_soon()  # (its writes run in Python until it is compiled)
+
+    # -- each peer
+
+    def set_readable(self, peer: int, readable: bool) -> None:
+        """The peer may be read now (`PeerLink.readable`), or not."""
+        if 0 <= peer < MAX_PEERS and self._readable[peer] != readable:
+            self._readable[peer] = readable
+            self._put_state(peer)
+
+    def drop(self, peer: int) -> bool:
+        """Every entry of `peer` goes at once (its gen moves on; the directory drops them
+        too). True when its gen wrapped: `rebuild` is due (stale slots would count)."""
+        if not 0 <= peer < MAX_PEERS:
+            return False
+        gen = self._gen[peer] % 0xFFFF + 1
+        self._gen[peer] = gen
+        if gen == 1:
+            self._set_epoch(self.epoch | 1)  # until the rebuild: ask the socket
+        self._put_state(peer)
+        return gen == 1
+
+    def _put_state(self, peer: int) -> None:
+        self._states[peer] = self._gen[peer] | (READABLE if self._readable[peer] else 0)
+
+    # -- each key
+
+    def _slot(self, i: int) -> tuple[int, bytes]:
+        at = self._table_at + i * SLOT_BYTES + 8
+        return self._words[3 * i], bytes(self._view[at:at + KEY_BYTES])
+
+    def _free(self, word: int) -> bool:
+        state = word >> 48
+        return state != HELD or (word >> 16) & 0xFFFF != self._gen[(word >> 32) & 0xFFFF]
+
+    def _find(self, key: bytes) -> tuple[int | None, int | None]:
+        """(slot holding `key`, current or stale; first reusable slot on its path)."""
+        i = xxh3_64_intdigest(key) & self.mask
+        free: int | None = None
+        for _ in range(self.slots):
+            word, k = self._slot(i)
+            if word >> 48 == EMPTY:
+                return None, free if free is not None else i
+            if word >> 48 == HELD and k == key:
+                return i, free
+            if free is None and self._free(word):
+                free = i
+            i = (i + 1) & self.mask
+        return None, free
+
+    def _write(self, i: int, word: int, key: bytes) -> None:
+        w = 3 * i
+        seq = self._words[w] & 0xFFFF
+        self._words[w] = self._words[w] & ~0xFFFF | (seq + 1) & 0xFFFF  # odd: being written
+        self._words[w + 1] = int.from_bytes(key[:8], "little")
+        self._words[w + 2] = int.from_bytes(key[8:], "little")
+        self._words[w] = word | (seq + 2) & 0xFFFF  # even again, changed
+
+    def add(self, key: bytes, peer: int) -> None:
+        """The directory credits `peer` with `key` (a new entry or a new holder)."""
+        if self.overflowed or not 0 <= peer < MAX_PEERS:
+            if self.overflowed:
+                self.rebuild()  # (only when enough keys went: `rebuild` checks)
+            return
+        word = _word(0, self._gen[peer], peer, HELD)
+        kernels = lookupkernel.ready()
+        if kernels is not None and len(key) == KEY_BYTES:
+            got = kernels.upsert(self._table_addr, self.mask, self._gen_addr, key, word, 0,
+                                 self.used + 1 <= MAX_LOAD * self.slots)
+            if got == 1:
+                self.used += 1
+            elif got == 2:
+                self.rebuild()  # (the directory has the key already: the rebuild writes it)
+            return
+        at, free = self._find(key)
+        if at is not None:
+            self._write(at, word, key)
+            return
+        if free is None or (self._slot(free)[0] >> 48 == EMPTY
+                            and self.used + 1 > MAX_LOAD * self.slots):
+            self.rebuild()
+            return
+        if self._slot(free)[0] >> 48 == EMPTY:
+            self.used += 1
+        self._write(free, word, key)
+
+    def remove(self, key: bytes) -> None:
+        """The directory no longer credits anyone with `key`."""
+        if self.overflowed:
+            return
+        kernels = lookupkernel.ready()
+        if kernels is not None and len(key) == KEY_BYTES:
+            kernels.upsert(self._table_addr, self.mask, self._gen_addr, key,
+                           _word(0, 0, 0, DEAD), 1, 0)
+            return
+        at, _ = self._find(key)
+        if at is not None:
+            self._write(at, _word(0, 0, 0, DEAD), key)
+
+    def rebuild(self) -> None:
+        """Rewrite the table from the directory's entries, without tombstones or stale
+        slots, at twice their number of slots (within MIN..max). Readers that overlap it
+        see the epoch odd or changed and ask the socket."""
+        keys, peers = self.entries()
+        n = len(peers)
+        if self.overflowed and n > MAX_LOAD * self.max_slots / 2:
+            return  # stays off until half the room is back
+        self._set_epoch(self.epoch | 1)
+        self.overflowed = n > MAX_LOAD * self.max_slots
+        if self.overflowed:
+            return  # epoch stays odd: the socket answers until keys go
+        slots = PEER_MIN_SLOTS
+        while slots < 2 * n and slots < self.max_slots:
+            slots <<= 1
+        mask = slots - 1
+        at = self._table_at
+        self._view[at:at + slots * SLOT_BYTES] = bytes(slots * SLOT_BYTES)
+        kernels = lookupkernel.ready()
+        if kernels is not None and n:
+            kernels.place(self._table_addr, mask, keys, peers.buffer_info()[0], self._gen_addr,
+                          n)
+        else:
+            gen = self._gen
+            pack = _PEER_SLOT.pack_into
+            for j in range(n):
+                key, peer = keys[KEY_BYTES * j:KEY_BYTES * (j + 1)], peers[j]
+                i = xxh3_64_intdigest(key) & mask
+                while self._words[3 * i]:
+                    i = (i + 1) & mask
+                pack(self._view, at + i * SLOT_BYTES, _word(0, gen[peer], peer, HELD), key)
+        self.slots, self.mask, self.used = slots, mask, n
+        PEER_HEADER.pack_into(self._head, 0, self.epoch, slots, self.max_slots)
+        self._set_epoch((self.epoch | 1) + 1)
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        _EPOCH.pack_into(self._head, 0, epoch)
+
+    def close(self) -> None:
+        self._words.release()
+        self._states.release()
+        self._head.release()
+        self._view.release()
 
 
 def _slot_words(view: memoryview, slots: int) -> Any:
@@ -240,9 +497,25 @@ class IndexReader:
         self.mask = slots - 1
         self.slots = slots
         self.final_misses = not flags & LOWER_TIERS
+        self.peer_at = 0
+        """Where the peer table starts (0: none)."""
+        self.peer_max = 0
+        if flags & PEER_TABLE:
+            (peer_at,) = _PEER_AT.unpack_from(self.view, _PEER_AT_AT)
+            if peer_at >= HEADER_BYTES + slots * SLOT_BYTES and \
+                    size >= peer_at + PEER_HEADER_BYTES:
+                _, _, peer_max = PEER_HEADER.unpack_from(self.view, peer_at)
+                if peer_max and size >= peer_at + peer_table_bytes(peer_max):
+                    self.peer_at, self.peer_max = peer_at, peer_max
+                    # A key in neither table ends the prefix, unless a shared tier may
+                    # carry it on.
+                    self.final_misses = not flags & SHARED_BELOW
         self._words: Any = None
         """The table as numpy sees it, made at the first multi-key lookup (`_slot_words`)."""
         self._words_tried = False
+        self._base = lookupkernel.address_of(self._mm)
+        """The mapping's address, for the compiled walk (`lookupkernel`)."""
+        self._out = bytearray(MAX_LOOKUP_KEYS)
 
     @staticmethod
     def usable() -> bool:
@@ -268,22 +541,103 @@ class IndexReader:
             i = (i + 1) & self.mask
         return EMPTY
 
+    def _peer_state(self, key: bytes, slots: int) -> bool | None:
+        """Whether a readable peer holds `key` (a peer table of `slots`), or None when the
+        agent kept writing its slot."""
+        view, mask = self.view, slots - 1
+        table = self.peer_at + PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES
+        i = _home(key, mask)
+        for _ in range(slots):
+            at = table + i * SLOT_BYTES
+            for _ in range(READ_RETRIES):
+                word, k = _PEER_SLOT.unpack_from(view, at)
+                if not word & 1 and _PEER_SLOT.unpack_from(view, at)[0] == word:
+                    break
+            else:
+                return None
+            state = word >> 48
+            if state == EMPTY:
+                return False
+            if state == HELD and k == key:
+                peer = (word >> 32) & 0xFFFF
+                (st,) = _STATE.unpack_from(
+                    view, self.peer_at + PEER_HEADER_BYTES + peer * PEER_STATE_BYTES)
+                return bool(st & READABLE) and st & 0xFFFF == (word >> 16) & 0xFFFF
+            i = (i + 1) & mask
+        return False
+
     def lookup(self, keys: Sequence[bytes]) -> int | None:
-        """How many leading keys are in DRAM, when that is the agent's whole answer; None
-        when only the socket can say (a rebuild overlapped, a slot stayed torn, a key is
-        malformed, or the prefix ends where a lower tier may go on)."""
+        """How many leading keys the pool holds, when the tables are the agent's whole
+        answer (`answer`); None when only the socket can say."""
+        codes = self.answer(keys)
+        return None if codes is None else len(codes)
+
+    def answer(self, keys: Sequence[bytes]) -> bytes | None:
+        """The tier code of each key of the longest held prefix (2 DRAM, the peer tier's
+        code), when that is the agent's whole answer; None when only the socket can say (a
+        rebuild overlapped, a slot stayed torn, a key is malformed, or the prefix ends
+        where a lower tier may go on)."""
         view = self.view
+        n = len(keys)
         (epoch,) = _EPOCH.unpack_from(view, _EPOCH_AT)
         if epoch & 1:
             return None
-        if keys and set(map(len, keys)) != {KEY_BYTES}:
-            return None  # the socket's LOOKUP says what is wrong with it
+        peer_epoch, peer_slots = 0, 0
+        if self.peer_at:
+            peer_epoch, peer_slots, _ = PEER_HEADER.unpack_from(view, self.peer_at)
+            if peer_epoch & 1 or peer_slots & (peer_slots - 1) or peer_slots > self.peer_max:
+                return None
+        if n > MAX_LOOKUP_KEYS:
+            return None
+        if n >= lookupkernel.COMPILE_FROM:
+            kernels = lookupkernel.ready()
+            if kernels is None:
+                lookupkernel.compile_soon()
+        else:
+            kernels = lookupkernel.ready()
+        if kernels is not None:
+            want = b"".join(keys)
+            if len(want) != KEY_BYTES * n or (n and max(map(len, keys)) != KEY_BYTES):
+                return None  # the socket's LOOKUP says what is wrong with it
+            out = self._out
+            got = kernels.walk(self._base, self.mask, self.peer_at, peer_slots - 1, want, n,
+                               out, PEER_TIER_CODE)
+            codes = None if got < 0 else bytes(out[:got])
+        else:
+            if keys and set(map(len, keys)) != {KEY_BYTES}:
+                return None
+            codes = self._walk(keys, peer_slots)
+        if codes is None or _EPOCH.unpack_from(view, _EPOCH_AT)[0] != epoch:
+            return None
+        if self.peer_at and _EPOCH.unpack_from(view, self.peer_at)[0] != peer_epoch:
+            return None
+        if len(codes) < n and not self.final_misses:
+            return None
+        return codes
+
+    def _walk(self, keys: Sequence[bytes], peer_slots: int) -> bytes | None:
+        """`answer`'s codes without the compiled walk: DRAM's prefix (`_prefix`), then key
+        by key in Python where the peer table goes on."""
         count = self._prefix(keys)
-        if count is None or _EPOCH.unpack_from(view, _EPOCH_AT)[0] != epoch:
+        if count is None:
             return None
-        if count < len(keys) and not self.final_misses:
-            return None
-        return count
+        codes = bytearray(DRAM_CODES[:count])
+        if not peer_slots:
+            return bytes(codes)
+        for key in keys[count:]:
+            state = self._state(key)
+            if state is None:
+                return None
+            if state == LIVE:
+                codes.append(DRAM_CODE)
+                continue
+            held = self._peer_state(key, peer_slots)
+            if held is None:
+                return None
+            if not held:
+                break
+            codes.append(PEER_TIER_CODE)
+        return bytes(codes)
 
     def _prefix(self, keys: Sequence[bytes]) -> int | None:
         """Leading keys LIVE in the table, or None where a slot stayed torn.

@@ -12,17 +12,19 @@ same run.
   node 1's (`rawtcp`). Every chunk read is
   compared with what was stored: a wrong byte stops the bench.
 - lookup: a 128-key LOOKUP on node 1 whose keys are all remote, with 10^6 remote entries
-  in its directory (10^5 with --quick), over the socket (the shared-memory index holds
-  DRAM only), against the same LOOKUP of 128 keys in node 1's DRAM over the socket and a
-  LOOKUP of one remote key (what any LOOKUP pays: the round trip and the agent's loop),
-  the three taking turns. The entries come over the wire from a peer that only announces
+  in its directory (10^5 with --quick), over the socket and from shared memory (a client
+  with `local_lookup`: the agent's peer table, no round trip), against the same LOOKUP of
+  128 keys in node 1's DRAM over the socket and a LOOKUP of one remote key over it (what
+  any LOOKUP over the socket pays: the round trip and the agent's loop), the four taking
+  turns. The entries come over the wire from a peer that only announces
   (`InventoryPeer`, in this process, on the bridge: an agent holding 10^6 chunks would
   need 10^6 arena pages); a FETCH from it is answered "absent".
 - tls: the 16 MiB reads in one window between two more agents, with TLS between them
   (`peers.tls`, a CA made for the run), against the plain ones of the same run.
 - propagation: seconds from a PUT on node 0 returning to node 1's LOOKUP counting the
   chunk (the announcement's way through node 0's subscription to node 1's directory).
-- directory: node 1's resident memory grown by the 10^6 announced entries, per entry.
+- directory: node 1's resident memory grown by the 10^6 announced entries, per entry: its
+  heap (resident less shared) and, apart, the shared-memory peer table its clients read.
 
 - handoff: seconds from a put of a 16 MiB chunk on node 0 naming node 1 (`to`) to node
   1's LOOKUP counting it in its own DRAM (pushed after the COMMIT, read by node 1's agent
@@ -52,6 +54,7 @@ from typing import Any
 
 import psutil
 
+from kvpool.agent import lookupkernel
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.peers import wire
 
@@ -366,13 +369,16 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
                                  "p99_ms": round(percentile(prop, 99) * 1e3, 2)}
 
         proc = psutil.Process(agents[1].proc.pid if agents[1].proc else 0)
-        before = proc.memory_info().rss
+        before = proc.memory_info()
         fake.announce()
         _wait(lambda: reader.stats()["tiers"]["peer"]["chunks"] >= entries,
               f"{entries} remote entries in the directory", timeout=300)
-        grown = proc.memory_info().rss - before
+        after = proc.memory_info()
+        heap = (after.rss - after.shared) - (before.rss - before.shared)
         result["directory"] = {"remote_entries": entries,
-                               "agent_rss_bytes_per_entry": round(grown / entries, 1)}
+                               "agent_rss_bytes_per_entry": round(heap / entries, 1),
+                               "shared_bytes_per_entry": round(
+                                   (after.shared - before.shared) / entries, 1)}
         remote = [keys[16 * i : 16 * i + 16] for i in range(LOOKUP_KEYS)]
         local = [os.urandom(16) for _ in range(LOOKUP_KEYS)]
         for k in local:
@@ -380,17 +386,23 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
         path = str(agents[1].socket_path)
         # Interleaved in rounds, so that the machine's load weighs on each column alike.
         lookups: list[float] = []
+        shm: list[float] = []
         baseline: list[float] = []
         one: list[float] = []
+        if lookupkernel.kernels() is None:  # (compiled now, not during the samples)
+            raise RuntimeError("peer bench: the local LOOKUP's compiled walk is missing")
         load = os.getloadavg()[0]
         each = LOOKUPS[quick] // LOOKUP_ROUNDS
         for _ in range(LOOKUP_ROUNDS):
             lookups += sample(path, "lookup", remote, each)
+            shm += sample(path, "lookup_local", remote, each)
             baseline += sample(path, "lookup", local, each)
             one += sample(path, "lookup", remote[:1], each)
         result["lookup"] = {"keys": LOOKUP_KEYS, "remote_entries": entries,
                             "p50_us": round(percentile(lookups, 50) * 1e6, 1),
                             "p99_us": round(percentile(lookups, 99) * 1e6, 1),
+                            "local_p50_us": round(percentile(shm, 50) * 1e6, 1),
+                            "local_p99_us": round(percentile(shm, 99) * 1e6, 1),
                             "dram_p50_us": round(percentile(baseline, 50) * 1e6, 1),
                             "dram_p99_us": round(percentile(baseline, 99) * 1e6, 1),
                             "one_key_p50_us": round(percentile(one, 50) * 1e6, 1),

@@ -311,12 +311,15 @@ def _print_peer(console: Console, pr: dict[str, Any]) -> None:
     lk, pg, d = pr["lookup"], pr["propagation"], pr["directory"]
     console.print(
         f"peer tier: LOOKUP of {lk['keys']} remote keys with {lk['remote_entries']:.0e} remote "
-        f"entries p50 {lk['p50_us']:.0f} µs, p99 {lk['p99_us']:.0f} µs (of {lk['keys']} DRAM "
+        f"entries p50 {lk['p50_us']:.0f} µs, p99 {lk['p99_us']:.0f} µs over the socket, "
+        f"{lk['local_p50_us']:.0f} / {lk['local_p99_us']:.0f} µs from shared memory (of "
+        f"{lk['keys']} DRAM "
         f"keys: {lk['dram_p50_us']:.0f} / {lk['dram_p99_us']:.0f} µs, of one remote key: "
         f"{lk['one_key_p50_us']:.0f} / {lk['one_key_p99_us']:.0f} µs; load average "
         f"{lk['load_average'][0]:.1f} to {lk['load_average'][1]:.1f}); directory propagation "
         f"p50 {pg['p50_ms']:.2f} ms, p99 {pg['p99_ms']:.2f} ms; "
-        f"{d['agent_rss_bytes_per_entry']:.0f} B of agent memory per remote entry")
+        f"{d['agent_rss_bytes_per_entry']:.0f} B of agent heap per remote entry (and "
+        f"{d['shared_bytes_per_entry']:.0f} B of its shared-memory peer table)")
     h = pr["handoff"]
     console.print(
         f"hand-off of a {h['chunk_bytes'] >> 20} MiB chunk, put on node 0 to in node 1's DRAM: "

@@ -7,6 +7,9 @@ holder, the last that announced it; a removal by another holder leaves it be. Th
 directory is eventually consistent: a read of an entry that turns out stale falls back
 (`tiers.peer`), never serves wrong bytes.
 
+Where a space publishes a peer table (`publish`: `lookupindex.PeerIndex`, for clients that
+answer LOOKUP from shared memory), every change is mirrored there as it is made here.
+
 A key deleted in the pool (`forget`) is not listed again for `FORGET_SECONDS`, whoever
 announces it: an ADD sent before a holder took the DELETE may still be on its way, and
 a read of that holder's copy before it does would bring the deleted chunk back here.
@@ -20,7 +23,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from .. import probekernel
+from ..constants import KEY_BYTES
 from ..keytable import KeyTable
+from ..lookupindex import PeerIndex
 
 FORGET_SECONDS = 10.0
 """How long announcements of a key deleted in the pool are ignored: the DELETE reaches every
@@ -40,6 +45,27 @@ class PeerDirectory:
         self._forget_for = forget_for
         self._forgotten: OrderedDict[bytes, float] = OrderedDict()
         """Keys deleted in the pool, until when (monotonic) their ADDs are ignored."""
+        self.published: PeerIndex | None = None
+        """The peer table clients read (`publish`), if any."""
+
+    def publish(self, index: PeerIndex) -> None:
+        """Mirror every entry into `index` from now on, starting with those held now."""
+        self.published = index
+        index.entries = self.entries
+        index.rebuild()
+
+    def entries(self) -> tuple[bytes, array[int]]:
+        """Every entry's key (joined) and peer, in no particular order (a few numpy passes:
+        a peer table's rebuild at 10^6 entries takes them at once)."""
+        import numpy as np
+
+        cells = np.array(self.table.cells, dtype=np.int32)  # (a copy: see `cells`)
+        slots = cells[cells > 0] - 1
+        if not len(slots):
+            return b"", array("H")
+        keys = np.frombuffer(self.table.key_bytes(), dtype=np.uint8).reshape(-1, KEY_BYTES)
+        peers = np.frombuffer(self._peer, dtype=np.uint16)
+        return keys[slots].tobytes(), array("H", peers[slots].tobytes())
 
     def __len__(self) -> int:
         return len(self.table)
@@ -59,6 +85,8 @@ class PeerDirectory:
             self.table.insert(slot)
         else:
             self._peer[slot], self._size[slot] = peer, size
+        if self.published is not None:
+            self.published.add(key, peer)
 
     def remove(self, key: bytes, peer: int) -> None:
         """`peer` no longer holds `key` (another holder's entry stays)."""
@@ -66,6 +94,8 @@ class PeerDirectory:
         if slot >= 0 and self._peer[slot] == peer:
             self.table.remove(key)
             self.table.release(slot)
+            if self.published is not None:
+                self.published.remove(key)
 
     def forget(self, key: bytes) -> None:
         """`key` was deleted in the pool: no holder is credited with it any more (each
@@ -74,6 +104,8 @@ class PeerDirectory:
         if slot >= 0:
             self.table.remove(key)
             self.table.release(slot)
+            if self.published is not None:
+                self.published.remove(key)
         now = time.monotonic()
         forgotten = self._forgotten
         forgotten[key] = now + self._forget_for
@@ -121,10 +153,14 @@ class PeerDirectory:
 
     def drop_peer(self, peer: int) -> int:
         """Forget every entry of `peer` (its restart, a gap, unreachable); how many."""
+        # In the peer table all of them go at once (one store), before the walk here.
+        due = self.published is not None and self.published.drop(peer)
         gone = [s for s in self.table.live_slots() if self._peer[s] == peer]
         for slot in gone:
             self.table.remove(self.table.key_at(slot))
             self.table.release(slot)
+        if due and self.published is not None:
+            self.published.rebuild()  # the peer's gen wrapped: its old slots must go
         return len(gone)
 
     def count(self, peer: int) -> int:

@@ -168,6 +168,9 @@ class PeerLink:
         self.lag = 0.0
         """Seconds between the last stream message's sending and its arrival."""
         self.suspect_until = 0.0
+        self.on_change: Callable[[], None] | None = None
+        """Called (from any thread) when `readable` may have changed, but for the end of
+        a suspect period (whoever publishes it times that)."""
         self.node = ""
         """The peer's node name, as its inventory stream says it (what push hints name);
         kept when the stream ends: a node that goes down is still known by its name."""
@@ -193,9 +196,14 @@ class PeerLink:
 
     def mark_suspect(self) -> None:
         self.suspect_until = time.monotonic() + SUSPECT_SECONDS
+        self._changed()
         self.m.suspect.labels(self.m.pool, self.name).inc()
         log.error("peer %s served a chunk that failed its checksum: not read from for %g s",
                   self.name, SUSPECT_SECONDS)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # -- the subscription (event loop)
 
@@ -216,6 +224,7 @@ class PeerLink:
                 await self._follow(reader)
             except SelfPeer:
                 self.is_self = True
+                self._changed()
                 log.info("peer address %s is this agent: not followed", self.name)
                 return
             except auth.AuthError as e:
@@ -601,6 +610,7 @@ class PeerLink:
 
     def close(self) -> None:
         self.closed = True
+        self._changed()
         if self.task is not None:
             self.task.cancel()
         with self._lock:

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client import CollectorRegistry
 
 from ..config import ConfigError, Peers, expand_env, parse_host_port
+from ..lookupindex import PeerIndex
 from ..metrics import Sample
 from . import auth, wire
 from .directory import PeerDirectory
@@ -100,6 +101,27 @@ class PeerNetwork:
         """Push targets whose failure was logged (once, until a push to them works)."""
         self._deletes = asyncio.Event()
         """Set when DELETEs were queued for peers."""
+        self._published: list[PeerIndex] = []
+        """The spaces' peer tables (`publish`): each link's `readable` is written to each."""
+
+    def publish(self, tenant: str, index: PeerIndex) -> None:
+        """Mirror `tenant`'s directory and every peer's state into `index` (the peer table
+        its clients answer LOOKUP from: `lookupindex`)."""
+        self.directories[tenant].publish(index)
+        self._published.append(index)
+        for link in self.by_index:
+            if link is not None:
+                index.set_readable(link.index, link.readable)
+
+    def _publish_link(self, link: PeerLink) -> None:
+        """Write `link`'s `readable` to every peer table; at the end of a suspect period,
+        again (nothing else tells of it)."""
+        readable = link.readable
+        for index in self._published:
+            index.set_readable(link.index, readable)
+        left = link.suspect_until - time.monotonic()
+        if left > 0 and not link.closed:
+            asyncio.get_running_loop().call_later(left, self._publish_link, link)
 
     async def start(self) -> None:
         await self.server.start(self.cfg.address, self.cfg.port)
@@ -123,7 +145,14 @@ class PeerNetwork:
                         tls=self._client_tls, directories=self.directories, metrics=self.m)
         self.links[(host, port)] = link
         self.by_index.append(link)
-        link.task = asyncio.get_running_loop().create_task(link.run())
+        loop = asyncio.get_running_loop()
+
+        def changed() -> None:  # (a suspect mark comes from a worker thread)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the agent stops
+                loop.call_soon_threadsafe(self._publish_link, link)
+        link.on_change = changed
+        self._publish_link(link)
+        link.task = loop.create_task(link.run())
 
     def _unlink(self, key: tuple[str, int]) -> None:
         link = self.links.pop(key)

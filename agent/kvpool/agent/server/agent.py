@@ -126,6 +126,8 @@ class Agent:
                               self.metrics.registry, self.config.pool, node)
         for space in self.spaces:
             space.store.attach_peer(PeerTier(network, space.tenant))
+            if space.index.peers is not None:  # each tenant space publishes its own
+                network.publish(space.tenant, space.index.peers)
             space.store.observe(Watch(network.server, space.tenant, space.store))
         self.metrics.add_state(network.samples)
         return network

@@ -10,7 +10,7 @@ from ..claim import SpaceClaim
 from ..config import AgentConfig, TierPolicy
 from ..constants import PAGE_BYTES
 from ..events import TierEvents
-from ..lookupindex import SharedIndex, slots_for
+from ..lookupindex import PEER_MAX_SLOTS, SharedIndex, slots_for
 from ..metrics import AgentMetrics, Sample
 from ..seenstores import SeenStores
 from ..store import ChunkStore, open_journal, snapshot
@@ -46,9 +46,16 @@ class Space:
             entries = []  # a new arena holds nothing the journal describes
         # The DRAM keys in shared memory, for clients that answer LOOKUP themselves; a
         # chunk takes at least a page, so the arena's pages bound the keys it holds.
+        # With peers read and no NVMe tier, what the peer directory says too, so that a
+        # LOOKUP of remote keys needs no round trip either (the directory fills it:
+        # `PeerNetwork.publish`); with NVMe, a key past DRAM may be there, which only the
+        # agent knows.
+        peer_table = config.peers.enabled and nvme is None
         self.index = SharedIndex(slots_for(self.arena.size // PAGE_BYTES),
                                  lower_tiers=nvme is not None or shared is not None
-                                 or config.peers.enabled)
+                                 or config.peers.enabled,
+                                 peer_slots=PEER_MAX_SLOTS if peer_table else 0,
+                                 shared_below=shared is not None)
         dram = DramTier(self.arena, published=self.index)
         self.store = ChunkStore(config, dram, nvme, metrics, policy, journal, shared)
         self.events: TierEvents | None = None
