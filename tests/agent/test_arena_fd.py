@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent import protocol as p
+from kvpool.agent.arena import Arena
 from kvpool.agent.client import KVPoolClient
 
 from .conftest import RawConn
@@ -83,3 +84,25 @@ def test_a_client_growing_its_arena_fd_is_put_back(agent: TenantAgent) -> None:
         assert a.put(key, data)
         assert a.get(key, verify=True) == data
     assert agent.arena_of("team-a").stat().st_size == 2 * 8 * CHUNK
+
+
+def test_a_peer_reads_write_into_an_arena_a_client_shrank_puts_it_back_and_lands(
+        tmp_path: Path) -> None:
+    """A peer read writes each piece it received into the arena's mapping through the
+    kernel (`Arena.write_run`: process_vm_writev, not pwrite). A page past a file a client
+    shrank is an error code there, not SIGBUS: the arena is put back to its size and the
+    piece lands whole."""
+    size, piece = 4 * CHUNK, os.urandom(CHUNK)
+    arena = Arena(tmp_path / "arena", size, lock=False)
+    try:
+        assert arena.mapped_writes  # allowed here, as under the runtimes' default seccomp
+        client_fd = os.open(tmp_path / "arena", os.O_RDWR)
+        try:
+            os.ftruncate(client_fd, CHUNK)  # the piece's page is past the end now
+        finally:
+            os.close(client_fd)
+        arena.write_run(2 * CHUNK + 4096, memoryview(piece))
+        assert os.fstat(arena.fd).st_size == size and arena.resizes == 1
+        assert os.pread(arena.fd, CHUNK, 2 * CHUNK + 4096) == piece
+    finally:
+        arena.close()

@@ -192,8 +192,9 @@ class Arena:
     hugetlbfs files take no write(2), so an arena on huge pages is written with
     process_vm_writev into the agent's own mapping: the kernel faults the pages in on the
     agent's behalf and answers a page past a shrunk end with EFAULT, where the agent's own
-    store would be SIGBUS; the agent then puts the file back and writes on. Reads use
-    pread on both file systems.
+    store would be SIGBUS; the agent then puts the file back and writes on. What a peer
+    read receives goes in the same way on tmpfs too (`write_run`), where it is allowed:
+    cheaper than pwrite there. Reads use pread on both file systems.
     """
 
     def __init__(self, path: Path, size: int, *, lock: bool = True, huge_pages: bool = False):
@@ -227,8 +228,13 @@ class Arena:
         self._anchor: Any = ctypes.c_char.from_buffer(self.mm)
         self._base = ctypes.addressof(self._anchor)
         self._vm_writev = _libc().process_vm_writev
+        self.mapped_writes = huge_pages
+        """Whether `write_run` copies into the mapping through the kernel (always on huge
+        pages; on tmpfs where process_vm_writev is allowed, as it is by default)."""
         if huge_pages:
             self._check_mapped_writes()
+        else:
+            self.mapped_writes = self._mapped_writes_work()
         if lock:
             self._lock()
 
@@ -242,6 +248,16 @@ class Arena:
             self.close()
             raise OSError(e.errno, f"DRAM arena {self.path} is on huge pages, which the agent "
                                    f"writes with process_vm_writev: {e.strerror}") from None
+
+    def _mapped_writes_work(self) -> bool:
+        """Whether process_vm_writev may write the mapping (tmpfs takes pwrite where not)."""
+        try:
+            self._write_mapped(0, memoryview(os.pread(self.fd, 1, 0)))
+        except OSError as e:
+            log.info("DRAM arena %s: process_vm_writev refused (%s): peer reads write it "
+                     "with pwrite", self.path, e.strerror)
+            return False
+        return True
 
     def _lock(self) -> None:
         addr = self._base
@@ -286,6 +302,17 @@ class Arena:
                 while done < nbytes:
                     done += os.pwrite(self.fd, src[pos + done : pos + nbytes], offset + done)
             pos += nbytes
+
+    def write_run(self, offset: int, data: memoryview) -> None:
+        """`write` of one run of bytes at `offset`: into the mapping through the kernel
+        (`_write_mapped`) where it may, else with pwrite. On tmpfs the kernel's copy into
+        the mapped pages costs less than pwrite's walk of the page cache (a lookup, a
+        lock and a dirtying per 4 KiB page): the write that follows each 1 MiB piece a
+        peer read receives (docs/benchmarks.md, "The peer tier between two nodes")."""
+        if self.mapped_writes:
+            self._write_mapped(offset, data)
+        else:
+            self.write([(offset, len(data))], data)
 
     def _write_mapped(self, offset: int, src: memoryview) -> None:
         """Copy `src` into the mapping at `offset` through the kernel (process_vm_writev to

@@ -15,9 +15,10 @@ bounded by what is left of the read's deadline.
 
 Into the arena through its file, never its mapping (a client may shrink the file under
 the agent: a touched page past the end would be SIGBUS): `recv_into` one bounded buffer
-per worker thread (`COPY_BLOCK`), checksummed there while in cache, then `Arena.write`
-(pwrite; on hugetlbfs through the kernel). One pass: no read-back to verify, never a
-`bytes` of the chunk. (Splicing socket to pipe to arena file moved the bytes without
+per worker thread (`COPY_BLOCK`), checksummed there while in cache, then
+`Arena.write_run` (the kernel's copy into the mapping, process_vm_writev: a page past a
+shrunk file is EFAULT, not SIGBUS; pwrite where that is not allowed). One pass: no
+read-back to verify, never a `bytes` of the chunk. (Splicing socket to pipe to arena file moved the bytes without
 entering this process, but its read-back for the checksum cost a quarter of a 16 MiB
 read: docs/benchmarks.md, "The peer tier between two nodes".)
 """
@@ -86,8 +87,8 @@ class ArenaTarget:
 
     fd: int
     extents: list[tuple[int, int]]
-    write: Callable[[list[tuple[int, int]], memoryview], None]
-    """`Arena.write`: the bytes go in through it."""
+    write: Callable[[int, memoryview], None]
+    """`Arena.write_run`: the bytes at an offset go in through it."""
 
     @property
     def room(self) -> int:
@@ -510,7 +511,7 @@ class PeerLink:
         """One reply of the batch: the chunk's bytes into the want's extents, checksummed
         on the way."""
         deadline = want.deadline
-        head = wire.reply_head(_recv_exact(sock, wire.REPLY.size, deadline))
+        head = wire.reply_head(_recv_head(sock, deadline))
         if head.rid != rid:
             raise wire.WireError(f"reply to request {head.rid}, expected {rid}")
         if head.status == wire.ABSENT:
@@ -634,6 +635,17 @@ def _bounded(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
+def _recv_head(sock: socket.socket, deadline: float) -> bytearray:
+    """A reply's fixed part, as `_received` takes the bytes after it (on plain TCP: the
+    socket blocking, `_recv_all`, no poll)."""
+    buf = bytearray(wire.REPLY.size)
+    if isinstance(sock, ssl.SSLSocket):
+        _recv_into(sock, memoryview(buf), deadline)
+    else:
+        _recv_all(sock, memoryview(buf), deadline)
+    return buf
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
     _recv_into(sock, memoryview(buf), deadline)
@@ -654,7 +666,7 @@ def _received(sock: socket.socket, target: ArenaTarget, extents: list[tuple[int,
             m = min(n - done, len(buf))
             fill(sock, buf[:m], deadline)
             yield buf[:m]
-            target.write([(offset + done, m)], buf[:m])
+            target.write(offset + done, buf[:m])
             done += m
 
 
@@ -665,26 +677,27 @@ def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
     """`_recv_into` in as few calls as the kernel allows: the socket blocking, each call
     asking for all that is left (MSG_WAITALL) within what is left of the deadline
     (SO_RCVTIMEO), so that the bytes of a piece cost one system call, not one per
-    segment that arrived."""
+    segment that arrived. SO_RCVTIMEO stays set after it: every blocking receive on
+    these sockets sets its own first (`_bounded`'s timeout mode, which the other
+    receives and every send use, ignores it), so a piece costs two system calls, not
+    five."""
     got = 0
-    sock.settimeout(None)
-    try:
-        while got < len(view):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            sec = int(left)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                            _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
-            try:
-                n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-            except BlockingIOError:  # SO_RCVTIMEO ran out with nothing received
-                raise TimeoutError from None
-            if n == 0:
-                raise ConnectionError("the peer closed the connection")
-            got += n
-    finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
+    if sock.gettimeout() is not None:
+        sock.settimeout(None)
+    while got < len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sec = int(left)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
+        try:
+            n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        except BlockingIOError:  # SO_RCVTIMEO ran out with nothing received
+            raise TimeoutError from None
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += n
 
 
 def _resolve(fut: asyncio.Future[Fetched | str], result: Fetched | str) -> None:

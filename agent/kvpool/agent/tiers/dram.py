@@ -207,11 +207,11 @@ class DramTier:
         return os.dup(self.arena.fd)
 
     def fetch_target(self, extents: Extents) -> ArenaTarget:
-        """Where a peer read puts a chunk: `extents`, through the arena file, its size
-        restored first (a write past a shrunk end would grow a sparse file instead)."""
+        """Where a peer read puts a chunk: `extents`, written by `Arena.write_run`, the
+        file's size restored first (a pwrite past a shrunk end would grow a sparse file)."""
         arena = self.arena
         arena.restore_size()
-        return ArenaTarget(arena.fd, extents, arena.write)
+        return ArenaTarget(arena.fd, extents, arena.write_run)
 
     # -- pins
 
