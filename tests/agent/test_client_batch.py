@@ -126,3 +126,43 @@ def test_a_read_window_that_fails_in_a_later_group_ends_every_lease_and_the_conn
         assert all(outs[i] == bytes([i]) * 100 for i in range(4))  # the group before it
         assert c.get_many_into(ks, lambda i, size, meta: outs[i]) == [100] * 90
         assert all(out == bytes([i]) * 100 for i, out in enumerate(outs))
+
+
+def test_reads_in_a_releases_held_block_end_their_leases_when_it_ends(agent: LocalAgent) -> None:
+    """Inside `releases_held` a read's chunks are copied when it returns, its leases still
+    held (another connection sees them) until the block ends; a call made meanwhile takes
+    the RELEASEs along first."""
+    ks = keys(3)
+    with KVPoolClient(agent.socket_path) as c, KVPoolClient(agent.socket_path) as other:
+        assert c.put_many(ks, [bytes([i]) * 100 for i in range(3)]) == [True] * 3
+        outs = [bytearray(100) for _ in ks]
+        with c.releases_held():
+            assert c.get_many_into(ks, lambda i, size, meta: outs[i]) == [100] * 3
+            assert all(out == bytes([i]) * 100 for i, out in enumerate(outs))
+            assert other.stats()["leases"]["read"] == 3
+        assert c.stats()["leases"]["read"] == 0
+        with c.releases_held():
+            assert c.get_many_into(ks, lambda i, size, meta: outs[i]) == [100] * 3
+            assert c.stats()["leases"]["read"] == 0  # sent before the STATS
+
+
+def test_meanwhile_runs_once_after_the_first_acquires_and_before_any_target(
+        agent: LocalAgent) -> None:
+    """`meanwhile` (the caller's work while the agent answers) runs once per call, however
+    many windows the call takes, before `target` is asked for any chunk; inline mode too."""
+    ks = keys(10)
+    seen: list[str] = []
+    outs = [bytearray(100) for _ in ks]
+
+    def target(i: int, size: int, meta: bytes) -> bytearray:
+        seen.append("target")
+        return outs[i]
+    for mode in ("zero_copy", "inline"):
+        with KVPoolClient(agent.socket_path, batch_window=4, mode=mode) as c:
+            c.put_many(ks, [bytes([i]) * 100 for i in range(10)])
+            seen.clear()
+            sizes = c.get_many_into(ks, target, meanwhile=lambda: seen.append("meanwhile"))
+            assert sizes == [100] * 10
+            assert seen == ["meanwhile"] + ["target"] * 10, mode
+            assert c.get_many_into([], target, meanwhile=lambda: seen.append("again")) == []
+            assert "again" not in seen

@@ -50,6 +50,7 @@ def test_consecutive_blocks_are_one_range_a_layer_and_scratch_blocks_go_to_scrat
 def test_block_ids_outside_the_cache_are_refused() -> None:
     host = _HostBlocks.of(layers(), PER_BLOCK, BLOCKS)
     assert host is not None
+    host.check([[0, 1], [BLOCKS - 1]])
     for bad in ([BLOCKS], [2, -1]):
         with pytest.raises(ValueError, match="out of the KV cache"):
-            host.ranges(bad)
+            host.check([[0, 1], bad])

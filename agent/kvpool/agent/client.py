@@ -21,13 +21,14 @@ so a retried put or get starts over.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,6 +45,7 @@ from .protocol import EngineBlocks
 from .transport import (
     Buffer,
     BufferCopies,
+    Meanwhile,
     Mode,
     PutResult,
     ReadTarget,
@@ -311,7 +313,8 @@ class KVPoolClient:
     # -- batches: one round trip for N reads, two for N writes (zero-copy)
 
     def get_many_into(self, keys: Sequence[bytes], target: ReadTarget, *,
-                      verify: bool | None = None, stream: object = None) -> list[int]:
+                      verify: bool | None = None, stream: object = None,
+                      meanwhile: Meanwhile = None) -> list[int]:
         """Copy each stored chunk into the buffer `target(index, size, meta)` gives for it.
 
         The ACQUIREs of a window go out in one write and their replies come back in
@@ -329,19 +332,34 @@ class KVPoolClient:
         `torch.cuda.Stream`; default the device's current stream); each window waits
         for an event recorded after its copies before releasing its leases, so the
         tensors hold the chunks when this returns.
+
+        `meanwhile`: the caller's work to do while the agent answers the first ACQUIREs
+        (e.g. planning the destinations `target` gives): called once, after they are sent
+        and before `target` is first called (never for no keys).
         """
         sizes = [0] * len(keys)
         step = self._batch_step()
         tensors = stream is not None or "torch" in sys.modules
+        if meanwhile is not None:  # once, even when a window is retried after a reconnect
+            meanwhile = _once(meanwhile)
         for start in range(0, len(keys), step):
             window = keys[start : start + step]
             if tensors:
                 self._retrying(partial(self._tensor_get_window, window, start, target, sizes,
-                                       verify, stream))
+                                       verify, stream, meanwhile))
             else:
                 self._retrying(partial(_get_window, window, start, target, sizes,
-                                       verify is not False))
+                                       verify is not False, meanwhile))
         return sizes
+
+    @contextlib.contextmanager
+    def releases_held(self) -> Iterator[None]:
+        """Reads made in the block end their leases when it ends, not as each returns: the
+        RELEASEs go out in one write then (or with any call made meanwhile). The chunks were
+        copied (and checked) when each read returned; a caller hands them on first, e.g. a
+        connector telling its engine that a load is done."""
+        with self._live().conn.held_casts():
+            yield
 
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
                  metas: Sequence[bytes] | None = None, *,
@@ -436,14 +454,14 @@ class KVPoolClient:
 
     def _tensor_get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                            sizes: list[int], verify: bool | None, stream: object,
-                           t: Transport) -> None:
+                           meanwhile: Meanwhile, t: Transport) -> None:
         from . import gpu
 
         if isinstance(t, ZeroCopyTransport):
             # a buffer among the tensors is copied as without tensors (verified by default)
             buffers = BufferCopies(t.arena, verify=verify is not False, base=t.base)
             self._device(t).get_window(t.conn, keys, start, target, sizes, verify, stream,
-                                       buffers)
+                                       buffers, meanwhile)
             return
         # Inline: the chunk arrives in the frame; tensors are filled from the host bytes.
         staged: dict[int, tuple[Any, bytearray]] = {}
@@ -454,7 +472,7 @@ class KVPoolClient:
                 return out
             staged[i] = (out, bytearray(size))
             return staged[i][1]
-        t.get_window(keys, start, staging, sizes, verify is not False)
+        t.get_window(keys, start, staging, sizes, verify is not False, meanwhile)
         for i, (out, buf) in staged.items():
             if sizes[i]:
                 gpu.scatter(bytes(buf), out, f"the destination of key {i}")
@@ -501,9 +519,19 @@ def _peer_gone(sock: socket.socket | None) -> bool:
         return True
 
 
+def _once(fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn`, called at most once however often the result is."""
+    pending = [fn]
+
+    def once() -> None:
+        while pending:
+            pending.pop()()
+    return once
+
+
 def _get_window(keys: Sequence[bytes], start: int, target: ReadTarget, sizes: list[int],
-                verify: bool, t: Transport) -> None:
-    t.get_window(keys, start, target, sizes, verify)
+                verify: bool, meanwhile: Meanwhile, t: Transport) -> None:
+    t.get_window(keys, start, target, sizes, verify, meanwhile)
 
 
 def _put_window(keys: Sequence[bytes], views: Sequence[memoryview], metas: Sequence[bytes],

@@ -31,7 +31,15 @@ import torch
 
 from . import checksums
 from . import protocol as p
-from .transport import Check, Copies, Digest, WindowConnection, read_window, write_window
+from .transport import (
+    Check,
+    Copies,
+    Digest,
+    Meanwhile,
+    WindowConnection,
+    read_window,
+    write_window,
+)
 
 Segments = list[torch.Tensor]
 log = logging.getLogger(__name__)
@@ -351,7 +359,7 @@ class DeviceArena:
 
     def get_window(self, conn: WindowConnection, keys: Sequence[bytes], start: int,
                    target: ReadTarget, sizes: list[int], verify: bool | None, stream: object,
-                   buffers: Copies) -> None:
+                   buffers: Copies, meanwhile: Meanwhile = None) -> None:
         """Read a window into the tensors (or buffers) `target` gives: a tensor's copies go
         to `stream` (the first tensor's device's current one by default) and are verified,
         after the window's fence, only if `verify` is True; a buffer is copied by
@@ -360,7 +368,7 @@ class DeviceArena:
         # the destinations' device is known only once the ACQUIREs are answered
         copies = _TensorCopies(self, stream, buffers=buffers, verify=verify is True,
                                dma=torch.cuda.is_available())
-        read_window(conn, copies, keys, start, target, sizes)
+        read_window(conn, copies, keys, start, target, sizes, meanwhile)
 
     def _verified(self, reply: p.AcquireReply, segs: Segments) -> bool:
         """The destination's bytes match the chunk's checksum (read after the fence)."""

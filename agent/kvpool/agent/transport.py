@@ -38,6 +38,10 @@ ReadTarget = Callable[[int, int, bytes], Buffer | HostRanges | None]
 """`target(index, size, meta)`: where `get_many_into` copies the chunk of `keys[index]`,
 or None to skip it. It sees the chunk's size and metadata before any byte is copied."""
 
+Meanwhile = Callable[[], object] | None
+"""Work of the caller's that a read does while the agent answers its first ACQUIREs (e.g.
+planning where the chunks go): called once, right after they are sent."""
+
 PutResult = bool | p.ProtocolError
 """Per key of `put_many`: True stored now, False already stored (deduplicated), or the
 agent's refusal of that one chunk."""
@@ -240,7 +244,7 @@ def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
 
 
 def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], start: int,
-                target: ReadTarget, sizes: list[int]) -> None:
+                target: ReadTarget, sizes: list[int], meanwhile: Meanwhile = None) -> None:
     """ACQUIRE the window's chunks, copy each granted one into what `target` gives, wait
     for the copies, then RELEASE the leases (not waited for): a read lease ends only after
     the copies that read it completed.
@@ -258,6 +262,8 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
     releases: list[p.Request] = []
     """Granted leases whose RELEASE has not gone out."""
     try:
+        if meanwhile is not None:
+            meanwhile()
         for n, (lo, hi) in enumerate(groups):
             replies = conn.replies(hi - lo)
             received += 1
@@ -374,6 +380,8 @@ class Connection:
         """Bytes `_collect` read past the last whole reply: the start of the next one."""
         self._told: list[bytes] = []
         """Encoded told requests not sent yet: they go first in the next write."""
+        self._holding = 0
+        """Open `held_casts` blocks: casts wait in `_told` until the outermost one ends."""
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)
         self.untold = 0
@@ -506,8 +514,12 @@ class Connection:
         return [self._read_reply() for _ in range(n)]
 
     def cast(self, *reqs: p.Request) -> None:
-        """Send without waiting; the replies are read before the next call's."""
+        """Send without waiting; the replies are read before the next call's. Inside
+        `held_casts` they go with the next write or at the block's end."""
         if not reqs or self.sock is None:
+            return
+        if self._holding:
+            self._told += [p.encode(r) for r in reqs]
             return
         try:
             self._send(b"".join(p.encode(r) for r in reqs))
@@ -517,6 +529,23 @@ class Connection:
             self.close()
             return
         self._unanswered += len(reqs)
+
+    @contextlib.contextmanager
+    def held_casts(self) -> Iterator[None]:
+        """Hold back the casts made in the block (a read's RELEASEs) until it ends, then
+        send them in one write (any call made meanwhile takes them along first). A caller
+        that hands a read's data on before its leases end is not kept waiting by that
+        write: it wakes the agent, which on a busy machine may take this thread's core."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            if not self._holding and self._told and self.sock is not None:
+                try:
+                    self._send(b"")
+                except OSError:
+                    self.close()  # the agent ends a closed connection's leases itself
 
 
 class Transport(ABC):
@@ -543,7 +572,7 @@ class Transport(ABC):
 
     @abstractmethod
     def get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
-                   sizes: list[int], verify: bool) -> None: ...
+                   sizes: list[int], verify: bool, meanwhile: Meanwhile = None) -> None: ...
 
     @abstractmethod
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
@@ -590,7 +619,9 @@ class InlineTransport(Transport):
         return len(data)
 
     def get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
-                   sizes: list[int], verify: bool) -> None:
+                   sizes: list[int], verify: bool, meanwhile: Meanwhile = None) -> None:
+        if meanwhile is not None:
+            meanwhile()
         for i, key in enumerate(keys):
             got = self.get(key, verify)
             out = None if got is None else target(start + i, len(got[0]), got[1])
@@ -739,9 +770,9 @@ class ZeroCopyTransport(Transport):
         return lease.size if intact else 0
 
     def get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
-                   sizes: list[int], verify: bool) -> None:
+                   sizes: list[int], verify: bool, meanwhile: Meanwhile = None) -> None:
         read_window(self.conn, BufferCopies(self.arena, verify=verify, base=self.base), keys,
-                    start, target, sizes)
+                    start, target, sizes, meanwhile)
 
     def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
                    metas: Sequence[bytes], start: int, results: list[PutResult],

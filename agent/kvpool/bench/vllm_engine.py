@@ -14,10 +14,11 @@ connector) and waits for the connector's saves; {"op": "quit"}.
 
 With kvpool's connector the reply breaks the time down: `lookup_s` (from the scheduler's
 first question to the connector to its answer), `load_s` (the worker's loads, socket and
-copies) and `copy_s` (the fastest plain copy of the bytes loaded, in this process: what
-the copies alone cost), so `load_s - copy_s` is the connector's own overhead; and
-`cold_copy_s`, the same copy with the caches swept first; and `copy_call_s`, the time the
-load spent in its copy calls (the compiled loop that copies and sums).
+copies, each from its start to its report to vLLM) and `copy_s` (the fastest plain copy
+of the bytes loaded, in this process: what the copies alone cost), so `load_s - copy_s` is
+the connector's own overhead; and `cold_copy_s`, the same copy with the caches swept
+first; and `copy_call_s`, the time the load spent in its copy calls (the compiled loop
+that copies and sums).
 
 `write_model` is also the vLLM engine tests' model (tests/integrations/vllm_engine.py):
 Llama-shaped, random weights, a tokenizer trained here; nothing comes from a model hub.
@@ -124,7 +125,9 @@ class TimedEngine:
         self.worker = get_kv_transfer_group().worker
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
         asked: list[float] = []
-        matched, load = scheduler.matched_tokens, self.worker._load
+        matched, load, report = (scheduler.matched_tokens, self.worker._load,
+                                 self.worker._report_load)
+        reported: list[float] = []
 
         def timed_matched(request: Any, computed: int) -> tuple[int | None, bool]:
             now = time.perf_counter()
@@ -135,16 +138,24 @@ class TimedEngine:
                 self.times["lookup_s"] += time.perf_counter() - asked.pop()
             return answer
 
+        def timed_report(job: Any, sizes: list[int]) -> None:
+            report(job, sizes)
+            reported.append(time.perf_counter())
+
         def timed_load(job: Any) -> None:
+            # to the load's report to vLLM (what vLLM waits for; its leases' RELEASEs go
+            # out after it)
+            reported.clear()
             t0 = time.perf_counter()
             load(job)
-            self.times["load_s"] += time.perf_counter() - t0
+            self.times["load_s"] += (reported[0] if reported else time.perf_counter()) - t0
             # every chunk's bytes are read, a first chunk's skipped blocks into scratch
             self.times["loaded_bytes"] += len(job.block_ids) * self.worker._chunk_bytes
             self.pieces += self._pieces(job)
 
         scheduler.matched_tokens = timed_matched
         self.worker._load = timed_load
+        self.worker._report_load = timed_report
         # The load's copy calls (the compiled copy-and-sum loop), timed where the client
         # makes them: the connector's time outside them is `load_s - copy_call_s`.
         from kvpool.agent import hostcopy

@@ -239,27 +239,46 @@ class WorkerSide:
         if self.fault_hook is not None:
             self.fault_hook(keys)
         host = self._host
-        chunks: list[Any] = [
-            host.ranges(bids, job.skip_blocks if i == 0 else 0) if host is not None
-            else self._segments(bids, job.skip_blocks if i == 0 else 0)
-            for i, bids in enumerate(job.block_ids)]
+        chunks: list[Any] = []
+
+        def plan() -> None:
+            """Each chunk's destination: its blocks' addresses, or tensor pieces."""
+            chunks[:] = [
+                host.ranges(bids, job.skip_blocks if i == 0 else 0) if host is not None
+                else self._segments(bids, job.skip_blocks if i == 0 else 0)
+                for i, bids in enumerate(job.block_ids)]
+        if host is not None:
+            # Addresses are planned while the agent answers the first ACQUIREs (plain
+            # integers: once the ids are checked here, nothing there fails).
+            host.check(job.block_ids)
+        else:
+            plan()
 
         def target(i: int, size: int, meta: bytes) -> Any:
             return chunks[i] if size == self._chunk_bytes and meta_matches(meta, self._meta) \
                 else None
 
+        reported = False
+
         def get(client: KVPoolClient) -> list[int]:
-            sizes = client.get_many_into(keys, target, verify=True, stream=self._stream)
-            # A chunk still stored but not loadable (its checksum failed: corrupt) is deleted,
-            # so that the next request that computes it stores it again; one that is gone
-            # costs a DELETE that finds nothing.
-            for key, size in zip(keys, sizes, strict=True):
-                if not size and client.delete(key):
-                    log.warning("kvpool: a stored chunk failed its checksum and was deleted "
-                                "from the pool")
+            nonlocal reported
+            # vLLM is told the load is done before the leases' RELEASEs go out: that write
+            # wakes the agent, which on a busy machine may take this thread's core first.
+            with client.releases_held():
+                sizes = client.get_many_into(keys, target, verify=True, stream=self._stream,
+                                             meanwhile=plan if host is not None else None)
+                # A chunk still stored but not loadable (its checksum failed: corrupt) is
+                # deleted, so that the next request that computes it stores it again; one
+                # that is gone costs a DELETE that finds nothing.
+                for key, size in zip(keys, sizes, strict=True):
+                    if not size and client.delete(key):
+                        log.warning("kvpool: a stored chunk failed its checksum and was "
+                                    "deleted from the pool")
+                self._report_load(job, sizes)
+                reported = True
             return sizes
-        sizes = self.link.call(get) or [0] * len(keys)
-        self._report_load(job, sizes)
+        if self.link.call(get) is None and not reported:
+            self._report_load(job, [0] * len(keys))
 
     def _report_load(self, job: LoadJob, sizes: list[int]) -> None:
         bad = [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
@@ -273,6 +292,7 @@ class WorkerSide:
             self._bad_blocks.update(bad)
             self._loaded.add(job.req_id)
             self._loading -= 1
+            self._cond.notify_all()  # a step waiting for it (`finished`) goes on now
 
     def _save(self, job: SaveJob) -> None:
         keys = job.keys[self.rank]
@@ -324,12 +344,17 @@ class _HostBlocks:
                 return None
         return cls(layers, [t.data_ptr() for t in layers], stride, nbytes, num_blocks)
 
+    def check(self, chunks: list[list[int]]) -> None:
+        """One clear error for block ids outside the KV cache."""
+        for block_ids in chunks:
+            if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+                raise ValueError(f"kvpool: block ids {block_ids} out of the KV cache's "
+                                 f"{self.num_blocks} blocks")
+
     def ranges(self, block_ids: list[int], scratch_blocks: int = 0) -> HostRanges:
         """A chunk's destination: for each layer, its blocks in order (adjacent ones
-        merged); the first `scratch_blocks` blocks go to the scratch block."""
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
-            raise ValueError(f"kvpool: block ids {block_ids} out of the KV cache's "
-                             f"{self.num_blocks} blocks")
+        merged); the first `scratch_blocks` blocks go to the scratch block. The ids must
+        be in the KV cache (`check`)."""
         scratch, stride, nbytes = self.scratch.data_ptr(), self.stride, self.nbytes
         first, n = block_ids[0] if block_ids else 0, len(block_ids)
         if n and not scratch_blocks and stride == nbytes \
