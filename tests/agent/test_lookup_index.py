@@ -21,7 +21,7 @@ from kvpool.agent import lookupkernel
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.constants import PEER_TIER_CODE
-from kvpool.agent.lookupindex import IndexReader, SharedIndex
+from kvpool.agent.lookupindex import Entries, IndexReader, SharedIndex
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
@@ -267,9 +267,11 @@ def test_the_table_answers_what_it_holds_through_tombstones_rebuilds_and_overflo
         index.close()
 
 
-def _bulk(held: dict[bytes, int]) -> tuple[bytes, array[int]]:
-    """The directory's entries as a peer table's rebuild takes them."""
-    return b"".join(held), array("H", held.values())
+def _bulk(held: dict[bytes, int]) -> Entries:
+    """The directory's entries as a peer table's rebuild takes them: a key table of them
+    (a tombstone between each two, as a directory's table has some)."""
+    cells = array("i", [c for i in range(len(held)) for c in (i + 1, -1)])
+    return len(held), cells, bytearray(b"".join(held)), array("H", held.values())
 
 
 def _answers(reader: IndexReader, keys: list[bytes],

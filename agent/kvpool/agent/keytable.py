@@ -161,10 +161,10 @@ class KeyTable:
         reader (copy it: an array exporting its buffer cannot be replaced in place)."""
         return self._cells
 
-    def key_bytes(self) -> bytes:
-        """A copy of every slot's key, `KEY_BYTES` each by slot, for a bulk reader (a
-        released slot's is the key it held)."""
-        return bytes(self._keys)
+    def key_buffer(self) -> bytearray:
+        """Every slot's key, `KEY_BYTES` each by slot (a released slot's is the key it
+        held), for a bulk reader in the table's thread (not a copy: read it, keep it not)."""
+        return self._keys
 
     def key_at(self, slot: int) -> bytes:
         return bytes(self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])

@@ -63,6 +63,7 @@ an answer that ends before the last key goes to the socket, as it may go on ther
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -140,6 +141,12 @@ _PAGE = 4096
 def _word(seq: int, gen: int, peer: int, state: int) -> int:
     """A peer slot's first word: seq u16 | gen u16 | peer u16 | state u16."""
     return seq | gen << 16 | peer << 32 | state << 48
+
+
+Entries = tuple[int, "array[int]", Any, "array[int]"]
+"""What a peer table's rebuild writes, the directory's `KeyTable` as it is: how many keys,
+its cells (i32: 0 empty, -1 a tombstone, else slot + 1), its keys (16 bytes by slot, a
+writable buffer) and the peer of each (u16 by slot)."""
 
 
 def peer_table_bytes(max_slots: int) -> int:
@@ -319,9 +326,8 @@ class PeerIndex:
         self.overflowed = False
         self._gen = array("H", [1]) * MAX_PEERS
         self._readable = bytearray(MAX_PEERS)
-        self.entries: Callable[[], tuple[bytes, array[int]]] = lambda: (b"", array("H"))
-        """The directory's keys (joined) and the peer of each (u16), what a rebuild writes
-        (set by the directory)."""
+        self.entries: Callable[[], Entries] = lambda: (0, array("i"), b"", array("H"))
+        """The directory's entries, what a rebuild writes (set by the directory)."""
         self._table_addr = lookupkernel.address_of(self._words)
         self._gen_addr = self._gen.buffer_info()[0]
         PEER_HEADER.pack_into(self._head, 0, 0, self.slots, max_slots)
@@ -428,8 +434,7 @@ class PeerIndex:
         """Rewrite the table from the directory's entries, without tombstones or stale
         slots, at twice their number of slots (within MIN..max). Readers that overlap it
         see the epoch odd or changed and ask the socket."""
-        keys, peers = self.entries()
-        n = len(peers)
+        n, cells, keys, peers = self.entries()
         if self.overflowed and n > MAX_LOAD * self.max_slots / 2:
             return  # stays off until half the room is back
         self._set_epoch(self.epoch | 1)
@@ -441,16 +446,20 @@ class PeerIndex:
             slots <<= 1
         mask = slots - 1
         at = self._table_at
-        self._view[at:at + slots * SLOT_BYTES] = bytes(slots * SLOT_BYTES)
+        ctypes.memset(self._table_addr, 0, slots * SLOT_BYTES)  # (no table-sized temporary)
         kernels = lookupkernel.ready()
         if kernels is not None and n:
-            kernels.place(self._table_addr, mask, keys, peers.buffer_info()[0], self._gen_addr,
-                          n)
+            # Straight from the directory's arrays: no temporary of 10^6 entries either.
+            kernels.place(self._table_addr, mask, cells.buffer_info()[0], len(cells),
+                          lookupkernel.address_of(keys), peers.buffer_info()[0], self._gen_addr)
         else:
             gen = self._gen
             pack = _PEER_SLOT.pack_into
-            for j in range(n):
-                key, peer = keys[KEY_BYTES * j:KEY_BYTES * (j + 1)], peers[j]
+            for cell in cells:
+                if cell <= 0:
+                    continue
+                slot = cell - 1
+                key, peer = bytes(keys[KEY_BYTES * slot:KEY_BYTES * (slot + 1)]), peers[slot]
                 i = xxh3_64_intdigest(key) & mask
                 while self._words[3 * i]:
                     i = (i + 1) & mask

@@ -225,15 +225,25 @@ absent:
   ret i64 3
 }}
 
-; place(table, mask, keys, peers, gens, n): the `n` keys (16 bytes each) held by their
-; peers (u16 each) at the gens (u16 by peer) into an empty table (a rebuild).
-define void @place(ptr %table, i64 %mask, ptr %keys, ptr %peers, ptr %gens, i64 %n) nounwind {{
+; place(table, mask, cells, ncells, keys, peers, gens): every key of a `KeyTable` (its
+; `ncells` i32 cells: 0 empty, -1 a tombstone, else slot + 1; its keys, 16 bytes by slot;
+; the peer of each, u16 by slot) held by its peer at the peer's gen (u16 by peer), into
+; an empty table (a rebuild), straight from the directory's own arrays.
+define void @place(ptr %table, i64 %mask, ptr %cells, i64 %ncells, ptr %keys, ptr %peers,
+                   ptr %gens) nounwind {{
 entry:
-  %none = icmp eq i64 %n, 0
-  br i1 %none, label %done, label %key
+  %none = icmp eq i64 %ncells, 0
+  br i1 %none, label %done, label %cell
+cell:
+  %c = phi i64 [0, %entry], [%c.n, %next]
+  %cp = getelementptr i32, ptr %cells, i64 %c
+  %cv = load i32, ptr %cp, align 4
+  %live = icmp sgt i32 %cv, 0
+  br i1 %live, label %key, label %next
 key:
-  %j = phi i64 [0, %entry], [%j.n, %put]
-  %ko = shl i64 %j, 4
+  %cv.1 = sub i32 %cv, 1
+  %slot = zext i32 %cv.1 to i64
+  %ko = shl i64 %slot, 4
   %kp0 = getelementptr i8, ptr %keys, i64 %ko
   %kp1 = getelementptr i8, ptr %kp0, i64 8
   %k0 = load i64, ptr %kp0, align 1
@@ -253,8 +263,8 @@ step:
   %at.n = and i64 %at.1, %mask
   br label %walk
 put:
-  %pp = getelementptr i16, ptr %peers, i64 %j
-  %peer16 = load i16, ptr %pp, align 1
+  %pp = getelementptr i16, ptr %peers, i64 %slot
+  %peer16 = load i16, ptr %pp, align 2
   %peer = zext i16 %peer16 to i64
   %gp = getelementptr i16, ptr %gens, i64 %peer
   %g16 = load i16, ptr %gp, align 2
@@ -268,9 +278,11 @@ put:
   %sk1p = getelementptr i8, ptr %p, i64 16
   store i64 %k0, ptr %sk0p, align 8
   store i64 %k1, ptr %sk1p, align 8
-  %j.n = add i64 %j, 1
-  %again = icmp ult i64 %j.n, %n
-  br i1 %again, label %key, label %done
+  br label %next
+next:
+  %c.n = add i64 %c, 1
+  %again = icmp ult i64 %c.n, %ncells
+  br i1 %again, label %cell, label %done
 done:
   ret void
 }}
@@ -392,7 +404,7 @@ class Kernels:
         self.upsert = upsert
         """See the IR: (table, mask, gens, key, word, remove, room) -> 0..3."""
         self.place = place
-        """See the IR: (table, mask, keys, peers, gens, n)."""
+        """See the IR: (table, mask, cells, ncells, keys, peers, gens)."""
 
     def walk(self, base: int, dmask: int, peer_at: int, pmask: int, want: bytes, n: int,
              out: bytearray, code: int) -> int:
@@ -442,10 +454,13 @@ def _compile() -> Kernels | None:
         return None
     if compiled is None:
         return None
+    if not all(compiled):  # (a function the IR lacks: never call address 0)
+        log.warning("lookup walk not compiled (a function is missing); Python walks")
+        return None
     # PYFUNCTYPE: no GIL release and re-take around a call of a few microseconds.
     walk = ctypes.PYFUNCTYPE(_I, _P, _I, _I, _I, _P, _I, _P, ctypes.c_uint8)(compiled[0])
     upsert = ctypes.PYFUNCTYPE(_I, _P, _I, _P, _P, ctypes.c_uint64, _I, _I)(compiled[1])
-    place = ctypes.PYFUNCTYPE(None, _P, _I, _P, _P, _P, _I)(compiled[2])
+    place = ctypes.PYFUNCTYPE(None, _P, _I, _P, _I, _P, _P, _P)(compiled[2])
     _keep.extend((walk, upsert, place))
     return Kernels(walk, upsert, place)
 

@@ -23,9 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from .. import probekernel
-from ..constants import KEY_BYTES
 from ..keytable import KeyTable
-from ..lookupindex import PeerIndex
+from ..lookupindex import Entries, PeerIndex
 
 FORGET_SECONDS = 10.0
 """How long announcements of a key deleted in the pool are ignored: the DELETE reaches every
@@ -54,18 +53,10 @@ class PeerDirectory:
         index.entries = self.entries
         index.rebuild()
 
-    def entries(self) -> tuple[bytes, array[int]]:
-        """Every entry's key (joined) and peer, in no particular order (a few numpy passes:
-        a peer table's rebuild at 10^6 entries takes them at once)."""
-        import numpy as np
-
-        cells = np.array(self.table.cells, dtype=np.int32)  # (a copy: see `cells`)
-        slots = cells[cells > 0] - 1
-        if not len(slots):
-            return b"", array("H")
-        keys = np.frombuffer(self.table.key_bytes(), dtype=np.uint8).reshape(-1, KEY_BYTES)
-        peers = np.frombuffer(self._peer, dtype=np.uint16)
-        return keys[slots].tobytes(), array("H", peers[slots].tobytes())
+    def entries(self) -> Entries:
+        """Every entry, as a peer table's rebuild takes them: the table's own arrays, read
+        in one compiled pass (no temporary of 10^6 entries)."""
+        return len(self.table), self.table.cells, self.table.key_buffer(), self._peer
 
     def __len__(self) -> int:
         return len(self.table)
