@@ -14,7 +14,7 @@ from pathlib import Path
 from kvpool.agent import lookupkernel
 from kvpool.agent.client import KVPoolClient
 
-from .conftest import wait_until
+from .conftest import metric, wait_until
 from .nodes import Network
 from .test_peer_reads import seen_as, start
 
@@ -48,6 +48,13 @@ def test_a_local_lookup_of_remote_keys_answers_what_the_socket_does_until_the_pe
             assert local.lookup_tiers(keys) == asked
             assert local.lookup_nowait(keys) == len(asked)
         assert local.lookup_tiers(mine + remote) == ["dram"] * 8 + ["peer"] * 40
+        # One with peer keys is told to the agent at once, not with the client's next call
+        # (the agent batches the peer reads that follow a key by it, and an engine's reads
+        # come from other connections): its hits are counted with no other call made.
+        hits = metric(b, "kvpool_tier_hits_total", tier="peer")
+        assert local.lookup_nowait(remote) == len(remote)
+        wait_until(lambda: metric(b, "kvpool_tier_hits_total", tier="peer") == hits + 40,
+                   "the local LOOKUP told")
         # A key deleted in the pool stops counting.
         assert ca.delete(remote[0])
         wait_until(lambda: cb.lookup_tiers(remote[:2]) == [], "the delete on node 1")

@@ -39,6 +39,7 @@ from .constants import (
     ENV_PUT_AHEAD,
     ENV_SOCKET,
     ENV_TENANT,
+    PEER_TIER_CODE,
     TIER_NAMES,
 )
 from .protocol import EngineBlocks
@@ -272,10 +273,13 @@ class KVPoolClient:
         if codes is None:
             return None
         # The agent still hears of the lookup, with this client's next call: the hit
-        # chunks' place in the eviction order, the hit counts and the peer reads that
-        # follow stay as if it had asked (prefetch has nothing to do: the tables answer
-        # only when no local tier below DRAM may hold more of the prefix).
-        t.conn.tell(p.Lookup(t.conn.rid(), list(window)))
+        # chunks' place in the eviction order and the hit counts stay as if it had asked
+        # (prefetch has nothing to do: the tables answer only when no local tier below
+        # DRAM may hold more of the prefix). One with peer keys goes at once: the agent
+        # reads the peer chunks that follow a key in the same batch as it only once it
+        # has the LOOKUP, and their reads may come soon, from another connection (an
+        # engine's workers).
+        t.conn.tell(p.Lookup(t.conn.rid(), list(window)), now=PEER_TIER_CODE in codes)
         return codes
 
     def contains(self, key: bytes) -> bool:

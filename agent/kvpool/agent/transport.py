@@ -467,11 +467,12 @@ class Connection:
                 del self._early[:whole]
                 self._unanswered -= 1
 
-    def tell(self, req: p.Request) -> None:
+    def tell(self, req: p.Request, now: bool = False) -> None:
         """Let the agent know `req` without waiting for it: it goes with the next call (or
-        with `TELL_BATCH` others), its reply read and dropped like a cast's. When
-        `TELL_AHEAD` replies are outstanding the agent is behind, and `req` is dropped
-        (counted in `untold`) rather than make this client wait for it."""
+        with `TELL_BATCH` others; `now`: in a write of its own at once), its reply read
+        and dropped like a cast's. When `TELL_AHEAD` replies are outstanding the agent is
+        behind, and `req` is dropped (counted in `untold`) rather than make this client
+        wait for it."""
         if self.sock is None:
             return
         try:
@@ -481,7 +482,7 @@ class Connection:
                     self.untold += 1
                     return
             self._told.append(p.encode(req))
-            if len(self._told) >= TELL_BATCH:
+            if now or len(self._told) >= TELL_BATCH:
                 self._send(b"")
         except OSError:
             self.close()  # the next call reconnects
