@@ -18,9 +18,9 @@ the agent: a touched page past the end would be SIGBUS): `recv_into` one bounded
 per worker thread (`COPY_BLOCK`), checksummed there while in cache, then
 `Arena.write_run` (the kernel's copy into the mapping, process_vm_writev: a page past a
 shrunk file is EFAULT, not SIGBUS; pwrite where that is not allowed). One pass: no
-read-back to verify, never a `bytes` of the chunk. (Splicing socket to pipe to arena file moved the bytes without
-entering this process, but its read-back for the checksum cost a quarter of a 16 MiB
-read: docs/benchmarks.md, "The peer tier between two nodes".)
+read-back to verify, never a `bytes` of the chunk. (Splicing socket to pipe to arena
+file moved the bytes without entering this process, but its read-back for the checksum
+cost a quarter of a 16 MiB read: docs/benchmarks.md, "The peer tier between two nodes".)
 """
 
 from __future__ import annotations
