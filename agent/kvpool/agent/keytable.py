@@ -155,6 +155,41 @@ class KeyTable:
         """A removed key's slot may be handed out again."""
         self._free.append(slot)
 
+    def release_where(self, column: array[int], value: int, most: int,
+                      compiled: bool = True) -> int:
+        """Take out of the table and release every key whose slot's row of `column` (u16 by
+        slot, as the peer directory's holders) is `value`; how many. `most` bounds their
+        number (room for their slots is made at once). One compiled pass over the cells
+        (`probekernel`'s `sweep`): dropping a peer's 10^6 entries must not hold the event
+        loop for the seconds a walk in Python takes. `compiled=False`: that walk, as where
+        the compiled loop is missing. Their cells become tombstones, as `remove` leaves."""
+        kernels = probekernel.ready() if compiled else None
+        cells, free = self._cells, self._free
+        gone = 0
+        if kernels is None:
+            for i, cell in enumerate(cells):
+                if cell > 0 and column[cell - 1] == value:
+                    cells[i] = _DEAD
+                    free.append(cell - 1)
+                    gone += 1
+        else:
+            if column.typecode != "H":
+                raise ValueError(f"a column of u16 ('H'), got {column.typecode!r}")
+            room = max(most, 0) + 1  # one more: a pass that fills it is not known complete
+            while True:
+                start = len(free)
+                free.frombytes(bytes(4 * room))
+                taken = kernels.sweep(cells.buffer_info()[0], len(cells),
+                                      column.buffer_info()[0], len(column), value,
+                                      free.buffer_info()[0] + 4 * start, room)
+                del free[start + taken:]
+                gone += taken
+                if taken < room:
+                    break
+        self.live -= gone
+        self._dead += gone
+        return gone
+
     @property
     def cells(self) -> array[int]:
         """The open-addressing cells (0 empty, -1 a tombstone, else slot + 1), for a bulk

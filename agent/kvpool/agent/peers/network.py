@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
 
+from .. import probekernel
 from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..lookupindex import PeerIndex
 from ..metrics import Sample
@@ -86,6 +87,9 @@ class PeerNetwork:
         self.agent_id = os.urandom(16)
         self.m = PeerMetrics(registry, pool)
         self.directories = {tenant: PeerDirectory() for tenant in spaces}
+        # Compiled now (on a thread), not at the first large LOOKUP: a peer's entries are
+        # dropped in one compiled pass, and a drop may come before any LOOKUP does.
+        probekernel.compile_soon()
         self._server_tls, self._client_tls = tls_contexts(cfg)
         self.node = node
         """This agent's node name: what other agents' push hints name to reach it."""
