@@ -38,11 +38,6 @@ HEARTBEAT_INTERVAL = 0.5
 STALL_TIMEOUT = 10.0
 """A subscriber that takes no bytes for this long is closed, and so is a reader that takes
 longer than this to take one chunk."""
-COALESCE = 0.005
-"""Seconds at least between two messages of changes to one subscriber: changes that come
-faster (a reader inserting a 1 MiB chunk from a peer about every millisecond) go in one
-message, a wake of each side per this many seconds instead of one per chunk; a change
-after a quiet spell goes at once."""
 MAX_PENDING = 1 << 16
 """Changes queued for one subscriber; beyond it, it is closed (and resyncs)."""
 MAX_CONNECTIONS = 1024
@@ -377,7 +372,6 @@ class PeerServer:
                     writer.write(wire.encode_stream(wire.ADD, tenant, batch, time.time()))
             writer.write(wire.encode_stream(wire.SYNCED, self.node, sent_at=time.time()))
             await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
-            sent = 0.0
             while True:
                 woken = asyncio.ensure_future(sub.wake.wait())
                 await asyncio.wait({woken, ended}, timeout=HEARTBEAT_INTERVAL,
@@ -387,8 +381,6 @@ class PeerServer:
                     if ended.result():
                         raise wire.WireError("a subscriber sent bytes after SUBSCRIBE")
                     return
-                if sub.pending and (wait := sent + COALESCE - time.monotonic()) > 0:
-                    await asyncio.sleep(wait)  # changes coming fast: the next ones join
                 sub.wake.clear()
                 if sub.overflow:
                     log.warning("a peer subscriber fell %d changes behind: closed, it resyncs",
@@ -399,7 +391,6 @@ class PeerServer:
                 for data in _deltas(sub.pending):
                     writer.write(data)
                 await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
-                sent = time.monotonic()
         finally:
             ended.cancel()
             self.subscribers.discard(sub)
