@@ -13,9 +13,9 @@ next batch (the backpressure: the reader only asks for what it has reserved room
 the holder answers a connection's FETCHes one at a time). Every wait on a socket is
 bounded by what is left of the read's deadline.
 
-Into the arena through its file, never its mapping (a client may shrink the file under
-the agent: a touched page past the end would be SIGBUS): `recv_into` one bounded buffer
-per worker thread (`COPY_BLOCK`), checksummed there while in cache, then
+Into the arena without this process ever touching its mapping (a client may shrink the
+file under the agent: a page past the end touched here would be SIGBUS): `recv_into` one
+bounded buffer per worker thread (`COPY_BLOCK`), checksummed there while in cache, then
 `Arena.write_run` (the kernel's copy into the mapping, process_vm_writev: a page past a
 shrunk file is EFAULT, not SIGBUS; pwrite where that is not allowed). One pass: no
 read-back to verify, never a `bytes` of the chunk. (Splicing socket to pipe to arena
