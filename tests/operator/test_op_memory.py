@@ -1,14 +1,18 @@
 """A memory limit that cannot hold the DRAM arena is refused, naming the minimum: the arena
-is shared memory, charged to the agent pod's memory cgroup."""
+is shared memory, charged to the agent pod's memory cgroup. With peers on, the memory the
+operator gives the agent (and the minimum it accepts) holds each tenant space's peer
+directory too."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from op_support import pool_body
+from op_support import NAMESPACE, pool_body
 
-from kvpool.operator import api
+from kvpool.operator import api, render
+
+NVME = {"hostPath": "/mnt/nvme0/kvpool", "size": "1Ti"}
 
 
 def _pool(dram: dict[str, Any], limits: dict[str, str]) -> dict[str, Any]:
@@ -45,3 +49,54 @@ def test_huge_pages_need_the_arena_in_the_hugepages_limit() -> None:
 def test_an_unreadable_limit_is_refused() -> None:
     with pytest.raises(api.InvalidSpec, match=r"limits\.memory"):
         api.parse_pool(_pool({"size": "8Gi"}, {"memory": "lots"}))
+
+
+def _agent_resources(**spec: Any) -> dict[str, Any]:
+    body = pool_body(**spec)
+    body["metadata"]["uid"] = "6f1e3c1a-2b7d-4c55-9a0e-1d2c3b4a5f60"
+    (ds,) = [o for o in render.render(api.parse_pool(body), None)
+             if o["kind"] == "DaemonSet"
+             and o["metadata"]["name"] == render.Names(NAMESPACE, "small").agent]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    resources: dict[str, Any] = container["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    return resources
+
+
+def _memory(**spec: Any) -> str:
+    return str(_agent_resources(**spec)["limits"]["memory"])
+
+
+def test_with_peers_on_the_agent_gets_memory_for_each_spaces_directory() -> None:
+    # 8Gi arena + 256Mi, and with peers per tenant space 64 B a remote chunk (the
+    # directory's heap bound) plus, without NVMe, the peer table clients read (24 B a slot,
+    # the power of two at least twice the chunks, at most 2^22, and a 256 KiB header), in
+    # MiB rounded up: 10^6 chunks (the default) = 61.04 MiB of heap + 48.25 MiB of table.
+    dram = {"dram": {"size": "8Gi"}}
+    on = {"enabled": True}
+    assert _memory(tiers=dram) == "8448Mi"  # peers off: as before
+    assert _memory(tiers=dram, peers={"enabled": False, "remoteChunks": 10**7}) == "8448Mi"
+    assert _memory(tiers=dram, peers=on) == f"{8448 + 110}Mi"
+    assert _memory(tiers={**dram, "nvme": NVME}, peers=on) == f"{8448 + 62}Mi"  # no table
+    three = [{"name": "a"}, {"name": "b"}, {"name": "c"}]
+    assert _memory(tiers=dram, peers=on, tenants=three) == f"{8448 + 328}Mi"  # 3 x 109.29
+    # 4·10^6: 244.14 MiB of heap, and the table at its most, 2^22 slots (96.25 MiB).
+    assert _memory(tiers=dram, peers={**on, "remoteChunks": 4 * 10**6}) == f"{8448 + 341}Mi"
+    assert _memory(tiers={**dram, "nvme": NVME}, peers={**on, "remoteChunks": 0}) == "8448Mi"
+
+
+def test_with_huge_pages_the_peer_directory_is_in_the_memory_beside_them() -> None:
+    resources = _agent_resources(tiers={"dram": {"size": "1Gi", "hugePages": True}},
+                                 peers={"enabled": True})
+    assert resources["limits"] == {"memory": f"{256 + 110}Mi", "hugepages-2Mi": "1Gi"}
+
+
+def test_with_peers_on_a_limit_without_room_for_the_directory_is_refused() -> None:
+    peers = {"enabled": True, "remoteChunks": 2 * 10**6}  # 122.07 + 96.25 MiB: 219Mi
+    body = _pool({"size": "8Gi"}, {"memory": "8448Mi"})  # the arena + 256Mi: peers off's
+    body["spec"]["peers"] = peers
+    with pytest.raises(api.InvalidSpec) as e:
+        api.parse_pool(body)
+    assert "at least 8667Mi" in str(e.value) and "remoteChunks (2000000)" in str(e.value)
+    body["spec"]["agent"]["resources"]["limits"]["memory"] = "8667Mi"
+    api.parse_pool(body)

@@ -83,7 +83,8 @@ def test_the_server_defaults_of_peers_are_the_models() -> None:
     body = _pool()
     defaulted, errors = admit(crds.pool_schema(), body)
     assert errors == []
-    assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410, "networkPolicy": True}
+    assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410,
+                                          "remoteChunks": 1_000_000, "networkPolicy": True}
     assert api.parse_pool(defaulted).spec.peers == api.parse_pool(body).spec.peers
     on = _pool({"enabled": True, "tls": {"secretName": "pool-tls"}})
     defaulted, errors = admit(crds.pool_schema(), on)

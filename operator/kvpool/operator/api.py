@@ -27,6 +27,14 @@ from kvpool.agent.config import (
     tenant_sizes,
 )
 from kvpool.agent.constants import HUGE_PAGE_BYTES, NODE_LABEL_PREFIX
+from kvpool.agent.lookupindex import (
+    MAX_PEERS,
+    PEER_HEADER_BYTES,
+    PEER_MAX_SLOTS,
+    PEER_MIN_SLOTS,
+    PEER_STATE_BYTES,
+    SLOT_BYTES,
+)
 from kvpool.agent.units import ByteSize, format_size, parse_size
 
 GROUP = "kvpool.io"
@@ -231,9 +239,11 @@ class AgentSpec(Model):
     resources: Resources | None = Field(
         None,
         description="Agent container resources; unset: memory sized to the DRAM arena "
-        "plus 256Mi (or hugepages-2Mi with hugePages), cpu request 100m. A memory limit "
-        "below the arena plus 256Mi (the arena is shared memory, charged to the pod), or a "
-        "hugepages-2Mi limit below a huge-page arena, is refused.",
+        "plus the agent's overhead, 256Mi and, with spec.peers enabled, the peer directory "
+        "of each tenant space (spec.peers.remoteChunks) (or hugepages-2Mi with hugePages), "
+        "cpu request 100m. A memory limit below the arena plus that overhead (the arena is "
+        "shared memory, charged to the pod), or a hugepages-2Mi limit below a huge-page "
+        "arena, is refused.",
     )
     metrics_port: int = Field(
         9400, ge=1024, le=65535, description="Port of /metrics, /healthz and /readyz."
@@ -266,6 +276,10 @@ class PeerTlsSpec(Model):
     )
 
 
+REMOTE_CHUNKS = 1_000_000
+"""`spec.peers.remoteChunks`' default: issue 29's scale, a pool of a few nodes."""
+
+
 class PeersSpec(Model):
     """The peer tier: the agents of the pool read each other's chunks over TCP."""
 
@@ -282,6 +296,20 @@ class PeersSpec(Model):
         description="TCP port the agents serve chunks on (container port kv-peers).",
     )
     tls: PeerTlsSpec | None = Field(None, description="TLS between the agents; unset: plain TCP.")
+    remote_chunks: int = Field(
+        REMOTE_CHUNKS,
+        ge=0,
+        le=1 << 32,
+        description="Remote chunks (held by the pool's other agents) each tenant space's "
+        "peer directory is sized for: unless spec.agent.resources is set, the agent's memory "
+        "grows by 64 bytes per remote chunk per tenant space (the directory's heap) plus, "
+        "without an NVMe tier, the peer table clients read LOOKUPs from (24 bytes a slot, "
+        "the smallest power of two at least twice the chunks, at most 2^22 slots: 96Mi), "
+        "rounded up to a MiB; 10^6: 62Mi, 110Mi without NVMe. An agent sees at most the "
+        "chunks the other nodes' DRAM and NVMe hold: set it from the pool's size (e.g. 8 "
+        "other nodes of 64Gi DRAM and 1Ti NVMe, chunks of 4Mi: 2.2 million). It sizes the "
+        "memory, it does not cap the directory (docs/cross-node.md, \"Directory size\").",
+    )
     network_policy: bool = Field(
         True,
         description="Render the NetworkPolicy kvpool-<name>-peers, which admits only the "
@@ -474,7 +502,41 @@ class KVTierPolicy(Model):
 _M = TypeVar("_M", bound=Model)
 
 AGENT_OVERHEAD = 256 << 20
-"""Memory the agent needs beside its arena (Python, buffers, index)."""
+"""Memory the agent needs beside its arena (Python, buffers, index), peers off."""
+PEER_HEAP_PER_CHUNK = 64
+"""The peer directory's heap per remote chunk: issue 29's bound (~41-46 B measured at
+10^6, `tests/peers/test_directory.py` checks < 64), so a figure that holds."""
+MIB = 1 << 20
+
+
+def peer_table_bytes(remote_chunks: int) -> int:
+    """The peer table's shared memory in a tenant space with `remote_chunks` entries: the
+    agent's `lookupindex.PeerIndex` rebuilds it at the smallest power of two of slots at
+    least twice its entries (within its minimum and maximum); pages past them are never
+    touched, and those touched stay when entries go."""
+    slots = PEER_MIN_SLOTS
+    while slots < 2 * remote_chunks and slots < PEER_MAX_SLOTS:
+        slots <<= 1
+    return PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES + slots * SLOT_BYTES
+
+
+def peer_overhead(spec: KVCachePoolSpec) -> int:
+    """The agent's memory for the peer tier beside `AGENT_OVERHEAD` (0 with peers off): per
+    tenant space, the directory's heap and, without an NVMe tier (where the agent mirrors
+    the directory for clients' local LOOKUPs), the peer table; rounded up to a MiB."""
+    if not spec.peers.enabled:
+        return 0
+    n = spec.peers.remote_chunks
+    space = n * PEER_HEAP_PER_CHUNK
+    if spec.tiers.nvme is None:
+        space += peer_table_bytes(n)
+    total = max(1, len(spec.tenants)) * space
+    return -(-total // MIB) * MIB
+
+
+def agent_overhead(spec: KVCachePoolSpec) -> int:
+    """The memory the agent needs beside its arena: what the operator sizes it with."""
+    return AGENT_OVERHEAD + peer_overhead(spec)
 
 
 def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
@@ -486,7 +548,8 @@ def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
     """
     limits = (spec.agent.resources.limits if spec.agent.resources else None) or {}
     dram = spec.tiers.effective_dram()
-    need = {"memory": AGENT_OVERHEAD if dram.huge_pages else dram.size + AGENT_OVERHEAD}
+    overhead = agent_overhead(spec)
+    need = {"memory": overhead if dram.huge_pages else dram.size + overhead}
     if dram.huge_pages:
         need["hugepages-2Mi"] = dram.size
     for resource, minimum in need.items():
@@ -498,13 +561,19 @@ def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
         except ValueError as e:
             return f"spec.agent.resources.limits.{resource}: {e}"
         if limit < minimum:
+            why = (
+                f"{format_size(overhead)}: 256Mi and the peer directory of "
+                f"spec.peers.remoteChunks ({spec.peers.remote_chunks})"
+                if spec.peers.enabled
+                else format_size(overhead)
+            )
             what = (
-                "the agent's overhead (256Mi)"
+                f"the agent's overhead ({why})"
                 if resource == "memory" and dram.huge_pages
                 else "the DRAM arena (huge pages)"
                 if resource != "memory"
                 else f"the DRAM arena ({format_size(dram.size)}) plus the agent's overhead "
-                "(256Mi; the arena is shared memory, charged to the pod)"
+                f"({why}; the arena is shared memory, charged to the pod)"
             )
             return (
                 f"spec.agent.resources.limits.{resource}: {value} is below {what}: "

@@ -82,7 +82,6 @@ CONFIG_CHECKSUM_ANNOTATION = "kvpool.io/config-checksum"
 POOL_LABEL = "kvpool.io/pool"
 POOL_NAMESPACE_LABEL = "kvpool.io/pool-namespace"
 MANAGED_BY = "kvpool-operator"
-AGENT_OVERHEAD = api.AGENT_OVERHEAD
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 SECRET_KEYS = (ACCESS_KEY_ENV, SECRET_KEY_ENV)
@@ -459,14 +458,15 @@ def _resources(pool: api.KVCachePool) -> Manifest:
             out["limits"] = dict(res.limits)
         return out
     dram = _dram(pool)
+    extra = api.agent_overhead(pool.spec)  # with peers on, their directories too
     if dram.huge_pages:
-        overhead = format_size(AGENT_OVERHEAD)
+        overhead = format_size(extra)
         huge = format_size(dram.size)
         return {
             "requests": {"cpu": "100m", "memory": overhead, "hugepages-2Mi": huge},
             "limits": {"memory": overhead, "hugepages-2Mi": huge},
         }
-    memory = format_size(dram.size + AGENT_OVERHEAD)
+    memory = format_size(dram.size + extra)
     return {"requests": {"cpu": "100m", "memory": memory}, "limits": {"memory": memory}}
 
 
