@@ -155,6 +155,10 @@ def test_peers_reach_the_agent_config_port_secret_service_and_network_policy() -
     assert peers.discovery == "kvpool-small-peers.inference.svc"
     assert str(peers.secret_file) == "/etc/kvpool-peers/secret"
     assert peers.tls is None
+    # The directory is capped at what the agent's memory is sized for (remoteChunks).
+    assert peers.max_entries == 1_000_000
+    capped = _pool({"enabled": True, "remoteChunks": 2_500_000})
+    assert _config(_render(capped)).peers.max_entries == 2_500_000
 
     agent = _agent(objects)
     assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {

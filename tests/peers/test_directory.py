@@ -187,3 +187,21 @@ def test_a_sweep_with_too_little_room_for_its_slots_still_takes_them_all() -> No
     assert {column[s] for s in table.live_slots()} == {0, 2}
     reused = {table.claim(os.urandom(16)) for _ in range(1667)}
     assert reused == {s for s in range(5000) if column[s] == 1}  # released, handed out again
+
+
+def test_a_full_directory_lists_no_new_key_but_keeps_those_it_has() -> None:
+    # `peers.maxEntries`: what the agent's memory is sized for. Past it a new key is not
+    # listed (and counted); a listed key may still change holder; room comes back as keys go.
+    d = PeerDirectory(max_entries=3)
+    k = [os.urandom(16) for _ in range(5)]
+    for key in k[:4]:
+        d.add(key, 0, 100)
+    assert len(d) == 3 and k[3] not in d and d.refused == 1
+    d.add(k[0], 1, 200)  # a new holder of a listed key: no new entry
+    assert d.holder(k[0]) == (1, 200) and d.refused == 1
+    d.remove(k[1], 0)
+    d.add(k[4], 2, 300)
+    assert d.holder(k[4]) == (2, 300) and len(d) == 3
+    assert d.drop_peer(0) == 1  # k[2]
+    d.add(k[3], 0, 100)
+    assert d.holder(k[3]) == (0, 100) and d.refused == 1

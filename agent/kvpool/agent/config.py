@@ -510,6 +510,13 @@ class Peers(Model):
         0.25, gt=0, le=1, description="Most of each space's arena that chunks pushed here and "
         "not read yet may pin; a push past it is refused (the sender's put is not).",
     )
+    max_entries: int | None = Field(
+        None, ge=0, description="Most remote chunks each tenant space's peer directory lists "
+        "(its memory: ~41-64 bytes of heap each); a key announced past it is not listed "
+        "(a LOOKUP of it goes on to the shared tier), and counted. Unset: no limit. The "
+        "operator sets it to the pool's spec.peers.remoteChunks, which the agent's memory "
+        "limit is sized for.",
+    )
 
     @field_validator("addresses")
     @classmethod

@@ -307,8 +307,10 @@ class PeersSpec(Model):
         "the smallest power of two at least twice the chunks, at most 2^22 slots: 96Mi), "
         "rounded up to a MiB; 10^6: 62Mi, 110Mi without NVMe. An agent sees at most the "
         "chunks the other nodes' DRAM and NVMe hold: set it from the pool's size (e.g. 8 "
-        "other nodes of 64Gi DRAM and 1Ti NVMe, chunks of 4Mi: 2.2 million). It sizes the "
-        "memory, it does not cap the directory (docs/cross-node.md, \"Directory size\").",
+        "other nodes of 64Gi DRAM and 1Ti NVMe, chunks of 4Mi: 2.2 million). It caps the "
+        "directory too (the agents' peers.maxEntries): a remote chunk past it is not listed, "
+        "so a LOOKUP of it goes on to the shared tier (counted: "
+        "kvpool_peer_directory_full_total; docs/cross-node.md, \"Directory size\").",
     )
     network_policy: bool = Field(
         True,

@@ -38,8 +38,14 @@ MAX_SIZE = 0xFFFFFFFF
 
 
 class PeerDirectory:
-    def __init__(self, forget_for: float = FORGET_SECONDS) -> None:
+    def __init__(self, forget_for: float = FORGET_SECONDS,
+                 max_entries: int | None = None) -> None:
         self.table = KeyTable()
+        self.max_entries = max_entries
+        """Most entries listed (`peers.maxEntries`: what the agent's memory is sized for);
+        None: no limit."""
+        self.refused = 0
+        """New keys not listed for want of room (`kvpool_peer_directory_full_total`)."""
         self._peer = array("H")
         self._size = array("I")
         self._held = array("q")
@@ -72,6 +78,11 @@ class PeerDirectory:
             return
         slot = self.table.find(key)
         if slot < 0:
+            if self.max_entries is not None and len(self.table) >= self.max_entries:
+                # Full: the key is not listed (a LOOKUP goes on to the shared tier); a key
+                # listed already may still change holder, and room comes back as keys go.
+                self.refused += 1
+                return
             slot = self.table.claim(key)
             if slot == len(self._peer):
                 self._peer.append(peer)

@@ -86,7 +86,8 @@ class PeerNetwork:
             raise ConfigError(f"peers.secretFile: {e}") from e
         self.agent_id = os.urandom(16)
         self.m = PeerMetrics(registry, pool)
-        self.directories = {tenant: PeerDirectory() for tenant in spaces}
+        self.directories = {tenant: PeerDirectory(max_entries=cfg.max_entries)
+                            for tenant in spaces}
         # Compiled now (on a thread), not at the first large LOOKUP: a peer's entries are
         # dropped in one compiled pass, and a drop may come before any LOOKUP does.
         probekernel.compile_soon()
@@ -356,6 +357,9 @@ class PeerNetwork:
             labels = {"tenant": tenant} if tenant else {}
             yield Sample("kvpool_peer_directory_entries", "Remote chunks in the peer "
                          "directory", labels, len(d))
+            yield Sample("kvpool_peer_directory_full", "Remote chunks announced and not "
+                         "listed: the directory held peers.maxEntries", labels, d.refused,
+                         counter=True)
             holdings = self.spaces.get(tenant)
             if holdings is not None:
                 yield Sample("kvpool_peer_handoff_pinned_bytes", "Arena bytes pinned by "
