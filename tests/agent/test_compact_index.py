@@ -63,6 +63,31 @@ def test_key_table_grows_past_its_first_table() -> None:
     assert [table.find(k) for k in keys] == slots
 
 
+def test_a_compiled_rebuild_places_every_key_where_pythons_does() -> None:
+    # A rebuild (the table grown, or its tombstones cleared) in one compiled pass hashes
+    # each key's bytes with CPython's own function: `find` (Python's `hash()`) and
+    # `find_many` must still find every key, and each key lands in the cell the walk in
+    # Python gives it.
+    assert probekernel.kernels() is not None
+    rnd = random.Random(20)
+    tables = KeyTable(), KeyTable()
+    keys = [rnd.randbytes(KEY_BYTES) for _ in range(20_000)]
+    for t in tables:
+        for k in keys:
+            t.add(k)  # grown through five rebuilds (compiled: the loops are ready)
+        for k in keys[::3]:
+            t.release(t.remove(k))
+    compiled, python = tables
+    compiled._rebuild(compiled.live + 1, compiled=True)
+    python._rebuild(python.live + 1, compiled=False)
+    assert compiled.cells == python.cells and len(compiled.cells) > 1 << 14
+    live = [k for i, k in enumerate(keys) if i % 3]
+    assert all(compiled.find(k) == python.find(k) >= 0 for k in live)
+    assert all(compiled.find(k) == -1 for k in keys[::3])
+    slots, found = compiled.find_many(live[:128], b"".join(live[:128]), homes(live[:128]))
+    assert found == b"\x01" * 128 and list(slots) == [python.find(k) for k in live[:128]]
+
+
 @settings(max_examples=12, deadline=None)
 @given(_runs)
 def test_ghost_list_remembers_and_forgets_as_an_ordered_dict(run: tuple[int, int]) -> None:

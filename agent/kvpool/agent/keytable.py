@@ -9,7 +9,8 @@ per-chunk facts then live in parallel arrays indexed by the slot (see
 Linear probing from the key's `hash()` (SipHash, seeded per process: a client
 choosing keys cannot aim them at one probe run). A cell holds 0 (empty), -1 (a
 tombstone: probing goes on past it) or slot + 1. Tombstones are dropped when
-the table is rebuilt, which it is once live and dead cells pass half of it.
+the table is rebuilt, which it is once live and dead cells pass half of it (in one
+compiled pass where `probekernel` is compiled: ~0.1 s at 10^6 keys, ~0.8 s in Python).
 
 A slot outlives its key in the table: `remove` takes the key out (it is no
 longer found) and `release` hands the slot back for reuse, so a tier can keep a
@@ -221,14 +222,23 @@ class KeyTable:
             self._dead -= 1
         cells[i] = slot + 1
 
-    def _rebuild(self, need: int) -> None:
-        """A table at most a quarter full of `need` keys, without tombstones."""
+    def _rebuild(self, need: int, compiled: bool = True) -> None:
+        """A table at most a quarter full of `need` keys, without tombstones: in one
+        compiled pass (`probekernel`'s `place`) where it is compiled (in Python a rebuild
+        of 5·10^5 keys held the event loop ~0.5 s), else key by key."""
         size = _MIN_CELLS
         while size < 4 * need:
             size <<= 1
         cells = array("i", bytes(4 * size))
-        for slot in self.live_slots():
-            self._place(self.key_at(slot), slot, cells)
+        kernels = probekernel.ready() if compiled else None
+        if kernels is not None and self._keys:
+            old = self._cells
+            kernels.place(old.buffer_info()[0], len(old),
+                          ctypes.addressof(ctypes.c_char.from_buffer(self._keys)),
+                          cells.buffer_info()[0], size - 1)
+        else:
+            for slot in self.live_slots():
+                self._place(self.key_at(slot), slot, cells)
         self._cells, self._mask, self._dead = cells, size - 1, 0
 
 
