@@ -231,12 +231,11 @@ class KeyTable:
             size <<= 1
         cells = array("i", bytes(4 * size))
         kernels = probekernel.ready() if compiled else None
-        if kernels is not None and self._keys:
-            old = self._cells
-            kernels.place(old.buffer_info()[0], len(old),
-                          ctypes.addressof(ctypes.c_char.from_buffer(self._keys)),
-                          cells.buffer_info()[0], size - 1)
-        else:
+        old = self._cells
+        if not (kernels is not None and self._keys and kernels.place(
+                old.buffer_info()[0], len(old),
+                ctypes.addressof(ctypes.c_char.from_buffer(self._keys)),
+                cells.buffer_info()[0], size - 1)):
             for slot in self.live_slots():
                 self._place(self.key_at(slot), slot, cells)
         self._cells, self._mask, self._dead = cells, size - 1, 0

@@ -344,12 +344,19 @@ class Kernels:
         # CPython's own C API (the stable ABI), called by the loop with the GIL held.
         self._api = [ctypes.cast(f, ctypes.c_void_p).value for f in (
             api.PyList_GetItem, api.PyBytes_Size, api.PyObject_Hash, api.PyBytes_AsString)]
-        # What `hash()` of a `bytes` is (`bytes_hash` caches this function's result).
-        self._hash_bytes = ctypes.cast(api._Py_HashBytes, ctypes.c_void_p).value
+        # What `hash()` of a `bytes` is (`bytes_hash` caches this function's result); a
+        # private name, so where a Python lacks it a rebuild walks in Python.
+        hash_bytes = getattr(api, "_Py_HashBytes", None)
+        self._hash_bytes = (None if hash_bytes is None
+                            else ctypes.cast(hash_bytes, ctypes.c_void_p).value)
 
-    def place(self, cells: int, ncells: int, keys: int, into: int, mask: int) -> None:
-        """`place` (see the module) with `hash()`'s own function for the keys' bytes."""
+    def place(self, cells: int, ncells: int, keys: int, into: int, mask: int) -> bool:
+        """`place` (see the module) with `hash()`'s own function for the keys' bytes; False
+        (nothing done) where this Python does not export it."""
+        if self._hash_bytes is None:
+            return False
         self._place(cells, ncells, keys, self._hash_bytes, into, mask)
+        return True
 
     def prepare(self, keys: list[bytes]) -> tuple[bytes, bytes] | None:
         """The keys joined and their `hash()`es as little-endian i64 (`keytable.homes`), in
