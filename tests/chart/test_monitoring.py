@@ -77,6 +77,7 @@ EXPECTED_ALERTS = {
     "KVPoolPeerBadChecksums",
     "KVPoolHandoffFailing",
     "KVPoolPeerDeletesDropped",
+    "KVPoolPeerDirectoryFull",
     "KVPoolHitRatioCollapse",
     "KVPoolOperatorReconcileErrors",
 }
@@ -262,6 +263,9 @@ EXPECTED_PANELS = {
     "Token hit ratio",
     "KV events per second",
     "KV events dropped",
+    "Peer directory",
+    "Peer directory use",
+    "Peer directory full",
 }
 
 

@@ -56,7 +56,6 @@ VARIABLES = {
     "$__rate_interval": RATE_INTERVAL,
     "$namespace": NAMESPACE,
     "$pool": POOL,
-    "$node": NODE,
 }
 
 
@@ -65,9 +64,17 @@ CHUNK_TOKENS = 16
 """Tokens per chunk the load's client announces at HELLO: the agent counts prefill tokens."""
 LOAD_SECONDS = 120.0
 """Upper bound of the load thread's life; it stops earlier when the module's tests end."""
+MAX_ENTRIES = 10_000
+"""The agent's peer directory cap (`peers.maxEntries`): room for every chunk its peer holds."""
+PEER_MAX_ENTRIES = 8
+"""The peer agent's: fewer than the agent's DRAM and NVMe hold, so its directory fills and
+refuses the agent's chunks under the load (the "Peer directory full" panel, on its node)."""
 
 
-def substitute(expr: str) -> str:
+def substitute(expr: str, node: str = NODE) -> str:
+    """`expr` as Grafana sends it, the dashboard's variables set to this test's pool and
+    `node` (the agent's, unless another is asked for)."""
+    expr = expr.replace("$node", node)
     for var, value in VARIABLES.items():
         expr = expr.replace(var, value)
     assert "$" not in expr, f"unsubstituted variable in {expr}"
@@ -125,12 +132,13 @@ class Peers:
     peer_port: int
     secret: Path
 
-    def config(self, port: int, other: int) -> dict[str, Any]:
+    def config(self, port: int, other: int, max_entries: int) -> dict[str, Any]:
         """An agent's peers, named by address (the hand-off's hints name nodes: each
-        agent's config gives its own `nodeName`)."""
+        agent's config gives its own `nodeName`), its directory capped at `max_entries`."""
         return {
             "enabled": True, "port": port, "address": "127.0.0.1", "advertise": "127.0.0.1",
             "secretFile": str(self.secret), "addresses": [f"127.0.0.1:{other}"],
+            "maxEntries": max_entries,
         }
 
 
@@ -152,7 +160,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[Lo
     config.write_text(yaml.safe_dump({
         "events": {
             "enabled": True, "port": free_port(), "replayPort": free_port(), "topic": "node"},
-        "peers": peers.config(peers.port, peers.peer_port),
+        "peers": peers.config(peers.port, peers.peer_port, MAX_ENTRIES),
         "nodeName": NODE,
     }))
     args = ["--config", str(config), "--no-lock", "--pool", POOL,
@@ -167,8 +175,9 @@ def peer_agent(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterat
     """The pool's agent on another node (here: another peer port on loopback)."""
     workdir = tmp_path_factory.mktemp("peer-agent")
     config = workdir / "agent.yaml"
-    config.write_text(yaml.safe_dump({"peers": peers.config(peers.peer_port, peers.port),
-                                      "nodeName": PEER_NODE}))
+    config.write_text(yaml.safe_dump({
+        "peers": peers.config(peers.peer_port, peers.port, PEER_MAX_ENTRIES),
+        "nodeName": PEER_NODE}))
     with LocalAgent("--config", str(config), "--no-lock", "--pool", POOL, workdir=workdir,
                     dram="16Mi") as a:
         yield a
@@ -448,8 +457,9 @@ def test_load_shows_tokens_served_and_events_published(loaded: Prometheus) -> No
 
 def test_load_shows_reads_from_the_peer(loaded: Prometheus) -> None:
     """The peer tier's panels under load: the agent reads chunks from its peer (bytes, ok
-    reads, a latency), follows it, knows its chunks, and none failed their checksum or
-    its secret; the DELETEs made on either reach the other, which takes them."""
+    reads, a latency), follows it, knows its chunks within its directory's room (none
+    refused), and none failed their checksum or its secret; the DELETEs made on either
+    reach the other, which takes them."""
     by_title: dict[str, list[str]] = {}
     for title, expr in dashboard.panel_queries():
         by_title.setdefault(title, []).append(expr)
@@ -472,6 +482,10 @@ def test_load_shows_reads_from_the_peer(loaded: Prometheus) -> None:
     assert [s["value"][1] for s in loaded.query(substitute(followed))] == ["1"]
     (entries,) = by_title["Peer directory"]
     assert sum(samples(entries, "node").values()) > 0
+    (use,) = by_title["Peer directory use"]
+    assert 0 < samples(use, "node")[NODE] < 1
+    (full,) = by_title["Peer directory full"]
+    assert samples(full, "node") == {NODE: 0.0}
     refused, broken = by_title["Peer connections refused"]
     assert sum(samples(refused, "node").values()) == 0
     assert sum(samples(broken, "node").values()) == 0
@@ -517,6 +531,25 @@ def test_load_shows_handoffs_pushed_pinned_and_read(loaded: Prometheus) -> None:
     (value,) = samples(pinned, "node").values()
     # at most peers.handoffShare (25 %) of the 16 MiB arena
     assert 0 <= value <= 4 << 20
+
+
+def test_a_full_directory_shows_as_used_up_and_refusing(loaded: Prometheus) -> None:
+    """The directory panels on the peer agent's node, whose directory holds fewer than the
+    agent's tiers: it is used up to its cap, and refuses the agent's chunks as they come."""
+    by_title = {title: expr for title, expr in dashboard.panel_queries()}
+
+    def value(title: str) -> float | None:
+        """The panel's one series on the peer node; None before Prometheus has it (a rate
+        needs two scrapes of the peer agent in its window)."""
+        result = loaded.query(substitute(by_title[title], node=PEER_NODE))
+        assert [s["metric"]["node"] for s in result] in ([], [PEER_NODE])
+        return float(result[0]["value"][1]) if result else None
+
+    _wait(lambda: (value("Peer directory full") or 0) > 0, 45,
+          "chunks refused by the full directory")
+    _wait(lambda: value("Peer directory use") == 1, 45, "the directory used up")
+    entries = value("Peer directory")
+    assert entries is not None and entries <= PEER_MAX_ENTRIES  # never past its cap
 
 
 # ----------------------------------------------------------------------------- alerts

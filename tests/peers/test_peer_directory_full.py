@@ -25,6 +25,7 @@ def test_a_full_directory_lists_no_more_remote_chunks_and_counts_them(
                    "two announcements past the directory's room")
         assert cb.stats()["tiers"]["peer"]["chunks"] == 4
         assert metric(b, "kvpool_peer_directory_entries") == 4
+        assert metric(b, "kvpool_peer_directory_capacity_entries") == 4  # the cap, as a gauge
         tiers = [(cb.lookup_tiers([k]) or ["none"])[0] for k in keys]
         assert sorted(tiers) == ["none", "none", "peer", "peer", "peer", "peer"]
         # Room comes back as a listed chunk goes: the next one announced is listed.

@@ -14,6 +14,7 @@ from typing import Any
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
+from ..support import scrape
 from .conftest import metric, wait_until
 from .nodes import Network, in_ns, peer_agent
 
@@ -75,6 +76,8 @@ def test_a_chunk_stored_on_one_node_is_read_on_the_others_with_its_bytes(
                    for x in (a, b, c)) == 12
         assert metric(b, "kvpool_tier_hits_total", tier="peer") >= 6
         assert metric(b, "kvpool_peer_directory_entries") >= 7
+        # No peers.maxEntries: no cap, and no gauge of one.
+        assert not [s for s in scrape(b) if s.startswith("kvpool_peer_directory_capacity")]
         wait_until(lambda: metric(b, "kvpool_peer_up") == 2, "node 1 following both peers")
         assert cb.stats()["tiers"]["peer"]["chunks"] >= 7
 

@@ -269,6 +269,24 @@ AGENT_ALERTS: tuple[Alert, ...] = (
         ),
     ),
     Alert(
+        name="KVPoolPeerDirectoryFull",
+        # Any refusal, kept up: a peer's reconnection can announce past the cap for a moment
+        # (pending, then resolved); one that keeps refusing is at its cap while the pool
+        # holds more, and loses cross-node hits until spec.peers.remoteChunks is raised.
+        expr="increase(kvpool_peer_directory_full_total[10m]) > 0",
+        for_="15m",
+        severity="warning",
+        summary="A kvpool peer directory is full: remote chunks are not listed.",
+        description=(
+            "The peer directory of the agent of pool {{ $labels.pool }} on node "
+            "{{ $labels.node }} did not list {{ $value | humanize }} remote chunks its peers "
+            "announced in the last 10 minutes, and has kept refusing them for 15 minutes: it "
+            "holds peers.maxEntries (the pool's spec.peers.remoteChunks). LOOKUPs of those "
+            "chunks go on to the shared tier, or miss, instead of reading them from the node "
+            "that holds them."
+        ),
+    ),
+    Alert(
         name="KVPoolHitRatioCollapse",
         expr=(
             f"{HIT_RATIO}\n"

@@ -507,17 +507,6 @@ ROWS: tuple[Row, ...] = (
                 width=6,
             ),
             Panel(
-                "Peers followed",
-                "1 while the agent on the node follows the peer's inventory (connected, "
-                "authenticated, synced), 0 while the peer is unreachable or refused (alert "
-                "KVPoolPeerUnreachable).",
-                (_q(f"max by (pool, node, peer) (kvpool_peer_up{{{SEL}}})",
-                    "{{node}} follows {{peer}}"),),
-                unit="none",
-                width=6,
-                extra={"min": 0, "max": 1},
-            ),
-            Panel(
                 "Peer directory",
                 "Remote chunks each agent's directory says its peers hold (what LOOKUP can "
                 "count as tier peer).",
@@ -525,6 +514,38 @@ ROWS: tuple[Row, ...] = (
                     _q(f"sum by (pool, node) (kvpool_peer_directory_entries{{{SEL}}})",
                        "{{node}} remote chunks"),
                 ),
+                width=6,
+            ),
+            Panel(
+                "Peer directory use",
+                "Each agent's fullest peer directory (one per tenant space) against its cap, "
+                "peers.maxEntries (the pool's spec.peers.remoteChunks); at 100% a remote "
+                "chunk announced is not listed (Peer directory full). Nothing where the cap "
+                "is unset.",
+                (
+                    _q(
+                        f"max by (pool, node) (kvpool_peer_directory_entries{{{SEL}}}"
+                        f" / kvpool_peer_directory_capacity_entries{{{SEL}}})",
+                        "{{node}} used",
+                    ),
+                ),
+                unit="percentunit",
+                width=6,
+                extra={"min": 0, "max": 1},
+            ),
+            Panel(
+                "Peer directory full",
+                "Remote chunks per second a peer announced and each agent's directory did not "
+                "list, holding peers.maxEntries already: each is a cross-node hit lost, its "
+                "LOOKUP going on to the shared tier (alert KVPoolPeerDirectoryFull: raise "
+                "spec.peers.remoteChunks).",
+                (
+                    _q(
+                        f"sum by (pool, node) ({_rate('kvpool_peer_directory_full_total')})",
+                        "{{node}} not listed",
+                    ),
+                ),
+                unit="ops",
                 width=6,
             ),
             Panel(
@@ -539,6 +560,17 @@ ROWS: tuple[Row, ...] = (
                 width=6,
             ),
             Panel(
+                "Peers followed",
+                "1 while the agent on the node follows the peer's inventory (connected, "
+                "authenticated, synced), 0 while the peer is unreachable or refused (alert "
+                "KVPoolPeerUnreachable).",
+                (_q(f"max by (pool, node, peer) (kvpool_peer_up{{{SEL}}})",
+                    "{{node}} follows {{peer}}"),),
+                unit="none",
+                width=12,
+                extra={"min": 0, "max": 1},
+            ),
+            Panel(
                 "Peer connections refused",
                 "Peer connections per second refused because a side did not prove the pool's "
                 "secret, or closed for a frame that breaks the peer protocol: a "
@@ -550,7 +582,7 @@ ROWS: tuple[Row, ...] = (
                        "{{node}} protocol errors"),
                 ),
                 unit="ops",
-                width=6,
+                width=12,
             ),
             Panel(
                 "Hand-off pushes by result",

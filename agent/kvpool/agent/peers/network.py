@@ -357,6 +357,10 @@ class PeerNetwork:
             labels = {"tenant": tenant} if tenant else {}
             yield Sample("kvpool_peer_directory_entries", "Remote chunks in the peer "
                          "directory", labels, len(d))
+            if d.max_entries is not None:
+                yield Sample("kvpool_peer_directory_capacity_entries", "Most remote chunks "
+                             "the peer directory lists (peers.maxEntries)", labels,
+                             d.max_entries)
             yield Sample("kvpool_peer_directory_full", "Remote chunks announced and not "
                          "listed: the directory held peers.maxEntries", labels, d.refused,
                          counter=True)
