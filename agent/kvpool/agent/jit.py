@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 _engines: list[Any] = []
 """The JIT engines owning the compiled code: they must live as long as the process."""
@@ -31,3 +34,36 @@ def compile_ir(ir: str, names: Sequence[str], opt: int) -> list[int] | None:
     addresses = [engine.get_function_address(n) for n in names]
     _engines.append(engine)
     return addresses
+
+
+class Lazy(Generic[T]):
+    """Kernels compiled once per process, by the first caller that asks or on a thread of
+    their own: `build` compiles them (None where it cannot, and is not tried again)."""
+
+    def __init__(self, build: Callable[[], T | None], thread_name: str) -> None:
+        self._build = build
+        self._thread_name = thread_name
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._tried = False
+        self._started = False
+
+    def get(self) -> T | None:
+        """The kernels, compiling them now if no one has yet; None without them."""
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    self._value = self._build()
+                    self._tried = True
+        return self._value
+
+    def ready(self) -> T | None:
+        """The kernels if compiled already, else None (never compiles: a caller on the
+        event loop must not wait for a compile; `compile_soon` starts one)."""
+        return self._value
+
+    def compile_soon(self) -> None:
+        """Compile on a thread of its own, once per process."""
+        if not self._started:
+            self._started = True
+            threading.Thread(target=self.get, name=self._thread_name, daemon=True).start()

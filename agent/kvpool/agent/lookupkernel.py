@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from .jit import compile_ir
+from .jit import Lazy, compile_ir
 
 log = logging.getLogger(__name__)
 
@@ -439,10 +438,6 @@ class _PyBuffer(ctypes.Structure):
                 ("internal", ctypes.c_void_p)]
 
 
-_lock = threading.Lock()
-_kernels: Kernels | None = None
-_tried = False
-_started = False
 _keep: list[Any] = []
 
 
@@ -465,25 +460,11 @@ def _compile() -> Kernels | None:
     return Kernels(walk, upsert, place)
 
 
-def kernels() -> Kernels | None:
-    """The compiled walk (compiled once per process, by the first caller), or None."""
-    global _kernels, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _kernels = _compile()
-                _tried = True
-    return _kernels
+_compiled = Lazy(_compile, "kvpool-lookup-jit")
+kernels = _compiled.get
+"""The compiled loops (compiled once per process, by the first caller), or None."""
+ready = _compiled.ready
+"""The compiled loops if compiled already, else None (never compiles)."""
+compile_soon = _compiled.compile_soon
+"""Compile the loops on a thread of their own, once per process (~0.2 s of CPU)."""
 
-
-def ready() -> Kernels | None:
-    """The compiled walk if compiled already, else None (never compiles)."""
-    return _kernels
-
-
-def compile_soon() -> None:
-    """Compile the walk on a thread of its own, once per process."""
-    global _started
-    if not _started:
-        _started = True
-        threading.Thread(target=kernels, name="kvpool-lookup-jit", daemon=True).start()

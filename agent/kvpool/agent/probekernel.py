@@ -51,11 +51,10 @@ from __future__ import annotations
 import array
 import ctypes
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from .jit import compile_ir
+from .jit import Lazy, compile_ir
 
 log = logging.getLogger(__name__)
 
@@ -370,11 +369,6 @@ class Kernels:
         return want.tobytes(), homes.tobytes()
 
 
-_lock = threading.Lock()
-_kernels: Kernels | None = None
-_tried = False
-_started = False
-"""`compile_soon` started the compile."""
 _keep: list[Any] = []
 """The ctypes functions over the compiled code, kept with it for the process's life."""
 
@@ -401,27 +395,11 @@ def _compile() -> Kernels | None:
     return Kernels(probe, codes, prepare, facts, sweep, place)
 
 
-def kernels() -> Kernels | None:
-    """The compiled loops (compiled once per process, by the first caller), or None."""
-    global _kernels, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _kernels = _compile()
-                _tried = True
-    return _kernels
+_compiled = Lazy(_compile, "kvpool-probe-jit")
+kernels = _compiled.get
+"""The compiled loops (compiled once per process, by the first caller), or None."""
+ready = _compiled.ready
+"""The compiled loops if compiled already, else None (never compiles)."""
+compile_soon = _compiled.compile_soon
+"""Compile the loops on a thread of their own, once per process (~0.2 s of CPU)."""
 
-
-def ready() -> Kernels | None:
-    """The compiled loops if compiled already, else None (never compiles: LOOKUP's path
-    must not wait for a compile; `compile_soon` starts one)."""
-    return _kernels
-
-
-def compile_soon() -> None:
-    """Compile the loops on a thread of their own, once per process (LOOKUPs probe key by
-    key until it is done, ~0.2 s of CPU)."""
-    global _started
-    if not _started:
-        _started = True
-        threading.Thread(target=kernels, name="kvpool-probe-jit", daemon=True).start()

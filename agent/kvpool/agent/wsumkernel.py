@@ -33,11 +33,10 @@ from __future__ import annotations
 import array
 import ctypes
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .jit import compile_ir
+from .jit import Lazy, compile_ir
 
 log = logging.getLogger(__name__)
 
@@ -402,10 +401,6 @@ bytes, so verifying a read (or summing a write) costs nothing beyond the copy it
 
 _Kernel = Callable[[int, int, int], None]
 _Out = ctypes.c_uint64 * 2
-_lock = threading.Lock()
-_kernel: _Kernel | None = None
-_copy: _Kernel | None = None
-_tried = False
 _keep: list[Any] = []
 """The ctypes functions over the compiled code, kept with it for the process's life."""
 
@@ -425,23 +420,19 @@ def _compile() -> tuple[_Kernel, _Kernel] | None:
     return fns[0], fns[1]
 
 
+_compiled = Lazy(_compile, "kvpool-wsum-jit")
+
+
 def kernel() -> _Kernel | None:
     """The compiled row loop (compiled once per process), or None without llvmlite."""
-    global _kernel, _copy, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                compiled = _compile()
-                if compiled is not None:
-                    _kernel, _copy = compiled
-                _tried = True
-    return _kernel
+    compiled = _compiled.get()
+    return compiled[0] if compiled is not None else None
 
 
 def row_sums(address: int, rows: int) -> tuple[int, int] | None:
     """(S0, S1) modulo 2^64 of the `rows * ROW_BYTES` bytes at `address` (word indices
     from 0), or None where the kernel is not available."""
-    fn = _kernel if _tried else kernel()
+    fn = kernel()
     if fn is None:
         return None
     out = _Out()
@@ -451,9 +442,8 @@ def row_sums(address: int, rows: int) -> tuple[int, int] | None:
 
 def copier() -> _Kernel | None:
     """`wsum_copy` (compiled with the row loop), or None without llvmlite."""
-    if not _tried:
-        kernel()
-    return _copy
+    compiled = _compiled.get()
+    return compiled[1] if compiled is not None else None
 
 
 def copy_sums(pieces: Sequence[int]) -> list[int] | None:
