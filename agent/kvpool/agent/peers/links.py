@@ -43,6 +43,7 @@ from .. import checksums
 from . import auth, wire
 from .directory import PeerDirectory
 from .metrics import PeerMetrics
+from .settle import Settler
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class _Want:
     target: ArenaTarget
     deadline: float
     done: asyncio.Future[Fetched | str]
-    loop: asyncio.AbstractEventLoop
+    settler: Settler[Fetched | str]
     queued: float = field(default_factory=time.monotonic)
 
 
@@ -184,6 +185,8 @@ class PeerLink:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
+        self._settler: Settler[Fetched | str] | None = None
+        """How workers hand read results to the event loop (made at the first read)."""
         self.task: asyncio.Task[None] | None = None
         self.deletes: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         """DELETEs (tenant, key) made on this node, or on another one while this peer was
@@ -397,7 +400,12 @@ class PeerLink:
         FAILED, TIMEOUT, CORRUPT), by `deadline` (monotonic) at the latest. Reads queued
         together go out together (one batch, while within its caps)."""
         loop = asyncio.get_running_loop()
-        wants = [_Want(t, k, target, deadline, loop.create_future(), loop)
+        settler = self._settler
+        if settler is None or settler.loop is not loop:
+            if settler is not None:
+                settler.close()
+            settler = self._settler = Settler(loop)
+        wants = [_Want(t, k, target, deadline, loop.create_future(), settler)
                  for t, k, target in reads]
         with self._lock:
             self._wants.extend(wants)
@@ -462,8 +470,7 @@ class PeerLink:
             self.m.read(self.name, result, seconds)
             if result == CORRUPT:
                 self.mark_suspect()
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
-            want.loop.call_soon_threadsafe(_resolve, want.done, result)
+        want.settler.settle(want.done, result)
 
     def _batch(self, batch: list[_Want]) -> None:
         """Send the batch's FETCHes in one write on one connection, then receive each
@@ -614,6 +621,8 @@ class PeerLink:
         self._changed()
         if self.task is not None:
             self.task.cancel()
+        if self._settler is not None:
+            self._settler.close()
         with self._lock:
             idle, self._idle = self._idle, []
         for s in idle:
@@ -698,11 +707,6 @@ def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
         if n == 0:
             raise ConnectionError("the peer closed the connection")
         got += n
-
-
-def _resolve(fut: asyncio.Future[Fetched | str], result: Fetched | str) -> None:
-    if not fut.done():
-        fut.set_result(result)
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:

@@ -1,0 +1,121 @@
+"""Results of peer reads handed from worker threads to the event loop, without the worker
+giving the GIL up to wake the loop.
+
+A read's worker thread settles each chunk as soon as it is in (the client's read of it
+waits for it). `loop.call_soon_threadsafe` wakes the loop by a `socket.send` of a byte to
+its self-pipe, which gives the GIL up: the loop thread, woken by that very byte, takes
+the GIL and runs the read's continuation (the insert, the client's answer) until its next
+system call, and the worker, which needs the GIL back to receive the next chunk, waits
+for it. That wait was a sixth of a receiving thread's samples at 1 MiB chunks, about
+what the chunk's checksum took (docs/benchmarks.md, "The peer tier between two nodes").
+
+Here the worker queues the result and bumps an eventfd the loop watches, with a
+non-blocking `write` of 8 bytes that keeps the GIL (`ctypes.PyDLL`: it never blocks, an
+eventfd's counter does not fill), then goes on to its next receive, which gives the GIL up
+while it waits for the network: the loop runs then. Results queued before the loop gets
+to them are resolved in one wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _gil_keeping_write() -> Callable[[int], None] | None:
+    """A write of one increment to an eventfd that does not release the GIL, or None where
+    the platform has none (eventfd is Linux's)."""
+    if not hasattr(os, "eventfd"):
+        return None
+    try:
+        libc = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        write = libc.write
+    except (OSError, AttributeError):
+        return None
+    write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    write.restype = ctypes.c_ssize_t
+    one = ctypes.c_uint64(1)
+    one_at = ctypes.addressof(one)
+
+    def bump(fd: int) -> None:
+        if write(fd, one_at, 8) < 0:
+            err = ctypes.get_errno()
+            if err != errno.EAGAIN:  # EAGAIN: the counter is full: a wake-up is due anyway
+                raise OSError(err, os.strerror(err))
+
+    bump.keep = one  # type: ignore[attr-defined]  # the increment outlives every call
+    return bump
+
+
+_bump = _gil_keeping_write()
+
+
+class Settler(Generic[T]):
+    """Settles futures of one event loop from any thread (`settle`), many per wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._queue: list[tuple[asyncio.Future[T], T]] = []
+        self._armed = False
+        """A wake-up is on its way: the loop drains the queue before it sleeps again."""
+        self.wakes = 0
+        """Wake-ups of the loop so far (one per run of results it had not drained yet)."""
+        self._fd = -1
+        if _bump is not None:
+            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            loop.add_reader(self._fd, self._drain)
+
+    def settle(self, fut: asyncio.Future[T], result: T) -> None:
+        """Set `result` on `fut` in the loop's thread, soon (once: a settled future is left
+        as it is). From any thread, the loop's included."""
+        with self._lock:
+            if self._fd >= 0:
+                self._queue.append((fut, result))
+                if not self._armed:
+                    self._armed = True
+                    self.wakes += 1
+                    assert _bump is not None
+                    _bump(self._fd)  # under the lock: `close` cannot free the fd meanwhile
+                return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
+            self.loop.call_soon_threadsafe(_resolve, fut, result)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._fd)
+        with self._lock:
+            queued, self._queue = self._queue, []
+            self._armed = False
+        for fut, result in queued:
+            _resolve(fut, result)
+
+    def close(self) -> None:
+        """Stop watching the eventfd (in the loop's thread); what is queued is resolved now,
+        what is settled later goes by `call_soon_threadsafe`."""
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        with contextlib.suppress(RuntimeError, AttributeError, ValueError):  # a closed loop
+            self.loop.remove_reader(fd)
+        os.close(fd)
+        with self._lock:
+            queued, self._queue = self._queue, []
+        for fut, result in queued:
+            with contextlib.suppress(RuntimeError):  # a closed loop
+                _resolve(fut, result)
+
+
+def _resolve(fut: asyncio.Future[T], result: T) -> None:
+    if not fut.done():
+        fut.set_result(result)

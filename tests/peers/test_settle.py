@@ -1,0 +1,42 @@
+"""Peer reads' results handed from worker threads to the event loop (`peers.settle`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from kvpool.agent.peers.settle import Settler
+
+
+def test_results_settled_from_threads_reach_the_loop_and_a_burst_takes_one_wake_up() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        settler: Settler[int] = Settler(loop)
+        futs = [loop.create_future() for _ in range(64)]
+        # Settled from other threads while the loop is busy: one wake-up drains them all.
+        threads = [threading.Thread(target=settler.settle, args=(f, i))
+                   for i, f in enumerate(futs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert settler.wakes == 1
+        assert [await f for f in futs] == list(range(64))
+        assert settler.wakes == 1
+        # A future already settled is left as it is.
+        done = loop.create_future()
+        done.set_result(-1)
+        settler.settle(done, 5)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert done.result() == -1
+        # Closed (the agent stopping): what is queued is resolved, and a later result
+        # still reaches its future.
+        queued, later = loop.create_future(), loop.create_future()
+        settler.settle(queued, 1)
+        settler.close()
+        assert queued.result() == 1
+        threading.Thread(target=settler.settle, args=(later, 2)).start()
+        assert await asyncio.wait_for(later, 10) == 2
+
+    asyncio.run(main())
