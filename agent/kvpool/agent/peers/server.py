@@ -102,15 +102,36 @@ class Holdings(Protocol):
 class Subscriber:
     def __init__(self) -> None:
         self.pending: deque[tuple[str, int, bytes, int]] = deque()
-        self.wake = asyncio.Event()
         self.overflow = False
+        self._waiter: asyncio.Future[None] | None = None
 
     def push(self, tenant: str, msg: int, key: bytes, size: int) -> None:
         if len(self.pending) >= MAX_PENDING:
             self.overflow = True
         else:
             self.pending.append((tenant, msg, key, size))
-        self.wake.set()
+        self.wake()
+
+    def wake(self) -> None:
+        """End the stream's `wait` now (a change, or the subscription ended)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        """Until a change is pending, `wake`, or `timeout` seconds: one future and one
+        timer (a task for an `Event.wait` and `asyncio.wait`'s machinery at every change
+        were a tenth of a reading agent's Python at 1 MiB chunks: each chunk it reads is
+        a change its holder hears of)."""
+        if self.pending or self.overflow:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, self.wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
 
 class PeerServer:
@@ -358,6 +379,7 @@ class PeerServer:
         # A subscriber sends nothing more: its end of the connection closing ends the
         # stream at once, and a byte from it is a protocol error.
         ended = asyncio.ensure_future(reader.read(1))
+        ended.add_done_callback(lambda _: sub.wake())
         try:
             for tenant, holdings in list(self.spaces.items()):
                 writer.write(wire.encode_stream(wire.BEGIN, tenant, sent_at=time.time()))
@@ -373,15 +395,11 @@ class PeerServer:
             writer.write(wire.encode_stream(wire.SYNCED, self.node, sent_at=time.time()))
             await asyncio.wait_for(writer.drain(), STALL_TIMEOUT)
             while True:
-                woken = asyncio.ensure_future(sub.wake.wait())
-                await asyncio.wait({woken, ended}, timeout=HEARTBEAT_INTERVAL,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                woken.cancel()
+                await sub.wait(HEARTBEAT_INTERVAL)
                 if ended.done():
                     if ended.result():
                         raise wire.WireError("a subscriber sent bytes after SUBSCRIBE")
                     return
-                sub.wake.clear()
                 if sub.overflow:
                     log.warning("a peer subscriber fell %d changes behind: closed, it resyncs",
                                 MAX_PENDING)
