@@ -6,8 +6,8 @@ waits for it). `loop.call_soon_threadsafe` wakes the loop by a `socket.send` of 
 its self-pipe, which gives the GIL up: the loop thread, woken by that very byte, takes
 the GIL and runs the read's continuation (the insert, the client's answer) until its next
 system call, and the worker, which needs the GIL back to receive the next chunk, waits
-for it. That wait was a sixth of a receiving thread's samples at 1 MiB chunks, about
-what the chunk's checksum took (docs/benchmarks.md, "The peer tier between two nodes").
+for it. That wait was 8% of a receiving thread's samples at 1 MiB chunks, more than the
+chunk's checksum took (docs/benchmarks.md, "The peer tier between two nodes").
 
 Here the worker queues the result and bumps an eventfd the loop watches, with a
 non-blocking `write` of 8 bytes that keeps the GIL (`ctypes.PyDLL`: it never blocks, an
