@@ -253,7 +253,7 @@ class Agent:
             except Exception:  # logged, and the descriptor still goes
                 log.exception("cleaning up after client %d failed", conn.id)
             finally:
-                conn.sock.close()
+                conn.close()
 
     # -- housekeeping
 
@@ -347,7 +347,7 @@ class Agent:
                 with contextlib.suppress(OSError):
                     space.config.socket_path.unlink()
             for conn in list(self.connections.values()):
-                conn.sock.close()
+                conn.close()
             await runner.cleanup()
             if self.peers is not None:
                 await self.peers.close()
