@@ -48,13 +48,25 @@ class HostRanges:
 
 
 def address_of(buffer: Any) -> int:
-    """The address of a writable buffer's first byte (the export ends at once, so the
-    buffer can still be closed)."""
-    anchor = ctypes.c_char.from_buffer(buffer)
+    """The address of a buffer's first byte, read-only ones included (a read-only mapping
+    has no writable export for ctypes); the export ends at once, so the buffer can still
+    be closed."""
+    view = _PyBuffer()
+    if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(buffer), ctypes.byref(view), 0):
+        raise TypeError("not a buffer")
     try:
-        return ctypes.addressof(anchor)
+        return view.buf or 0
     finally:
-        del anchor
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p),
+                ("len", ctypes.c_ssize_t), ("itemsize", ctypes.c_ssize_t),
+                ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
+                ("internal", ctypes.c_void_p)]
 
 
 def plan(base: int, extents: Sequence[tuple[int, int]], ranges: Sequence[tuple[int, int]],

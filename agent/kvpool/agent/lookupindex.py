@@ -77,6 +77,7 @@ from xxhash import xxh3_64_intdigest
 
 from . import lookupkernel
 from .constants import KEY_BYTES, PEER_TIER_CODE
+from .hostcopy import address_of
 from .protocol import MAX_LOOKUP_KEYS
 
 DRAM_CODES = bytes([2]) * MAX_LOOKUP_KEYS
@@ -328,7 +329,7 @@ class PeerIndex:
         self._readable = bytearray(MAX_PEERS)
         self.entries: Callable[[], Entries] = lambda: (0, array("i"), b"", array("H"))
         """The directory's entries, what a rebuild writes (set by the directory)."""
-        self._table_addr = lookupkernel.address_of(self._words)
+        self._table_addr = address_of(self._words)
         self._gen_addr = self._gen.buffer_info()[0]
         PEER_HEADER.pack_into(self._head, 0, 0, self.slots, max_slots)
         lookupkernel.compile_soon()  # (its writes run in Python until it is compiled)
@@ -451,7 +452,7 @@ class PeerIndex:
         if kernels is not None and n:
             # Straight from the directory's arrays: no temporary of 10^6 entries either.
             kernels.place(self._table_addr, mask, cells.buffer_info()[0], len(cells),
-                          lookupkernel.address_of(keys), peers.buffer_info()[0], self._gen_addr)
+                          address_of(keys), peers.buffer_info()[0], self._gen_addr)
         else:
             gen = self._gen
             pack = _PEER_SLOT.pack_into
@@ -522,7 +523,7 @@ class IndexReader:
         self._words: Any = None
         """The table as numpy sees it, made at the first multi-key lookup (`_slot_words`)."""
         self._words_tried = False
-        self._base = lookupkernel.address_of(self._mm)
+        self._base = address_of(self._mm)
         """The mapping's address, for the compiled walk (`lookupkernel`)."""
         self._out = bytearray(MAX_LOOKUP_KEYS)
 
