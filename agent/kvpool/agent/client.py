@@ -66,6 +66,8 @@ T = TypeVar("T")
 
 BATCH_WINDOW = 128
 """Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
+
+
 def default_socket(socket_path: str | os.PathLike[str] | None = None) -> str:
     """The agent socket to use: `socket_path`, else `$KVPOOL_SOCKET`, else the socket an
     agent started without `--socket` serves (one default for the client and the CLI)."""
