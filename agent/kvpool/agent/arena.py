@@ -314,6 +314,12 @@ class Arena:
         else:
             self.write([(offset, len(data))], data)
 
+    @property
+    def mapped_base(self) -> int:
+        """The mapping's address where `write_run` copies into it through the kernel (the
+        compiled peer receive writes there the same way, `peers.recvkernel`), else 0."""
+        return self._base if self.mapped_writes and self._anchor is not None else 0
+
     def _write_mapped(self, offset: int, src: memoryview) -> None:
         """Copy `src` into the mapping at `offset` through the kernel (process_vm_writev to
         this process), so a page that cannot be faulted in is an error code, never SIGBUS."""

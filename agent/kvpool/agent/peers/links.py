@@ -21,6 +21,9 @@ shrunk file is EFAULT, not SIGBUS; pwrite where that is not allowed). One pass: 
 read-back to verify, never a `bytes` of the chunk. (Splicing socket to pipe to arena
 file moved the bytes without entering this process, but its read-back for the checksum
 cost a quarter of a 16 MiB read: docs/benchmarks.md, "The peer tier between two nodes".)
+On plain TCP into a mapped arena the same steps, the reply's head included, are one
+compiled call that never takes the GIL (`recvkernel`); the thread takes it once a chunk,
+to compare the checksum and settle the read.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -40,7 +44,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from .. import checksums
-from . import auth, wire
+from . import auth, recvkernel, wire
 from .directory import PeerDirectory
 from .metrics import PeerMetrics
 from .settle import Settler
@@ -90,6 +94,10 @@ class ArenaTarget:
     extents: list[tuple[int, int]]
     write: Callable[[int, memoryview], None]
     """`Arena.write_run`: the bytes at an offset go in through it."""
+    mapped: int = 0
+    """The address of the arena's mapping where `write` copies into it through the kernel
+    (`Arena.mapped_writes`): a compiled receive writes there the same way
+    (`recvkernel`); 0 where it does not (pwrite)."""
 
     @property
     def room(self) -> int:
@@ -187,6 +195,7 @@ class PeerLink:
         self._rids = itertools.count(1)
         self._settler: Settler[Fetched | str] | None = None
         """How workers hand read results to the event loop (made at the first read)."""
+        recvkernel.compile_soon()  # reads go the Python way until it is compiled
         self.task: asyncio.Task[None] | None = None
         self.deletes: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         """DELETEs (tenant, key) made on this node, or on another one while this peer was
@@ -515,27 +524,7 @@ class PeerLink:
             self._checkin(sock, keep)
 
     def _receive(self, sock: socket.socket, want: _Want, rid: int) -> Fetched | str:
-        """One reply of the batch: the chunk's bytes into the want's extents, checksummed
-        on the way."""
-        deadline = want.deadline
-        head = wire.reply_head(_recv_head(sock, deadline))
-        if head.rid != rid:
-            raise wire.WireError(f"reply to request {head.rid}, expected {rid}")
-        if head.status == wire.ABSENT:
-            return ABSENT
-        target = want.target
-        if head.size > target.room:  # the directory's size was stale: another chunk
-            raise wire.WireError(f"chunk of {head.size} bytes, {target.room} reserved")
-        meta = _recv_exact(sock, head.meta_len, deadline)
-        owner = _recv_exact(sock, head.tenant_len, deadline).decode(errors="replace")
-        pieces = _received(sock, target, target.first(head.size), deadline)
-        if head.kind not in checksums.KINDS:
-            for _ in pieces:  # received all the same: the connection stays in step
-                pass
-            return CORRUPT
-        if checksums.compute(head.kind, pieces, meta) != head.checksum:
-            return CORRUPT
-        return Fetched(head.size, head.checksum, head.kind, meta, owner)
+        return receive(sock, rid, want.target, want.deadline)
 
     # -- hand-offs (a worker thread)
 
@@ -628,6 +617,62 @@ class PeerLink:
         for s in idle:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+def receive(sock: socket.socket, rid: int, target: ArenaTarget, deadline: float, *,
+            compiled: bool = True) -> Fetched | str:
+    """One FETCH reply on `sock` (the answer to request `rid`): the chunk's bytes into the
+    target's extents, checksummed on the way; ABSENT or CORRUPT; or it raises (WireError,
+    TimeoutError past `deadline`, OSError). On plain TCP into a mapped arena the whole reply
+    is one compiled call that never takes the GIL (`recvkernel`: XXH3 chunks; the kernel
+    hands any other head back, and the rest goes on here); in Python otherwise, or where
+    `compiled` is False (the tests run both)."""
+    rx = (recvkernel.receiver(_buffer()) if compiled and target.mapped
+          and not isinstance(sock, ssl.SSLSocket) else None)
+    if rx is None:
+        return _receive_rest(sock, rid, target, _recv_head(sock, deadline), deadline)
+    if sock.gettimeout() is not None:  # blocking: SO_RCVTIMEO bounds each receive
+        sock.settimeout(None)
+    code = rx.start(sock.fileno(), rid, target.room, deadline, target.mapped, target.extents)
+    while code == recvkernel.FAULT:  # a page past a shrunk file: put back, written here
+        at, start, end = rx.fault()
+        target.write(at, rx.buf[start:end])
+        code = rx.resume()
+    if code == recvkernel.HEAD:
+        return _receive_rest(sock, rid, target, rx.head, deadline)
+    if code == recvkernel.TIMEOUT:
+        raise TimeoutError
+    if code == recvkernel.CLOSED:
+        raise ConnectionError("the peer closed the connection")
+    if code == recvkernel.ERRNO:
+        raise OSError(rx.errno, os.strerror(rx.errno))
+    head = wire.reply_head(rx.head)
+    meta, owner = rx.meta_and_tenant(head.meta_len, head.tenant_len)
+    if rx.digest != head.checksum:
+        return CORRUPT
+    return Fetched(head.size, head.checksum, head.kind, meta, owner)
+
+
+def _receive_rest(sock: socket.socket, rid: int, target: ArenaTarget,
+                  raw_head: bytearray, deadline: float) -> Fetched | str:
+    """`receive` in Python from the reply's fixed part on."""
+    head = wire.reply_head(raw_head)
+    if head.rid != rid:
+        raise wire.WireError(f"reply to request {head.rid}, expected {rid}")
+    if head.status == wire.ABSENT:
+        return ABSENT
+    if head.size > target.room:  # the directory's size was stale: another chunk
+        raise wire.WireError(f"chunk of {head.size} bytes, {target.room} reserved")
+    meta = _recv_exact(sock, head.meta_len, deadline)
+    owner = _recv_exact(sock, head.tenant_len, deadline).decode(errors="replace")
+    pieces = _received(sock, target, target.first(head.size), deadline)
+    if head.kind not in checksums.KINDS:
+        for _ in pieces:  # received all the same: the connection stays in step
+            pass
+        return CORRUPT
+    if checksums.compute(head.kind, pieces, meta) != head.checksum:
+        return CORRUPT
+    return Fetched(head.size, head.checksum, head.kind, meta, owner)
 
 
 def _all(offers: list[tuple[str, bytes, int]], result: str,
