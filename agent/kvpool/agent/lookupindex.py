@@ -9,7 +9,17 @@ read-only and answers a LOOKUP from it without a round trip.
 Layout (little-endian), fixed for the life of the agent process:
 
     header, 64 bytes: magic u64 | version u32 | slots u32 | epoch u64 | flags u32 | pad
-    slots x 24 bytes: seq u32 | state u32 | key 16 bytes
+    slots x 64 bytes: seq u32 | state u32 | key 16 bytes | offset u64 | size u64
+                      | checksum u64 | meta_hash u64 | checksum_kind u32 | pad u32
+
+A LIVE slot also says where and what the chunk is when it lies in one extent of the arena
+(`offset`, `size`, `checksum`, `checksum_kind`, and `meta_hash`, the XXH3-64 of its
+metadata), so a client can read it without a lease (`leasefree`); `offset` all ones
+(`NO_EXTENT`) says "ask the socket" (a chunk in several extents). The agent retires a
+slot (DEAD, its seq changed) before the chunk's pages can be freed, whatever frees them
+(`DramTier.remove` and `detach` are the only ways out of the index, and `release`, the
+only way a visible chunk's pages are freed, comes after either): a reader that finds the
+same seq after its copy copied the chunk's own bytes. A slot is one cache line.
 
 An open-addressing table with linear probing; a key's home slot is its XXH3-64
 (seed 0) modulo `slots` (a power of two). A slot
@@ -83,16 +93,28 @@ from .protocol import MAX_LOOKUP_KEYS
 DRAM_CODES = bytes([2]) * MAX_LOOKUP_KEYS
 
 MAGIC = 0x31584449_4C50564B  # "KVPLIDX1" read as a little-endian u64
-VERSION = 1
+VERSION = 2
+"""2: slots of 64 bytes, with where and what a single-extent chunk is (1: 24, the key only)."""
 HEADER = struct.Struct("<QIIQI")
 HEADER_BYTES = 64
 _EPOCH_AT = 16
 _EPOCH = struct.Struct("<Q")
-SLOT = struct.Struct("<II16s")
+SLOT = struct.Struct("<II16sQQQQI4x")
+"""seq, state, key, offset, size, checksum, meta_hash, checksum_kind."""
 _PEER_SLOT = struct.Struct("<Q16s")
 _STATE = struct.Struct("<I")
 _SEQ = struct.Struct("<I")
 SLOT_BYTES = SLOT.size
+PEER_SLOT_BYTES = 24
+_KEY_AT = 8
+_KEY = struct.Struct("<16s")
+_SEQ_STATE = struct.Struct("<II")
+NO_EXTENT = (1 << 64) - 1
+"""A LIVE slot's offset when the chunk is not in one extent: read it under a lease."""
+Where = tuple[int, int, int, int, int]
+"""What a LIVE slot says of its chunk: (offset, size, checksum, checksum_kind, meta_hash)."""
+ASK = (NO_EXTENT, 0, 0, 0, 0)
+"""The `Where` of a chunk only a lease may read (several extents)."""
 
 EMPTY, LIVE, DEAD = 0, 1, 2
 LOWER_TIERS = 1
@@ -109,8 +131,10 @@ _PEER_AT_AT = 32
 DRAM_CODE = 2
 
 MIN_SLOTS = 1 << 10
-MAX_SLOTS = 1 << 21
-"""24 B a slot: at most 48 MiB of table, for up to ~1.5M DRAM chunks (at 3/4 load)."""
+MAX_SLOTS = 1 << 20
+"""64 B a slot: at most 64 MiB of table, for up to ~786k DRAM chunks (at 3/4 load; past
+them the table is off: LOOKUPs and reads go to the socket). Version 1's slots were 24 B,
+2^21 of them at most (48 MiB): the table's memory stays about what it was."""
 MAX_LOAD = 0.75
 """Live and dead slots together past this share: the table is rebuilt without tombstones."""
 READ_RETRIES = 16
@@ -152,7 +176,7 @@ writable buffer) and the peer of each (u16 by slot)."""
 
 def peer_table_bytes(max_slots: int) -> int:
     """The peer table's bytes (its header, the peers' states, `max_slots` slots)."""
-    return PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES + max_slots * SLOT_BYTES
+    return PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES + max_slots * PEER_SLOT_BYTES
 
 
 def slots_for(max_chunks: int) -> int:
@@ -216,11 +240,13 @@ class SharedIndex:
         """The table could not hold every key even rebuilt: the epoch stays odd (clients
         ask the socket) until enough keys go."""
 
-    def _write_slot(self, i: int, state: int, key: bytes) -> None:
+    def _write_slot(self, i: int, state: int, key: bytes, where: Where = ASK) -> None:
         at = HEADER_BYTES + i * SLOT_BYTES
         (seq,) = _SEQ.unpack_from(self.view, at)
         _SEQ.pack_into(self.view, at, (seq + 1) & 0xFFFFFFFF)  # odd: being written
-        SLOT.pack_into(self.view, at, (seq + 1) & 0xFFFFFFFF, state, key)
+        offset, size, checksum, kind, meta_hash = where
+        SLOT.pack_into(self.view, at, (seq + 1) & 0xFFFFFFFF, state, key, offset, size,
+                       checksum, meta_hash, kind)
         _SEQ.pack_into(self.view, at, (seq + 2) & 0xFFFFFFFF)  # even again, changed
 
     def _find(self, key: bytes) -> tuple[int | None, int | None]:
@@ -228,7 +254,7 @@ class SharedIndex:
         i = _home(key, self.mask)
         free: int | None = None
         for _ in range(self.slots):
-            _, state, k = SLOT.unpack_from(self.view, HEADER_BYTES + i * SLOT_BYTES)
+            _, state, k, *_ = SLOT.unpack_from(self.view, HEADER_BYTES + i * SLOT_BYTES)
             if state == EMPTY:
                 return None, free if free is not None else i
             if state == LIVE and k == key:
@@ -238,23 +264,25 @@ class SharedIndex:
             i = (i + 1) & self.mask
         return None, free
 
-    def add(self, key: bytes) -> bool:
-        """A chunk became visible in DRAM. False when the table has no room for it short of
-        a `rebuild` (which drops the tombstones, or finds the table too small)."""
+    def add(self, key: bytes, where: Where = ASK) -> bool:
+        """A chunk became visible in DRAM, where `where` says (`ASK`: only a lease may read
+        it). False when the table has no room for it short of a `rebuild` (which drops the
+        tombstones, or finds the table too small)."""
         if self.overflowed:
             self.live += 1  # the table is off (epoch odd) until a rebuild fits again
             return True
         at, free = self._find(key)
         if at is not None:
+            self._write_slot(at, LIVE, key, where)  # (never: a chunk is removed first)
             return True
         if free is None:
             return False
-        _, state, _ = SLOT.unpack_from(self.view, HEADER_BYTES + free * SLOT_BYTES)
+        _, state, *_ = SLOT.unpack_from(self.view, HEADER_BYTES + free * SLOT_BYTES)
         if state == DEAD:
             self.dead -= 1
         elif self.live + self.dead + 1 > MAX_LOAD * self.slots:
             return False
-        self._write_slot(free, LIVE, key)
+        self._write_slot(free, LIVE, key, where)
         self.live += 1
         return True
 
@@ -277,9 +305,11 @@ class SharedIndex:
             return self.live < MAX_LOAD * self.slots / 2
         return (self.live + self.dead) > MAX_LOAD * self.slots
 
-    def rebuild(self, keys: Iterable[bytes]) -> None:
-        """Rewrite the table from the live keys, without tombstones. Readers that overlap
-        it see the epoch odd or changed and ask the socket."""
+    def rebuild(self, keys: Iterable[bytes], where: Callable[[bytes], Where] | None = None
+                ) -> None:
+        """Rewrite the table from the live keys (each where `where` says; None: `ASK`),
+        without tombstones. Readers that overlap it see the epoch odd or changed and ask
+        the socket (a lease-free read too: its slot's seq starts again from 0)."""
         live = list(keys)
         self._set_epoch(self.epoch | 1)
         self.view[HEADER_BYTES:] = bytes(self.size - HEADER_BYTES)
@@ -291,7 +321,9 @@ class SharedIndex:
         for key in live:
             _, free = self._find(key)
             assert free is not None
-            SLOT.pack_into(self.view, HEADER_BYTES + free * SLOT_BYTES, 0, LIVE, key)
+            offset, size, checksum, kind, meta_hash = ASK if where is None else where(key)
+            SLOT.pack_into(self.view, HEADER_BYTES + free * SLOT_BYTES, 0, LIVE, key, offset,
+                           size, checksum, meta_hash, kind)
             self.live += 1
         self._set_epoch((self.epoch | 1) + 1)
 
@@ -316,7 +348,7 @@ class PeerIndex:
         self._head = view[:PEER_HEADER_BYTES]
         states_end = PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES
         self._states = view[PEER_HEADER_BYTES:states_end].cast("I")
-        self._words = view[states_end:states_end + max_slots * SLOT_BYTES].cast("Q")
+        self._words = view[states_end:states_end + max_slots * PEER_SLOT_BYTES].cast("Q")
         self._table_at = states_end
         self.max_slots = max_slots
         self.slots = PEER_MIN_SLOTS
@@ -360,7 +392,7 @@ class PeerIndex:
     # -- each key
 
     def _slot(self, i: int) -> tuple[int, bytes]:
-        at = self._table_at + i * SLOT_BYTES + 8
+        at = self._table_at + i * PEER_SLOT_BYTES + 8
         return self._words[3 * i], bytes(self._view[at:at + KEY_BYTES])
 
     def _free(self, word: int) -> bool:
@@ -447,7 +479,8 @@ class PeerIndex:
             slots <<= 1
         mask = slots - 1
         at = self._table_at
-        ctypes.memset(self._table_addr, 0, slots * SLOT_BYTES)  # (no table-sized temporary)
+        # (no table-sized temporary)
+        ctypes.memset(self._table_addr, 0, slots * PEER_SLOT_BYTES)
         kernels = lookupkernel.ready()
         if kernels is not None and n:
             # Straight from the directory's arrays: no temporary of 10^6 entries either.
@@ -464,7 +497,8 @@ class PeerIndex:
                 i = xxh3_64_intdigest(key) & mask
                 while self._words[3 * i]:
                     i = (i + 1) & mask
-                pack(self._view, at + i * SLOT_BYTES, _word(0, gen[peer], peer, HELD), key)
+                pack(self._view, at + i * PEER_SLOT_BYTES, _word(0, gen[peer], peer, HELD),
+                     key)
         self.slots, self.mask, self.used = slots, mask, n
         PEER_HEADER.pack_into(self._head, 0, self.epoch, slots, self.max_slots)
         self._set_epoch((self.epoch | 1) + 1)
@@ -539,8 +573,11 @@ class IndexReader:
         for _ in range(self.slots):
             at = HEADER_BYTES + i * SLOT_BYTES
             for _ in range(READ_RETRIES):
-                seq, state, k = SLOT.unpack_from(view, at)
-                if not seq & 1 and _SEQ.unpack_from(view, at)[0] == seq:
+                # seq read alone first: a copy of the whole slot may load its words in any
+                # order, so its own seq field does not say what came before the rest.
+                (first,) = _SEQ.unpack_from(view, at)
+                seq, state, k, *_ = SLOT.unpack_from(view, at)
+                if seq == first and not seq & 1 and _SEQ.unpack_from(view, at)[0] == seq:
                     break
             else:
                 return None
@@ -551,6 +588,49 @@ class IndexReader:
             i = (i + 1) & self.mask
         return EMPTY
 
+    def epoch(self) -> int | None:
+        """The DRAM table's epoch, or None while it is being rebuilt (or overflowed)."""
+        (epoch,) = _EPOCH.unpack_from(self.view, _EPOCH_AT)
+        return None if epoch & 1 else int(epoch)
+
+    def locate(self, key: bytes) -> tuple[int, int, Where] | None:
+        """Where a lease-free read finds `key`'s chunk: (its slot's byte offset in the
+        table, the slot's seq, what the slot says), for a LIVE slot of a chunk in one
+        extent; None when the table does not hold it so (absent, several extents, or a
+        slot the agent kept writing). Read `epoch` before and `unchanged` after the copy."""
+        view = self.view
+        i = _home(key, self.mask)
+        for _ in range(self.slots):
+            at = HEADER_BYTES + i * SLOT_BYTES
+            for _ in range(READ_RETRIES):
+                (first,) = _SEQ.unpack_from(view, at)  # alone first, as in `_state`
+                seq, state, k, offset, size, checksum, meta_hash, kind = \
+                    SLOT.unpack_from(view, at)
+                if seq == first and not seq & 1 and _SEQ.unpack_from(view, at)[0] == seq:
+                    break
+            else:
+                return None
+            if state == EMPTY:
+                return None
+            if state == LIVE and k == key:
+                if offset == NO_EXTENT:
+                    return None
+                return at, seq, (offset, size, checksum, kind, meta_hash)
+            i = (i + 1) & self.mask
+        return None
+
+    def unchanged(self, at: int, seq: int, key: bytes, epoch: int) -> bool:
+        """Whether the slot at `at` still holds `key` LIVE at `seq` in the table of
+        `epoch`: asked after a lease-free copy, it says the agent did not retire the slot
+        meanwhile, so the chunk's pages were not freed while they were copied. The slot is
+        read before the epoch (a rebuild makes the epoch odd before it writes any slot)."""
+        view = self.view
+        now, state = _SEQ_STATE.unpack_from(view, at)
+        (k,) = _KEY.unpack_from(view, at + _KEY_AT)
+        (again,) = _SEQ.unpack_from(view, at)
+        (epoch_now,) = _EPOCH.unpack_from(view, _EPOCH_AT)
+        return bool(now == seq == again and state == LIVE and k == key and epoch_now == epoch)
+
     def _peer_state(self, key: bytes, slots: int) -> bool | None:
         """Whether a readable peer holds `key` (a peer table of `slots`), or None when the
         agent kept writing its slot."""
@@ -558,7 +638,7 @@ class IndexReader:
         table = self.peer_at + PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES
         i = _home(key, mask)
         for _ in range(slots):
-            at = table + i * SLOT_BYTES
+            at = table + i * PEER_SLOT_BYTES
             for _ in range(READ_RETRIES):
                 word, k = _PEER_SLOT.unpack_from(view, at)
                 if not word & 1 and _PEER_SLOT.unpack_from(view, at)[0] == word:

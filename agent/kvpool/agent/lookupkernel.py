@@ -52,6 +52,8 @@ _PRIME_MX1 = 0x165667919E3779F9
 
 _HEADER = 64
 _SLOT = 24
+_DRAM_SLOT = 64
+"""Bytes of a DRAM table slot (`lookupindex.SLOT_BYTES`; a peer slot is `_SLOT`)."""
 HELD_WORD = 1 << 48
 """A held peer slot's state in its first word."""
 _PEER_TABLE = 64 + 4 * (1 << 16)
@@ -307,7 +309,7 @@ key:
 dwalk:
   %dat = phi i64 [%dhome, %key], [%dat.n, %dnext]
   %dsteps = phi i64 [0, %key], [%dsteps.n, %dnext]
-  %doff.0 = mul i64 %dat, {_SLOT}
+  %doff.0 = mul i64 %dat, {_DRAM_SLOT}
   %doff = add i64 %doff.0, {_HEADER}
 {_slot_read("d", "base", "doff", "torn", "dgood")}
 dgood:

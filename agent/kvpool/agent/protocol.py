@@ -51,6 +51,7 @@ class Op(IntEnum):
     PIN = 11
     UNPIN = 12
     STATS = 13
+    READ = 14
 
 
 class ErrorCode(IntEnum):
@@ -222,9 +223,17 @@ class Stats(Request, tag=int(Op.STATS)):
     pass
 
 
+class Read(Request, tag=int(Op.READ)):
+    """DRAM chunks the client read without a lease (docs/protocol.md, "Reads without a
+    lease"): told, so the agent counts them as reads (the eviction order, read bytes, a
+    hand-off's first read)."""
+
+    keys: list[bytes]
+
+
 AnyRequest = (
     Hello | Lookup | Alloc | Commit | Abort | Acquire | Release | Put | Get | Delete | Pin
-    | Unpin | Stats
+    | Unpin | Stats | Read
 )
 
 # --------------------------------------------------------------------------- replies
@@ -326,9 +335,14 @@ class StatsReply(Reply, tag=int(Op.STATS)):
     stats: dict[str, Any]
 
 
+class ReadReply(Reply, tag=int(Op.READ)):
+    pass
+
+
 AnyReply = (
     ErrorReply | HelloReply | LookupReply | AllocReply | CommitReply | AbortReply | AcquireReply
     | ReleaseReply | PutReply | GetReply | DeleteReply | PinReply | UnpinReply | StatsReply
+    | ReadReply
 )
 
 T = TypeVar("T")

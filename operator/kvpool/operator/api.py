@@ -32,8 +32,8 @@ from kvpool.agent.lookupindex import (
     PEER_HEADER_BYTES,
     PEER_MAX_SLOTS,
     PEER_MIN_SLOTS,
+    PEER_SLOT_BYTES,
     PEER_STATE_BYTES,
-    SLOT_BYTES,
 )
 from kvpool.agent.units import ByteSize, format_size, parse_size
 
@@ -519,7 +519,7 @@ def peer_table_bytes(remote_chunks: int) -> int:
     slots = PEER_MIN_SLOTS
     while slots < 2 * remote_chunks and slots < PEER_MAX_SLOTS:
         slots <<= 1
-    return PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES + slots * SLOT_BYTES
+    return PEER_HEADER_BYTES + MAX_PEERS * PEER_STATE_BYTES + slots * PEER_SLOT_BYTES
 
 
 def peer_overhead(spec: KVCachePoolSpec) -> int:

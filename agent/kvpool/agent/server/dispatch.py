@@ -54,6 +54,7 @@ class Dispatcher:
             p.Op.PIN: _pin,
             p.Op.UNPIN: _unpin,
             p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats(c.space)),
+            p.Op.READ: _read,
         }
 
     async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
@@ -164,6 +165,11 @@ async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
     g = await c.store.acquire(r.key, c.id, r.dma)
     return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
                           g.checksum_kind)
+
+
+def _read(c: Connection, r: p.Read) -> p.ReadReply:
+    c.store.read_told(r.keys)
+    return p.ReadReply(r.rid)
 
 
 async def _get(c: Connection, r: p.Get) -> p.GetReply:

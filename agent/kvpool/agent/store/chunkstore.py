@@ -867,6 +867,25 @@ class ChunkStore:
         return Granted(lease.id, chunk.extents, chunk.size, chunk.checksum, chunk.meta, tier,
                        chunk.checksum_kind)
 
+    def read_told(self, keys: list[bytes]) -> None:
+        """Chunks a client read from DRAM without a lease, told after the fact (READ): each
+        still here counts as a read, as an ACQUIRE's does (its place in the eviction order,
+        the tier's read bytes, a hand-off's first read). A key not held is skipped: it was
+        evicted or deleted since, and the client's copy was checked against its slot."""
+        if len(keys) > MAX_LOOKUP_KEYS:
+            raise OpError(ErrorCode.BAD_ARGUMENT,
+                          f"READ takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
+        for key in keys:
+            check_key(key)
+        for key in keys:
+            chunk = self.dram.get(key)
+            if chunk is None:
+                continue
+            self._touch_read(chunk)
+            self.m.read_bytes["dram"].inc(chunk.size)
+            if key in self.handoffs:
+                self._end_handoff(key, "read")
+
     def release(self, lease_id: int, owner: int) -> None:
         if not self.dram.close_read(lease_id, owner):
             raise OpError(ErrorCode.UNKNOWN_LEASE,

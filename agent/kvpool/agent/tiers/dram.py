@@ -15,10 +15,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from xxhash import xxh3_64_intdigest
+
 from ..arena import Arena, ExtentAllocator
 from ..journal import JournalEntry
 from ..keytable import KeyTable, NameIds
-from ..lookupindex import SharedIndex
+from ..lookupindex import ASK, SharedIndex, Where
 from ..peers.links import ArenaTarget
 from ..policy import Entry
 from ..protocol import Extents, checksum
@@ -330,10 +332,23 @@ class DramTier:
         if offset < 0:
             self._spread[slot] = tuple(extents)
         if self.published is not None:
-            if not self.published.add(key):
-                self.published.rebuild(iter(self))  # with this key: it is in the index
+            if not self.published.add(key, self._where(slot)):
+                # with this key: it is in the index
+                self.published.rebuild(iter(self), self._where_of)
             self._tidy_published()
         return DramChunk(self, slot)
+
+    def _where(self, slot: int) -> Where:
+        """What the published table says of the chunk in `slot`, for lease-free reads: its
+        one extent and checksum, or `ASK` (several extents: a lease reads them)."""
+        offset = self._offset[slot]
+        if offset < 0:
+            return ASK
+        return (offset, self._size[slot], self._checksum[slot], self._kind[slot],
+                xxh3_64_intdigest(self._meta[slot]))
+
+    def _where_of(self, key: bytes) -> Where:
+        return self._where(self.index.find(key))
 
     def _add_row(self) -> None:
         for column in (self._offset, self._size, self._checksum, self._kind, self._tenant,
@@ -373,7 +388,12 @@ class DramTier:
 
     def release(self, chunk: DramChunk) -> None:
         """Free a chunk out of the index: its pages, then its slot. The slot's facts stay
-        readable until the next `insert` reuses it."""
+        readable until the next `insert` reuses it.
+
+        The only way a visible chunk's pages are freed, and only for a chunk `remove` or
+        `detach` took out of the index: both retire its published slot first, so a client
+        reading it without a lease sees the slot changed before any other chunk can get
+        these pages (docs/protocol.md, "Reads without a lease")."""
         slot = chunk.slot
         self.alloc.free(chunk.extents)
         self._spread.pop(slot, None)
@@ -383,7 +403,7 @@ class DramTier:
     def _tidy_published(self) -> None:
         assert self.published is not None
         if self.published.crowded:
-            self.published.rebuild(iter(self))
+            self.published.rebuild(iter(self), self._where_of)
 
     # -- leases
 
