@@ -1,15 +1,21 @@
-"""Reads of DRAM chunks without a lease: the agent's side. The lookup table says where a
-single-extent chunk lies, and the agent retires a chunk's slot before its pages can be
-freed (docs/protocol.md, "Reads without a lease")."""
+"""Reads of DRAM chunks without a lease: the client copies what the lookup index describes,
+checks the copy against the chunk's checksum and the index's slot after it, and asks the
+agent (ACQUIRE) only for what fails (docs/protocol.md, "Reads without a lease")."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from kvpool.agent import leasefree
 from kvpool.agent.arena import Arena, ExtentAllocator
+from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import AgentConfig, TierPolicy
 from kvpool.agent.lookupindex import IndexReader, SharedIndex
 from kvpool.agent.metrics import AgentMetrics
@@ -17,6 +23,152 @@ from kvpool.agent.protocol import Extents, checksum
 from kvpool.agent.store import ChunkStore
 from kvpool.agent.tiers.dram import DramTier
 from kvpool.agent.tiers.nvme import NvmeTier
+from kvpool.agent.transport import ZeroCopyTransport
+from kvpool.bench.local import LocalAgent
+
+from .conftest import scrape
+
+CHUNK = 64 << 10
+META = b"layout-7"
+ACQUIRES = 'kvpool_ops_total{op="acquire",pool="default",result="ok"}'
+READS = 'kvpool_ops_total{op="read",pool="default",result="ok"}'
+NOT_FOUND = 'kvpool_ops_total{op="acquire",pool="default",result="not_found"}'
+READ_BYTES = 'kvpool_tier_read_bytes_total{pool="default",tier="dram"}'
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 4
+
+
+def _index(client: KVPoolClient) -> IndexReader:
+    t = client._transport
+    assert isinstance(t, ZeroCopyTransport) and t.index is not None
+    return t.index
+
+
+@pytest.fixture
+def reader(agent: LocalAgent) -> Iterator[KVPoolClient]:
+    with KVPoolClient(agent.socket_path, lease_free=True) as c:
+        yield c
+
+
+def test_a_dram_chunk_is_read_without_a_lease_and_the_agent_counts_the_read(
+        agent: LocalAgent, reader: KVPoolClient) -> None:
+    keys = [_key(i) for i in range(5)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    assert reader.put_many(keys, data, [META] * len(keys)) == [True] * len(keys)
+    before = scrape(agent)
+    outs = [bytearray(CHUNK) for _ in keys]
+    seen: list[tuple[int, int, bytes]] = []
+
+    def target(i: int, size: int, meta: bytes) -> bytearray:
+        seen.append((i, size, meta))
+        return outs[i]
+    assert reader.get_many_into(keys[:4], target) == [CHUNK] * 4
+    assert [bytes(o) for o in outs[:4]] == data[:4]
+    assert sorted(seen) == [(i, CHUNK, META) for i in range(4)]  # the chunk's own metadata
+    assert reader.get_into(keys[4], outs[4]) == CHUNK and bytes(outs[4]) == data[4]
+    assert reader.reads_without_lease == 5
+    reader.stats()  # takes the told READs along first
+    after = scrape(agent)
+    assert after[ACQUIRES] == before[ACQUIRES], "no ACQUIRE went to the agent"
+    assert after[READS] == before.get(READS, 0) + 2  # one told READ per call
+    assert after[READ_BYTES] == before[READ_BYTES] + 5 * CHUNK  # counted as reads
+
+
+def test_metadata_first_seen_through_a_lease_makes_the_next_read_lease_free(
+        agent: LocalAgent, client: KVPoolClient) -> None:
+    """A client that never put a chunk of this metadata learns it from the agent's first
+    description (ACQUIRE); from then on the table's hash of it is enough."""
+    keys = [_key(10 + i) for i in range(3)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    client.put_many(keys, data, [META] * len(keys))
+    with KVPoolClient(agent.socket_path, lease_free=True) as fresh:
+        out = bytearray(CHUNK)
+        before = scrape(agent)[ACQUIRES]
+        assert fresh.get_into(keys[0], out) == CHUNK and bytes(out) == data[0]
+        assert fresh.reads_without_lease == 0 and scrape(agent)[ACQUIRES] == before + 1
+        outs = [bytearray(CHUNK) for _ in keys]
+        assert fresh.get_many_into(keys, lambda i, n, m: outs[i]) == [CHUNK] * 3
+        assert [bytes(o) for o in outs] == data
+        assert fresh.reads_without_lease == 3 and scrape(agent)[ACQUIRES] == before + 1
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["deleted", "deleted-and-reused"])
+def test_a_chunk_that_leaves_between_the_table_read_and_the_copy_is_never_returned(
+        agent: LocalAgent, reader: KVPoolClient, client: KVPoolClient, reuse: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another client deletes the chunk (and stores another chunk in its pages) after the
+    reader found its slot and before it copies. Deleted only, the pages still hold its
+    bytes, which pass the checksum: the slot's changed seq alone fails the read. Reused,
+    the copy holds the other chunk's bytes. Either way the read goes to the agent, which
+    has no such chunk: a miss, never the other chunk's bytes."""
+    before_key, key, after_key, other = _key(20), _key(21), _key(22), _key(23)
+    data = {k: os.urandom(CHUNK) for k in (before_key, key, after_key, other)}
+    # Neighbours on both sides: the chunk's pages stay one free run of its size when it
+    # goes, which the best-fit allocator gives the next chunk of that size.
+    for k in (before_key, key, after_key):
+        assert reader.put(k, data[k], META)
+    real = leasefree.locate
+    raced: list[tuple[int, int]] = []
+
+    def racing(index: IndexReader, k: bytes) -> Any:
+        got = real(index, k)
+        if k == key and not raced:
+            assert got is not None, "the chunk is in the table, in one extent"
+            assert client.delete(key)
+            if reuse:
+                assert client.put(other, data[other], META)
+                moved = index.locate(other)
+                assert moved is not None and moved[2][0] == got[2][0], \
+                    "the other chunk took the deleted chunk's pages"
+            raced.append((got[2][0], got[2][1]))
+        return got
+    monkeypatch.setattr(leasefree, "locate", racing)
+    before = scrape(agent)
+    out = bytearray(CHUNK)
+    assert reader.get_many_into([key], lambda i, n, m: out) == [0]
+    assert raced, "the race ran"
+    assert reader.reads_without_lease == 0
+    if reuse:
+        assert bytes(out) == data[other]  # the copy read the other chunk's bytes...
+    # ...and the read went on to the agent, whose ACQUIRE found no such chunk.
+    after = scrape(agent)
+    assert after[NOT_FOUND] == before[NOT_FOUND] + 1
+    assert after[ACQUIRES] == before[ACQUIRES]
+
+
+def test_corrupted_arena_bytes_fail_the_lease_free_read_and_are_a_miss(
+        agent: LocalAgent, reader: KVPoolClient) -> None:
+    key = _key(30)
+    data = os.urandom(CHUNK)
+    assert reader.put(key, data, META)
+    located = _index(reader).locate(key)
+    assert located is not None
+    offset = located[2][0]
+    arena = reader._arena
+    assert arena is not None
+    arena[offset + 100] ^= 0xFF  # what a client of the tenant may do to the shared arena
+    acquires = scrape(agent)[ACQUIRES]
+    out = bytearray(CHUNK)
+    assert reader.get_many_into([key], lambda i, n, m: out) == [0]
+    assert reader.get_into(key, out) == 0
+    assert reader.reads_without_lease == 0
+    # Both went on to a leased read, whose own check failed too: a miss, as ever.
+    assert scrape(agent)[ACQUIRES] == acquires + 2
+    arena[offset + 100] ^= 0xFF
+    assert reader.get_into(key, out) == CHUNK and bytes(out) == data
+    assert reader.reads_without_lease == 1
+
+
+def test_lease_free_reads_are_off_with_the_flag(agent: LocalAgent) -> None:
+    key = _key(40)
+    with KVPoolClient(agent.socket_path, lease_free=False) as c:
+        c.put(key, b"x" * CHUNK, META)
+        acquires = scrape(agent)[ACQUIRES]
+        assert c.get_into(key, bytearray(CHUNK)) == CHUNK
+        assert c.reads_without_lease == 0 and scrape(agent)[ACQUIRES] == acquires + 1
+
 
 # ------------------------------------------------- the agent retires a slot before freeing
 

@@ -32,9 +32,11 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import leasefree
 from . import protocol as p
 from .constants import (
     DEFAULT_SOCKET,
+    ENV_LEASE_FREE,
     ENV_LOCAL_LOOKUP,
     ENV_PUT_AHEAD,
     ENV_SOCKET,
@@ -98,6 +100,7 @@ class KVPoolClient:
         block_size: int = 0,
         chunk_tokens: int = 0,
         put_ahead: bool | None = None,
+        lease_free: bool | None = None,
     ) -> None:
         """`socket_path` defaults to `$KVPOOL_SOCKET`, else the agent's default
         (`/run/kvpool/agent.sock`): where `kvpool agent` serves when given none.
@@ -119,7 +122,15 @@ class KVPoolClient:
         `put_ahead`: each `put`'s COMMIT asks for the next put's write lease of its size, so
         the next put of that size needs one round trip, not two; the connection holds one
         spare lease per size (at most `protocol.MAX_SPARE_LEASES` sizes) in the arena
-        meanwhile (docs/client.md). None reads `$KVPOOL_PUT_AHEAD`."""
+        meanwhile (docs/client.md). None reads `$KVPOOL_PUT_AHEAD`.
+
+        `lease_free`: `get_many_into` and `get_into` read DRAM chunks of one extent straight
+        from the arena where the lookup index says where they are, with no ACQUIRE (each
+        copy checked against its checksum and the index after it; anything else goes
+        through a lease as before: docs/protocol.md, "Reads without a lease"); the agent is
+        told of the reads with the next call, not waited for. None reads
+        `$KVPOOL_LEASE_FREE` (`0`/`false`/`no` or `1`/`true`/`yes`), and without it follows
+        `local_lookup` (a plain client's reads stay in step with the agent)."""
         self.socket_path = default_socket(socket_path)
         self.mode = mode
         self.tenant = tenant if tenant is not None else os.environ.get(ENV_TENANT, "")
@@ -134,6 +145,12 @@ class KVPoolClient:
         if put_ahead is None:
             put_ahead = os.environ.get(ENV_PUT_AHEAD, "") in ("1", "true", "yes")
         self.put_ahead = put_ahead
+        self.lease_free = _env_flag(ENV_LEASE_FREE, local_lookup) if lease_free is None \
+            else lease_free
+        self._metas = leasefree.Metas()
+        """The metadata of chunks seen so far, for lease-free reads (by its hash)."""
+        self.reads_without_lease = 0
+        """Chunks read without a lease so far (`lease_free`)."""
         self.pod = pod
         self.model = model
         self.block_size = block_size
@@ -298,6 +315,7 @@ class KVPoolClient:
         pinned until read (docs/cross-node.md#hand-off). The put never waits for the push,
         and a push that fails leaves the chunk readable by key from every node."""
         src = as_bytes_view(data)
+        self._metas.learn(meta)
         return self._retrying(lambda t: t.put(key, src, meta, blocks, to or ""))
 
     def get(self, key: bytes, *, verify: bool = True) -> bytes | None:
@@ -314,7 +332,16 @@ class KVPoolClient:
     def get_into(self, key: bytes, out: Buffer, *, verify: bool = True) -> int:
         """Copy the chunk into `out`; returns its size, or 0 on a miss."""
         dst = as_bytes_view(out)
-        return self._retrying(lambda t: t.get_into(key, dst, verify))
+
+        def read(t: Transport) -> int:
+            if not self._lease_free_on(t):
+                return t.get_into(key, dst, verify)
+            # A window of one: lease-free where it can, else under a lease (learning the
+            # chunk's metadata for the next read).
+            got = [0]
+            self._read_window([key], 0, lambda i, n, m: dst, got, verify, None, None, False, t)
+            return got[0]
+        return self._retrying(read)
 
     # -- batches: one round trip for N reads, two for N writes (zero-copy)
 
@@ -327,6 +354,11 @@ class KVPoolClient:
         order, so a batch costs one round trip (RELEASEs are not waited for). Returns
         the size read per key: 0 for a miss, a chunk `target` declined, or a chunk that
         failed its checksum. Inline mode reads key by key.
+
+        With `lease_free`, the DRAM chunks the lookup index describes are read first
+        without a lease (into buffers and host ranges, always checked), and only the rest
+        are ACQUIREd; `target` may then be asked twice for a key whose lease-free copy
+        failed its checks (the second time for its leased read).
 
         `verify`: True checks every chunk against its checksum; None (the default) checks
         the chunks copied into buffers (in the copy's own pass, nearly free) but not those
@@ -350,13 +382,51 @@ class KVPoolClient:
             meanwhile = _once(meanwhile)
         for start in range(0, len(keys), step):
             window = keys[start : start + step]
-            if tensors:
-                self._retrying(partial(self._tensor_get_window, window, start, target, sizes,
-                                       verify, stream, meanwhile))
-            else:
-                self._retrying(partial(_get_window, window, start, target, sizes,
-                                       verify is not False, meanwhile))
+            self._retrying(partial(self._read_window, window, start, target, sizes, verify,
+                                   stream, meanwhile, tensors))
         return sizes
+
+    def _lease_free_on(self, t: Transport) -> bool:
+        return self.lease_free and isinstance(t, ZeroCopyTransport) and t.index is not None \
+            and not t.conn.closed
+
+    def _told_reads(self, t: Transport, keys: list[bytes]) -> None:
+        """Tell the agent of chunks read without a lease (with the next write)."""
+        if keys:
+            self.reads_without_lease += len(keys)
+            t.conn.tell(p.Read(t.conn.rid(), keys))
+
+    def _read_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
+                     sizes: list[int], verify: bool | None, stream: object,
+                     meanwhile: Meanwhile, tensors: bool, t: Transport) -> None:
+        """One window of `get_many_into`: what the lookup index allows without a lease
+        (`leasefree`), then the rest through ACQUIRE (its target learning each chunk's
+        metadata, for later lease-free reads)."""
+        left: Sequence[int] = range(len(keys))
+        remembered: leasefree.Remembered = {}
+        if self._lease_free_on(t):
+            assert isinstance(t, ZeroCopyTransport) and t.index is not None
+            if meanwhile is not None:
+                meanwhile()  # (the targets may need it: there is no answer to wait for)
+            left, remembered, done = leasefree.read_window(
+                t.index, t.arena, t.base, self._metas, keys, start, target, sizes)
+            self._told_reads(t, done)
+            if not left:
+                return
+        if len(left) == len(keys) and not remembered:
+            rest, at, leased = keys, start, leasefree.learning(target, self._metas)
+            got = sizes
+        else:
+            rest, at = [keys[i] for i in left], 0
+            leased = leasefree.socket_target(target, start, left, remembered, self._metas)
+            got = [0] * len(rest)
+        if tensors:
+            self._tensor_get_window(rest, at, leased, got, verify, stream, meanwhile, t)
+        else:
+            _get_window(rest, at, leased, got, verify is not False, meanwhile, t)
+        if got is not sizes:
+            for j, i in enumerate(left):
+                sizes[start + i] = got[j]
 
     @contextlib.contextmanager
     def releases_held(self) -> Iterator[None]:
@@ -392,6 +462,8 @@ class KVPoolClient:
         metas = metas if metas is not None else [b""] * len(keys)
         if not len(keys) == len(data) == len(metas):
             raise ValueError("put_many needs as many buffers and metas as keys")
+        for meta in dict.fromkeys(metas):
+            self._metas.learn(meta)
         if blocks is not None and len(blocks) != len(keys):
             raise ValueError("put_many needs as many blocks as keys")
         tensor_results = self._put_tensors(keys, data, metas, stream, blocks, to or "") \
@@ -509,6 +581,17 @@ class KVPoolClient:
             assert isinstance(reply, p.StatsReply)
             return reply.stats
         return self._retrying(call)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A yes/no environment variable (`1`, `true`, `yes` / `0`, `false`, `no`), or
+    `default` when it is unset or says neither."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    return default
 
 
 def _peer_gone(sock: socket.socket | None) -> bool:

@@ -65,6 +65,10 @@ ENV_TENANT: Final = "KVPOOL_TENANT"
 """The pod's tenant, injected into inference pods; the client's default."""
 ENV_LOCAL_LOOKUP: Final = "KVPOOL_LOCAL_LOOKUP"
 """`1`: clients answer LOOKUP from the agent's shared-memory index by default (set by hand)."""
+ENV_LEASE_FREE: Final = "KVPOOL_LEASE_FREE"
+"""`0`/`1`: clients read DRAM chunks without a lease where the lookup index allows (docs/
+protocol.md, "Reads without a lease"); unset, as `KVPOOL_LOCAL_LOOKUP` says (the vLLM
+connector: on)."""
 ENV_PUT_AHEAD: Final = "KVPOOL_PUT_AHEAD"
 """`1`: clients' puts ask for the next put's lease with each COMMIT by default (by hand)."""
 ENV_POOL: Final = "KVPOOL_POOL"
