@@ -8,6 +8,7 @@ fuzzed reply ends the same way on both paths."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -22,6 +23,7 @@ import pytest
 from kvpool.agent import checksums
 from kvpool.agent.arena import Arena
 from kvpool.agent.peers import links, recvkernel, wire
+from kvpool.agent.peers.settle import Settler
 
 KiB, MiB = 1 << 10, 1 << 20
 ARENA = 8 * MiB
@@ -95,8 +97,10 @@ def landed(arena: Arena, data: bytes, extents: list[tuple[int, int]] = EXTENTS) 
 
 
 def receive(sock: socket.socket, rid: int, t: links.ArenaTarget, compiled: bool,
-            seconds: float = 30.0) -> links.Fetched | str:
-    return links.receive(sock, rid, t, time.monotonic() + seconds, compiled=compiled)
+            seconds: float = 30.0,
+            wake: Settler[links.Fetched | str] | None = None) -> links.Fetched | str:
+    return links.receive(sock, rid, t, time.monotonic() + seconds, compiled=compiled,
+                         wake=wake)
 
 
 def by_kernel() -> int:
@@ -226,3 +230,31 @@ def test_fuzzed_replies_end_alike_on_both_paths_and_write_only_into_their_extent
     finally:
         for a in arenas:
             a.close()
+
+
+def test_a_receive_makes_the_wake_up_a_settled_read_owes_before_it_waits(
+        arena: Arena, compiled: bool) -> None:
+    """A worker settles a read with the loop's wake-up deferred to its next receive (made
+    there without the GIL, by the compiled call): the next reply is sent only once the loop
+    has the first result, so a receive that waited first would wait for ever."""
+    data = os.urandom(MiB)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        settler: Settler[links.Fetched | str] = Settler(loop)
+        first = loop.create_future()
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            reader = socket.create_connection(server.getsockname())
+            sender, _ = server.accept()
+        with reader, sender:
+            def worker() -> links.Fetched | str:
+                assert settler.settle(first, links.ABSENT, defer=True)
+                return receive(reader, 1, target(arena), compiled, seconds=30.0, wake=settler)
+            second = loop.run_in_executor(None, worker)
+            assert await asyncio.wait_for(first, 20) == links.ABSENT
+            sender.sendall(reply(1, data))
+            assert isinstance(await second, links.Fetched)
+        settler.close()
+
+    asyncio.run(main())
+    landed(arena, data)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+
+import pytest
 
 from kvpool.agent.peers.settle import Settler
 
@@ -38,5 +41,35 @@ def test_results_settled_from_threads_reach_the_loop_and_a_burst_takes_one_wake_
         assert queued.result() == 1
         threading.Thread(target=settler.settle, args=(later, 2)).start()
         assert await asyncio.wait_for(later, 10) == 2
+
+    asyncio.run(main())
+
+
+def test_a_deferred_wake_up_waits_for_its_payer_and_keeps_the_eventfd_open_until_paid(
+) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        settler: Settler[int] = Settler(loop)
+        fut = loop.create_future()
+        # A worker settles with the wake-up deferred (its next compiled call makes it).
+        owes = await loop.run_in_executor(None, lambda: settler.settle(fut, 1, defer=True))
+        assert owes
+        for _ in range(20):  # nothing woke the loop: the result waits for the wake-up
+            await asyncio.sleep(0)
+        assert not fut.done()
+        os.eventfd_write(settler.owed_fd, 1)  # what the compiled call writes, first thing
+        settler.paid()
+        assert await asyncio.wait_for(fut, 10) == 1
+        # Closed while a wake-up is owed: the eventfd stays open for the write to come, and
+        # closes once it is paid.
+        queued = loop.create_future()
+        assert settler.settle(queued, 2, defer=True)
+        fd = settler.owed_fd
+        settler.close()
+        assert queued.result() == 2
+        os.fstat(fd)
+        settler.pay()
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
     asyncio.run(main())

@@ -469,9 +469,11 @@ class PeerLink:
             total += w.target.room
         return batch
 
-    def _settle(self, want: _Want, result: Fetched | str) -> None:
+    def _settle(self, want: _Want, result: Fetched | str,
+                defer: bool = False) -> Settler[Fetched | str] | None:
         """Count the read and hand its result to the event loop (once: a later call is
-        ignored)."""
+        ignored). `defer`: the settler, if it is owed the loop's wake-up (the next
+        `receive` makes it, `Settler.settle`)."""
         seconds = time.monotonic() - want.queued
         if isinstance(result, Fetched):
             self.m.read(self.name, "ok", seconds, result.size)
@@ -479,7 +481,7 @@ class PeerLink:
             self.m.read(self.name, result, seconds)
             if result == CORRUPT:
                 self.mark_suspect()
-        want.settler.settle(want.done, result)
+        return want.settler if want.settler.settle(want.done, result, defer=defer) else None
 
     def _batch(self, batch: list[_Want]) -> None:
         """Send the batch's FETCHes in one write on one connection, then receive each
@@ -497,15 +499,18 @@ class PeerLink:
             return
         keep = False
         done = 0
+        owed: Settler[Fetched | str] | None = None
+        """The loop's wake-up for the last read settled, made by the next receive."""
         try:
             rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
             _bounded(sock, max(w.deadline for w in batch))
             sock.sendall(b"".join(wire.encode_request(wire.OP_FETCH, rid, w.key, w.tenant)
                                   for rid, w in zip(rids, batch, strict=True)))
             for rid, w in zip(rids, batch, strict=True):
-                result = self._receive(sock, w, rid)
+                pays, owed = owed, None
+                result = receive(sock, rid, w.target, w.deadline, wake=pays)
                 done += 1
-                self._settle(w, result)
+                owed = self._settle(w, result, defer=done < len(batch))
                 if result == CORRUPT:
                     # A suspect peer is read from no more, the rest of this batch included
                     # (the connection goes: its replies are not waited for).
@@ -521,10 +526,9 @@ class PeerLink:
             for w in batch[done:]:
                 self._settle(w, FAILED)
         finally:
+            if owed is not None:
+                owed.pay()
             self._checkin(sock, keep)
-
-    def _receive(self, sock: socket.socket, want: _Want, rid: int) -> Fetched | str:
-        return receive(sock, rid, want.target, want.deadline)
 
     # -- hand-offs (a worker thread)
 
@@ -620,20 +624,35 @@ class PeerLink:
 
 
 def receive(sock: socket.socket, rid: int, target: ArenaTarget, deadline: float, *,
-            compiled: bool = True) -> Fetched | str:
+            compiled: bool = True, wake: Settler[Fetched | str] | None = None
+            ) -> Fetched | str:
     """One FETCH reply on `sock` (the answer to request `rid`): the chunk's bytes into the
     target's extents, checksummed on the way; ABSENT or CORRUPT; or it raises (WireError,
     TimeoutError past `deadline`, OSError). On plain TCP into a mapped arena the whole reply
     is one compiled call that never takes the GIL (`recvkernel`: XXH3 chunks; the kernel
     hands any other head back, and the rest goes on here); in Python otherwise, or where
-    `compiled` is False (the tests run both)."""
+    `compiled` is False (the tests run both). `wake`: a settler owed the event loop's
+    wake-up (`Settler.settle`'s `defer`), paid first thing, by the compiled call where
+    there is one."""
     rx = (recvkernel.receiver(_buffer()) if compiled and target.mapped
           and not isinstance(sock, ssl.SSLSocket) else None)
     if rx is None:
+        if wake is not None:
+            wake.pay()
         return _receive_rest(sock, rid, target, _recv_head(sock, deadline), deadline)
-    if sock.gettimeout() is not None:  # blocking: SO_RCVTIMEO bounds each receive
-        sock.settimeout(None)
-    code = rx.start(sock.fileno(), rid, target.room, deadline, target.mapped, target.extents)
+    paid = False
+    try:
+        if sock.gettimeout() is not None:  # blocking: SO_RCVTIMEO bounds each receive
+            sock.settimeout(None)
+        code = rx.start(sock.fileno(), rid, target.room, deadline, target.mapped,
+                        target.extents, -1 if wake is None else wake.owed_fd)
+        paid = True  # the call's first step
+    finally:
+        if wake is not None:
+            if paid:
+                wake.paid()
+            else:
+                wake.pay()
     while code == recvkernel.FAULT:  # a page past a shrunk file: put back, written here
         at, start, end = rx.fault()
         target.write(at, rx.buf[start:end])

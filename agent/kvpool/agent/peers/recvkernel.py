@@ -14,11 +14,12 @@ once per reply, to compare the digest and settle the read.
 `receive(ctx, fns) -> code` (LLVM IR, compiled by llvmlite at run time as the LOOKUP's
 probes are: `kvpool.agent.jit`). `fns` are the C functions it calls (their addresses,
 found by ctypes: libc's `recv`, `setsockopt`, `clock_gettime`, `process_vm_writev`,
-`__errno_location`, and XXH3's streaming functions, which the `xxhash` wheel's own
-extension module exports: no system libxxhash). `ctx` is an i64 array (`_Ctx`): what the
-call reads (the socket, the request id, the room reserved, the deadline in ns of
-CLOCK_MONOTONIC, the buffers, the arena mapping, the extents) and what it answers (errno,
-where a write faulted, the digest). Codes:
+`__errno_location`, `write`, and XXH3's streaming functions, which the `xxhash` wheel's
+own extension module exports: no system libxxhash). `ctx` is an i64 array (the `_`
+slots below): what the call reads (the socket, the request id, the room reserved, the
+deadline in ns of CLOCK_MONOTONIC, the buffers, the arena mapping, the extents, an
+eventfd to bump first: the previous read's wake-up of the event loop, `Settler`) and
+what it answers (errno, where a write faulted, the digest). Codes:
 
 - DONE: the reply was OK, of kind XXH3, and every byte is in the extents; `digest` is
   XXH3-64 of the metadata then the bytes (what `checksums.compute` gives).
@@ -62,12 +63,14 @@ DONE, HEAD, TIMEOUT, CLOSED, ERRNO, FAULT = range(6)
 
 # ctx slots (i64): set by the caller...
 _FD, _RID, _ROOM, _DEADLINE, _HEAD, _SIDE, _BUF, _BUFLEN, _STATE, _PID, _BASE = range(11)
-_EXTENTS, _NEXTENTS, _START, _FLAGS, _LEVEL, _OPTION, _CLOCK = range(11, 18)
+_EXTENTS, _NEXTENTS, _START, _FLAGS, _LEVEL, _OPTION, _CLOCK, _WAKE, _ONE = range(11, 20)
 # ...and by the call
 _ERRNO, _FAULT_AT, _FAULT_FROM, _FAULT_TO, _RESUME, _DIGEST = range(20, 26)
 _CTX_SLOTS = 32
 _FNS = ("recv", "setsockopt", "clock_gettime", "process_vm_writev", "__errno_location")
 _XXH3 = ("XXH3_64bits_reset", "XXH3_64bits_update", "XXH3_64bits_digest")
+_WRITE = 8
+"""`fns`' slot of libc's `write` (after `_FNS` and `_XXH3`)."""
 
 assert wire.REPLY.size == 28 and wire.REPLY.format == "<BBHIQQI", "the IR reads this layout"
 
@@ -241,6 +244,19 @@ entry:
   %update = load ptr, ptr %upp, align 8
   %dgp = getelementptr ptr, ptr %fns, i64 7
   %digest = load ptr, ptr %dgp, align 8
+  %wkp = getelementptr i64, ptr %ctx, i64 {_WAKE}
+  %wk = load i64, ptr %wkp, align 8
+  %owed = icmp sge i64 %wk, 0
+  br i1 %owed, label %wake, label %begin
+wake:
+  %wrp = getelementptr ptr, ptr %fns, i64 {_WRITE}
+  %write = load ptr, ptr %wrp, align 8
+  %wk32 = trunc i64 %wk to i32
+  %onep = getelementptr i64, ptr %ctx, i64 {_ONE}
+  %wr = call i64 %write(i32 %wk32, ptr %onep, i64 8)
+  store i64 -1, ptr %wkp, align 8
+  br label %begin
+begin:
   %fresh = icmp slt i64 %start, 0
   br i1 %fresh, label %head.in, label %resume
 head.in:
@@ -394,7 +410,7 @@ def _symbols() -> tuple[list[int], Callable[[], int | None], Callable[[int], int
         xxh = ctypes.CDLL(ext.__file__)
         found = [getattr(libc, name) for name in _FNS]
         update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
-        found += [xxh.XXH3_64bits_reset, update, xxh.XXH3_64bits_digest]
+        found += [xxh.XXH3_64bits_reset, update, xxh.XXH3_64bits_digest, libc.write]
         create, free = xxh.XXH3_createState, xxh.XXH3_freeState
     except (ImportError, OSError, AttributeError) as e:
         log.info("peer reads are received in Python: %s", e)
@@ -469,15 +485,19 @@ class Receiver:
         c[_FLAGS] = socket.MSG_WAITALL
         c[_LEVEL], c[_OPTION] = socket.SOL_SOCKET, socket.SO_RCVTIMEO
         c[_CLOCK] = time.CLOCK_MONOTONIC
+        c[_WAKE], c[_ONE] = -1, 1
         self._extents = (ctypes.c_int64 * 0)()
         self.replies = 0
         """Replies received whole by the kernel (DONE) on this thread."""
 
     def start(self, fd: int, rid: int, room: int, deadline: float, base: int,
-              extents: list[tuple[int, int]]) -> int:
+              extents: list[tuple[int, int]], wake: int = -1) -> int:
         """Receive one reply on `fd` (blocking) for request `rid` into `extents` of the
-        mapping at `base` (at most `room` bytes), by `deadline` (time.monotonic); a code."""
+        mapping at `base` (at most `room` bytes), by `deadline` (time.monotonic); a code.
+        `wake`: an eventfd the call first adds 1 to (a settled read's wake-up of the event
+        loop, made without the GIL: `Settler.settle`'s `defer`), -1 for none."""
         c = self.ctx
+        c[_WAKE] = wake
         c[_FD], c[_RID], c[_ROOM] = fd, rid, room
         c[_DEADLINE] = int(deadline * 1e9)
         c[_BASE] = base

@@ -14,6 +14,13 @@ non-blocking `write` of 8 bytes that keeps the GIL (`ctypes.PyDLL`: it never blo
 eventfd's counter does not fill), then goes on to its next receive, which gives the GIL up
 while it waits for the network: the loop runs then. Results queued before the loop gets
 to them are resolved in one wake-up.
+
+That `write` still wakes the loop's thread while the worker holds the GIL: on a busy
+machine the woken thread may run at once, only to wait for the GIL, and the worker,
+preempted, holds it meanwhile (the bump was half of a receiving thread's GIL samples once
+the receive itself was compiled). A worker about to make a compiled call can defer the
+bump into it (`settle(..., defer=True)`, then `owed_fd` to the call, then `paid`): the
+call writes the eventfd first thing, without the GIL.
 """
 
 from __future__ import annotations
@@ -71,24 +78,58 @@ class Settler(Generic[T]):
         self.wakes = 0
         """Wake-ups of the loop so far (one per run of results it had not drained yet)."""
         self._fd = -1
+        """The eventfd while results are queued through it (-1 once closed)."""
+        self._efd = -1
+        """The eventfd until it is closed for good: not while a deferred bump is owed."""
+        self._owed = 0
+        """Deferred bumps not paid yet (`settle(..., defer=True)`, then `paid`)."""
         if _bump is not None:
-            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._fd = self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             loop.add_reader(self._fd, self._drain)
 
-    def settle(self, fut: asyncio.Future[T], result: T) -> None:
+    def settle(self, fut: asyncio.Future[T], result: T, *, defer: bool = False) -> bool:
         """Set `result` on `fut` in the loop's thread, soon (once: a settled future is left
-        as it is). From any thread, the loop's included."""
+        as it is). From any thread, the loop's included. With `defer`, a wake-up the loop
+        needs is not made here: True says one is owed, and the caller writes 1 to
+        `owed_fd` soon (a compiled call, without the GIL), then calls `paid` (or `pay`
+        to have it made here); the eventfd stays open until then."""
         with self._lock:
             if self._fd >= 0:
                 self._queue.append((fut, result))
                 if not self._armed:
                     self._armed = True
                     self.wakes += 1
+                    if defer:
+                        self._owed += 1
+                        return True
                     assert _bump is not None
                     _bump(self._fd)  # under the lock: `close` cannot free the fd meanwhile
-                return
+                return False
         with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
             self.loop.call_soon_threadsafe(_resolve, fut, result)
+        return False
+
+    @property
+    def owed_fd(self) -> int:
+        """The eventfd a deferred wake-up is written to (open until every one is paid)."""
+        return self._efd
+
+    def paid(self) -> None:
+        """A deferred wake-up was written: the eventfd may close now if `close` came."""
+        with self._lock:
+            self._owed -= 1
+            if self._owed or self._fd >= 0 or self._efd < 0:
+                return
+            efd, self._efd = self._efd, -1
+        os.close(efd)
+
+    def pay(self) -> None:
+        """Make a deferred wake-up here (the GIL kept, as `settle` does), then `paid`."""
+        with self._lock:
+            if self._efd >= 0:
+                assert _bump is not None
+                _bump(self._efd)
+        self.paid()
 
     def _drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -104,11 +145,15 @@ class Settler(Generic[T]):
         what is settled later goes by `call_soon_threadsafe`."""
         with self._lock:
             fd, self._fd = self._fd, -1
+            efd = -1
+            if not self._owed:  # else the last `paid` closes it: a worker writes to it yet
+                efd, self._efd = self._efd, -1
         if fd < 0:
             return
         with contextlib.suppress(RuntimeError, AttributeError, ValueError):  # a closed loop
             self.loop.remove_reader(fd)
-        os.close(fd)
+        if efd >= 0:
+            os.close(efd)
         with self._lock:
             queued, self._queue = self._queue, []
         for fut, result in queued:
