@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -56,7 +57,14 @@ from ..journal import Handoff, Journal, JournalEntry, pending_handoffs, replay
 from ..keytable import homes
 from ..metrics import AgentMetrics
 from ..peers import wire
-from ..peers.links import MAX_BATCH, MAX_BATCH_BYTES, PUSH_READ_TIMEOUT, Fetched, PeerLink
+from ..peers.links import (
+    FAILED,
+    MAX_BATCH,
+    MAX_BATCH_BYTES,
+    PUSH_READ_TIMEOUT,
+    Fetched,
+    PeerLink,
+)
 from ..peers.server import ChunkSource
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
@@ -159,14 +167,14 @@ class ChunkStore:
         """Told of every chunk entering and leaving a tier (`observe`)."""
         self.peer: PeerTier | None = None
         """The chunks the pool's other agents hold (`attach_peer`); None: peers are off."""
-        self._fetching: dict[bytes, asyncio.Future[DramChunk | None]] = {}
+        self._fetching: dict[bytes, PeerRead] = {}
+        """Reads from peers under way, one per key however many ask."""
         self.handoffs: dict[bytes, tuple[float, int]] = {}
         """Chunks pushed here by peers (hand-offs) and not read yet: pinned until their
         first read or this monotonic time; with their arena bytes (whole pages). Journaled
         (with the wall-clock time they end): a warm restart pins them again."""
         self._handoff_bytes = 0
         """Arena bytes of `handoffs` and of the pushes being received (their quota)."""
-        """Reads from peers under way, one per key however many ask."""
         self._peer_prompts: OrderedDict[int, list[bytes]] = OrderedDict()
         """Keys of recent LOOKUPs that counted chunks in the peer tier, by request seq: a
         read of one is batched with the peer chunks after it."""
@@ -389,14 +397,14 @@ class ChunkStore:
         what it loads)."""
         pending = self._fetching.get(key)
         if pending is not None:
-            return await asyncio.shield(pending)
-        loop = asyncio.get_running_loop()
+            return await pending.wait()
         keys = [key, *(self._peer_following(key) if ahead else ())]
-        futs: list[asyncio.Future[DramChunk | None]] = [loop.create_future() for _ in keys]
-        for k, fut in zip(keys, futs, strict=True):
-            self._fetching[k] = fut
-        self._spawn(self._fetch_peer(keys, futs))
-        return await asyncio.shield(futs[0])
+        reads = [PeerRead() for _ in keys]
+        for k, read in zip(keys, reads, strict=True):
+            self._fetching[k] = read
+        mine = reads[0].wait()
+        self._spawn(self._fetch_peer(keys, reads))
+        return await mine
 
     def _peer_following(self, key: bytes) -> list[bytes]:
         """The keys after `key` in the recent LOOKUP that found it in the peer tier, that a
@@ -420,18 +428,21 @@ class ChunkStore:
             out.append(k)
         return out
 
-    async def _fetch_peer(self, keys: list[bytes],
-                          futs: list[asyncio.Future[DramChunk | None]]) -> None:
-        """Reserve arena extents for chunks peers hold, have them received into them (one
-        batch per peer, `PeerNetwork.fetch_many`) and, as each one's checksum matches,
-        make it a DRAM chunk like a promotion (announced as this node's from then on),
-        settling its future. A stale entry, a failed, slow or lying peer: None, and the
-        extents are free again, only once the worker that writes into them is done."""
+    async def _fetch_peer(self, keys: list[bytes], reads: list[PeerRead]) -> None:
+        """Reserve arena extents for chunks peers hold and have them received into them
+        (one batch per peer, `PeerNetwork.fetch_many`); as each read settles, a callback
+        makes its chunk a DRAM chunk like a promotion (announced as this node's from then
+        on) and answers who waits for it (`_landed`). A stale entry, a failed, slow or
+        lying peer: None, and the extents are free again, only once the worker that writes
+        into them is done. (This task ends once the reads are queued: a task step and a
+        `shield` per chunk, awaiting each read in turn, were a fifth of the reading loop's
+        Python at 1 MiB chunks.)"""
         assert self.peer is not None
         peer = self.peer
         mark = self.deletes.mark()
+        started = [False] * len(keys)
+        by_link: dict[PeerLink, list[tuple[int, Extents]]] = {}
         try:
-            reads: dict[PeerLink, list[tuple[int, Extents]]] = {}
             for i, key in enumerate(keys):
                 got = peer.holder(key)
                 if got is None:
@@ -440,29 +451,40 @@ class ChunkStore:
                     extents = await self._room(got[1])  # NVMe holders announce file sizes
                 except OpError:
                     continue  # no room now: the shared tier, or a miss
-                reads.setdefault(got[0], []).append((i, extents))
-            pending: list[tuple[int, Extents, asyncio.Future[Fetched | str]]] = []
-            for link, items in reads.items():
+                by_link.setdefault(got[0], []).append((i, extents))
+            for link, items in by_link.items():
                 works = peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
                                                for i, extents in items])
-                pending += [(i, extents, w) for (i, extents), w in zip(items, works,
-                                                                        strict=True)]
-            pending.sort(key=lambda p: p[0])  # the first key first: its reader waits
-            for n, (i, extents, work) in enumerate(pending):
-                try:
-                    result = await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    # Workers may still be writing into the extents: free each once its
-                    # read is settled.
-                    for _, ext, w in pending[n:]:
-                        w.add_done_callback(self._free_when_settled(ext))
-                    raise
-                _settle(futs[i], self._fetched(keys[i], extents, result, mark))
+                for (i, extents), work in zip(items, works, strict=True):
+                    work.add_done_callback(functools.partial(
+                        self._landed, keys[i], extents, reads[i], mark))
+                    started[i] = True
         finally:
-            for k, fut in zip(keys, futs, strict=True):
-                _settle(fut, None)
-                if self._fetching.get(k) is fut:
-                    del self._fetching[k]
+            for i, key in enumerate(keys):
+                if not started[i]:
+                    self._read_over(key, reads[i], None)
+            for items in by_link.values():  # reserved, never asked for (cancelled)
+                for i, extents in items:
+                    if not started[i]:
+                        self.dram.free(extents)
+
+    def _landed(self, key: bytes, extents: Extents, read: PeerRead, mark: int,
+                work: asyncio.Future[Fetched | str]) -> None:
+        """A peer read of `_fetch_peer` settled: its chunk inserted (or its extents freed)
+        and whoever waits for it answered."""
+        chunk = None
+        try:
+            chunk = self._fetched(key, extents, FAILED if work.cancelled() else work.result(),
+                                  mark)
+        except OpError as e:  # its insert refused (the journal cannot record it)
+            log.warning("%s read from a peer not stored: %s", key.hex(), e.message)
+        finally:
+            self._read_over(key, read, chunk)
+
+    def _read_over(self, key: bytes, read: PeerRead, chunk: DramChunk | None) -> None:
+        read.settle(chunk)
+        if self._fetching.get(key) is read:
+            del self._fetching[key]
 
     async def _receive_push(self, key: bytes, link: PeerLink, size: int) -> DramChunk | None:
         """A pushed chunk read from its sender into fresh arena extents (one read per key:
@@ -471,9 +493,9 @@ class ChunkStore:
         assert self.peer is not None
         pending = self._fetching.get(key)
         if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
-        self._fetching[key] = fut
+            return await pending.wait()
+        read = self._fetching[key] = PeerRead()
+        chunk = None
         try:
             mark = self.deletes.mark()
             try:
@@ -490,12 +512,9 @@ class ChunkStore:
                 work.add_done_callback(self._free_when_settled(extents))
                 raise
             chunk = self._fetched(key, extents, result, mark, handoff=True)
-            _settle(fut, chunk)
             return chunk
         finally:
-            _settle(fut, None)
-            if self._fetching.get(key) is fut:
-                del self._fetching[key]
+            self._read_over(key, read, chunk)
 
     def _free_when_settled(self, extents: Extents
                            ) -> Callable[[asyncio.Future[Fetched | str]], None]:
@@ -1372,9 +1391,26 @@ class ChunkStore:
                           f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
 
 
-def _settle(fut: asyncio.Future[DramChunk | None], chunk: DramChunk | None) -> None:
-    if not fut.done():
-        fut.set_result(chunk)
+class PeerRead:
+    """A key's read from a peer under way. Each asker waits on a future of its own: one
+    that goes away (a client's disconnect cancels its wait) leaves the others theirs, with
+    no `shield` (two more hand-offs through the loop) around a shared one."""
+
+    __slots__ = ("waiters",)
+
+    def __init__(self) -> None:
+        self.waiters: list[asyncio.Future[DramChunk | None]] = []
+
+    def wait(self) -> asyncio.Future[DramChunk | None]:
+        fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        return fut
+
+    def settle(self, chunk: DramChunk | None) -> None:
+        waiters, self.waiters = self.waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(chunk)
 
 
 def open_nvme_source(path: str, key: bytes) -> ChunkSource | None:
