@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import auth, wire
+from .direct import DirectSender
 from .metrics import PeerMetrics
 from .unacked import Unacked
 
@@ -251,7 +252,9 @@ class PeerServer:
         # The leases of chunks sent with sendfile whose bytes are not acknowledged yet
         # (under TLS the bytes are copies: nothing to hold).
         sock = writer.get_extra_info("socket")
-        unacked = (Unacked(writer.transport, sock, STALL_TIMEOUT)
+        direct = DirectSender.make(writer.transport) if self.tls is None else None
+        unacked = (Unacked(writer.transport, sock, STALL_TIMEOUT,
+                           direct.abort if direct is not None else None)
                    if sock is not None and self.tls is None else None)
         cancelled = False
         try:
@@ -263,7 +266,7 @@ class PeerServer:
                 self.m.auth_failures.inc()
                 log.warning("peer connection from %s refused: %s", peer, e or type(e).__name__)
                 return
-            await self._requests(reader, writer, peer, owner, client_id, unacked)
+            await self._requests(reader, writer, peer, owner, client_id, unacked, direct)
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -276,6 +279,8 @@ class PeerServer:
             log.exception("serving peer %s failed", peer)
         finally:
             self.connections -= 1
+            if direct is not None:
+                direct.close()
             try:
                 if unacked is not None:
                     # Before the close: the kernel would go on sending queued bytes from
@@ -305,7 +310,7 @@ class PeerServer:
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         peer: str, owner: int, client_id: bytes,
-                        unacked: Unacked | None) -> None:
+                        unacked: Unacked | None, direct: DirectSender | None) -> None:
         offers: deque[asyncio.Task[None]] = deque()
         """PUSH offers of this connection under way, in order: each answers once the one
         before it has (replies keep the requests' order)."""
@@ -333,7 +338,7 @@ class PeerServer:
                 if op == wire.OP_DELETE:
                     await self._delete(writer, peer, rid, tenant, key, client_id)
                     continue
-                await self._fetch(writer, peer, owner, rid, tenant, key, unacked)
+                await self._fetch(writer, peer, owner, rid, tenant, key, unacked, direct)
         finally:
             for task in offers:  # the connection is gone: its offers go with it
                 task.cancel()
@@ -380,7 +385,8 @@ class PeerServer:
         await writer.drain()
 
     async def _fetch(self, writer: asyncio.StreamWriter, peer: str, owner: int, rid: int,
-                     tenant: str, key: bytes, unacked: Unacked | None) -> None:
+                     tenant: str, key: bytes, unacked: Unacked | None,
+                     direct: DirectSender | None) -> None:
         start = time.monotonic()
         holdings = self.spaces.get(tenant)
         source = None if holdings is None else await holdings.peer_source(key, owner)
@@ -391,10 +397,17 @@ class PeerServer:
             return
         whole = False
         try:
-            writer.write(wire.encode_reply(wire.OK, rid, kind=source.kind, size=source.size,
-                                           checksum=source.checksum, meta=source.meta,
-                                           tenant=source.tenant))
-            if not _send_now(writer, source):
+            head = wire.encode_reply(wire.OK, rid, kind=source.kind, size=source.size,
+                                     checksum=source.checksum, meta=source.meta,
+                                     tenant=source.tenant)
+            if (direct is not None and source.data is None and source.fd >= 0
+                    and direct.ready()):
+                # Plain TCP, the bytes in a file: straight from this thread, the rest
+                # from a writer callback (`direct`), bounded as below.
+                if not direct.send(head, source.fd, source.ranges):
+                    await direct.rest(STALL_TIMEOUT)
+            else:
+                writer.write(head)
                 # Bounded: a reader that stops reading must not hold the chunk's read
                 # lease (keeping it from eviction) for longer than this.
                 await asyncio.wait_for(_send(writer, source), STALL_TIMEOUT)
@@ -491,37 +504,6 @@ async def _send(writer: asyncio.StreamWriter, source: ChunkSource) -> None:
         for offset, n in source.ranges:
             await loop.sendfile(writer.transport, f, offset, n)  # os.sendfile: no copy here
     await writer.drain()
-
-
-def _send_now(writer: asyncio.StreamWriter, source: ChunkSource) -> bool:
-    """Send what of the chunk the socket's buffer takes now, straight from its file
-    (`os.sendfile` on the non-blocking socket, plain TCP only, once every byte written
-    before has left the transport's buffer); True when that was all of it. What is left
-    stays in `source.ranges` for `_send`, which waits for the socket (a task, the
-    transport's waiters: more than the send itself when the whole chunk fits, as a
-    1 MiB chunk mostly does once the connection's buffer has grown)."""
-    transport = writer.transport
-    if (source.data is not None or source.fd < 0 or transport.is_closing()
-            or transport.get_write_buffer_size()
-            or writer.get_extra_info("sslcontext") is not None):
-        return False
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return False
-    out = sock.fileno()
-    while source.ranges:
-        offset, n = source.ranges[0]
-        try:
-            sent = os.sendfile(out, source.fd, offset, n)
-        except BlockingIOError:
-            return False
-        if sent == 0:  # the file ends before the range: `_send` says so
-            return False
-        if sent < n:
-            source.ranges[0] = (offset + sent, n - sent)
-        else:
-            source.ranges.pop(0)
-    return True
 
 
 class Watch:

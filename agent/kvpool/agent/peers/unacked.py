@@ -69,36 +69,54 @@ class Unacked:
     after the leases ended: it waits for the acknowledgements, or resets)."""
 
     def __init__(self, transport: asyncio.WriteTransport, sock: socket.socket,
-                 timeout: float) -> None:
+                 timeout: float, on_reset: Callable[[], None] | None = None) -> None:
         self.transport = transport
         self.sock = sock
         self.timeout = timeout
+        self.on_reset = on_reset
+        """Called before a reset aborts the transport (a reply sent by the connection's
+        `DirectSender` ends first)."""
         self.pending: deque[tuple[float, float, Callable[[], None]]] = deque()
         """(end: acknowledged bytes that free it, deadline, release), in end order."""
-        self._timer: asyncio.TimerHandle | None = None
+        self._fresh: list[tuple[bool, float, Callable[[], None]]] = []
+        """(sent whole, deadline, release) of chunks held since the last look, in order."""
+        self._timer: asyncio.Handle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._reset = False
 
     def hold(self, release: Callable[[], None], whole: bool = True) -> None:
         """Keep a chunk's lease (`release` ends it) until its bytes are acknowledged; one
-        not sent `whole` (its send failed part way) until the connection is reset."""
+        not sent `whole` (its send failed part way) until the connection is reset.
+
+        Right after its last byte was handed to the socket: the bytes the socket was
+        handed are read at the look the loop runs next (`check`), once for every chunk
+        held meanwhile (a connection sends the chunks of a batch one after the other in
+        one turn of the loop). A later read counts the bytes of the chunks after it too:
+        its lease may end a little later, never before its bytes are acknowledged. (A
+        `tcp_info` read and an ioctl per chunk, with a timer moved each, were a third of
+        the holder's Python serving 1 MiB chunks.)"""
         if self._reset:
             release()
             return
-        try:
-            end = float(handed(self.sock)) if whole else math.inf
-        except OSError:  # the socket is closed: a reset or failed connection, queue gone
-            release()
-            return
-        self.pending.append((end, time.monotonic() + self.timeout, release))
+        self._fresh.append((whole, time.monotonic() + self.timeout, release))
         self._idle.clear()
         if self._timer is None:
-            self.check()
-        # Else a look is scheduled, within `POLL`, for the chunks before it (whose bytes
-        # go before its own): a look now would release nothing that one does not. (A look
-        # per chunk, a `tcp_info` read and a timer moved each, was a third of the holder's
-        # Python time serving 1 MiB chunks.)
+            self._timer = asyncio.get_running_loop().call_soon(self.check)
+
+    def _take_ends(self) -> None:
+        """The chunks held since the last look join `pending`, at the bytes handed so far
+        (released now if the socket is closed: a reset or failed connection, its queue
+        gone)."""
+        fresh, self._fresh = self._fresh, []
+        try:
+            end = float(handed(self.sock))
+        except OSError:
+            for _, _, release in fresh:
+                release()
+            return
+        for whole, deadline, release in fresh:
+            self.pending.append((end if whole else math.inf, deadline, release))
 
     def check(self) -> None:
         """Release what is acknowledged; reset a connection whose oldest chunk waited past
@@ -107,7 +125,12 @@ class Unacked:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self.pending or self._reset:
+        if self._reset:
+            return
+        if self._fresh:
+            self._take_ends()
+        if not self.pending:
+            self._idle.set()
             return
         try:
             acked, over = _acked(self.sock)
@@ -137,6 +160,8 @@ class Unacked:
             self._timer = None
         with contextlib.suppress(OSError):  # closed already
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        if self.on_reset is not None:
+            self.on_reset()
         self.transport.abort()
         asyncio.get_running_loop().call_soon(self._release_all)
 
@@ -146,12 +171,18 @@ class Unacked:
             self._timer = None
         while self.pending:
             self.pending.popleft()[2]()
+        fresh, self._fresh = self._fresh, []
+        for _, _, release in fresh:
+            release()
         self._idle.set()
 
     async def settle(self, wait: bool) -> None:
         """Before the connection closes: every lease released, once its bytes are
         acknowledged (`wait`, bounded by the deadlines) or at once by a reset."""
+        if self._fresh:
+            self._take_ends()
         if not self.pending:
+            self._idle.set()
             return
         if not wait or any(math.isinf(end) for end, _, _ in self.pending):
             self.reset()
