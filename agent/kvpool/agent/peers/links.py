@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 DEAD_AFTER = 10.0
 """Seconds of silence on a subscription (heartbeats come every half second) after which
 the peer counts as unreachable: its entries are dropped."""
+SILENCE_SLACK = 0.5
+"""Seconds past `DEAD_AFTER` a silent peer may go unnoticed (the deadline is moved on at
+most this often)."""
 RETRY_MIN, RETRY_MAX = 0.2, 2.0
 """Seconds between attempts to reach a peer, doubling."""
 SUSPECT_SECONDS = 30.0
@@ -375,30 +378,43 @@ class PeerLink:
         return batch[done:]
 
     async def _follow(self, reader: asyncio.StreamReader) -> None:
-        while True:
-            head = await asyncio.wait_for(reader.readexactly(wire.STREAM.size), DEAD_AFTER)
-            msg, tlen, count, sent_at = wire.stream_head(head)
-            tenant = (await reader.readexactly(tlen)).decode(errors="replace")
-            body = await reader.readexactly(count * wire.RECORD.size)
-            self.last_heard = time.monotonic()
-            self.lag = max(0.0, time.time() - sent_at)
-            d = self.directories.get(tenant)  # a space this agent lacks: nothing to keep
-            if msg == wire.BEGIN:
-                if d is not None:
-                    d.drop_peer(self.index)
-                self.m.resyncs.labels(self.m.pool, self.name).inc()
-            elif msg == wire.ADD and d is not None:
-                for key, size in wire.records(body):
-                    d.add(key, self.index, size)
-            elif msg == wire.REMOVE and d is not None:
-                for key, _ in wire.records(body):
-                    d.remove(key, self.index)
-            elif msg == wire.SYNCED:
-                if tenant:  # its node name (an older agent sends none)
-                    self.node = tenant
-                self.synced = True
-                self.failing = False
-                log.info("peer %s: inventory received", self.name)
+        # One deadline for the whole stream, moved on as messages come (at most every
+        # `SILENCE_SLACK` seconds, so a peer is cut after between `DEAD_AFTER` and that
+        # much more of silence): a `wait_for` per message was a task per message, and
+        # a reader of 1 MiB chunks sends its holder a message for nearly every one.
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(DEAD_AFTER + SILENCE_SLACK) as silence:
+            while True:
+                await self._message(reader)
+                now = loop.time()
+                if (silence.when() or now) - now < DEAD_AFTER:
+                    silence.reschedule(now + DEAD_AFTER + SILENCE_SLACK)
+
+    async def _message(self, reader: asyncio.StreamReader) -> None:
+        """One message of the peer's inventory stream, into the directories."""
+        head = await reader.readexactly(wire.STREAM.size)
+        msg, tlen, count, sent_at = wire.stream_head(head)
+        tenant = (await reader.readexactly(tlen)).decode(errors="replace")
+        body = await reader.readexactly(count * wire.RECORD.size)
+        self.last_heard = time.monotonic()
+        self.lag = max(0.0, time.time() - sent_at)
+        d = self.directories.get(tenant)  # a space this agent lacks: nothing to keep
+        if msg == wire.BEGIN:
+            if d is not None:
+                d.drop_peer(self.index)
+            self.m.resyncs.labels(self.m.pool, self.name).inc()
+        elif msg == wire.ADD and d is not None:
+            for key, size in wire.records(body):
+                d.add(key, self.index, size)
+        elif msg == wire.REMOVE and d is not None:
+            for key, _ in wire.records(body):
+                d.remove(key, self.index)
+        elif msg == wire.SYNCED:
+            if tenant:  # its node name (an older agent sends none)
+                self.node = tenant
+            self.synced = True
+            self.failing = False
+            log.info("peer %s: inventory received", self.name)
 
     # -- reads: queued on the event loop, sent in batches by worker threads
 
