@@ -22,7 +22,8 @@ from kvpool.bench.vllm_ttft import QUICK_TOKENS
 ROW = {"recompute_ttft_s", "hit_ttft_s", "speedup", "hit_tokens", "prompt_tokens", "lookup_s",
        "load_s", "rest_s", "loaded_mib", "copy_s", "overhead_of_load", "best_load_s",
        "overhead_of_best_load", "cold_copy_s", "overhead_of_best_load_cold",
-       "sum_copy_s", "best_load_copy_calls_s", "best_load_outside_copy_calls"}
+       "sum_copy_s", "best_load_copy_calls_s", "best_load_outside_copy_calls",
+       "best_load_chunks_without_lease"}
 
 
 def bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -57,6 +58,8 @@ def test_quick_vllm_part_times_a_hit_against_a_recompute_with_its_breakdown() ->
         # the load's copies went through the compiled loop, and took part of the load
         assert 0 < row["best_load_copy_calls_s"] <= row["best_load_s"], row
         assert 0 < row["sum_copy_s"] < 1, row  # the compiled loop is in the vLLM environment
+        # every chunk of the fastest load was read without a lease (all in DRAM, one extent)
+        assert row["best_load_chunks_without_lease"] == row["hit_tokens"] // chunk, row
         assert row["hit_ttft_s"] >= row["lookup_s"] + row["load_s"] - 1e-3, row
     assert "vLLM time to first token" in run.stderr
 

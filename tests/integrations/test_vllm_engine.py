@@ -28,7 +28,7 @@ from kvpool.bench.local import LocalAgent
 
 from ..agent.conftest import wait_until
 from ..agent.test_events import MapBatch, Mirror, events_agent
-from ..support import REPO_ROOT
+from ..support import REPO_ROOT, scrape
 from . import vllm_engine
 from .engines import KVPOOL_CONNECTOR, START_TIMEOUT, Engine, Reference, stats, tokens
 
@@ -57,7 +57,9 @@ CORRUPT, EVICT, KILLED = (tokens(seed, 6 * CHUNK + 5) for seed in (3, 4, 5))
 OWN_B = [tokens(10 + i, 4 * CHUNK + 3 * i) for i in range(3)]
 OWN_C = [tokens(20 + i, 4 * CHUNK + 5 * i) for i in range(3)]
 STORED_BY_A = [MAIN, CORRUPT, EVICT, KILLED]
-EVERYTHING = [MAIN, PREFIX, CORRUPT, EVICT, KILLED, *OWN_B, *OWN_C]
+STALLED = tokens(6, 4 * CHUNK + 7)
+"""Stored by no engine before the agent stalls: its saves need the agent."""
+EVERYTHING = [MAIN, PREFIX, CORRUPT, EVICT, KILLED, STALLED, *OWN_B, *OWN_C]
 
 
 class Run:
@@ -158,12 +160,27 @@ def test_engine_a_stores_every_whole_chunk_of_its_prompts(run: Run) -> None:
 
 
 def test_a_fresh_engine_loads_every_stored_chunk_and_computes_only_the_rest(run: Run) -> None:
+    before = scrape(run.agent)
     got = run.b.generate(MAIN)
 
     assert got["external_prefix_cache_hits"] == 8 * CHUNK  # every stored whole chunk
     assert got["prefix_cache_hits"] == 0
     assert got["cached"] == [8 * CHUNK]  # B computed only the 10 tokens past them
     assert got["outputs"] == [run.expected(MAIN)] == run.stored[json.dumps(MAIN)]["outputs"]
+    # Read without a lease (all in DRAM, one extent each): no ACQUIRE reached the agent,
+    # and the told READ counted the chunks' bytes as reads.
+    assert _op(scrape(run.agent), "acquire") == _op(before, "acquire")
+    chunk_bytes = _op(before, "dram", "kvpool_tier_read_bytes_total")
+    wait_until(lambda: _op(scrape(run.agent), "read") > _op(before, "read")
+               and _op(scrape(run.agent), "dram", "kvpool_tier_read_bytes_total")
+               > chunk_bytes)
+
+
+def _op(metrics: dict[str, float], what: str, series: str = "kvpool_ops_total") -> float:
+    """A counter's value for an op (its "ok" results) or a tier, whatever the pool."""
+    label = f'tier="{what}"' if series != "kvpool_ops_total" else f'op="{what}"'
+    return sum(v for k, v in metrics.items() if k.startswith(series + "{") and label in k
+               and (series != "kvpool_ops_total" or 'result="ok"' in k))
 
 
 def test_vllms_loop_waits_for_a_load_in_flight_instead_of_stepping_back_to_back(
@@ -313,19 +330,26 @@ def test_agent_killed_between_lookup_and_load_then_back(run: Run) -> None:
 
 def test_a_stalled_agent_costs_one_timeout_then_vllm_recomputes_until_it_answers(
         run: Run) -> None:
-    """The agent stops answering (SIGSTOP) with a load due: the load gives up after the
-    connector's timeout and vLLM recomputes; once the agent answers again the connector
-    is back by itself, and no lease is left over."""
+    """The agent stops answering (SIGSTOP). A load of chunks its lookup index describes
+    needs no answer (read without a lease): served as if nothing happened. A request whose
+    chunks must be stored waits on it: the save gives up after the connector's timeout
+    (one warning) and vLLM serves the request anyway; once the agent answers again the
+    connector is back by itself, and no lease is left over."""
     warnings = run.b.log().count(DOWN)
     assert run.b.generate(MAIN)["external_prefix_cache_hits"] == 8 * CHUNK
     assert run.agent.proc is not None
     run.agent.proc.send_signal(signal.SIGSTOP)
     try:
         got = run.b.generate(MAIN)
+        assert run.b.log().count(DOWN) == warnings  # the load asked the agent nothing
+        fresh = run.b.generate(STALLED)
+        assert run.b("drain")["drained"]  # its saves, given up after the timeout
     finally:
         run.agent.proc.send_signal(signal.SIGCONT)
 
     assert got["outputs"] == [run.expected(MAIN)]
+    assert got["external_prefix_cache_hits"] == 8 * CHUNK
+    assert fresh["outputs"] == [run.expected(STALLED)]
     assert run.b.log().count(DOWN) == warnings + 1  # the worker's connection
 
     def hits_again() -> bool:

@@ -57,6 +57,17 @@ def test_a_decode_engine_waits_longer_for_a_lookup_the_index_cannot_answer(
     assert settings(*config(role, extra={"lookup_wait": 2})).lookup_wait == 2
 
 
+def test_loads_read_without_a_lease_unless_the_environment_or_the_config_says_no(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPOOL_LEASE_FREE", raising=False)
+    assert settings(*config()).lease_free is True
+    monkeypatch.setenv("KVPOOL_LEASE_FREE", "0")
+    assert settings(*config()).lease_free is False
+    assert settings(*config(extra={"lease_free": True})).lease_free is True
+    monkeypatch.setenv("KVPOOL_LEASE_FREE", "yes")
+    assert settings(*config(extra={"lease_free": "false"})).lease_free is False
+
+
 def test_the_pods_environment_names_socket_tenant_and_chunk_size(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_SOCKET", "/run/kvpool/p/agent.sock")

@@ -145,7 +145,7 @@ class KVPoolClient:
         if put_ahead is None:
             put_ahead = os.environ.get(ENV_PUT_AHEAD, "") in ("1", "true", "yes")
         self.put_ahead = put_ahead
-        self.lease_free = _env_flag(ENV_LEASE_FREE, local_lookup) if lease_free is None \
+        self.lease_free = env_flag(ENV_LEASE_FREE, local_lookup) if lease_free is None \
             else lease_free
         self._metas = leasefree.Metas()
         """The metadata of chunks seen so far, for lease-free reads (by its hash)."""
@@ -328,6 +328,12 @@ class KVPoolClient:
     def get_with_meta(self, key: bytes, *, verify: bool = True) -> tuple[bytes, bytes] | None:
         """The chunk's bytes and metadata, or None on a miss."""
         return self._retrying(lambda t: t.get(key, verify))
+
+    def expect_meta(self, meta: bytes) -> None:
+        """Metadata the caller's reads expect (e.g. its KV layout's): a lease-free read of a
+        chunk of it then needs no leased read first to learn it (`lease_free`). The
+        checksum still decides: a chunk of other metadata whose hash matched fails it."""
+        self._metas.learn(meta)
 
     def get_into(self, key: bytes, out: Buffer, *, verify: bool = True) -> int:
         """Copy the chunk into `out`; returns its size, or 0 on a miss."""
@@ -583,7 +589,7 @@ class KVPoolClient:
         return self._retrying(call)
 
 
-def _env_flag(name: str, default: bool) -> bool:
+def env_flag(name: str, default: bool) -> bool:
     """A yes/no environment variable (`1`, `true`, `yes` / `0`, `false`, `no`), or
     `default` when it is unset or says neither."""
     value = os.environ.get(name, "").strip().lower()

@@ -110,7 +110,7 @@ class TimedEngine:
                        seed=0, kv_transfer_config=connector)
         self.start_s = time.monotonic() - t0
         self.times: dict[str, float] = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0,
-                                        "copy_call_s": 0.0}
+                                        "copy_call_s": 0.0, "chunks_without_lease": 0}
         self.pieces: list[int] = []
         """The sizes of the load's contiguous copies (`copy_s`)."""
         self.worker: Any = None
@@ -146,9 +146,14 @@ class TimedEngine:
             # to the load's report to vLLM (what vLLM waits for; its leases' RELEASEs go
             # out after it)
             reported.clear()
+            client = self.worker.link.client
+            before = client.reads_without_lease if client is not None else 0
             t0 = time.perf_counter()
             load(job)
             self.times["load_s"] += (reported[0] if reported else time.perf_counter()) - t0
+            client = self.worker.link.client
+            if client is not None:
+                self.times["chunks_without_lease"] += client.reads_without_lease - before
             # every chunk's bytes are read, a first chunk's skipped blocks into scratch
             self.times["loaded_bytes"] += len(job.block_ids) * self.worker._chunk_bytes
             self.pieces += self._pieces(job)
@@ -247,7 +252,8 @@ class TimedEngine:
             if self.llm.reset_prefix_cache():
                 break
             time.sleep(0.05)
-        self.times = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0, "copy_call_s": 0.0}
+        self.times = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0, "copy_call_s": 0.0,
+                      "chunks_without_lease": 0}
         self.pieces = []
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}],

@@ -10,6 +10,10 @@ KVPOOL_SOCKET, KVPOOL_TENANT and KVPOOL_CHUNK_TOKENS in an annotated pod):
 | `model` | vLLM's `model` | the model name keys are made of (same on every engine sharing chunks) |
 | `timeout` | 5 | seconds a socket call may wait before the agent counts as stalled |
 | `lookup_wait` | 0.05 (`kv_consumer`: 0.5) | seconds to wait for a lookup the index cannot answer |
+| `lease_free` | `$KVPOOL_LEASE_FREE`, else true | loads read DRAM chunks with no ACQUIRE |
+
+(`lease_free`: where the agent's lookup index allows; docs/protocol.md, "Reads without a
+lease".)
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...constants import ENV_SOCKET, ENV_TENANT
+from ...client import env_flag
+from ...constants import ENV_LEASE_FREE, ENV_SOCKET, ENV_TENANT
 from .layout import Layout, check_chunk_tokens
 
 ENV_CHUNK_TOKENS = "KVPOOL_CHUNK_TOKENS"
@@ -44,6 +49,8 @@ class Settings:
     """kv_producer or kv_both: store each request's computed whole chunks."""
     timeout: float
     lookup_wait: float
+    lease_free: bool = True
+    """Loads read DRAM chunks straight from the arena where the lookup index allows."""
 
 
 def _extra(vllm_config: Any, key: str, default: Any) -> Any:
@@ -83,4 +90,15 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
         layout=layout, loads=loads, saves=saves,
         timeout=float(_extra(vllm_config, "timeout", 5.0)),
         lookup_wait=float(_extra(vllm_config, "lookup_wait",
-                                 CONSUMER_LOOKUP_WAIT if loads and not saves else LOOKUP_WAIT)))
+                                 CONSUMER_LOOKUP_WAIT if loads and not saves else LOOKUP_WAIT)),
+        lease_free=_flag(_extra(vllm_config, "lease_free", None), ENV_LEASE_FREE, True))
+
+
+def _flag(value: Any, env: str, default: bool) -> bool:
+    """A yes/no setting: `kv_connector_extra_config`'s (a bool, or a string as the
+    environment's), else the environment's, else `default`."""
+    if value is None:
+        return env_flag(env, default)
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    return bool(value)

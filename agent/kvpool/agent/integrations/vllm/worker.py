@@ -17,10 +17,13 @@ so the model's forward never waits on the agent:
 On CPU a load's destinations are the blocks' addresses (`HostRanges`, consecutive blocks
 merged): the client copies a whole window of chunks from the arena in one native call that
 verifies each chunk's checksum in the same pass and runs without the GIL
-(`kvpool.agent.hostcopy`). The I/O thread shares the GIL with vLLM's engine loop, which
-keeps stepping while a request waits for its KV: each time the thread lets the GIL go
-(a torch call, a copy, a socket read) it may wait the interpreter's switch interval (5 ms)
-to get it back, so a load is made of as few such calls as possible. Saves, and every copy
+(`kvpool.agent.hostcopy`); the chunks the agent's lookup index describes (DRAM, one extent)
+are read without a lease, so a load whose chunks are all in DRAM sends the agent no request
+and waits for no answer (docs/protocol.md, "Reads without a lease"). The I/O thread shares
+the GIL with vLLM's engine loop, which keeps stepping while a request waits for its KV:
+each time the thread lets the GIL go (a torch call, a copy, a socket read) it may wait the
+interpreter's switch interval (5 ms) to get it back, so a load is made of as few such
+calls as possible. Saves, and every copy
 on CUDA, take the client's tensor path (`kvpool.agent.gpu`: on CUDA the arena registered
 with CUDA, copies on a side stream, leases released after an event).
 """
@@ -72,7 +75,8 @@ class WorkerSide:
         self.link = AgentLink(settings.socket, what=f"worker {rank[0]}/{rank[1]}",
                               name="vllm-worker", timeout=settings.timeout, pod=engine_pod(),
                               model=model, block_size=self.layout.block_size,
-                              chunk_tokens=self.layout.chunk_tokens, tenant=self.layout.tenant)
+                              chunk_tokens=self.layout.chunk_tokens, tenant=self.layout.tenant,
+                              lease_free=settings.lease_free)
         self.fault_hook: Callable[[list[bytes]], None] | None = None
         """Called in the I/O thread with a load's keys before it reads the pool: where a
         test injects a fault between the scheduler's lookup and the load."""
@@ -264,6 +268,10 @@ class WorkerSide:
             nonlocal reported
             # vLLM is told the load is done before the leases' RELEASEs go out: that write
             # wakes the agent, which on a busy machine may take this thread's core first.
+            # Chunks of this layout are read without a lease where the lookup index allows
+            # (the copy checked against the chunk's checksum and the index after it);
+            # the rest under a lease, as every chunk on CUDA.
+            client.expect_meta(self._meta)
             with client.releases_held():
                 sizes = client.get_many_into(keys, target, verify=True, stream=self._stream,
                                              meanwhile=plan if host is not None else None)
