@@ -81,18 +81,30 @@ class DirectSender:
     async def rest(self, timeout: float) -> None:
         """Send the rest of the reply as the socket takes it; TimeoutError when that takes
         more than `timeout` seconds (a reader that stops reading must not hold the
-        chunk's lease longer), ConnectionResetError when `abort`ed."""
+        chunk's lease longer), ConnectionResetError when `abort`ed. The writer callback
+        stays registered after a reply that went out whole (the next reply of a batch
+        mostly waits for room too): the callback unregisters itself when it finds no reply
+        waiting, and `quiet` before anything else writes to the connection."""
         waiter = self._waiter = self.loop.create_future()
         self._deadline = self.loop.time() + timeout
         if self._watch is None:  # one timer for many replies, not one each
             self._watch = self.loop.call_at(self._deadline, self._expire)
-        self._add_writer(self.fd, self._writable)
-        self._registered = True
+        if not self._registered:
+            self._add_writer(self.fd, self._writable)
+            self._registered = True
         try:
             await waiter
+        except BaseException:
+            self._unregister()
+            raise
         finally:
             self._waiter = None
-            self._unregister()
+
+    def quiet(self) -> None:
+        """Before the transport writes to the connection: the writer callback goes (the
+        transport registers its own when its buffer fills; a callback left here would be
+        replaced, then remove the transport's)."""
+        self._unregister()
 
     def _expire(self) -> None:
         """The watch's timer: a reply past its deadline fails; while one waits, the timer
@@ -119,11 +131,13 @@ class DirectSender:
 
     def _writable(self) -> None:
         waiter = self._waiter
-        if waiter is None or waiter.done():
+        if waiter is None:
+            self._unregister()  # no reply under way: the socket's room is no news
+            return
+        if waiter.done():  # out, its coroutine not run yet: the next reply may need room
             return
         try:
             if self._step():
-                self._unregister()
                 waiter.set_result(None)
         except OSError as e:
             self._fail(e)

@@ -321,6 +321,8 @@ class PeerServer:
                 op, rid, tlen, key = wire.request_head(
                     await reader.readexactly(wire.REQUEST.size))
                 tenant = (await reader.readexactly(tlen)).decode(errors="replace")
+                if direct is not None and op != wire.OP_FETCH:
+                    direct.quiet()  # what follows writes through the transport
                 if op == wire.OP_PUSH:
                     (size,) = wire.PUSH.unpack(await reader.readexactly(wire.PUSH.size))
                     # Taken at once, not after the offers before it: the offers of a
@@ -391,6 +393,8 @@ class PeerServer:
         holdings = self.spaces.get(tenant)
         source = None if holdings is None else await holdings.peer_source(key, owner)
         if source is None:
+            if direct is not None:
+                direct.quiet()
             writer.write(wire.encode_reply(wire.ABSENT, rid))
             await writer.drain()
             self.m.served(peer, "absent", time.monotonic() - start)
@@ -407,6 +411,8 @@ class PeerServer:
                 if not direct.send(head, source.fd, source.ranges):
                     await direct.rest(STALL_TIMEOUT)
             else:
+                if direct is not None:
+                    direct.quiet()
                 writer.write(head)
                 # Bounded: a reader that stops reading must not hold the chunk's read
                 # lease (keeping it from eviction) for longer than this.

@@ -14,11 +14,13 @@ The kernel's own counters say where a chunk ends and what is acknowledged, so no
 the connection needs counting: right after a chunk's last byte went to the socket (nothing
 written after it), the bytes the socket was ever given are its send queue (`SIOCOUTQ`:
 unsent and unacknowledged) plus what was acknowledged (`tcp_info.tcpi_bytes_acked`). The
-lease ends when `tcpi_bytes_acked` reaches that. Checked at each hand-off and, while
-leases wait, every `POLL` seconds (a timer, no busy loop). A reader that has not
-acknowledged a chunk `timeout` seconds after its last byte was handed (the bound a send
-has) gets its connection reset (SO_LINGER 0: the close drops the queue) and only
-then are the leases released.
+lease ends when `tcpi_bytes_acked` reaches that. Both are read at the look after a
+chunk was handed (in the event loop's next turn, or at the one scheduled already: bytes
+written after a chunk only move its end later, so one read serves every chunk handed
+meanwhile) and, while leases wait, every `POLL` seconds (a timer, no busy loop). A
+reader that has not acknowledged a chunk `timeout` seconds after its last byte was
+handed (the bound a send has) gets its connection reset (SO_LINGER 0: the close drops
+the queue) and only then are the leases released.
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ def _acked(sock: socket.socket) -> tuple[int, bool]:
     return acked, state == _TCP_CLOSE
 
 
-def handed(sock: socket.socket) -> int:
-    """Bytes the socket was given so far, at least: the send queue read first, so that an
-    acknowledgement between the two reads makes the sum later, never earlier."""
-    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-    return queued + _acked(sock)[0]
+def _queued(sock: socket.socket) -> int:
+    """Bytes in the socket's send queue (not sent, or not acknowledged)."""
+    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, _INT))[0]
+    return queued
+
+
+_INT = bytes(4)
 
 
 class Unacked:
@@ -89,13 +93,12 @@ class Unacked:
         """Keep a chunk's lease (`release` ends it) until its bytes are acknowledged; one
         not sent `whole` (its send failed part way) until the connection is reset.
 
-        Right after its last byte was handed to the socket: the bytes the socket was
-        handed are read at the look the loop runs next (`check`), once for every chunk
-        held meanwhile (a connection sends the chunks of a batch one after the other in
-        one turn of the loop). A later read counts the bytes of the chunks after it too:
-        its lease may end a little later, never before its bytes are acknowledged. (A
-        `tcp_info` read and an ioctl per chunk, with a timer moved each, were a third of
-        the holder's Python serving 1 MiB chunks.)"""
+        Right after its last byte was handed to the socket: where it ends is read at the
+        next look (`check`: in the loop's next turn, or the one scheduled already), once
+        for every chunk held meanwhile. A later read counts the bytes of the replies
+        after it too: its lease may end a little later, never before its bytes are
+        acknowledged. (A `tcp_info` read and an ioctl per chunk, with a timer moved
+        each, were a third of the holder's Python serving 1 MiB chunks.)"""
         if self._reset:
             release()
             return
@@ -104,41 +107,34 @@ class Unacked:
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_soon(self.check)
 
-    def _take_ends(self) -> None:
-        """The chunks held since the last look join `pending`, at the bytes handed so far
-        (released now if the socket is closed: a reset or failed connection, its queue
-        gone)."""
-        fresh, self._fresh = self._fresh, []
-        try:
-            end = float(handed(self.sock))
-        except OSError:
-            for _, _, release in fresh:
-                release()
-            return
-        for whole, deadline, release in fresh:
-            self.pending.append((end if whole else math.inf, deadline, release))
-
     def check(self) -> None:
         """Release what is acknowledged; reset a connection whose oldest chunk waited past
         its deadline; otherwise look again in `POLL` seconds (one look scheduled at a
-        time: a connection polls once, not once for every chunk it holds)."""
+        time: a connection polls once, not once for every chunk it holds). The chunks
+        held since the last look join `pending` at the bytes the socket was handed by now
+        (its send queue, read first, plus the bytes acknowledged, read after: a sum never
+        short of where they end)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self._reset:
-            return
-        if self._fresh:
-            self._take_ends()
-        if not self.pending:
+            return  # its leases are released after the socket closes
+        if not (self.pending or self._fresh):
             self._idle.set()
             return
         try:
+            queued = _queued(self.sock) if self._fresh else 0
             acked, over = _acked(self.sock)
-        except OSError:
+        except OSError:  # the socket is closed: a reset or failed connection, queue gone
             acked, over = 0, True
         if over:
             self._release_all()
             return
+        if self._fresh:
+            fresh, self._fresh = self._fresh, []
+            end = float(queued + acked)
+            for whole, deadline, release in fresh:
+                self.pending.append((end if whole else math.inf, deadline, release))
         while self.pending and self.pending[0][0] <= acked:
             self.pending.popleft()[2]()
         if not self.pending:
@@ -180,9 +176,8 @@ class Unacked:
         """Before the connection closes: every lease released, once its bytes are
         acknowledged (`wait`, bounded by the deadlines) or at once by a reset."""
         if self._fresh:
-            self._take_ends()
+            self.check()
         if not self.pending:
-            self._idle.set()
             return
         if not wait or any(math.isinf(end) for end, _, _ in self.pending):
             self.reset()

@@ -1,0 +1,118 @@
+"""FETCH replies sent straight from the event loop (`peers.direct`): on a real TCP
+connection served by asyncio, a reply larger than the socket's buffer arrives whole and in
+order, head first, while the reader takes it slowly; the transport writes after it once
+the sender is quiet; a reader that stops taking bytes ends the reply with a timeout, and
+no writer callback is left on the socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+from kvpool.agent.peers.direct import DirectSender
+
+CHUNK = 4 << 20
+"""Far more than the sockets' buffers (set small below): most of it waits for room."""
+
+
+async def _pair() -> tuple[asyncio.StreamWriter, socket.socket, asyncio.Server]:
+    """A connection from a plain blocking socket (the reader) to an asyncio server: the
+    server's side as a stream writer."""
+    accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
+
+    def on_accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set_result(writer)
+
+    server = await asyncio.start_server(on_accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    reader.connect(("127.0.0.1", port))
+    writer = await accepted
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    return writer, reader, server
+
+
+def _registered_writer(loop: asyncio.AbstractEventLoop, fd: int) -> bool:
+    selector = loop._selector  # type: ignore[attr-defined]
+    try:
+        key = selector.get_key(fd)
+    except KeyError:
+        return False
+    return bool(key.data[1] is not None)
+
+
+def test_a_reply_past_the_socket_buffer_arrives_whole_and_the_transport_writes_after_it(
+        tmp_path: Path) -> None:
+    data = os.urandom(CHUNK)
+    path = tmp_path / "chunk"
+    path.write_bytes(b"x" * 4096 + data)  # the chunk at an offset, in two ranges
+    head = b"HEAD" * 16
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        writer, reader, server = await _pair()
+        received = bytearray()
+        total = len(head) + CHUNK + 5
+
+        def read_slowly() -> None:
+            while len(received) < total:
+                more = reader.recv(64 << 10)
+                assert more, "the connection closed mid-reply"
+                received.extend(more)
+
+        taking = loop.run_in_executor(None, read_slowly)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            direct = DirectSender.make(writer.transport)
+            assert direct is not None and direct.ready()
+            half = 4096 + CHUNK // 2
+            # The socket takes a part; the rest goes from the writer callback.
+            assert not direct.send(head, fd, [(4096, CHUNK // 2),
+                                              (half, CHUNK - CHUNK // 2)])
+            await direct.rest(30.0)
+            direct.quiet()
+            assert not _registered_writer(loop, direct.fd)
+            writer.write(b"after")  # through the transport, after the reply
+            await writer.drain()
+            await taking
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+        assert bytes(received) == head + data + b"after"
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_stops_taking_bytes_ends_the_reply_with_a_timeout(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(CHUNK))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        writer, reader, server = await _pair()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            direct = DirectSender.make(writer.transport)
+            assert direct is not None
+            assert not direct.send(b"HEAD", fd, [(0, CHUNK)])  # the reader never reads
+            try:
+                await direct.rest(0.2)
+            except TimeoutError:
+                pass
+            else:
+                raise AssertionError("a reply nobody reads went out whole")
+            assert not _registered_writer(loop, direct.fd)
+            direct.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
