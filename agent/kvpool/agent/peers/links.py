@@ -394,8 +394,9 @@ class PeerLink:
         """One message of the peer's inventory stream, into the directories."""
         head = await reader.readexactly(wire.STREAM.size)
         msg, tlen, count, sent_at = wire.stream_head(head)
-        tenant = (await reader.readexactly(tlen)).decode(errors="replace")
-        body = await reader.readexactly(count * wire.RECORD.size)
+        rest = await reader.readexactly(tlen + count * wire.RECORD.size)  # one wait, not two
+        tenant = rest[:tlen].decode(errors="replace") if tlen else ""
+        body = rest[tlen:] if tlen else rest
         self.last_heard = time.monotonic()
         self.lag = max(0.0, time.time() - sent_at)
         d = self.directories.get(tenant)  # a space this agent lacks: nothing to keep

@@ -320,7 +320,7 @@ class PeerServer:
                     await offers.popleft()
                 op, rid, tlen, key = wire.request_head(
                     await reader.readexactly(wire.REQUEST.size))
-                tenant = (await reader.readexactly(tlen)).decode(errors="replace")
+                tenant = (await reader.readexactly(tlen)).decode(errors="replace") if tlen else ""
                 if direct is not None and op != wire.OP_FETCH:
                     direct.quiet()  # what follows writes through the transport
                 if op == wire.OP_PUSH:
