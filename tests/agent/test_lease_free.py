@@ -46,14 +46,24 @@ def _index(client: KVPoolClient) -> IndexReader:
     return t.index
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    """One agent for the tests that need no arena of their own (each its own keys): an
+    agent start is most of what a test here costs."""
+    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("leasefree"),
+                    dram="32Mi") as a:
+        yield a
+
+
 @pytest.fixture
-def reader(agent: LocalAgent) -> Iterator[KVPoolClient]:
-    with KVPoolClient(agent.socket_path, lease_free=True) as c:
+def reader(shared: LocalAgent) -> Iterator[KVPoolClient]:
+    with KVPoolClient(shared.socket_path, lease_free=True) as c:
         yield c
 
 
 def test_a_dram_chunk_is_read_without_a_lease_and_the_agent_counts_the_read(
-        agent: LocalAgent, reader: KVPoolClient) -> None:
+        shared: LocalAgent, reader: KVPoolClient) -> None:
+    agent = shared
     keys = [_key(i) for i in range(5)]
     data = [os.urandom(CHUNK) for _ in keys]
     assert reader.put_many(keys, data, [META] * len(keys)) == [True] * len(keys)
@@ -77,12 +87,13 @@ def test_a_dram_chunk_is_read_without_a_lease_and_the_agent_counts_the_read(
 
 
 def test_metadata_first_seen_through_a_lease_makes_the_next_read_lease_free(
-        agent: LocalAgent, client: KVPoolClient) -> None:
+        shared: LocalAgent, reader: KVPoolClient) -> None:
     """A client that never put a chunk of this metadata learns it from the agent's first
     description (ACQUIRE); from then on the table's hash of it is enough."""
+    agent = shared
     keys = [_key(10 + i) for i in range(3)]
     data = [os.urandom(CHUNK) for _ in keys]
-    client.put_many(keys, data, [META] * len(keys))
+    reader.put_many(keys, data, [META + b"-other"] * len(keys))
     with KVPoolClient(agent.socket_path, lease_free=True) as fresh:
         out = bytearray(CHUNK)
         before = scrape(agent)[ACQUIRES]
@@ -96,7 +107,7 @@ def test_metadata_first_seen_through_a_lease_makes_the_next_read_lease_free(
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["deleted", "deleted-and-reused"])
 def test_a_chunk_that_leaves_between_the_table_read_and_the_copy_is_never_returned(
-        agent: LocalAgent, reader: KVPoolClient, client: KVPoolClient, reuse: bool,
+        agent: LocalAgent, client: KVPoolClient, reuse: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Another client deletes the chunk (and stores another chunk in its pages) after the
     reader found its slot and before it copies. Deleted only, the pages still hold its
@@ -107,6 +118,8 @@ def test_a_chunk_that_leaves_between_the_table_read_and_the_copy_is_never_return
     data = {k: os.urandom(CHUNK) for k in (before_key, key, after_key, other)}
     # Neighbours on both sides: the chunk's pages stay one free run of its size when it
     # goes, which the best-fit allocator gives the next chunk of that size.
+    # An agent of its own (`agent`, not `shared`): its arena's free runs are known.
+    reader = KVPoolClient(agent.socket_path, lease_free=True)
     for k in (before_key, key, after_key):
         assert reader.put(k, data[k], META)
     real = leasefree.locate
@@ -136,10 +149,12 @@ def test_a_chunk_that_leaves_between_the_table_read_and_the_copy_is_never_return
     after = scrape(agent)
     assert after[NOT_FOUND] == before[NOT_FOUND] + 1
     assert after[ACQUIRES] == before[ACQUIRES]
+    reader.close()
 
 
 def test_corrupted_arena_bytes_fail_the_lease_free_read_and_are_a_miss(
-        agent: LocalAgent, reader: KVPoolClient) -> None:
+        shared: LocalAgent, reader: KVPoolClient) -> None:
+    agent = shared
     key = _key(30)
     data = os.urandom(CHUNK)
     assert reader.put(key, data, META)
@@ -161,7 +176,8 @@ def test_corrupted_arena_bytes_fail_the_lease_free_read_and_are_a_miss(
     assert reader.reads_without_lease == 1
 
 
-def test_lease_free_reads_are_off_with_the_flag(agent: LocalAgent) -> None:
+def test_lease_free_reads_are_off_with_the_flag(shared: LocalAgent) -> None:
+    agent = shared
     key = _key(40)
     with KVPoolClient(agent.socket_path, lease_free=False) as c:
         c.put(key, b"x" * CHUNK, META)
