@@ -176,6 +176,28 @@ def test_corrupted_arena_bytes_fail_the_lease_free_read_and_are_a_miss(
     assert reader.reads_without_lease == 1
 
 
+def test_a_tensor_destination_is_read_under_a_lease_and_asked_for_once(
+        shared: LocalAgent, reader: KVPoolClient) -> None:
+    """A destination that is not host memory the client copies into (a tensor: on a GPU,
+    its copy completes after the call) keeps its lease; `target` is not asked again."""
+    torch = pytest.importorskip("torch")
+    keys = [_key(50 + i) for i in range(3)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    reader.put_many(keys, data, [META] * len(keys))
+    outs = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in keys]
+    asked: list[int] = []
+
+    def target(i: int, size: int, meta: bytes) -> Any:
+        asked.append(i)
+        return outs[i] if i else bytearray(CHUNK)  # the first into a buffer, lease-free
+    acquires = scrape(shared)[ACQUIRES]
+    assert reader.get_many_into(keys, target) == [CHUNK] * 3
+    assert sorted(asked) == [0, 1, 2]
+    assert [bytes(o.numpy()) for o in outs[1:]] == data[1:]
+    assert reader.reads_without_lease == 1
+    assert scrape(shared)[ACQUIRES] == acquires + 2
+
+
 def test_lease_free_reads_are_off_with_the_flag(shared: LocalAgent) -> None:
     agent = shared
     key = _key(40)
