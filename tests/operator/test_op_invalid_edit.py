@@ -70,7 +70,7 @@ async def test_pods_still_join_a_pool_with_an_invalid_edit_after_the_operator_re
     # The new operator's webhook answers once its watch has listed the pool.
     response = await cluster.admit_pod(pod_body(), until=pool_known)
     (invalid,) = response.get("warnings") or [""]  # the pool is Ready: no other warning
-    assert "at least 8448Mi is needed" in invalid
+    assert "at least 8513Mi is needed" in invalid
     assert invalid.endswith("the pod joins the pool as its agents run it")
     assert _joined(response)
 

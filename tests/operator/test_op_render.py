@@ -120,8 +120,8 @@ def test_agent_container_runs_the_agent_locked_and_read_only(pool_minimal: dict)
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    # Memory for the 8Gi arena plus the agent itself.
-    assert container["resources"]["limits"]["memory"] == "8448Mi"
+    # Memory for the 8Gi arena plus the agent itself and its lookup table.
+    assert container["resources"]["limits"]["memory"] == "8513Mi"
 
 
 def test_unlocked_arena_adds_no_capability(pool_minimal: dict) -> None:

@@ -86,7 +86,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from . import lookupkernel
-from .constants import KEY_BYTES, PEER_TIER_CODE
+from .constants import KEY_BYTES, PAGE_BYTES, PEER_TIER_CODE
 from .hostcopy import address_of
 from .protocol import MAX_LOOKUP_KEYS
 
@@ -186,6 +186,12 @@ def slots_for(max_chunks: int) -> int:
     while n < 2 * max_chunks and n < MAX_SLOTS:
         n <<= 1
     return n
+
+
+def dram_table_bytes(arena_bytes: int) -> int:
+    """The DRAM table's shared memory for an arena of `arena_bytes`, as the agent makes it
+    (`slots_for` its pages): every slot's page is touched once keys hash to it."""
+    return HEADER_BYTES + slots_for(arena_bytes // PAGE_BYTES) * SLOT_BYTES
 
 
 def _home(key: bytes, mask: int) -> int:

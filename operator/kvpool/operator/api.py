@@ -34,6 +34,7 @@ from kvpool.agent.lookupindex import (
     PEER_MIN_SLOTS,
     PEER_SLOT_BYTES,
     PEER_STATE_BYTES,
+    dram_table_bytes,
 )
 from kvpool.agent.units import ByteSize, format_size, parse_size
 
@@ -239,8 +240,10 @@ class AgentSpec(Model):
     resources: Resources | None = Field(
         None,
         description="Agent container resources; unset: memory sized to the DRAM arena "
-        "plus the agent's overhead, 256Mi and, with spec.peers enabled, the peer directory "
-        "of each tenant space (spec.peers.remoteChunks) (or hugepages-2Mi with hugePages), "
+        "plus the agent's overhead: 256Mi, each tenant space's lookup table (64 B per 4 KiB "
+        "of its arena share, at most 64Mi a space) and, with spec.peers enabled, the peer "
+        "directory of each tenant space (spec.peers.remoteChunks) (or hugepages-2Mi with "
+        "hugePages), "
         "cpu request 100m. A memory limit below the arena plus that overhead (the arena is "
         "shared memory, charged to the pod), or a hugepages-2Mi limit below a huge-page "
         "arena, is refused.",
@@ -504,7 +507,8 @@ class KVTierPolicy(Model):
 _M = TypeVar("_M", bound=Model)
 
 AGENT_OVERHEAD = 256 << 20
-"""Memory the agent needs beside its arena (Python, buffers, index), peers off."""
+"""Memory the agent needs beside its arena and its lookup tables (Python, buffers, the
+NVMe index), peers off."""
 PEER_HEAP_PER_CHUNK = 64
 """The peer directory's heap per remote chunk: issue 29's bound (~41-46 B measured at
 10^6, `tests/peers/test_directory.py` checks < 64), so a figure that holds."""
@@ -536,9 +540,20 @@ def peer_overhead(spec: KVCachePoolSpec) -> int:
     return -(-total // MIB) * MIB
 
 
+def lookup_table_overhead(spec: KVCachePoolSpec) -> int:
+    """The DRAM lookup tables' shared memory (charged to the agent's pod, as the arena
+    is): each tenant space publishes its own, sized for its share of the arena (64 B a
+    slot, up to 64 MiB a space); rounded up to a MiB."""
+    dram = spec.tiers.effective_dram()
+    nvme = spec.tiers.nvme.size if spec.tiers.nvme is not None else None
+    spaces = [size for size, _ in tenant_sizes(spec.tenants, dram.size, nvme, dram.huge_pages)]
+    total = sum(dram_table_bytes(size) for size in spaces or [dram.size])  # none: one space
+    return -(-total // MIB) * MIB
+
+
 def agent_overhead(spec: KVCachePoolSpec) -> int:
     """The memory the agent needs beside its arena: what the operator sizes it with."""
-    return AGENT_OVERHEAD + peer_overhead(spec)
+    return AGENT_OVERHEAD + lookup_table_overhead(spec) + peer_overhead(spec)
 
 
 def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
@@ -563,11 +578,12 @@ def memory_limit_problem(spec: KVCachePoolSpec) -> str | None:
         except ValueError as e:
             return f"spec.agent.resources.limits.{resource}: {e}"
         if limit < minimum:
+            tables = f"the lookup tables' {format_size(lookup_table_overhead(spec))}"
             why = (
-                f"{format_size(overhead)}: 256Mi and the peer directory of "
+                f"{format_size(overhead)}: 256Mi, {tables} and the peer directory of "
                 f"spec.peers.remoteChunks ({spec.peers.remote_chunks})"
                 if spec.peers.enabled
-                else format_size(overhead)
+                else f"{format_size(overhead)}: 256Mi and {tables}"
             )
             what = (
                 f"the agent's overhead ({why})"
