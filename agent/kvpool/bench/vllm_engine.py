@@ -18,7 +18,7 @@ copies, each from its start to its report to vLLM) and `copy_s` (the fastest pla
 of the bytes loaded, in this process: what the copies alone cost), so `load_s - copy_s` is
 the connector's own overhead; and `cold_copy_s`, the same copy with the caches swept
 first; and `copy_call_s`, the time the load spent in its copy calls (the compiled loop
-that copies and sums).
+that copies and sums), `copy_call_cpu_s` the CPU its thread spent in them.
 
 `write_model` is also the vLLM engine tests' model (tests/integrations/vllm_engine.py):
 Llama-shaped, random weights, a tokenizer trained here; nothing comes from a model hub.
@@ -110,7 +110,8 @@ class TimedEngine:
                        seed=0, kv_transfer_config=connector)
         self.start_s = time.monotonic() - t0
         self.times: dict[str, float] = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0,
-                                        "copy_call_s": 0.0, "chunks_without_lease": 0}
+                                        "copy_call_s": 0.0, "copy_call_cpu_s": 0.0,
+                                        "chunks_without_lease": 0}
         self.pieces: list[int] = []
         """The sizes of the load's contiguous copies (`copy_s`)."""
         self.worker: Any = None
@@ -168,9 +169,12 @@ class TimedEngine:
         run = hostcopy._Batch.run
 
         def timed_run(batch: hostcopy._Batch) -> None:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             run(batch)
             self.times["copy_call_s"] += time.perf_counter() - t0
+            # the calling thread's CPU in them: the wall time less what the thread waited
+            # for a core (or, with the GIL released, nothing else)
+            self.times["copy_call_cpu_s"] += time.thread_time() - c0
         hostcopy._Batch.run = timed_run  # type: ignore[method-assign, assignment]
 
     def _pieces(self, job: Any) -> list[int]:
@@ -253,7 +257,7 @@ class TimedEngine:
                 break
             time.sleep(0.05)
         self.times = {"lookup_s": 0.0, "load_s": 0.0, "loaded_bytes": 0, "copy_call_s": 0.0,
-                      "chunks_without_lease": 0}
+                      "copy_call_cpu_s": 0.0, "chunks_without_lease": 0}
         self.pieces = []
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}],

@@ -129,6 +129,7 @@ def _row(tokens: int, reference: dict[str, Any], hits: list[dict[str, Any]]) -> 
         "sum_copy_s": round(min(h["sum_copy_s"] for h in hits), 4),
         "best_load_copy_calls_s": round(fastest["copy_call_s"], 4),
         "best_load_outside_copy_calls": _overhead(best, fastest["copy_call_s"]),
+        "best_load_copy_calls_cpu_s": round(fastest["copy_call_cpu_s"], 4),
         "best_load_chunks_without_lease": int(fastest.get("chunks_without_lease", 0)),
     }
 
