@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import mmap
 import os
 from collections.abc import Iterator
 
@@ -67,6 +68,34 @@ def test_copy_sums_copies_every_piece_and_its_sums_give_the_wsum_of_the_whole(
         s1 += sums[2 * k + 1] + words * sums[2 * k]
         words += (b - a) // 4
     assert (len(data), s0 & checksums.U64, s1 & checksums.U64) == checksums.wsum_sums([data])
+
+
+def test_the_copys_read_ahead_past_a_pieces_end_never_faults() -> None:
+    """The block loop asks for each row's source a block ahead (BLOCK_PREFETCH_BYTES): a
+    piece ending where readable memory ends (the next pages cannot be read) is still copied
+    and summed, and the process lives (a read there would be a SIGSEGV)."""
+    ahead = wsumkernel.BLOCK_PREFETCH_BYTES
+    size = 2 * BLOCK
+    area = mmap.mmap(-1, size + ahead)
+    view = ctypes.c_char.from_buffer(area)
+    base = ctypes.addressof(view)
+    data = os.urandom(size)
+    area[:size] = data
+    libc = ctypes.CDLL(None, use_errno=True)  # mmap has no mprotect; 0 is PROT_NONE
+    protect = libc.mprotect
+    protect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert protect(base + size, ahead, 0) == 0, os.strerror(ctypes.get_errno())
+    try:
+        dst = (ctypes.c_char * (size + 64))()
+        at = ctypes.addressof(dst) + (-ctypes.addressof(dst) % 64)  # the block loop's path
+        sums = wsumkernel.copy_sums([base, at, size])
+        assert sums is not None
+        assert ctypes.string_at(at, size) == data
+        assert (size, sums[0], sums[1]) == checksums.wsum_sums([data])
+    finally:
+        protect(base + size, ahead, mmap.PROT_READ | mmap.PROT_WRITE)
+        del view
+        area.close()
 
 
 def test_copy_sums_refuses_pieces_that_are_not_whole_words() -> None:
