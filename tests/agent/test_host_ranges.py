@@ -112,6 +112,19 @@ def test_plan_cuts_copies_at_every_extent_and_range_edge() -> None:
         hostcopy.plan(0, [(0, 16)], [(0, 8)], 16, [])
 
 
+def test_plan_of_one_extent_is_a_piece_per_range_up_to_the_chunks_end() -> None:
+    out = [1, 2, 3]  # (appended to)
+    ranges = [(7000, 0), (7100, 4), (7200, 0), (7300, 8), (7400, 8), (7500, 8)]
+    assert hostcopy.plan(1000, [(40, 32)], ranges, 16, out) == 3
+    assert out == [1, 2, 3, 1040, 7100, 4, 1044, 7300, 8, 1052, 7400, 4]
+    assert hostcopy.plan(1000, [(40, 32)], [], 0, out) == 0 and len(out) == 12
+    with pytest.raises(ValueError, match="does not fit in 12 bytes"):
+        hostcopy.plan(0, [(0, 16)], [(0, 4), (100, 8)], 16, out)
+    assert len(out) == 12  # nothing appended by a refused plan
+    with pytest.raises(ValueError, match="hold 8 of the chunk's 16"):
+        hostcopy.plan(0, [(0, 8)], [(0, 16)], 16, out)
+
+
 @pytest.fixture(scope="module")
 def shared_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
     """One agent for the module's reads (each test its own keys): an agent start each

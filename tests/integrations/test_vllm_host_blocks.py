@@ -54,3 +54,23 @@ def test_block_ids_outside_the_cache_are_refused() -> None:
     for bad in ([BLOCKS], [2, -1]):
         with pytest.raises(ValueError, match="out of the KV cache"):
             host.check([[0, 1], bad])
+
+
+def test_runs_of_consecutive_blocks_are_one_range_and_adjacent_layers_merge() -> None:
+    # Two layers that are halves of one tensor: layer 0's last block ends where layer 1's
+    # first begins, so a chunk ending on the one and starting on the other merges there.
+    whole = torch.arange(2 * BLOCKS * PER_BLOCK * 6, dtype=torch.float32).reshape(
+        2, BLOCKS * PER_BLOCK, 2, 3)
+    kv = [whole[0], whole[1]]
+    host = _HostBlocks.of(kv, PER_BLOCK, BLOCKS)
+    assert host is not None
+    block = PER_BLOCK * 6 * 4
+    base0, base1 = kv[0].data_ptr(), kv[1].data_ptr()
+    assert host.ranges([3, 5, 6, 2]).ranges == [
+        (base0 + 3 * block, block), (base0 + 5 * block, 2 * block), (base0 + 2 * block, block),
+        (base1 + 3 * block, block), (base1 + 5 * block, 2 * block), (base1 + 2 * block, block)]
+    assert host.ranges([0, 10, 11]).ranges == [
+        (base0, block), (base0 + 10 * block, 3 * block), (base1 + 10 * block, 2 * block)]
+    expected = b"".join(layer[b * PER_BLOCK : (b + 1) * PER_BLOCK].numpy().tobytes()
+                        for layer in kv for b in [0, 10, 11])
+    assert filled(host, [0, 10, 11]) == expected

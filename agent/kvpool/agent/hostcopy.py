@@ -74,6 +74,23 @@ def plan(base: int, extents: Sequence[tuple[int, int]], ranges: Sequence[tuple[i
     """Append to `out` the copies (source address, destination address, bytes) that move
     `size` chunk bytes from the lease `extents` (arena offsets from `base`, in order) into
     `ranges` (in order), each within one extent and one range; the number appended."""
+    if len(extents) == 1 and extents[0][1] >= size:
+        # A lease-free read's (and most leases'): one extent, so a piece per range, the
+        # source advancing with it (a Python step per range, no more).
+        src, left, count = base + extents[0][0], size, 0
+        for dst, n in ranges:
+            if n >= left:
+                if left:
+                    out += (src, dst, left)
+                    count += 1
+                return count
+            if n:
+                out += (src, dst, n)
+                count += 1
+                src, left = src + n, left - n
+        if not left:
+            return count
+        del out[len(out) - 3 * count:]  # (too small: refused below, nothing appended)
     if sum(n for _, n in ranges) < size:
         raise ValueError(f"chunk of {size} bytes does not fit in "
                          f"{sum(n for _, n in ranges)} bytes of host ranges")
@@ -145,7 +162,7 @@ class _Batch:
         pieces = self.pieces
         if not pieces:
             return
-        whole = all(pieces[k] % 4 == 0 for k in range(2, len(pieces), 3))
+        whole = not any(n & 3 for n in pieces[2::3])
         self.sums = wsumkernel.copy_sums(pieces) if whole else None
         if self.sums is None:
             for k in range(0, len(pieces), 3):

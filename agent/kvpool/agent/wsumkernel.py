@@ -466,7 +466,7 @@ def copy_sums(pieces: Sequence[int]) -> list[int] | None:
     if fn is None:
         return None
     n = len(pieces) // 3
-    if any(pieces[k] % 4 for k in range(2, len(pieces), 3)):
+    if any(n & 3 for n in pieces[2::3]):
         raise ValueError("copy_sums copies whole 32-bit words: a piece's size is a multiple "
                          "of 4")
     desc = array.array("Q", pieces)

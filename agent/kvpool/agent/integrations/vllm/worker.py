@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -332,6 +333,9 @@ class _HostBlocks:
         self.stride = stride
         self.nbytes = nbytes
         self.num_blocks = num_blocks
+        self.gaps = {b1 - b0 for b0, b1 in pairwise(bases)}
+        """How far each layer starts from the previous one: a chunk's last range in a
+        layer ends where its first in the next begins only if it spans one of these."""
         self.scratch = torch.empty(nbytes, dtype=torch.uint8)
         """Where the bytes of blocks vLLM already holds are read to (and dropped)."""
 
@@ -370,12 +374,30 @@ class _HostBlocks:
             # the usual chunk: consecutive blocks, one range a layer
             return HostRanges([(base + first * stride, n * nbytes) for base in self.bases],
                               owner=self)
+        # The chunk's runs of blocks adjacent in memory, found once for every layer (a
+        # block's range follows the previous one's only when the ids are consecutive and
+        # blocks are packed), then each layer's ranges from them: a Python step per run
+        # and layer, not per block and layer.
+        ids = block_ids[scratch_blocks:]
+        cuts = [k for k, (a, b) in enumerate(pairwise(ids), 1) if b != a + 1] \
+            if stride == nbytes else list(range(1, len(ids)))
+        edges = [0, *cuts, len(ids)] if ids else [0]
+        offsets = [(ids[s] * stride, (e - s) * nbytes) for s, e in pairwise(edges)]
+        lead = [(scratch, nbytes)] * min(scratch_blocks, n)
+        bases = self.bases
+        if offsets and not lead \
+                and offsets[-1][0] + offsets[-1][1] - offsets[0][0] not in self.gaps:
+            # no layer's first range follows the previous layer's last in memory
+            return HostRanges([(base + o, m) for base in bases for o, m in offsets],
+                              owner=self)
         out: list[tuple[int, int]] = []
-        for base in self.bases:
-            for i, b in enumerate(block_ids):
-                at = scratch if i < scratch_blocks else base + b * stride
-                if out and out[-1][0] + out[-1][1] == at:  # the next block in memory
-                    out[-1] = (out[-1][0], out[-1][1] + nbytes)
+        for base in bases:
+            # Where a range may follow the previous one in memory (a layer's first, the
+            # scratch block's), merged as everywhere; within a layer's runs it never does.
+            for at, length in lead + [(base + o, m) for o, m in offsets[:1]]:
+                if out and out[-1][0] + out[-1][1] == at:
+                    out[-1] = (out[-1][0], out[-1][1] + length)
                 else:
-                    out.append((at, nbytes))
+                    out.append((at, length))
+            out += [(base + o, m) for o, m in offsets[1:]]
         return HostRanges(out, owner=self)
