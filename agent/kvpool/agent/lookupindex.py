@@ -194,6 +194,19 @@ def dram_table_bytes(arena_bytes: int) -> int:
     return HEADER_BYTES + slots_for(arena_bytes // PAGE_BYTES) * SLOT_BYTES
 
 
+def _read_slot(view: memoryview, at: int) -> tuple[Any, ...] | None:
+    """The DRAM slot at byte `at`, read whole between two equal even seqs (the seqlock);
+    None when the agent kept writing it for READ_RETRIES reads."""
+    for _ in range(READ_RETRIES):
+        # seq read alone first: a copy of the whole slot may load its words in any order,
+        # so its own seq field does not say what came before the rest.
+        (first,) = _SEQ.unpack_from(view, at)
+        slot = SLOT.unpack_from(view, at)
+        if slot[0] == first and not first & 1 and _SEQ.unpack_from(view, at)[0] == first:
+            return slot
+    return None
+
+
 def _home(key: bytes, mask: int) -> int:
     # Hashed, not the key's own bits: keys are opaque to the agent, and a client may
     # pick ones that share their leading bytes.
@@ -577,16 +590,10 @@ class IndexReader:
         view = self.view
         i = _home(key, self.mask)
         for _ in range(self.slots):
-            at = HEADER_BYTES + i * SLOT_BYTES
-            for _ in range(READ_RETRIES):
-                # seq read alone first: a copy of the whole slot may load its words in any
-                # order, so its own seq field does not say what came before the rest.
-                (first,) = _SEQ.unpack_from(view, at)
-                seq, state, k, *_ = SLOT.unpack_from(view, at)
-                if seq == first and not seq & 1 and _SEQ.unpack_from(view, at)[0] == seq:
-                    break
-            else:
+            slot = _read_slot(view, HEADER_BYTES + i * SLOT_BYTES)
+            if slot is None:
                 return None
+            _, state, k, *_ = slot
             if state == EMPTY:
                 return EMPTY
             if state == LIVE and k == key:
@@ -608,14 +615,10 @@ class IndexReader:
         i = _home(key, self.mask)
         for _ in range(self.slots):
             at = HEADER_BYTES + i * SLOT_BYTES
-            for _ in range(READ_RETRIES):
-                (first,) = _SEQ.unpack_from(view, at)  # alone first, as in `_state`
-                seq, state, k, offset, size, checksum, meta_hash, kind = \
-                    SLOT.unpack_from(view, at)
-                if seq == first and not seq & 1 and _SEQ.unpack_from(view, at)[0] == seq:
-                    break
-            else:
+            slot = _read_slot(view, at)
+            if slot is None:
                 return None
+            seq, state, k, offset, size, checksum, meta_hash, kind = slot
             if state == EMPTY:
                 return None
             if state == LIVE and k == key:
