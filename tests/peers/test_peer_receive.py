@@ -1,6 +1,8 @@
-"""A reader's receive of one FETCH reply (`links.receive`), on both of its paths: the
-compiled call that never takes the GIL (`peers.recvkernel`) and the Python one it falls
-back to (no llvmlite, TLS, an arena written by pwrite). Over a real TCP connection on the
+"""A reader's receive of one FETCH reply (`links.receive`), on each of its paths: the
+compiled call that never takes the GIL (`peers.recvkernel`), straight into an arena
+guarded against SIGBUS (`busguard`) or through the worker's buffer (an arena the guard
+does not cover), and the Python one it falls back to (no llvmlite, TLS, an arena written
+by pwrite). Over a real TCP connection on the
 loopback into a real arena file: the bytes land in their extents and nowhere else, a bad
 checksum is CORRUPT with the connection still in step, a head to refuse is a protocol
 error, a cut or stalled reply an error or a timeout, a shrunk arena is put back, and any
@@ -10,9 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.agent import checksums
+from kvpool.agent import busguard, checksums
 from kvpool.agent.arena import Arena
 from kvpool.agent.peers import links, recvkernel, wire
 from kvpool.agent.peers.settle import Settler
@@ -32,11 +38,20 @@ EXTENTS = [(0, MiB + 4 * KiB), (4 * MiB, MiB), (6 * MiB, 2 * MiB)]
 GUARD = 0x5A
 
 
-@pytest.fixture(params=[True, False], ids=["compiled", "python"])
-def compiled(request: pytest.FixtureRequest) -> bool:
-    if request.param:  # the agent's install has llvmlite and the xxhash wheel's symbols
-        assert recvkernel.kernel() is not None
-    return bool(request.param)
+_WAY = {"straight": False}
+"""Whether `target` offers the arena's SIGBUS guard (the `compiled` fixture's way)."""
+
+
+@pytest.fixture(params=["straight", "buffer", "python"])
+def compiled(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The compiled receive, straight into the guarded mapping or through the buffer; or
+    the Python one."""
+    if request.param != "python":  # the agent's install has llvmlite and the xxhash wheel's
+        assert recvkernel.kernel() is not None  # symbols (and compiling it installs the guard)
+        assert busguard.ready() is not None
+    _WAY["straight"] = request.param == "straight"
+    yield request.param != "python"
+    _WAY["straight"] = False
 
 
 @pytest.fixture
@@ -51,6 +66,11 @@ def arena(tmp_path: Path) -> Iterator[Arena]:
 
 
 def target(arena: Arena, extents: list[tuple[int, int]] = EXTENTS) -> links.ArenaTarget:
+    if _WAY["straight"]:
+        guard = arena.guard_counts()
+        assert guard
+        return links.ArenaTarget(arena.fd, extents, arena.write_run, arena.mapped_base, guard,
+                                 arena.repair)
     return links.ArenaTarget(arena.fd, extents, arena.write_run, arena.mapped_base)
 
 
@@ -193,12 +213,13 @@ def test_an_arena_a_client_shrank_is_put_back_and_the_reply_lands_whole(
 
 def test_fuzzed_replies_end_alike_on_both_paths_and_write_only_into_their_extents(
         tmp_path: Path) -> None:
-    """The same fuzzed byte streams into both paths: the same result or the same error,
-    the same bytes in the arena, and nothing outside the extents ever written."""
+    """The same fuzzed byte streams into every path: the same result or the same error,
+    the same bytes in the extents of a read that ended (the rest are freed unread), and
+    nothing outside the extents ever written."""
     assert recvkernel.kernel() is not None
     rng = random.Random(29)
     extents = [(64 * KiB, 16 * KiB), (256 * KiB, 8 * KiB)]
-    arenas = [Arena(tmp_path / f"arena{i}", ARENA // 8, lock=False) for i in range(2)]
+    arenas = [Arena(tmp_path / f"arena{i}", ARENA // 8, lock=False) for i in range(3)]
     try:
         for case in range(150):
             data = rng.randbytes(rng.choice([0, 1, 100, 16 * KiB, 24 * KiB]))
@@ -213,7 +234,9 @@ def test_fuzzed_replies_end_alike_on_both_paths_and_write_only_into_their_extent
             if rng.random() < 0.3:
                 stream += rng.randbytes(rng.randint(1, 64))
             outcomes = []
-            for arena, way in zip(arenas, [True, False], strict=True):
+            for arena, (way, straight) in zip(arenas, [(True, True), (True, False),
+                                                       (False, False)], strict=True):
+                _WAY["straight"] = straight
                 os.pwrite(arena.fd, bytes([GUARD]) * (ARENA // 8), 0)
                 with connection(bytes(stream), seed=case) as s:
                     try:
@@ -225,9 +248,12 @@ def test_fuzzed_replies_end_alike_on_both_paths_and_write_only_into_their_extent
                 for o, n in extents:
                     outside[o : o + n] = bytes([GUARD]) * n
                 assert outside == bytes([GUARD]) * (ARENA // 8), case
-                outcomes.append((outcome, inside))
-            assert outcomes[0] == outcomes[1], case
+                # A failed read's extents are freed unread: what a reply cut short left in
+                # them differs by path (straight in, or held in the buffer).
+                outcomes.append((outcome, None if isinstance(outcome, type) else inside))
+            assert outcomes[0] == outcomes[1] == outcomes[2], case
     finally:
+        _WAY["straight"] = False
         for a in arenas:
             a.close()
 
@@ -258,3 +284,71 @@ def test_a_receive_makes_the_wake_up_a_settled_read_owes_before_it_waits(
 
     asyncio.run(main())
     landed(arena, data)
+
+
+def test_a_guarded_arena_takes_the_bytes_straight_into_its_mapping(arena: Arena) -> None:
+    """Into a guarded arena the compiled receive puts each piece straight where it goes
+    (one copy): the worker's buffer never holds the chunk's bytes, where the buffer's way
+    leaves the last piece in it."""
+    assert recvkernel.kernel() is not None and busguard.ready() is not None
+    data = os.urandom(5 * MiB // 2)
+    buf = links._buffer()
+    for straight in (True, False):
+        _WAY["straight"] = straight
+        try:
+            buf[:] = bytes([GUARD]) * len(buf)
+            with connection(reply(1, data, b"m")) as s:
+                assert isinstance(receive(s, 1, target(arena), True), links.Fetched)
+        finally:
+            _WAY["straight"] = False
+        landed(arena, data)
+        assert (bytes(buf) == bytes([GUARD]) * len(buf)) is straight
+
+
+def test_a_fault_the_guard_answered_is_repaired_before_a_receive_trusts_the_mapping(
+        arena: Arena) -> None:
+    """A load from a page past a shrunk file is a zero page, counted, never SIGBUS; the
+    next receive into the arena first puts the file back and maps it over the zero page
+    again (`Arena.repair`), so the bytes it receives land in the file and the mapping is
+    the file's again."""
+    assert recvkernel.kernel() is not None  # (compiling it installs the guard)
+    guard = busguard.ready()
+    assert guard is not None
+    _WAY["straight"] = True
+    try:
+        t = target(arena)
+        base = arena.mapped_base
+        faults = guard.faults
+        os.ftruncate(arena.fd, 4 * MiB)  # as a client's fd can
+        assert ctypes.string_at(base + 6 * MiB, 4) == bytes(4)  # was SIGBUS: now zeros
+        assert guard.faults == faults + 1 and not guard.clean()
+        data = os.urandom(5 * MiB // 2)
+        with connection(reply(1, data)) as s:
+            assert isinstance(receive(s, 1, t, True), links.Fetched)
+    finally:
+        _WAY["straight"] = False
+    assert guard.clean() and os.fstat(arena.fd).st_size == ARENA
+    got = b"".join(os.pread(arena.fd, n, o) for o, n in EXTENTS)
+    assert got[: len(data)] == data
+    os.pwrite(arena.fd, b"file", 6 * MiB + 100)  # the zero page is gone: the file's again
+    assert ctypes.string_at(base + 6 * MiB + 100, 4) == b"file"
+
+
+def test_a_sigbus_outside_the_guarded_ranges_still_ends_the_process(tmp_path: Path) -> None:
+    """The guard answers faults in guarded ranges only: anywhere else the action it
+    replaced runs (here the default: the process ends by SIGBUS)."""
+    script = f"""
+import ctypes, mmap, os
+from kvpool.agent import busguard
+assert busguard.guard() is not None
+fd = os.open({str(tmp_path / "other")!r}, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 8192)
+m = mmap.mmap(fd, 8192, flags=mmap.MAP_SHARED)
+os.ftruncate(fd, 0)
+print("faulting", flush=True)
+ctypes.string_at(ctypes.addressof(ctypes.c_char.from_buffer(m)), 4)
+print("survived", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout == "faulting\n" and out.returncode == -signal.SIGBUS, out

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checksums
+from . import busguard, checksums
 from .constants import PAGE_BYTES
 from .protocol import Extents
 from .units import human_size
@@ -195,6 +195,13 @@ class Arena:
     store would be SIGBUS; the agent then puts the file back and writes on. What a peer
     read receives goes in the same way on tmpfs too (`write_run`), where it is allowed:
     cheaper than pwrite there. Reads use pread on both file systems.
+
+    The one exception: on tmpfs, once the process's SIGBUS guard is installed
+    (`busguard`: a load from a page past a shrunk file is answered with a zero page and
+    counted), a peer read is received straight into the mapping and its checksum taken by
+    reading the bytes there (`guard_counts`); after a fault the guard answered, `repair`
+    puts the file back and maps it over the zero pages again before a read trusts the
+    mapping.
     """
 
     def __init__(self, path: Path, size: int, *, lock: bool = True, huge_pages: bool = False):
@@ -235,6 +242,8 @@ class Arena:
             self._check_mapped_writes()
         else:
             self.mapped_writes = self._mapped_writes_work()
+        self._guarded: busguard.Guard | None = None
+        """The SIGBUS guard this arena's mapping is in (`guard_counts`), once it is."""
         if lock:
             self._lock()
 
@@ -320,6 +329,45 @@ class Arena:
         compiled peer receive writes there the same way, `peers.recvkernel`), else 0."""
         return self._base if self.mapped_writes and self._anchor is not None else 0
 
+    def guard_counts(self) -> int:
+        """The address of the SIGBUS guard's counts (`busguard`) where this arena's mapping
+        may be read under the guard: a peer read is then received straight into the
+        mapping and its checksum taken there (`peers.recvkernel`). 0 where it may not (no
+        guard installed yet, an arena on huge pages, or one not written through its
+        mapping): the read goes through a buffer and `process_vm_writev` as before."""
+        if self._guarded is None:
+            g = busguard.ready()
+            if (g is None or self.huge_pages or not self.mapped_writes
+                    or self._anchor is None or not g.add(self._base, self.size, self._remap)):
+                return 0
+            self._guarded = g
+        return self._guarded.counts_at
+
+    def repair(self) -> None:
+        """After the guard answered a load from this process's mappings with a zero page
+        (a client shrank the file): the file put back to its size and mapped over every
+        guarded range again, before any read trusts the mapping (`busguard.Guard.repair`;
+        nothing to do otherwise)."""
+        if self._guarded is not None:
+            self._guarded.repair()
+
+    def _remap(self) -> None:
+        """This arena's file mapped over its mapping again, in place (the zero pages the
+        guard put there go), pre-faulted and locked as at the start."""
+        self.restore_size()
+        libc = _libc()
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        flags = mmap.MAP_SHARED | 0x10 | mmap.MAP_POPULATE  # MAP_FIXED: the same addresses
+        got = libc.mmap(self._base, self.size, mmap.PROT_READ | mmap.PROT_WRITE, flags,
+                        self.fd, 0)
+        if got != self._base:
+            err = ctypes.get_errno()
+            raise OSError(err, f"arena {self.path} cannot be mapped again: {os.strerror(err)}")
+        if self.locked_bytes:
+            _libc().mlock(ctypes.c_void_p(self._base), ctypes.c_size_t(self.size))
+
     def _write_mapped(self, offset: int, src: memoryview) -> None:
         """Copy `src` into the mapping at `offset` through the kernel (process_vm_writev to
         this process), so a page that cannot be faulted in is an error code, never SIGBUS."""
@@ -377,6 +425,9 @@ class Arena:
                 done += got
 
     def close(self) -> None:
+        if self._guarded is not None:
+            self._guarded.remove(self._base)
+            self._guarded = None
         if self._anchor is not None:
             if self.locked_bytes:
                 _libc().munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(self.size))

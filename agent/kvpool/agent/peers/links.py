@@ -23,13 +23,16 @@ file moved the bytes without entering this process, but its read-back for the ch
 cost a quarter of a 16 MiB read: docs/benchmarks.md, "The peer tier between two nodes".)
 On plain TCP into a mapped arena the same steps, the reply's head included, are one
 compiled call that never takes the GIL (`recvkernel`); the thread takes it once a chunk,
-to compare the checksum and settle the read.
+to compare the checksum and settle the read. Into an arena under the SIGBUS guard
+(`busguard`, `ArenaTarget.guard`) that call receives each piece straight into the
+mapping and takes the checksum there: one copy instead of two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -101,6 +104,13 @@ class ArenaTarget:
     """The address of the arena's mapping where `write` copies into it through the kernel
     (`Arena.mapped_writes`): a compiled receive writes there the same way
     (`recvkernel`); 0 where it does not (pwrite)."""
+    guard: int = 0
+    """The SIGBUS guard's counts where the mapping may be read under it
+    (`Arena.guard_counts`): a compiled receive then receives straight into the mapping and
+    hashes the bytes there; 0 where not."""
+    repair: Callable[[], None] | None = None
+    """`Arena.repair`, with `guard`: the mapping made whole again after a fault the guard
+    answered."""
 
     @property
     def room(self) -> int:
@@ -658,12 +668,20 @@ def receive(sock: socket.socket, rid: int, target: ArenaTarget, deadline: float,
             wake.pay()
         return _receive_rest(sock, rid, target, _recv_head(sock, deadline), deadline)
     paid = False
+    guard = target.guard if target.repair is not None else 0
     try:
         if sock.gettimeout() is not None:  # blocking: SO_RCVTIMEO bounds each receive
             sock.settimeout(None)
-        code = rx.start(sock.fileno(), rid, target.room, deadline, target.mapped,
-                        target.extents, -1 if wake is None else wake.owed_fd)
-        paid = True  # the call's first step
+        for _ in range(2):
+            code = rx.start(sock.fileno(), rid, target.room, deadline, target.mapped,
+                            target.extents, -1 if wake is None or paid else wake.owed_fd,
+                            guard)
+            paid = True  # the call's first step
+            if code != recvkernel.LOCAL or target.repair is None:
+                break
+            # A fault waits for its repair (nothing was received): the mapping made whole,
+            # the reply taken again once.
+            target.repair()
     finally:
         if wake is not None:
             if paid:
@@ -674,6 +692,12 @@ def receive(sock: socket.socket, rid: int, target: ArenaTarget, deadline: float,
         at, start, end = rx.fault()
         target.write(at, rx.buf[start:end])
         code = rx.resume()
+    if code == recvkernel.LOCAL:
+        # This agent's mapping failed the read, not the peer: a failed read (the
+        # connection goes, its replies out of step), never CORRUPT.
+        if target.repair is not None:
+            target.repair()
+        raise OSError(errno.EFAULT, "the arena was shrunk under the read (a client's fd)")
     if code == recvkernel.HEAD:
         return _receive_rest(sock, rid, target, rx.head, deadline)
     if code == recvkernel.TIMEOUT:

@@ -33,7 +33,20 @@ what it answers (errno, where a write faulted, the digest). Codes:
 - FAULT: the kernel could not write a piece into the mapping (a page past a file a client
   shrank is EFAULT, never SIGBUS): the piece is in the buffer and already hashed; the
   caller writes what is left of it (`Arena.write_run` puts the file back and writes,
-  or raises) and calls again from `resume`.
+  or raises) and calls again from `resume`. (Received straight into the mapping, what
+  the kernel could not put there is received into the buffer at the same place in the
+  piece, hashed after what landed, and handed back the same way.)
+- LOCAL: the mapping read under the SIGBUS guard cannot be trusted: a fault the guard
+  answered with a zero page came during the reply (its checksum may have read zeros, a
+  piece may have landed in a zero page), or one waits for its repair at the start (the
+  caller repairs, `Arena.repair`, and calls again: nothing was received). Not the
+  peer's doing.
+
+Received straight into the mapping (`guard`, where the arena is guarded): each piece by
+`recv` into its place in the arena (the kernel's copy), then XXH3 over it there, while
+it is in cache: one copy, where the buffer's way costs two (the buffer, then
+`process_vm_writev`, which also pins the arena's pages at every call). That read of the
+mapping is the agent's only load from it, under `busguard`'s SIGBUS guard.
 
 The compiled path needs llvmlite, the exported XXH3 functions, a 64-bit little-endian
 Linux and an arena written through its mapping (`Arena.mapped_writes`); otherwise
@@ -54,18 +67,21 @@ import time
 import weakref
 from collections.abc import Callable
 
+from .. import busguard
 from ..jit import Lazy, compile_ir
 from . import wire
 
 log = logging.getLogger(__name__)
 
-DONE, HEAD, TIMEOUT, CLOSED, ERRNO, FAULT = range(6)
+DONE, HEAD, TIMEOUT, CLOSED, ERRNO, FAULT, LOCAL = range(7)
 
 # ctx slots (i64): set by the caller...
 _FD, _RID, _ROOM, _DEADLINE, _HEAD, _SIDE, _BUF, _BUFLEN, _STATE, _PID, _BASE = range(11)
 _EXTENTS, _NEXTENTS, _START, _FLAGS, _LEVEL, _OPTION, _CLOCK, _WAKE, _ONE = range(11, 20)
 # ...and by the call
 _ERRNO, _FAULT_AT, _FAULT_FROM, _FAULT_TO, _RESUME, _DIGEST = range(20, 26)
+# the SIGBUS guard's counts (0: receive through the buffer), and the call's own
+_GUARD, _GOT, _SNAP = range(26, 29)
 _CTX_SLOTS = 32
 _FNS = ("recv", "setsockopt", "clock_gettime", "process_vm_writev", "__errno_location")
 _XXH3 = ("XXH3_64bits_reset", "XXH3_64bits_update", "XXH3_64bits_digest")
@@ -142,6 +158,8 @@ none:
   %zero = icmp eq i64 %k, 0
   br i1 %zero, label %closed, label %failed
 failed:
+  %gotp = getelementptr i64, ptr %ctx, i64 {_GOT}
+  store i64 %got, ptr %gotp, align 8
   %ep = call ptr %errno_at()
   %e = load i32, ptr %ep, align 4
   %eintr = icmp eq i32 %e, 4
@@ -257,8 +275,24 @@ wake:
   store i64 -1, ptr %wkp, align 8
   br label %begin
 begin:
+  %gp = getelementptr i64, ptr %ctx, i64 {_GUARD}
+  %gi = load i64, ptr %gp, align 8
+  %direct = icmp ne i64 %gi, 0
+  %counts = inttoptr i64 %gi to ptr
+  %snapp = getelementptr i64, ptr %ctx, i64 {_SNAP}
   %fresh = icmp slt i64 %start, 0
-  br i1 %fresh, label %head.in, label %resume
+  br i1 %fresh, label %guard, label %resume
+guard:
+  br i1 %direct, label %guard.in, label %head.in
+guard.in:
+  %faults = load atomic i64, ptr %counts seq_cst, align 8
+  %repp = getelementptr i64, ptr %counts, i64 1
+  %repairs = load atomic i64, ptr %repp seq_cst, align 8
+  store i64 %faults, ptr %snapp, align 8
+  %clean = icmp eq i64 %faults, %repairs
+  br i1 %clean, label %head.in, label %local
+local:
+  ret i64 {LOCAL}
 head.in:
   %c1 = call i64 @fill(ptr %ctx, ptr %fns, ptr %head, i64 28)
   %bad1 = icmp ne i64 %c1, {DONE}
@@ -345,6 +379,54 @@ piece.in:
   %pleft = sub i64 %len, %d
   %fits = icmp ult i64 %pleft, %buflen
   %m = select i1 %fits, i64 %pleft, i64 %buflen
+  %aoff = add i64 %off, %d
+  br i1 %direct, label %d.in, label %b.in
+d.in:
+  %dbp = getelementptr i64, ptr %ctx, i64 {_BASE}
+  %dbase = load i64, ptr %dbp, align 8
+  %daddr = add i64 %dbase, %aoff
+  %dptr = inttoptr i64 %daddr to ptr
+  %c4 = call i64 @fill(ptr %ctx, ptr %fns, ptr %dptr, i64 %m)
+  %dok4 = icmp eq i64 %c4, {DONE}
+  br i1 %dok4, label %d.hash, label %d.bad
+d.hash:
+  %r4 = call i32 %update(ptr %state, ptr %dptr, i64 %m)
+  br label %wrote
+d.bad:
+  %err4 = icmp eq i64 %c4, {ERRNO}
+  br i1 %err4, label %d.errno, label %d.fail
+d.errno:
+  %erp4 = getelementptr i64, ptr %ctx, i64 {_ERRNO}
+  %e4 = load i64, ptr %erp4, align 8
+  %efault = icmp eq i64 %e4, 14
+  br i1 %efault, label %d.fault, label %d.fail
+d.fail:
+  ret i64 %c4
+d.fault:
+  %gotp4 = getelementptr i64, ptr %ctx, i64 {_GOT}
+  %g4 = load i64, ptr %gotp4, align 8
+  %r5 = call i32 %update(ptr %state, ptr %dptr, i64 %g4)
+  %rest4 = sub i64 %m, %g4
+  %bat = getelementptr i8, ptr %buf, i64 %g4
+  %c5 = call i64 @fill(ptr %ctx, ptr %fns, ptr %bat, i64 %rest4)
+  %dok5 = icmp eq i64 %c5, {DONE}
+  br i1 %dok5, label %d.rest, label %d.fail5
+d.fail5:
+  ret i64 %c5
+d.rest:
+  %r6 = call i32 %update(ptr %state, ptr %bat, i64 %rest4)
+  %fap4 = getelementptr i64, ptr %ctx, i64 {_FAULT_AT}
+  store i64 %aoff, ptr %fap4, align 8
+  %ffp4 = getelementptr i64, ptr %ctx, i64 {_FAULT_FROM}
+  store i64 %g4, ptr %ffp4, align 8
+  %ftp4 = getelementptr i64, ptr %ctx, i64 {_FAULT_TO}
+  store i64 %m, ptr %ftp4, align 8
+  %after4 = add i64 %cpos, %d
+  %after4.m = add i64 %after4, %m
+  %rsmp4 = getelementptr i64, ptr %ctx, i64 {_RESUME}
+  store i64 %after4.m, ptr %rsmp4, align 8
+  ret i64 {FAULT}
+b.in:
   %c3 = call i64 @fill(ptr %ctx, ptr %fns, ptr %buf, i64 %m)
   %bad3 = icmp ne i64 %c3, {DONE}
   br i1 %bad3, label %fail3, label %hash
@@ -352,7 +434,6 @@ fail3:
   ret i64 %c3
 hash:
   %r2 = call i32 %update(ptr %state, ptr %buf, i64 %m)
-  %aoff = add i64 %off, %d
   %w = call i64 @put(ptr %ctx, ptr %fns, i64 %aoff, ptr %buf, i64 %m)
   %wbad = icmp ne i64 %w, 0
   br i1 %wbad, label %fault, label %wrote
@@ -376,6 +457,13 @@ extent.next:
   %cpos.n = add i64 %cpos, %en
   br label %extent
 finish:
+  br i1 %direct, label %guard.out, label %emit
+guard.out:
+  %faults.n = load atomic i64, ptr %counts seq_cst, align 8
+  %snap = load i64, ptr %snapp, align 8
+  %same = icmp eq i64 %faults.n, %snap
+  br i1 %same, label %emit, label %local
+emit:
   %dg = call i64 %digest(ptr %state)
   %dgo = getelementptr i64, ptr %ctx, i64 {_DIGEST}
   store i64 %dg, ptr %dgo, align 8
@@ -445,6 +533,8 @@ def _compile() -> _Kernel | None:
     receive = ctypes.CFUNCTYPE(ctypes.c_int64, _P, _P)(compiled[0])
     fns = (_P * len(addresses))(*addresses)
     _keep.extend((receive, fns))
+    # Guarded arenas take the bytes straight into their mapping (None: through the buffer).
+    busguard.guard()
     return _Kernel(receive, fns, create, free)
 
 
@@ -491,13 +581,17 @@ class Receiver:
         """Replies received whole by the kernel (DONE) on this thread."""
 
     def start(self, fd: int, rid: int, room: int, deadline: float, base: int,
-              extents: list[tuple[int, int]], wake: int = -1) -> int:
+              extents: list[tuple[int, int]], wake: int = -1, guard: int = 0) -> int:
         """Receive one reply on `fd` (blocking) for request `rid` into `extents` of the
         mapping at `base` (at most `room` bytes), by `deadline` (time.monotonic); a code.
         `wake`: an eventfd the call first adds 1 to (a settled read's wake-up of the event
-        loop, made without the GIL: `Settler.settle`'s `defer`), -1 for none."""
+        loop, made without the GIL: `Settler.settle`'s `defer`), -1 for none. `guard`: the
+        SIGBUS guard's counts (`busguard`, `Arena.guard_counts`) where the mapping may be
+        read under it: each piece is then received straight into the mapping and hashed
+        there; 0: through `buf`, then `process_vm_writev`."""
         c = self.ctx
         c[_WAKE] = wake
+        c[_GUARD] = guard
         c[_FD], c[_RID], c[_ROOM] = fd, rid, room
         c[_DEADLINE] = int(deadline * 1e9)
         c[_BASE] = base

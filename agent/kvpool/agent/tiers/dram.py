@@ -213,7 +213,8 @@ class DramTier:
         file's size restored first (a pwrite past a shrunk end would grow a sparse file)."""
         arena = self.arena
         arena.restore_size()
-        return ArenaTarget(arena.fd, extents, arena.write_run, arena.mapped_base)
+        return ArenaTarget(arena.fd, extents, arena.write_run, arena.mapped_base,
+                           arena.guard_counts(), arena.repair)
 
     # -- pins
 
