@@ -129,6 +129,14 @@ def test_wsum_depends_on_the_size_and_the_metadata() -> None:
         checksums.compute(checksums.WSUM, [b"abcd"], b"y")
 
 
+def test_many_wsums_of_one_size_and_metadata_are_each_the_definitions() -> None:
+    chunks = [os.urandom(4096) for _ in range(3)]
+    sums = [checksums.wsum_sums([c])[1:] for c in chunks]
+    packed = b"".join(s0.to_bytes(8, "little") + s1.to_bytes(8, "little") for s0, s1 in sums)
+    assert checksums.wsum_finish_many(4096, packed, b"meta") == \
+        [checksums.compute(checksums.WSUM, [c], b"meta") for c in chunks]
+
+
 def test_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown checksum kind"):
         checksums.compute(7, [b"x"])

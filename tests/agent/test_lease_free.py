@@ -5,6 +5,8 @@ agent (ACQUIRE) only for what fails (docs/protocol.md, "Reads without a lease").
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import itertools
 import os
 import random
 from collections.abc import Iterator
@@ -13,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.agent import leasefree
+from kvpool.agent import leasefree, leasekernel
 from kvpool.agent.arena import Arena, ExtentAllocator
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import AgentConfig, TierPolicy
+from kvpool.agent.hostcopy import HostTargets
 from kvpool.agent.lookupindex import IndexReader, SharedIndex
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.protocol import Extents, checksum
@@ -308,3 +311,169 @@ def test_a_chunk_in_several_extents_is_in_the_table_but_read_under_a_lease(
     finally:
         index.close()
         published.close()
+
+
+# ------------------------------------ destinations known before the read: compiled calls
+
+
+_fresh = itertools.count(1000)
+"""Key numbers for the tests below, each its own (the `shared` agent keeps what they store)."""
+
+
+def _wsum_put(client: KVPoolClient, keys: list[bytes], data: list[bytes],
+              meta: bytes = META) -> None:
+    """Store WSUM chunks, as an engine's connector does (from tensors)."""
+    torch = pytest.importorskip("torch")
+    chunks = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
+    assert client.put_many(keys, chunks, [meta] * len(keys)) == [True] * len(keys)
+
+
+def _targets(outs: list[bytearray], size: int = CHUNK, meta: bytes = META,
+             cut: int = 0) -> HostTargets:
+    """Each chunk into its buffer, as two ranges (the second `cut` bytes longer)."""
+    flat: list[int] = []
+    starts = [0]
+    for out in outs:
+        at = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
+        half = len(out) // 2 + cut
+        flat += [at, half, at + half, len(out) - half]
+        starts.append(len(flat) // 2)
+    return HostTargets(size, meta, flat, starts, owner=outs)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def planned(request: pytest.FixtureRequest,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """A `HostTargets` read through the compiled calls, or, where they are missing (no
+    llvmlite), through the Python path: the same results. Yields the compiled path's
+    table reads (`leasefree.located`'s calls: none for the Python path)."""
+    calls: list[int] = []
+    if request.param == "compiled":
+        assert leasekernel.kernels() is not None, "the agent's install has llvmlite"
+        real = leasefree.located
+
+        def counted(index: IndexReader, keys: Any) -> None:
+            calls.append(len(keys))
+            real(index, keys)
+        monkeypatch.setattr(leasefree, "located", counted)
+    else:
+        monkeypatch.setattr(leasekernel, "ready", lambda: None)
+        monkeypatch.setattr(leasekernel, "compile_soon", lambda: None)
+    yield calls
+    if request.param == "python":
+        assert not calls
+
+
+def test_a_planned_window_is_read_without_a_lease_in_compiled_calls_or_python(
+        shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
+    keys = [_key(next(_fresh)) for _ in range(6)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    _wsum_put(reader, keys, data)
+    before = scrape(shared)
+    outs = [bytearray(CHUNK) for _ in keys]
+    assert reader.get_many_into(keys, _targets(outs)) == [CHUNK] * len(keys)
+    assert [bytes(o) for o in outs] == data
+    assert reader.reads_without_lease == len(keys)
+    reader.stats()  # takes the told READ along first
+    after = scrape(shared)
+    assert after[ACQUIRES] == before[ACQUIRES], "no ACQUIRE went to the agent"
+    assert after[READS] == before.get(READS, 0) + 1
+    assert planned in ([], [len(keys)])
+
+
+def test_chunks_a_planned_read_cannot_take_go_through_a_lease(
+        shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
+    """In one window: a WSUM chunk (read here), a chunk of another metadata (declined by
+    the target: a miss), one of another size (declined), an XXH3 chunk (written from a
+    buffer: the compiled path has no sums to check it with, so a lease reads it; the
+    Python path reads it without one), a key not stored (a miss), and ranges that cut a
+    32-bit word (the copy loop's sums need whole words: a lease reads that one)."""
+    good, other_meta, small, xxh3, absent = (_key(next(_fresh)) for _ in range(5))
+    data = {k: os.urandom(CHUNK) for k in (good, other_meta, xxh3)}
+    data[small] = os.urandom(CHUNK // 2)
+    _wsum_put(reader, [good], [data[good]])
+    _wsum_put(reader, [other_meta], [data[other_meta]], META + b"-other")
+    _wsum_put(reader, [small], [data[small]])
+    assert reader.put(xxh3, data[xxh3], META)
+    keys = [good, other_meta, small, xxh3, absent]
+    outs = [bytearray(CHUNK) for _ in keys]
+    before = scrape(shared)
+    sizes = reader.get_many_into(keys, _targets(outs))
+    assert sizes == [CHUNK, 0, 0, CHUNK, 0]
+    assert bytes(outs[0]) == data[good] and bytes(outs[3]) == data[xxh3]
+    assert outs[1] == outs[2] == bytearray(CHUNK)  # declined: nothing copied there
+    after = scrape(shared)
+    assert after[NOT_FOUND] == before.get(NOT_FOUND, 0) + 1
+    # Compiled: the table read takes only the WSUM chunk of the target's size and metadata,
+    # the rest are ACQUIREd (then declined, or read). Python: the target declines the
+    # others' descriptions from the table, and the XXH3 chunk is read lease-free.
+    compiled = bool(planned)
+    assert after[ACQUIRES] == before[ACQUIRES] + (3 if compiled else 0)
+    assert reader.reads_without_lease == (1 if compiled else 2)
+    cut = [bytearray(CHUNK)]
+    assert reader.get_many_into([good], _targets(cut, cut=2)) == [CHUNK]
+    assert bytes(cut[0]) == data[good]
+    assert scrape(shared)[ACQUIRES] == after[ACQUIRES] + (1 if compiled else 0)
+    assert reader.reads_without_lease == (1 if compiled else 3)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["deleted", "deleted-and-reused"])
+def test_a_chunk_that_leaves_between_the_compiled_table_read_and_the_copy_is_never_returned(
+        agent: LocalAgent, client: KVPoolClient, reuse: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race of the Python path's test above, through the compiled calls: another
+    client deletes the chunk (and stores another WSUM chunk of the same size and metadata
+    in its pages) after `locate` found its slot and before `copy` copies it. The copy's
+    sums may even pass (deleted only: its pages still hold its bytes; reused: the other
+    chunk's bytes, checked against the first chunk's checksum), so the slot read again
+    after the copy must fail it: it goes to the agent, which has no such chunk."""
+    assert leasekernel.kernels() is not None
+    before_key, key, after_key, other = _key(140), _key(141), _key(142), _key(143)
+    data = {k: os.urandom(CHUNK) for k in (before_key, key, after_key, other)}
+    reader = KVPoolClient(agent.socket_path, lease_free=True)
+    _wsum_put(reader, [before_key, key, after_key], [data[before_key], data[key],
+                                                      data[after_key]])
+    where = _index(reader).locate(key)
+    assert where is not None
+    raced: list[bool] = []
+
+    def racing(index: IndexReader, keys: Any) -> None:
+        assert list(keys) == [key]
+        assert client.delete(key)
+        if reuse:
+            _wsum_put(client, [other], [data[other]])
+            moved = index.locate(other)
+            assert moved is not None and moved[2][0] == where[2][0], \
+                "the other chunk took the deleted chunk's pages"
+        raced.append(True)
+    monkeypatch.setattr(leasefree, "located", racing)
+    before = scrape(agent)
+    out = [bytearray(CHUNK)]
+    assert reader.get_many_into([key], _targets(out)) == [0]
+    assert raced, "the race ran"
+    assert reader.reads_without_lease == 0
+    if reuse:
+        assert bytes(out[0]) == data[other]  # the copy read the other chunk's bytes...
+    after = scrape(agent)  # ...and the read went on to the agent: not found
+    assert after[NOT_FOUND] == before[NOT_FOUND] + 1
+    reader.close()
+
+
+def test_corrupted_arena_bytes_fail_a_planned_read_and_are_a_miss(
+        shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
+    key = _key(next(_fresh))
+    data = os.urandom(CHUNK)
+    _wsum_put(reader, [key], [data])
+    located = _index(reader).locate(key)
+    assert located is not None
+    arena = reader._arena
+    assert arena is not None
+    arena[located[2][0] + 4096] ^= 0x01
+    acquires = scrape(shared)[ACQUIRES]
+    out = [bytearray(CHUNK)]
+    assert reader.get_many_into([key], _targets(out)) == [0]
+    assert reader.reads_without_lease == 0
+    assert scrape(shared)[ACQUIRES] == acquires + 1  # the leased read's check failed too
+    arena[located[2][0] + 4096] ^= 0x01
+    assert reader.get_many_into([key], _targets(out)) == [CHUNK] and bytes(out[0]) == data
+    assert reader.reads_without_lease == 1

@@ -76,6 +76,15 @@ def wsum_finish(size: int, s0: int, s1: int, meta: bytes = b"") -> int:
     return int(xxhash.xxh3_64_intdigest(head + meta))
 
 
+def wsum_finish_many(size: int, sums: bytes, meta: bytes = b"") -> list[int]:
+    """`wsum_finish` of chunks of one `size` and metadata, from their (S0, S1) as u64
+    little-endian pairs one after the other (`sums`, 16 bytes a chunk, e.g. a compiled
+    loop's output): the same bytes hashed, with no Python step a word."""
+    head = WSUM_DOMAIN + struct.pack("<Q", size)
+    return [xxhash.xxh3_64_intdigest(head + sums[k : k + 16] + meta)
+            for k in range(0, len(sums), 16)]
+
+
 class Wsum:
     """WSUM's sums over a chunk fed in parts (`update`, any cut, like `xxhash.xxh3_64`).
 

@@ -21,14 +21,13 @@ so a retried put or get starts over.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import select
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,10 +43,12 @@ from .constants import (
     PEER_TIER_CODE,
     TIER_NAMES,
 )
+from .hostcopy import HostTargets
 from .protocol import EngineBlocks
 from .transport import (
     Buffer,
     BufferCopies,
+    HeldCasts,
     Meanwhile,
     Mode,
     PutResult,
@@ -414,8 +415,14 @@ class KVPoolClient:
             assert isinstance(t, ZeroCopyTransport) and t.index is not None
             if meanwhile is not None:
                 meanwhile()  # (the targets may need it: there is no answer to wait for)
-            left, remembered, done = leasefree.read_window(
-                t.index, t.arena, t.base, self._metas, keys, start, target, sizes)
+            planned = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, start,
+                                             target, sizes) \
+                if isinstance(target, HostTargets) else None
+            if planned is not None:
+                left, done = planned
+            else:
+                left, remembered, done = leasefree.read_window(
+                    t.index, t.arena, t.base, self._metas, keys, start, target, sizes)
             self._told_reads(t, done)
             if not left:
                 return
@@ -434,14 +441,13 @@ class KVPoolClient:
             for j, i in enumerate(left):
                 sizes[start + i] = got[j]
 
-    @contextlib.contextmanager
-    def releases_held(self) -> Iterator[None]:
+    def releases_held(self) -> HeldCasts:
         """Reads made in the block end their leases when it ends, not as each returns: the
         RELEASEs go out in one write then (or with any call made meanwhile). The chunks were
         copied (and checked) when each read returned; a caller hands them on first, e.g. a
-        connector telling its engine that a load is done."""
-        with self._live().conn.held_casts():
-            yield
+        connector telling its engine that a load is done. The agent hears of reads made
+        without a lease at the same time."""
+        return self._live().conn.held_casts()
 
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],
                  metas: Sequence[bytes] | None = None, *,

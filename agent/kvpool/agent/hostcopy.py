@@ -22,10 +22,13 @@ and verified from the destination: the same results, slower.
 
 from __future__ import annotations
 
+import array
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from . import checksums, wsumkernel
 from . import protocol as p
@@ -45,6 +48,45 @@ class HostRanges:
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.ranges)
+
+
+class HostTargets:
+    """A read target (`transport.ReadTarget`) whose destinations are known before the read:
+    chunk i of the call goes to host ranges i when it has `size` bytes and metadata `meta`
+    (or metadata `same(meta)` says is the same), and any other chunk is declined (None).
+
+    The ranges are given flat, as a compiled loop takes them: `ranges` the (address, bytes)
+    pairs of every chunk one after the other, `starts` (one more than the chunks) where each
+    chunk's pairs begin. A lease-free read of such a window makes its table reads, copies
+    and checks in compiled calls (`leasekernel`). `meta_hash`: the metadata's XXH3-64, if
+    the caller has it (else computed here)."""
+
+    __slots__ = ("meta", "meta_hash", "owner", "ranges", "same", "size", "starts")
+
+    def __init__(self, size: int, meta: bytes, ranges: Sequence[int], starts: Sequence[int],
+                 *, same: Callable[[bytes], bool] | None = None, owner: Any = None,
+                 meta_hash: int | None = None) -> None:
+        self.size = size
+        self.meta = meta
+        self.meta_hash = xxhash.xxh3_64_intdigest(meta) if meta_hash is None else meta_hash
+        self.same = same
+        self.owner = owner
+        """What the addresses point into, kept alive with the target."""
+        self.ranges: array.array[int] = ranges if isinstance(ranges, array.array) \
+            else array.array("Q", ranges)
+        self.starts: array.array[int] = starts if isinstance(starts, array.array) \
+            else array.array("Q", starts)
+
+    def __call__(self, index: int, size: int, meta: bytes) -> HostRanges | None:
+        if size != self.size or (meta != self.meta
+                                 and (self.same is None or not self.same(meta))):
+            return None
+        if index + 1 >= len(self.starts):
+            return None
+        flat = self.ranges
+        first, end = self.starts[index], self.starts[index + 1]
+        return HostRanges([(flat[2 * k], flat[2 * k + 1]) for k in range(first, end)],
+                          owner=self.owner)
 
 
 def address_of(buffer: Any) -> int:

@@ -40,14 +40,17 @@ goes through the lease (a device copy completes later, after the slot's second r
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
+from . import leasekernel
 from . import protocol as p
+from .checksums import wsum_finish_many
 from .constants import KEY_BYTES
-from .hostcopy import HostRanges
+from .hostcopy import HostRanges, HostTargets
 from .lookupindex import IndexReader, Where
 from .transport import BufferCopies, Check, ReadTarget
 
@@ -65,8 +68,12 @@ class Metas:
 
     def __init__(self) -> None:
         self._by_hash: dict[int, bytes] = {xxh3_64_intdigest(b""): b""}
+        self._last: bytes | None = None
 
     def learn(self, meta: bytes) -> None:
+        if meta is self._last:
+            return  # (an engine's connector tells the same one before every load)
+        self._last = meta
         h = xxh3_64_intdigest(meta)
         if h in self._by_hash:
             return
@@ -152,6 +159,63 @@ def read_window(index: IndexReader, arena: memoryview, base: int, metas: Metas,
             left.append(i)
     left.sort()
     return left, remembered, read
+
+
+def located(index: IndexReader, keys: Sequence[bytes]) -> None:
+    """Called by `read_planned` between its table reads and its copies, doing nothing: a
+    module function so that a test can act there (as `locate` for `read_window`)."""
+
+
+def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes],
+                 start: int, target: HostTargets, sizes: list[int]
+                 ) -> tuple[list[int], list[bytes]] | None:
+    """`read_window` for a window whose destinations are known (`HostTargets`), in two
+    compiled calls (`leasekernel`): the slots read under their seqlock, the copies with
+    their sums, the slots and the table's epoch read again, with no Python per chunk but
+    its checksum from the sums. Returns the window indices left for the socket (any chunk
+    not read here: not in the table as one WSUM extent of the target's size and metadata,
+    a slot or epoch that changed, a checksum mismatch) and the keys read; None where the
+    compiled calls cannot take the window (not compiled yet: compiling now on a thread of
+    its own; a malformed key; destinations not given for every key): `read_window` then."""
+    kernels = leasekernel.ready()
+    if kernels is None:
+        leasekernel.compile_soon()
+        return None
+    n = len(keys)
+    want = b"".join(keys)
+    if len(want) != KEY_BYTES * n or (n and max(map(len, keys)) != KEY_BYTES) \
+            or len(target.starts) < start + n + 1 or target.size & 3:
+        return None
+    epoch = index.epoch()
+    if epoch is None:
+        return list(range(n)), []
+    info = array.array("Q", bytes(8 * leasekernel.INFO_WORDS * n))
+    at = info.buffer_info()[0]
+    found = kernels.locate(index.address, index.mask, want, n, target.size, target.meta_hash,
+                           limit, at)
+    if not found:
+        return list(range(n)), []
+    located(index, keys)
+    sums = array.array("Q", bytes(16 * n))
+    kept = kernels.copy(index.address, base, want, at, n, target.ranges.buffer_info()[0],
+                        target.starts.buffer_info()[0] + 8 * start, target.size, epoch,
+                        sums.buffer_info()[0])
+    if not kept:
+        return list(range(n)), []
+    digests = wsum_finish_many(target.size, sums.tobytes(), target.meta)
+    wanted = info[3 :: leasekernel.INFO_WORDS]
+    if found == n and digests == wanted.tolist() and all(info[:: leasekernel.INFO_WORDS]):
+        sizes[start : start + n] = [target.size] * n  # every chunk read (the usual load)
+        return [], list(keys)
+    left: list[int] = []
+    read: list[bytes] = []
+    for i, digest in enumerate(digests):
+        if info[leasekernel.INFO_WORDS * i] and digest == wanted[i]:
+            sizes[start + i] = target.size
+            read.append(keys[i])
+        else:
+            left.append(i)
+    return left, read
 
 
 def socket_target(target: ReadTarget, start: int, left: Sequence[int],

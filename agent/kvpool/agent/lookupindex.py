@@ -578,6 +578,8 @@ class IndexReader:
         self._words_tried = False
         self._base = address_of(self._mm)
         """The mapping's address, for the compiled walk (`lookupkernel`)."""
+        self.address = self._base
+        """The same, for the compiled lease-free read (`leasekernel`)."""
         self._out = bytearray(MAX_LOOKUP_KEYS)
 
     @staticmethod

@@ -87,9 +87,7 @@ def _slot_read(p: str, base: str, at: str, torn: str, good: str) -> str:
 """
 
 
-_IR = f"""
-declare i64 @llvm.bswap.i64(i64)
-
+XXH3_IR = f"""
 define internal i64 @xxh3(i64 %k0, i64 %k1) alwaysinline nounwind {{
   %lo = xor i64 %k0, {_BITFLIP1}
   %hi = xor i64 %k1, {_BITFLIP2}
@@ -111,7 +109,16 @@ define internal i64 @xxh3(i64 %k0, i64 %k1) alwaysinline nounwind {{
   %h = xor i64 %av.3, %av.4
   ret i64 %h
 }}
+"""
+"""`i64 @xxh3(i64 k0, i64 k1)`: XXH3-64 (seed 0) of a 16-byte key as two little-endian words,
+what the tables are laid out by: IR shared with the other kernels that walk them
+(`leasekernel`)."""
 
+
+_IR = f"""
+declare i64 @llvm.bswap.i64(i64)
+
+{XXH3_IR}
 ; The agent's side of the peer table (`lookupindex.PeerIndex`): a slot written under its
 ; seqlock (first word odd, the key, the first word even and changed), every word one store.
 define internal void @write_slot(ptr %p, i64 %word, i64 %k0, i64 %k1) alwaysinline nounwind {{

@@ -378,8 +378,10 @@ class Connection:
         self._ahead = memoryview(bytearray(_READ_AHEAD))
         self._early = bytearray()
         """Bytes `_collect` read past the last whole reply: the start of the next one."""
-        self._told: list[bytes] = []
-        """Encoded told requests not sent yet: they go first in the next write."""
+        self._told: list[bytes | p.Request] = []
+        """Told requests not sent yet, encoded or not (encoded when written: a caller that
+        holds them, `held_casts`, pays for it after its block): they go first in the next
+        write."""
         self._holding = 0
         """Open `held_casts` blocks: casts wait in `_told` until the outermost one ends."""
         self._readable = select.poll()
@@ -446,7 +448,8 @@ class Connection:
         """Write the told requests waiting, then `frames`, in one write."""
         sock = self._live()
         if self._told:
-            frames = b"".join(self._told) + frames
+            frames = b"".join([r if isinstance(r, bytes) else p.encode(r)
+                               for r in self._told]) + frames
             self._unanswered += len(self._told)
             self._told.clear()
         sock.sendall(frames)
@@ -481,7 +484,7 @@ class Connection:
                 if self._unanswered + len(self._told) >= TELL_AHEAD:
                     self.untold += 1
                     return
-            self._told.append(p.encode(req))
+            self._told.append(req)
             if now or len(self._told) >= TELL_BATCH:
                 self._send(b"")
         except OSError:
@@ -520,7 +523,7 @@ class Connection:
         if not reqs or self.sock is None:
             return
         if self._holding:
-            self._told += [p.encode(r) for r in reqs]
+            self._told += reqs
             return
         try:
             self._send(b"".join(p.encode(r) for r in reqs))
@@ -531,22 +534,36 @@ class Connection:
             return
         self._unanswered += len(reqs)
 
-    @contextlib.contextmanager
-    def held_casts(self) -> Iterator[None]:
+    def held_casts(self) -> HeldCasts:
         """Hold back the casts made in the block (a read's RELEASEs) until it ends, then
         send them in one write (any call made meanwhile takes them along first). A caller
         that hands a read's data on before its leases end is not kept waiting by that
         write: it wakes the agent, which on a busy machine may take this thread's core."""
-        self._holding += 1
-        try:
-            yield
-        finally:
-            self._holding -= 1
-            if not self._holding and self._told and self.sock is not None:
-                try:
-                    self._send(b"")
-                except OSError:
-                    self.close()  # the agent ends a closed connection's leases itself
+        return HeldCasts(self)
+
+    def _held(self, delta: int) -> None:
+        self._holding += delta
+        if not self._holding and self._told and self.sock is not None:
+            try:
+                self._send(b"")
+            except OSError:
+                self.close()  # the agent ends a closed connection's leases itself
+
+
+class HeldCasts:
+    """`Connection.held_casts`'s block (a class, not a generator: it is entered on every
+    load of an engine's connector, where each Python step counts)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def __enter__(self) -> None:
+        self._conn._held(1)
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn._held(-1)
 
 
 class Transport(ABC):

@@ -416,19 +416,22 @@ _keep: list[Any] = []
 """The ctypes functions over the compiled code, kept with it for the process's life."""
 
 
-def _compile() -> tuple[_Kernel, _Kernel] | None:
+def _compile() -> tuple[_Kernel, _Kernel, int] | None:
     try:
-        addresses = compile_ir(_ir(), ("wsum_rows", "wsum_copy"), opt=3)
+        addresses = compile_ir(_ir(), ("wsum_rows", "wsum_copy", "wsum_piece"), opt=3)
     except Exception as e:  # a JIT refused (e.g. no executable memory): numpy still works
         log.warning("WSUM kernel not compiled (%s); WSUM sums use numpy", e)
         return None
     if addresses is None:
         return None
+    if not all(addresses):  # (a function the IR lacks: never call address 0)
+        log.warning("WSUM kernel not compiled (a function is missing); WSUM sums use numpy")
+        return None
     # ctypes releases the GIL for the call
     fns = [ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)(a)
-           for a in addresses]
+           for a in addresses[:2]]
     _keep.extend(fns)
-    return fns[0], fns[1]
+    return fns[0], fns[1], addresses[2]
 
 
 _compiled = Lazy(_compile, "kvpool-wsum-jit")
@@ -455,6 +458,14 @@ def copier() -> _Kernel | None:
     """`wsum_copy` (compiled with the row loop), or None without llvmlite."""
     compiled = _compiled.get()
     return compiled[1] if compiled is not None else None
+
+
+def piece_address() -> int | None:
+    """The address of the compiled `void wsum_piece(ptr src, ptr dst, i64 bytes, ptr out)`
+    (one piece of `wsum_copy`: its copy, and its (S0, S1) at out[0], out[1]), for other
+    compiled loops to call (`leasekernel`); None without llvmlite."""
+    compiled = _compiled.get()
+    return compiled[2] if compiled is not None else None
 
 
 def copy_sums(pieces: Sequence[int]) -> list[int] | None:

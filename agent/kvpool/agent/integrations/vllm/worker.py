@@ -39,10 +39,11 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+from xxhash import xxh3_64_intdigest
 
-from ... import wsumkernel
+from ... import leasekernel, wsumkernel
 from ...client import KVPoolClient
-from ...hostcopy import HostRanges
+from ...hostcopy import HostRanges, HostTargets
 from .. import engine_pod
 from .jobs import LoadJob, Rank, SaveJob, StepJobs
 from .layout import chunk_meta, meta_matches
@@ -84,6 +85,7 @@ class WorkerSide:
         self._layers: list[torch.Tensor] = []
         self._per_block = 1
         self._meta = b""
+        self._meta_hash = 0
         self._chunk_bytes = 0
         self._queue: queue.Queue[tuple[LoadJob | SaveJob, Any] | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -113,13 +115,19 @@ class WorkerSide:
         self._per_block = first.shape[0] // num_blocks
         block_shape = [self._per_block, *first.shape[1:]]
         self._meta = chunk_meta(self.layout, block_shape)
+        self._meta_hash = xxh3_64_intdigest(self._meta)
         block_bytes = first[: self._per_block].numel() * first.element_size()
         self._chunk_bytes = block_bytes * len(layers) * self.layout.blocks_per_chunk
         self._host = _HostBlocks.of(layers, self._per_block, num_blocks)
         # Compiled now (a fraction of a second, once per process), not in the first load.
         wsumkernel.kernel()
+        if self.settings.lease_free:
+            leasekernel.kernels()
         self._thread = threading.Thread(target=self._run, name="kvpool-io", daemon=True)
         self._thread.start()
+
+    def _same_meta(self, meta: bytes) -> bool:
+        return meta_matches(meta, self._meta)
 
     def _block(self, layer: torch.Tensor, block_id: int) -> torch.Tensor:
         return layer[block_id * self._per_block : (block_id + 1) * self._per_block]
@@ -244,25 +252,21 @@ class WorkerSide:
         if self.fault_hook is not None:
             self.fault_hook(keys)
         host = self._host
-        chunks: list[Any] = []
-
-        def plan() -> None:
-            """Each chunk's destination: its blocks' addresses, or tensor pieces."""
-            chunks[:] = [
-                host.ranges(bids, job.skip_blocks if i == 0 else 0) if host is not None
-                else self._segments(bids, job.skip_blocks if i == 0 else 0)
-                for i, bids in enumerate(job.block_ids)]
+        target: Any
         if host is not None:
-            # Addresses are planned while the agent answers the first ACQUIREs (plain
-            # integers: once the ids are checked here, nothing there fails).
-            host.check(job.block_ids)
+            # Addresses, known before the read (plain integers: once the ids are checked
+            # here, nothing in the read fails on them), so the client reads a lease-free
+            # window in compiled calls.
+            ranges, starts = host.window(job.block_ids, job.skip_blocks)
+            target = HostTargets(self._chunk_bytes, self._meta, ranges, starts,
+                                 same=self._same_meta, owner=host, meta_hash=self._meta_hash)
         else:
-            plan()
+            chunks = [self._segments(bids, job.skip_blocks if i == 0 else 0)
+                      for i, bids in enumerate(job.block_ids)]
 
-        def target(i: int, size: int, meta: bytes) -> Any:
-            return chunks[i] if size == self._chunk_bytes and meta_matches(meta, self._meta) \
-                else None
-
+            def target(i: int, size: int, meta: bytes) -> Any:
+                return chunks[i] if size == self._chunk_bytes and self._same_meta(meta) \
+                    else None
         reported = False
 
         def get(client: KVPoolClient) -> list[int]:
@@ -274,12 +278,11 @@ class WorkerSide:
             # the rest under a lease, as every chunk on CUDA.
             client.expect_meta(self._meta)
             with client.releases_held():
-                sizes = client.get_many_into(keys, target, verify=True, stream=self._stream,
-                                             meanwhile=plan if host is not None else None)
+                sizes = client.get_many_into(keys, target, verify=True, stream=self._stream)
                 # A chunk still stored but not loadable (its checksum failed: corrupt) is
                 # deleted, so that the next request that computes it stores it again; one
                 # that is gone costs a DELETE that finds nothing.
-                for key, size in zip(keys, sizes, strict=True):
+                for key, size in zip(keys, sizes, strict=True) if not all(sizes) else ():
                     if not size and client.delete(key):
                         log.warning("kvpool: a stored chunk failed its checksum and was "
                                     "deleted from the pool")
@@ -290,8 +293,9 @@ class WorkerSide:
             self._report_load(job, [0] * len(keys))
 
     def _report_load(self, job: LoadJob, sizes: list[int]) -> None:
-        bad = [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
-               if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
+        bad = [] if all(sizes) else \
+            [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
+             if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
         if bad and self.link.client is not None:
             missing = sum(1 for s in sizes if not s)
             log.info("kvpool: %d of %d chunks of request %s not loaded (evicted, failing "
@@ -362,6 +366,32 @@ class _HostBlocks:
             if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
                 raise ValueError(f"kvpool: block ids {block_ids} out of the KV cache's "
                                  f"{self.num_blocks} blocks")
+
+    def window(self, chunks: list[list[int]], skip_blocks: int) -> tuple[list[int], list[int]]:
+        """The destinations of a load's chunks, flat as `HostTargets` takes them: every
+        chunk's (address, bytes) pairs one after the other, and where each chunk's begin;
+        the first chunk's first `skip_blocks` blocks go to the scratch block. Block ids
+        outside the KV cache are refused (`check`)."""
+        flat: list[int] = []
+        starts = [0]
+        bases, stride, nbytes, limit = self.bases, self.stride, self.nbytes, self.num_blocks
+        for i, block_ids in enumerate(chunks):
+            n = len(block_ids)
+            first = block_ids[0] if n else 0
+            if n and (min(block_ids) < 0 or max(block_ids) >= limit):
+                self.check([block_ids])
+            if n and (i or not skip_blocks) and stride == nbytes \
+                    and block_ids[-1] - first == n - 1 \
+                    and block_ids == list(range(first, first + n)):
+                # the usual chunk: consecutive blocks, one range a layer (as `ranges`)
+                at, length = first * stride, n * nbytes
+                for base in bases:
+                    flat += (base + at, length)
+            else:
+                for at, length in self.ranges(block_ids, skip_blocks if i == 0 else 0).ranges:
+                    flat += (at, length)
+            starts.append(len(flat) // 2)
+        return flat, starts
 
     def ranges(self, block_ids: list[int], scratch_blocks: int = 0) -> HostRanges:
         """A chunk's destination: for each layer, its blocks in order (adjacent ones
