@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from kvpool.agent import leasefree, leasekernel
 from kvpool.agent.arena import Arena, ExtentAllocator
@@ -364,14 +365,17 @@ def planned(request: pytest.FixtureRequest,
         assert not calls
 
 
+@pytest.mark.parametrize("meta", [META, b"m" * 300], ids=["short-meta", "long-meta"])
 def test_a_planned_window_is_read_without_a_lease_in_compiled_calls_or_python(
-        shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
+        shared: LocalAgent, reader: KVPoolClient, planned: list[int], meta: bytes) -> None:
+    """Metadata of 300 bytes: its checksum's input is over the compiled hash's 240 bytes,
+    so the checksums are made from the sums in Python (`wsum_finish_many`)."""
     keys = [_key(next(_fresh)) for _ in range(6)]
     data = [os.urandom(CHUNK) for _ in keys]
-    _wsum_put(reader, keys, data)
+    _wsum_put(reader, keys, data, meta)
     before = scrape(shared)
     outs = [bytearray(CHUNK) for _ in keys]
-    assert reader.get_many_into(keys, _targets(outs)) == [CHUNK] * len(keys)
+    assert reader.get_many_into(keys, _targets(outs, meta=meta)) == [CHUNK] * len(keys)
     assert [bytes(o) for o in outs] == data
     assert reader.reads_without_lease == len(keys)
     reader.stats()  # takes the told READ along first
@@ -477,3 +481,15 @@ def test_corrupted_arena_bytes_fail_a_planned_read_and_are_a_miss(
     arena[located[2][0] + 4096] ^= 0x01
     assert reader.get_many_into([key], _targets(out)) == [CHUNK] and bytes(out[0]) == data
     assert reader.reads_without_lease == 1
+
+
+def test_the_compiled_checksum_hash_is_xxh3_at_every_length_it_takes() -> None:
+    """The copy call's own XXH3-64 (the last step of a WSUM checksum, 17 to 240 bytes: a
+    WSUM head of 39 and metadata of up to 201) is xxhash's, at every length."""
+    kernels = leasekernel.kernels()
+    assert kernels is not None
+    rng = random.Random(5)
+    for n in range(leasekernel.MIN_MESSAGE, leasekernel.MAX_MESSAGE + 1):
+        for _ in range(3):
+            data = rng.randbytes(n)
+            assert kernels.xxh3(data) == xxhash.xxh3_64_intdigest(data), n

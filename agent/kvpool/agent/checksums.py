@@ -76,6 +76,13 @@ def wsum_finish(size: int, s0: int, s1: int, meta: bytes = b"") -> int:
     return int(xxhash.xxh3_64_intdigest(head + meta))
 
 
+def wsum_message(size: int, meta: bytes = b"") -> tuple[bytes, int]:
+    """What `wsum_finish` hashes for a chunk of `size` bytes and metadata `meta`, with
+    zeros for its sums, and where the sums go (S0, S1: u64 little-endian, one after the
+    other): for a compiled loop that writes each chunk's sums in and hashes it."""
+    return WSUM_DOMAIN + struct.pack("<QQQ", size, 0, 0) + meta, len(WSUM_DOMAIN) + 8
+
+
 def wsum_finish_many(size: int, sums: bytes, meta: bytes = b"") -> list[int]:
     """`wsum_finish` of chunks of one `size` and metadata, from their (S0, S1) as u64
     little-endian pairs one after the other (`sums`, 16 bytes a chunk, e.g. a compiled

@@ -48,7 +48,7 @@ from xxhash import xxh3_64_intdigest
 
 from . import leasekernel
 from . import protocol as p
-from .checksums import wsum_finish_many
+from .checksums import wsum_finish_many, wsum_message
 from .constants import KEY_BYTES
 from .hostcopy import HostRanges, HostTargets
 from .lookupindex import IndexReader, Where
@@ -171,8 +171,9 @@ def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes
                  ) -> tuple[list[int], list[bytes]] | None:
     """`read_window` for a window whose destinations are known (`HostTargets`), in two
     compiled calls (`leasekernel`): the slots read under their seqlock, the copies with
-    their sums, the slots and the table's epoch read again, with no Python per chunk but
-    its checksum from the sums. Returns the window indices left for the socket (any chunk
+    their sums and each chunk's checksum from them (here, from the sums, where its WSUM head
+    and metadata are over the compiled hash's 240 bytes), the slots and the table's epoch
+    read again, with no Python per chunk. Returns the window indices left for the socket (any chunk
     not read here: not in the table as one WSUM extent of the target's size and metadata,
     a slot or epoch that changed, a checksum mismatch) and the keys read; None where the
     compiled calls cannot take the window (not compiled yet: compiling now on a thread of
@@ -197,20 +198,28 @@ def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes
         return list(range(n)), []
     located(index, keys)
     sums = array.array("Q", bytes(16 * n))
+    # Each chunk's checksum made in the call where its head and metadata fit the compiled
+    # hash (XXH3's forms up to 240 bytes), else from the sums here.
+    message, sums_at = wsum_message(target.size, target.meta)
+    if len(message) > leasekernel.MAX_MESSAGE:
+        message = b""
     kept = kernels.copy(index.address, base, want, at, n, target.ranges.buffer_info()[0],
                         target.starts.buffer_info()[0] + 8 * start, target.size, epoch,
-                        sums.buffer_info()[0])
+                        sums.buffer_info()[0], message, sums_at)
     if not kept:
         return list(range(n)), []
-    digests = wsum_finish_many(target.size, sums.tobytes(), target.meta)
-    wanted = info[3 :: leasekernel.INFO_WORDS]
-    if found == n and digests == wanted.tolist() and all(info[:: leasekernel.INFO_WORDS]):
+    passed: list[int] = info[:: leasekernel.INFO_WORDS].tolist()  # 0: not read
+    if not message:
+        wanted = info[3 :: leasekernel.INFO_WORDS]
+        digests = wsum_finish_many(target.size, sums.tobytes(), target.meta)
+        passed = [int(a != 0 and digests[i] == wanted[i]) for i, a in enumerate(passed)]
+    if found == n and all(passed):
         sizes[start : start + n] = [target.size] * n  # every chunk read (the usual load)
         return [], list(keys)
     left: list[int] = []
     read: list[bytes] = []
-    for i, digest in enumerate(digests):
-        if info[leasekernel.INFO_WORDS * i] and digest == wanted[i]:
+    for i, ok in enumerate(passed):
+        if ok:
             sizes[start + i] = target.size
             read.append(keys[i])
         else:

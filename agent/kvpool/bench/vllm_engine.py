@@ -185,8 +185,9 @@ class TimedEngine:
             self.times["copy_call_cpu_s"] += time.thread_time() - c0
         hostcopy._Batch.run = timed_run  # type: ignore[method-assign, assignment]
         # A lease-free window whose destinations were planned before the read copies in
-        # one compiled call that also reads each slot again after its copies (`leasekernel`:
-        # well under a microsecond a chunk of the call's time).
+        # one compiled call that also hashes each chunk's checksum from its sums and reads
+        # each slot again after its copies (`leasekernel`: well under a microsecond a chunk
+        # of the call's time).
         import ctypes
 
         from kvpool.agent import leasekernel
@@ -195,7 +196,7 @@ class TimedEngine:
 
         def timed_copy(self_: leasekernel.Kernels, base: int, arena: int, want: bytes,
                        info: int, n: int, ranges: int, starts: int, size: int, epoch: int,
-                       sums: int) -> int:
+                       sums: int, message: bytes = b"", sums_at: int = 0) -> int:
             # what it will read (the chunks the table read found), decoded after the
             # request (`_planned_sources`)
             first = ctypes.string_at(starts, 8 * (n + 1))
@@ -203,7 +204,8 @@ class TimedEngine:
             self.planned.append((arena, ctypes.string_at(info, 8 * leasekernel.INFO_WORDS * n),
                                  first, ctypes.string_at(ranges, 16 * pairs), size))
             c0, t0 = time.thread_time(), time.perf_counter()
-            kept = copy(self_, base, arena, want, info, n, ranges, starts, size, epoch, sums)
+            kept = copy(self_, base, arena, want, info, n, ranges, starts, size, epoch, sums,
+                        message, sums_at)
             self.times["copy_call_s"] += time.perf_counter() - t0
             self.times["copy_call_cpu_s"] += time.thread_time() - c0
             return kept
