@@ -76,17 +76,21 @@ def test_runs_of_consecutive_blocks_are_one_range_and_adjacent_layers_merge() ->
     assert filled(host, [0, 10, 11]) == expected
 
 
-def test_a_loads_window_is_each_chunks_ranges_one_after_the_other() -> None:
+@pytest.mark.parametrize("chunks", [[[3, 4], [5, 6], [9, 1], [11, 10]],
+                                    [[7, 8], [0, 1], [2, 3]]], ids=["mixed", "consecutive"])
+def test_a_loads_window_is_each_chunks_ranges_one_after_the_other(
+        chunks: list[list[int]]) -> None:
     """What a load hands the client (`HostTargets`' flat pairs) is each chunk's `ranges`,
-    the first chunk's skipped blocks into scratch, in the chunks' order."""
+    the first chunk's skipped blocks into scratch, in the chunks' order (every chunk of
+    consecutive blocks: made in comprehensions, the usual load)."""
     host = _HostBlocks.of(layers(), PER_BLOCK, BLOCKS)
     assert host is not None
-    chunks = [[3, 4], [5, 6], [9, 1], [11, 10]]
     for skip in (0, 1):
         flat, starts = host.window(chunks, skip)
         expected = [host.ranges(bids, skip if i == 0 else 0).ranges
                     for i, bids in enumerate(chunks)]
         assert [[(flat[2 * k], flat[2 * k + 1]) for k in range(starts[i], starts[i + 1])]
                 for i in range(len(chunks))] == expected
-    with pytest.raises(ValueError, match="out of the KV cache"):
-        host.window([[0, 1], [BLOCKS]], 0)
+    for bad in ([[0, 1], [BLOCKS]], [[0, 1], [-1, 0]]):
+        with pytest.raises(ValueError, match="out of the KV cache"):
+            host.window(bad, 0)

@@ -119,8 +119,9 @@ class TimedEngine:
         self.sources: list[tuple[int, int]] = []
         """The load's copies' sources as its copy calls read them: (address, bytes) in the
         arena mapping (`arena_copy_s`)."""
-        self.planned: list[tuple[int, bytes, bytes, bytes, int]] = []
-        """What each compiled lease-free copy call was given (`_planned_sources`)."""
+        self.planned: list[tuple[int, bytes, int]] = []
+        """Each compiled lease-free copy call's arena, keys and chunk size
+        (`_planned_sources`)."""
         self.worker: Any = None
         if connector is not None:
             self._instrument()
@@ -188,8 +189,6 @@ class TimedEngine:
         # one compiled call that also hashes each chunk's checksum from its sums and reads
         # each slot again after its copies (`leasekernel`: well under a microsecond a chunk
         # of the call's time).
-        import ctypes
-
         from kvpool.agent import leasekernel
 
         copy = leasekernel.Kernels.copy
@@ -197,12 +196,7 @@ class TimedEngine:
         def timed_copy(self_: leasekernel.Kernels, base: int, arena: int, want: bytes,
                        info: int, n: int, ranges: int, starts: int, size: int, epoch: int,
                        sums: int, message: bytes = b"", sums_at: int = 0) -> int:
-            # what it will read (the chunks the table read found), decoded after the
-            # request (`_planned_sources`)
-            first = ctypes.string_at(starts, 8 * (n + 1))
-            pairs = int.from_bytes(first[-8:], "little")
-            self.planned.append((arena, ctypes.string_at(info, 8 * leasekernel.INFO_WORDS * n),
-                                 first, ctypes.string_at(ranges, 16 * pairs), size))
+            self.planned.append((arena, want, size))  # its sources: `_planned_sources`
             c0, t0 = time.thread_time(), time.perf_counter()
             kept = copy(self_, base, arena, want, info, n, ranges, starts, size, epoch, sums,
                         message, sums_at)
@@ -211,26 +205,19 @@ class TimedEngine:
             return kept
         leasekernel.Kernels.copy = timed_copy  # type: ignore[method-assign, assignment]
 
-    @staticmethod
-    def _planned_sources(arena: int, info: bytes, starts: bytes, ranges: bytes,
-                         size: int) -> list[tuple[int, int]]:
-        """The arena pieces a compiled lease-free copy call read (`arena_copy_s`): each
-        chunk its table read found (a slot offset at `info[4 i]`), cut as its destination
-        ranges cut it (`starts` of the window's chunks into the flat `ranges`: u64 words)."""
-        words = memoryview(info).cast("Q")
-        firsts = memoryview(starts).cast("Q")
-        pairs = memoryview(ranges).cast("Q")
-        base = firsts[0]
+    def _planned_sources(self, arena: int, want: bytes, size: int) -> list[tuple[int, int]]:
+        """The arena bytes a compiled lease-free copy call read (`arena_copy_s`), found
+        after the request (not in the load's time): each chunk of the call where the
+        lookup index says it lies (one extent; these chunks stay put in the bench's pool)."""
+        client = self.worker.link.client
+        index = getattr(client._transport, "index", None) if client is not None else None
+        if index is None:
+            return []
         out: list[tuple[int, int]] = []
-        for i in range(len(firsts) - 1):
-            if not words[4 * i]:
-                continue
-            src, left = arena + words[4 * i + 2], size
-            for r in range(firsts[i], firsts[i + 1]):
-                piece = min(pairs[2 * (r - base) + 1], left)
-                if piece:
-                    out.append((src, piece))
-                src, left = src + piece, left - piece
+        for k in range(0, len(want), 16):
+            where = index.locate(want[k : k + 16])
+            if where is not None and where[2][1] == size:
+                out.append((arena + where[2][0], size))
         return out
 
     def _pieces(self, job: Any) -> list[int]:

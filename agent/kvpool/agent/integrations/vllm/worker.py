@@ -372,9 +372,18 @@ class _HostBlocks:
         chunk's (address, bytes) pairs one after the other, and where each chunk's begin;
         the first chunk's first `skip_blocks` blocks go to the scratch block. Block ids
         outside the KV cache are refused (`check`)."""
+        bases, stride, nbytes, limit = self.bases, self.stride, self.nbytes, self.num_blocks
+        if not skip_blocks and stride == nbytes and all(chunks) \
+                and min(map(min, chunks)) >= 0 and max(map(max, chunks)) < limit \
+                and all(c == list(range(c[0], c[0] + len(c))) for c in chunks):
+            # the usual load: every chunk consecutive blocks, one range a layer (as `ranges`),
+            # in comprehensions (no Python statement per chunk)
+            layers = len(bases)
+            return ([x for c in chunks for base in bases
+                     for x in (base + c[0] * stride, len(c) * nbytes)],
+                    list(range(0, layers * len(chunks) + 1, layers)))
         flat: list[int] = []
         starts = [0]
-        bases, stride, nbytes, limit = self.bases, self.stride, self.nbytes, self.num_blocks
         for i, block_ids in enumerate(chunks):
             n = len(block_ids)
             first = block_ids[0] if n else 0
