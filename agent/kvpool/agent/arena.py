@@ -16,7 +16,8 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,16 @@ _MAPPED_WRITE_FAULTS = (errno.EFAULT, errno.ENOMEM)
 resize), or no free huge page to back a hole a resize left."""
 
 
+def _remapper(ref: weakref.ReferenceType[Arena]) -> Callable[[], None]:
+    """`Arena._remap` through a weak reference (the guard, which lives as long as the
+    process, must not keep an arena alive)."""
+    def remap() -> None:
+        arena = ref()
+        if arena is not None:
+            arena._remap()
+    return remap
+
+
 class Arena:
     """The arena file, mapped shared, pre-faulted and (when permitted) locked.
 
@@ -244,6 +255,7 @@ class Arena:
             self.mapped_writes = self._mapped_writes_work()
         self._guarded: busguard.Guard | None = None
         """The SIGBUS guard this arena's mapping is in (`guard_counts`), once it is."""
+        self._unguard: Callable[[], object] = lambda: None
         if lock:
             self._lock()
 
@@ -338,9 +350,13 @@ class Arena:
         if self._guarded is None:
             g = busguard.ready()
             if (g is None or self.huge_pages or not self.mapped_writes
-                    or self._anchor is None or not g.add(self._base, self.size, self._remap)):
+                    or self._anchor is None
+                    or not g.add(self._base, self.size, _remapper(weakref.ref(self)))):
                 return 0
             self._guarded = g
+            # Unguarded with the mapping, even one dropped without `close`: addresses mapped
+            # again later must fault as anywhere else.
+            self._unguard = weakref.finalize(self, g.remove, self._base)
         return self._guarded.counts_at
 
     def repair(self) -> None:
@@ -426,7 +442,7 @@ class Arena:
 
     def close(self) -> None:
         if self._guarded is not None:
-            self._guarded.remove(self._base)
+            self._unguard()
             self._guarded = None
         if self._anchor is not None:
             if self.locked_bytes:
