@@ -387,11 +387,12 @@ def test_a_planned_window_is_read_without_a_lease_in_compiled_calls_or_python(
 
 def test_chunks_a_planned_read_cannot_take_go_through_a_lease(
         shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
-    """In one window: a WSUM chunk (read here), a chunk of another metadata (declined by
-    the target: a miss), one of another size (declined), an XXH3 chunk (written from a
-    buffer: the compiled path has no sums to check it with, so a lease reads it; the
-    Python path reads it without one), a key not stored (a miss), and ranges that cut a
-    32-bit word (the copy loop's sums need whole words: a lease reads that one)."""
+    """In one window: a WSUM chunk (read by the compiled calls), a chunk of another
+    metadata, one of another size (both declined by the target: misses), an XXH3 chunk
+    (written from a buffer: the compiled calls have no sums to check it with), a key not
+    stored, and, in a second read, ranges that cut a 32-bit word (the copy loop's sums need
+    whole words). What the compiled calls leave goes on to the Python path, which leases
+    what it cannot read: the same results, the same requests to the agent."""
     good, other_meta, small, xxh3, absent = (_key(next(_fresh)) for _ in range(5))
     data = {k: os.urandom(CHUNK) for k in (good, other_meta, xxh3)}
     data[small] = os.urandom(CHUNK // 2)
@@ -407,18 +408,15 @@ def test_chunks_a_planned_read_cannot_take_go_through_a_lease(
     assert bytes(outs[0]) == data[good] and bytes(outs[3]) == data[xxh3]
     assert outs[1] == outs[2] == bytearray(CHUNK)  # declined: nothing copied there
     after = scrape(shared)
-    assert after[NOT_FOUND] == before.get(NOT_FOUND, 0) + 1
-    # Compiled: the table read takes only the WSUM chunk of the target's size and metadata,
-    # the rest are ACQUIREd (then declined, or read). Python: the target declines the
-    # others' descriptions from the table, and the XXH3 chunk is read lease-free.
-    compiled = bool(planned)
-    assert after[ACQUIRES] == before[ACQUIRES] + (3 if compiled else 0)
-    assert reader.reads_without_lease == (1 if compiled else 2)
+    assert after[NOT_FOUND] == before.get(NOT_FOUND, 0) + 1  # the key not stored
+    assert after[ACQUIRES] == before[ACQUIRES]  # the declined ones were not asked for
+    assert reader.reads_without_lease == 2
     cut = [bytearray(CHUNK)]
     assert reader.get_many_into([good], _targets(cut, cut=2)) == [CHUNK]
     assert bytes(cut[0]) == data[good]
-    assert scrape(shared)[ACQUIRES] == after[ACQUIRES] + (1 if compiled else 0)
-    assert reader.reads_without_lease == (1 if compiled else 3)
+    assert scrape(shared)[ACQUIRES] == after[ACQUIRES]
+    assert reader.reads_without_lease == 3
+    assert planned in ([], [5, 1])  # the compiled calls' table reads: both reads
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["deleted", "deleted-and-reused"])

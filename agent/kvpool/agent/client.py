@@ -365,7 +365,9 @@ class KVPoolClient:
         With `lease_free`, the DRAM chunks the lookup index describes are read first
         without a lease (into buffers and host ranges, always checked), and only the rest
         are ACQUIREd; `target` may then be asked twice for a key whose lease-free copy
-        failed its checks (the second time for its leased read).
+        failed its checks (the second time for its leased read). A `HostTargets` target
+        (every destination known before the read) is read so in compiled calls, the whole
+        call at once (`leasefree.read_planned`), the keys they leave as above.
 
         `verify`: True checks every chunk against its checksum; None (the default) checks
         the chunks copied into buffers (in the copy's own pass, nearly free) but not those
@@ -383,10 +385,25 @@ class KVPoolClient:
         and before `target` is first called (never for no keys).
         """
         sizes = [0] * len(keys)
-        step = self._batch_step()
-        tensors = stream is not None or "torch" in sys.modules
         if meanwhile is not None:  # once, even when a window is retried after a reconnect
             meanwhile = _once(meanwhile)
+        if isinstance(target, HostTargets):
+            # Every destination known before the read: the whole call lease-free in
+            # compiled calls where the lookup index allows, before any window is made (an
+            # engine's load: no Python per chunk); the keys left take the windows below.
+            left = self._read_planned(keys, target, sizes, meanwhile)
+            if left is not None:
+                if left:
+                    self._metas.learn(target.meta)
+                    rest = self.get_many_into(
+                        [keys[i] for i in left],
+                        leasefree.socket_target(target, 0, left, {}, self._metas),
+                        verify=verify, stream=stream, meanwhile=meanwhile)
+                    for j, i in enumerate(left):
+                        sizes[i] = rest[j]
+                return sizes
+        step = self._batch_step()
+        tensors = stream is not None or "torch" in sys.modules
         for start in range(0, len(keys), step):
             window = keys[start : start + step]
             self._retrying(partial(self._read_window, window, start, target, sizes, verify,
@@ -396,6 +413,24 @@ class KVPoolClient:
     def _lease_free_on(self, t: Transport) -> bool:
         return self.lease_free and isinstance(t, ZeroCopyTransport) and t.index is not None \
             and not t.conn.closed
+
+    def _read_planned(self, keys: Sequence[bytes], target: HostTargets, sizes: list[int],
+                      meanwhile: Meanwhile) -> list[int] | None:
+        """The lease-free read of a whole `get_many_into` whose destinations are known
+        (`leasefree.read_planned`): the indices of the keys left, or None where it is not
+        tried (`lease_free` off, no connection, not compiled yet)."""
+        t = self._transport
+        if t is None or not self._lease_free_on(t):
+            return None
+        assert isinstance(t, ZeroCopyTransport) and t.index is not None
+        if meanwhile is not None:
+            meanwhile()  # (before the first copy: there is no answer to wait for)
+        got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target, sizes)
+        if got is None:
+            return None
+        left, done = got
+        self._told_reads(t, done)
+        return left
 
     def _told_reads(self, t: Transport, keys: list[bytes]) -> None:
         """Tell the agent of chunks read without a lease (with the next write)."""
@@ -415,14 +450,8 @@ class KVPoolClient:
             assert isinstance(t, ZeroCopyTransport) and t.index is not None
             if meanwhile is not None:
                 meanwhile()  # (the targets may need it: there is no answer to wait for)
-            planned = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, start,
-                                             target, sizes) \
-                if isinstance(target, HostTargets) else None
-            if planned is not None:
-                left, done = planned
-            else:
-                left, remembered, done = leasefree.read_window(
-                    t.index, t.arena, t.base, self._metas, keys, start, target, sizes)
+            left, remembered, done = leasefree.read_window(
+                t.index, t.arena, t.base, self._metas, keys, start, target, sizes)
             self._told_reads(t, done)
             if not left:
                 return

@@ -173,9 +173,10 @@ def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes
     compiled calls (`leasekernel`): the slots read under their seqlock, the copies with
     their sums and each chunk's checksum from them (here, from the sums, where its WSUM head
     and metadata are over the compiled hash's 240 bytes), the slots and the table's epoch
-    read again, with no Python per chunk. Returns the window indices left for the socket (any chunk
-    not read here: not in the table as one WSUM extent of the target's size and metadata,
-    a slot or epoch that changed, a checksum mismatch) and the keys read; None where the
+    read again, with no Python per chunk. Returns the window indices left (for `read_window`,
+    then the socket: any chunk not read here: not in the table as one WSUM extent of the
+    target's size and metadata, ranges cut inside a word, a slot or epoch that changed, a
+    checksum mismatch) and the keys read; None where the
     compiled calls cannot take the window (not compiled yet: compiling now on a thread of
     its own; a malformed key; destinations not given for every key): `read_window` then."""
     kernels = leasekernel.ready()
