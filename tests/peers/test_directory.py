@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import tracemalloc
 from array import array
 
@@ -98,6 +99,39 @@ def test_a_key_deleted_in_the_pool_is_not_listed_again_for_a_while() -> None:
     brief.forget(k1)
     brief.add(k1, 1, 100)
     assert brief.holder(k1) == (1, 100)
+
+
+def test_a_deleted_key_announced_again_is_listed_by_its_deleter_at_once_else_after_the_holdoff(
+        ) -> None:
+    """A key put again after a DELETE is never unlisted for good: the deleting peer's ADD
+    (it took the DELETE before sending it) is listed at once, and its entry survives the
+    DELETE that comes after it on the other connection; another holder's ADD is listed when
+    the holdoff ends, unless that holder removed the key meanwhile (its ADD was of the
+    deleted copy) or its entries were dropped (its next inventory says what it holds)."""
+    d = PeerDirectory(forget_for=0.05)
+    k1, k2, k3, k4 = (os.urandom(16) for _ in range(4))
+    d.forget(k1, by=0)
+    d.add(k1, 1, 100)  # another holder's: held off
+    assert k1 not in d and d.holding == 1
+    d.add(k1, 0, 200)  # the deleter's: listed at once
+    assert d.holder(k1) == (0, 200)
+    d.add(k2, 0, 100)
+    d.forget(k2, by=0)  # its ADD came before its DELETE: the entry stays
+    assert d.holder(k2) == (0, 100)
+    d.forget(k2, by=1)  # another's DELETE takes it
+    assert k2 not in d
+    d.forget(k3)
+    d.add(k3, 1, 300)
+    d.remove(k3, 1)  # the ADD held off was of the copy it deleted
+    d.forget(k4)
+    d.add(k4, 2, 400)
+    assert d.drop_peer(2) == 0 and d.holding == 1  # no entry; its ADD held off goes (k1 left)
+    d.add(k4, 3, 500)
+    assert d.holding == 2 and d.release() == 0  # not due yet
+    time.sleep(0.06)
+    assert d.release() == 1 and d.holding == 0
+    assert d.holder(k1) == (0, 200)  # the last announced stays credited
+    assert k3 not in d and d.holder(k4) == (3, 500)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])

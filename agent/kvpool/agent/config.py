@@ -510,6 +510,11 @@ class Peers(Model):
         0.25, gt=0, le=1, description="Most of each space's arena that chunks pushed here and "
         "not read yet may pin; a push past it is refused (the sender's put is not).",
     )
+    delete_holdoff: Duration = Field(
+        10.0, ge=0, description="After a DELETE, how long other nodes' announcements of the "
+        "key are held off (one may be of a copy its holder has not deleted yet); one not "
+        "withdrawn meanwhile is listed when it ends. The deleting node's own are not held off.",
+    )
     max_entries: int | None = Field(
         None, ge=0, description="Most remote chunks each tenant space's peer directory lists "
         "(its memory: ~41-64 bytes of heap each); a key announced past it is not listed "

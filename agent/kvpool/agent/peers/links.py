@@ -426,6 +426,9 @@ class PeerLink:
             self.synced = True
             self.failing = False
             log.info("peer %s: inventory received", self.name)
+        for held in self.directories.values():
+            if held.holding:  # ADDs held off after a DELETE, listed as their holdoffs end
+                held.release()
 
     # -- reads: queued on the event loop, sent in batches by worker threads
 

@@ -32,7 +32,7 @@ from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..lookupindex import PeerIndex
 from ..metrics import Sample
 from . import auth, wire
-from .directory import PeerDirectory
+from .directory import NO_PEER, PeerDirectory
 from .links import MAX_BATCH_BYTES, PUSH_TIMEOUT, ArenaTarget, Fetched, PeerLink
 from .metrics import PeerMetrics
 from .server import Holdings, PeerServer
@@ -86,7 +86,7 @@ class PeerNetwork:
             raise ConfigError(f"peers.secretFile: {e}") from e
         self.agent_id = os.urandom(16)
         self.m = PeerMetrics(registry, pool)
-        self.directories = {tenant: PeerDirectory(max_entries=cfg.max_entries)
+        self.directories = {tenant: PeerDirectory(cfg.delete_holdoff, cfg.max_entries)
                             for tenant in spaces}
         # Compiled now (on a thread), not at the first large LOOKUP: a peer's entries are
         # dropped in one compiled pass, and a drop may come before any LOOKUP does.
@@ -306,15 +306,17 @@ class PeerNetwork:
 
     # -- deletes (docs/cross-node.md#delete)
 
-    def delete(self, tenant: str, key: bytes, here: bool) -> None:
+    def delete(self, tenant: str, key: bytes, here: bool, sender: bytes | None = None) -> None:
         """A DELETE of `key` in `tenant`'s space: no peer is read from for it any more, and
         it goes to every peer (`here`: made on this node, by a client) or, made on another
-        node and received from it, to the peers unreachable from here only (when each is
-        back, before its inventory is taken: one that missed it from the deleting node
-        may be reachable from here first). Never waits."""
+        node and received from it (`sender`: that agent's id), to the peers unreachable from
+        here only (when each is back, before its inventory is taken: one that missed it from
+        the deleting node may be reachable from here first). Never waits."""
         d = self.directories.get(tenant)
         if d is not None:
-            d.forget(key)
+            by = None if sender is None else self.link_of(sender)
+            # The sender's own ADDs are not held off: it took the DELETE before sending it.
+            d.forget(key, NO_PEER if by is None else by.index)
         for link in self.links.values():
             if link.is_self or link.closed or (link.synced and not here):
                 continue  # (a peer this agent follows got it from the deleting node)

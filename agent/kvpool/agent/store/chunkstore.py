@@ -1022,7 +1022,7 @@ class ChunkStore:
             return wire.DELETE_REFUSED, "peers are off on this agent"
         if self.peer.link_of(sender) is None:
             return wire.DELETE_REFUSED, "the sender is not a peer this agent follows"
-        self.peer.delete(key, here=False)
+        self.peer.delete(key, here=False, sender=sender)
         return (wire.DELETED if self._delete_here(key) else wire.NOT_HELD), ""
 
     def _delete_here(self, key: bytes) -> bool:

@@ -84,10 +84,10 @@ class PeerTier:
         """Queue a hand-off: offer `key` to the node `to` (never waits)."""
         self.network.push(self.tenant, key, size, to)
 
-    def delete(self, key: bytes, here: bool) -> None:
+    def delete(self, key: bytes, here: bool, sender: bytes | None = None) -> None:
         """A DELETE of `key` in this space (`PeerNetwork.delete`): made on this node
-        (`here`: it goes to every peer) or received from a peer's node."""
-        self.network.delete(self.tenant, key, here)
+        (`here`: it goes to every peer) or received from the agent whose id is `sender`."""
+        self.network.delete(self.tenant, key, here, sender)
 
     def link_of(self, sender: bytes) -> PeerLink | None:
         """The link to the agent that offers a push, if it is a peer this one follows."""
