@@ -164,12 +164,15 @@ class PeerDirectory:
             self.holding += 1
         return True
 
-    def release(self) -> int:
-        """End the holdoffs that are due, listing the ADD each held off (its holder did not
-        remove the key since: it holds a copy stored after the DELETE); how many. Called
-        as the peers' stream messages come (a heartbeat every 0.5 s at least)."""
+    def release(self, now: float | None = None) -> int:
+        """End the holdoffs due by `now` (monotonic; None: now), listing the ADD each held
+        off (its holder did not remove the key since: it holds a copy stored after the
+        DELETE); how many. Called as the peers' stream messages come (a heartbeat every
+        0.5 s at least)."""
         listed = 0
-        forgotten, now = self._forgotten, time.monotonic()
+        forgotten = self._forgotten
+        if now is None:
+            now = time.monotonic()
         while forgotten and next(iter(forgotten.values()))[0] <= now:
             listed += self._end_holdoff()
         return listed
