@@ -78,6 +78,10 @@ PUSH_READ_TIMEOUT = 8.0
 MAX_PENDING_DELETES = 1 << 16
 """DELETEs waiting for one peer (unreachable, or not answered yet); past it the oldest is
 dropped (counted, logged)."""
+REFUSED_KEEP = 600.0
+"""Seconds a DELETE the peer refused (it does not follow this agent yet) waits for the
+peer's subscription to this agent, which sends it again; past it, dropped (counted,
+logged)."""
 MAX_DELETE_BATCH = 256
 """DELETEs sent in one write."""
 _buffers = threading.local()
@@ -215,6 +219,17 @@ class PeerLink:
         unreachable from here, not yet delivered to the peer: sent as soon as it is
         reachable, and before this agent takes its inventory again (`run`), so a peer that
         was down never has this agent read a deleted chunk from it."""
+        self.refused: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        """DELETEs the peer refused, until when (monotonic) each waits: a peer takes a
+        DELETE only from an agent it follows, and one that has not subscribed to this
+        agent yet (just started, this agent just restarted, or it cannot reach this one)
+        refuses it. Its subscription (`followed`) sends them again; past `REFUSED_KEEP`
+        they are dropped (counted, logged)."""
+        self.follows = 0
+        self.refused_dropped = False
+        """A drop of a refused DELETE was logged (once until the peer takes one)."""
+        """Subscriptions of the peer to this agent seen (`followed`): a refusal answered to
+        a DELETE sent before the last one is sent again at once, not held."""
 
     @property
     def readable(self) -> bool:
@@ -331,15 +346,60 @@ class PeerLink:
                 self.deletes[item] = None
                 self.deletes.move_to_end(item, last=False)
 
-    def _count_delete(self, status: int) -> None:
+    def _count_delete(self, status: int) -> bool:
+        """Count a DELETE's answer; whether the peer refused it."""
         self.m.deleted(self.name, "sent", {wire.DELETED: "ok", wire.NOT_HELD: "absent"}.get(
             status, "refused"))
+        return status == wire.DELETE_REFUSED
+
+    def hold_refused(self, batch: list[tuple[str, bytes]], follows: int) -> bool:
+        """DELETEs the peer refused, sent when its subscriptions seen were `follows`: held
+        for its next subscription (bounded in number and time), or queued again at once
+        where it subscribed meanwhile (whether they were). Event loop only."""
+        if self.follows != follows:
+            self.requeue(batch)
+            return True
+        until = time.monotonic() + REFUSED_KEEP
+        for item in batch:
+            if item in self.deletes:
+                continue  # made again meanwhile: it goes with the queue
+            self.refused[item] = until
+            self.refused.move_to_end(item)
+            if len(self.refused) > MAX_PENDING_DELETES:
+                self.refused.popitem(last=False)
+                self._drop_refused(f"more than {MAX_PENDING_DELETES} refused deletes wait "
+                                   "for it to follow this agent: the oldest dropped")
+        return False
+
+    def followed(self) -> bool:
+        """The peer subscribed to this agent, so it takes this agent's DELETEs now: the ones
+        it refused are queued again (whether there were any). Event loop only."""
+        self.follows += 1
+        held = list(self.refused)
+        self.refused.clear()
+        self.requeue(held)
+        return bool(held)
+
+    def expire_refused(self, now: float) -> None:
+        """Drop the refused DELETEs that waited `REFUSED_KEEP` for the peer to follow."""
+        while self.refused and next(iter(self.refused.values())) <= now:
+            self.refused.popitem(last=False)
+            self._drop_refused(f"deletes it refused did not go for {REFUSED_KEEP:g} s (it "
+                               "does not follow this agent): dropped")
+
+    def _drop_refused(self, why: str) -> None:
+        self.m.deleted(self.name, "sent", "dropped")
+        if not self.refused_dropped:  # once until it takes a DELETE again
+            self.refused_dropped = True
+            log.warning("peer %s: %s", self.name, why)
 
     async def _deliver(self, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
         """Send a batch of queued DELETEs on the subscription's connection, before its
         SUBSCRIBE, and read their answers."""
         batch = self.take_deletes()
+        follows = self.follows
+        refused: list[tuple[str, bytes]] = []
         try:
             rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
             writer.write(b"".join(wire.encode_request(wire.OP_DELETE, rid, key, tenant)
@@ -350,20 +410,28 @@ class PeerLink:
                 await reader.readexactly(mlen)
                 if got != rid:
                     raise wire.WireError(f"reply to request {got}, expected {rid}")
+                if self._count_delete(status):
+                    refused.append(batch[0])
+                else:
+                    self.refused_dropped = False
                 batch = batch[1:]
-                self._count_delete(status)
         except BaseException:
             self.requeue(batch)
             raise
+        finally:  # (queued again where the peer subscribed meanwhile: `run` sends them)
+            if refused:
+                self.hold_refused(refused, follows)
 
-    def delete_many(self, batch: list[tuple[str, bytes]],
-                    deadline: float) -> list[tuple[str, bytes]]:
+    def delete_many(self, batch: list[tuple[str, bytes]], deadline: float,
+                    ) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
         """Send DELETEs of (tenant, key) to the peer in one write and read the answers (a
-        worker thread); the ones not delivered (no connection, no answer)."""
+        worker thread): (the ones not delivered: no connection, no answer; the ones the
+        peer refused, for `hold_refused`)."""
+        refused: list[tuple[str, bytes]] = []
         try:
             sock = self._checkout(deadline)
         except (OSError, auth.AuthError, ssl.SSLError, wire.WireError):
-            return batch
+            return batch, refused
         keep = False
         done = 0
         try:
@@ -377,15 +445,18 @@ class PeerLink:
                 _recv_exact(sock, mlen, deadline)
                 if got != rid:
                     raise wire.WireError(f"reply to request {got}, expected {rid}")
+                if self._count_delete(status):
+                    refused.append(batch[done])
+                else:
+                    self.refused_dropped = False
                 done += 1
-                self._count_delete(status)
             keep = True
         except (OSError, wire.WireError, ssl.SSLError) as e:  # TimeoutError is an OSError
             log.warning("peer %s: deletes not delivered (tried again): %s", self.name,
                         str(e) or type(e).__name__)
         finally:
             self._checkin(sock, keep)
-        return batch[done:]
+        return batch[done:], refused
 
     async def _follow(self, reader: asyncio.StreamReader) -> None:
         # One deadline for the whole stream, moved on as messages come (at most every

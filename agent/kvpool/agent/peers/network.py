@@ -97,6 +97,7 @@ class PeerNetwork:
         self.spaces = spaces
         self.server = PeerServer(spaces, self.secret, self.agent_id, self.m, self._server_tls,
                                  node)
+        self.server.on_subscribe = self._followed_by
         self.links: dict[tuple[str, int], PeerLink] = {}
         self.by_index: list[PeerLink | None] = []
         self.pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvpool-peer")
@@ -323,6 +324,13 @@ class PeerNetwork:
             link.queue_delete(tenant, key)
         self._deletes.set()
 
+    def _followed_by(self, peer_id: bytes) -> None:
+        """The agent whose id is `peer_id` subscribed to this one: it follows this agent
+        now, so the DELETEs it refused before go to it again."""
+        for link in self.links.values():
+            if link.peer_id == peer_id and link.followed():
+                self._deletes.set()
+
     async def _delete_worker(self) -> None:
         """Delivers queued DELETEs to the peers this agent follows now (an unreachable
         peer's wait for its link: `PeerLink.run` sends them first)."""
@@ -331,15 +339,20 @@ class PeerNetwork:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._deletes.wait(), DELETE_RETRY)
             self._deletes.clear()
+            now = time.monotonic()
             for link in list(self.links.values()):
+                link.expire_refused(now)
                 while link.deletes and link.synced and not link.closed:
                     batch = link.take_deletes()
+                    follows = link.follows
                     try:
-                        left = await loop.run_in_executor(
+                        left, refused = await loop.run_in_executor(
                             self.pool, link.delete_many, batch,
                             time.monotonic() + DELETE_TIMEOUT)
                     except RuntimeError:  # the executor is shut down: the agent stops
                         return
+                    if refused:
+                        link.hold_refused(refused, follows)
                     if left:
                         for _ in left:
                             self.m.deleted(link.name, "sent", "error")

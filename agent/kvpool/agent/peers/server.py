@@ -189,6 +189,9 @@ class PeerServer:
         self.subscribers: set[Subscriber] = set()
         self._refusing: set[str] = set()
         """Peers whose last push was refused (logged once)."""
+        self.on_subscribe: Callable[[bytes], None] | None = None
+        """Called with a subscriber's agent id as its SUBSCRIBE comes (it follows this
+        agent from then on: it takes this agent's DELETEs)."""
         self.connections = 0
         self.server: asyncio.Server | None = None
         self._serving: set[asyncio.Task[None]] = set()
@@ -335,6 +338,8 @@ class PeerServer:
                 while offers:  # any other request's reply comes after theirs
                     await offers.popleft()
                 if op == wire.OP_SUBSCRIBE:
+                    if self.on_subscribe is not None:
+                        self.on_subscribe(client_id)
                     await self._stream(reader, writer)
                     return
                 if op == wire.OP_DELETE:
