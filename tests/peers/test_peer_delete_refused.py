@@ -1,11 +1,13 @@
 """A DELETE a peer refused because it did not follow the deleting agent yet reaches it once
 it does (docs/cross-node.md#delete): a peer takes a DELETE only from an agent it follows,
 and one that cannot reach the deleting agent (just started, or cut off from it in one
-direction) refuses it; its subscription to that agent, when it can, sends it again."""
+direction) refuses it; its subscription to that agent, when it can, sends it again, and
+meanwhile the deleting agent never lists that peer's copy of the key."""
 
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -55,6 +57,41 @@ def test_a_delete_refused_by_a_peer_that_did_not_follow_the_deleter_reaches_it_o
         assert cb.get(key) is None
         assert metric(b, "kvpool_peer_deletes_total", direction="received", result="ok") == 1
         assert metric(a, "kvpool_peer_deletes_total", direction="sent", result="ok") == 1
+        assert ca.lookup_tiers([key]) in ([], ["none"])
+
+
+def test_a_peer_back_from_a_restart_that_refuses_a_delete_is_never_read_for_the_key(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    a_node, b_node = net.nodes[0], net.nodes[1]
+    b_peer = f"{b_node.addr}:{PEER_PORT}"
+    with ExitStack() as stack:
+        # Node 0 holds announcements of a deleted key off 1 ms (`deleteHoldoff`): only the
+        # DELETE node 1 refused keeps node 1's copy out of node 0's directory.
+        a = stack.enter_context(peer_agent(net, 0, tmp_path / "node0", secret, nvme=False,
+                                           prefetch=False, extra={"deleteHoldoff": "1ms"}))
+        b = stack.enter_context(peer_agent(net, 1, tmp_path / "node1", secret, nvme=False,
+                                           prefetch=False))
+        ca = stack.enter_context(KVPoolClient(a.socket_path))
+        key, data = os.urandom(16), os.urandom(1 << 14)
+        with KVPoolClient(b.socket_path) as cb:
+            assert cb.put(key, data)
+        seen_as(ca, [key], ["peer"])
+        b.kill(signal.SIGKILL)
+        wait_until(lambda: metric(a, "kvpool_peer_up", peer=b_peer) == 0, "node 1 down")
+        ca.delete(key)  # waits for node 1 to be back
+        # Node 1 restarts warm (its copy is back) and cannot reach node 0: node 0 follows
+        # it again, its DELETE sent first and refused, and lists none of it.
+        _block(b_node, a_node, True)
+        b.start()
+        wait_until(lambda: metric(a, "kvpool_peer_up", peer=b_peer) == 1, "node 1 back")
+        assert metric(b, "kvpool_peer_deletes_total", direction="received",
+                      result="refused") >= 1
+        assert ca.lookup_tiers([key]) in ([], ["none"]) and ca.get(key) is None
+        with KVPoolClient(b.socket_path) as cb:
+            assert cb.lookup_tiers([key]) == ["dram"]
+            _block(b_node, a_node, False)
+            wait_until(lambda: cb.lookup_tiers([key]) in ([], ["none"]),
+                       "node 1 to take the DELETE it refused")
         assert ca.lookup_tiers([key]) in ([], ["none"])
 
 

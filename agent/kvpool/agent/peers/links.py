@@ -486,7 +486,11 @@ class PeerLink:
                 d.drop_peer(self.index)
             self.m.resyncs.labels(self.m.pool, self.name).inc()
         elif msg == wire.ADD and d is not None:
+            waiting = bool(self.refused or self.deletes)
             for key, size in wire.records(body):
+                if waiting and ((tenant, key) in self.refused or (tenant, key) in self.deletes):
+                    continue  # a copy the peer is to delete (a DELETE it refused, or not
+                    # sent yet): never listed, so never read (its REMOVE follows the DELETE)
                 d.add(key, self.index, size)
         elif msg == wire.REMOVE and d is not None:
             for key, _ in wire.records(body):
