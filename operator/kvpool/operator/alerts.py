@@ -264,8 +264,9 @@ AGENT_ALERTS: tuple[Alert, ...] = (
         description=(
             "{{ $value | humanize }} DELETEs the agent of pool {{ $labels.pool }} on node "
             "{{ $labels.node }} had for its peer {{ $labels.peer }} were dropped in the last "
-            "15 minutes (more than 65,536 waited while the peer was unreachable). The peer "
-            "keeps those keys' copies and serves them until they are evicted."
+            "15 minutes (more than 65,536 waited while the peer was unreachable, or it refused "
+            "them for not following this agent yet and had not taken them 10 minutes later). "
+            "The peer keeps those keys' copies and serves them until they are evicted."
         ),
     ),
     Alert(
