@@ -13,6 +13,7 @@ from pathlib import Path
 from kvpool.agent import checksums
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.peers import wire
+from kvpool.bench.local import LocalAgent
 from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
 
 from .conftest import metric, wait_until
@@ -171,3 +172,68 @@ def test_a_windows_pushes_go_out_in_one_batch_and_a_batch_of_offers_is_read_in_o
         for k, d in pushed.items():
             assert client.get(k) == d
         assert metric(agent, "kvpool_peer_handoff_pins_total", end="read") == 6
+
+
+def _run_served_by_a_scripted_peer(stack: ExitStack, net: Network, tmp_path: Path,
+                                   secret: Path, chunks: dict[bytes, bytes]
+                                   ) -> tuple[LocalAgent, KVPoolClient]:
+    """One agent (its DRAM the default 32 MiB, no prefetch: only the client's reads read)
+    whose only peer is a scripted one holding `chunks` and answering each FETCH at once;
+    the client's LOOKUP of the run has found them all in the peer tier."""
+    peer = HoldingPeer(net.host, secret.read_bytes().strip(), chunks, batch=1)
+    stack.callback(peer.close)
+    agent = stack.enter_context(peer_agent(
+        net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
+        extra={"addresses": [f"{net.host}:{peer.port}"]}))
+    client = stack.enter_context(KVPoolClient(agent.socket_path))
+    seen_as(client, list(chunks), ["peer"] * len(chunks))
+    return agent, client
+
+
+def test_a_run_longer_than_a_batch_is_read_ahead_batch_after_batch(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """Peer reads pipelined across batches (docs/cross-node.md, "Reads in batches"): a
+    client's read of a run's first chunk takes the batch after it too, and each batch's
+    first chunk landing sends the next: the client's one read brings the whole run of 100
+    (four batches of at most 32), where the batch alone brought 32."""
+    chunks = {os.urandom(16): os.urandom(4 << 10) for _ in range(100)}
+    keys = list(chunks)
+    with ExitStack() as stack:
+        agent, client = _run_served_by_a_scripted_peer(stack, net, tmp_path, secret, chunks)
+        assert client.get(keys[0]) == chunks[keys[0]]
+        wait_until(lambda: metric(agent, "kvpool_peer_requests_total", direction="read",
+                                  result="ok") == len(keys), "the run read ahead")
+        assert client.lookup_tiers(keys) == ["dram"] * len(keys)
+        for k, d in chunks.items():  # verified on arrival, and the bytes the peer holds
+            assert client.get(k) == d
+        assert metric(agent, "kvpool_peer_requests_total", direction="read",
+                      result="ok") == len(keys)
+
+
+def test_a_read_ahead_evicts_nothing_and_stops_where_dram_is_full(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """What a client has not asked for yet goes only into free room below DRAM's high
+    watermark: a run of 50 MiB (512 KiB chunks) into 32 MiB of DRAM. The client's read
+    of the first chunk takes its batch (16 MiB, room made as any read's); the batch read
+    ahead stops where the watermark is, the chain with it; nothing is evicted for it.
+    The client's own reads then bring the rest, every byte checked."""
+    chunks = {os.urandom(16): os.urandom(512 << 10) for _ in range(100)}
+    keys = list(chunks)
+    with ExitStack() as stack:
+        agent, client = _run_served_by_a_scripted_peer(stack, net, tmp_path, secret, chunks)
+
+        def read_ok() -> float:
+            return metric(agent, "kvpool_peer_requests_total", direction="read", result="ok")
+
+        assert client.get(keys[0]) == chunks[keys[0]]
+        wait_until(lambda: read_ok() > 32, "the next batch read ahead")
+        wait_until(lambda: read_ok() == client.stats()["tiers"]["dram"]["chunks"],
+                   "the reads under way landed")
+        time.sleep(0.5)  # (a read ahead past the watermark would be in by now)
+        held = client.stats()["tiers"]["dram"]["chunks"]
+        assert 32 < held < 64 and read_ok() == held
+        assert held * (512 << 10) <= 0.98 * (32 << 20)
+        assert metric(agent, "kvpool_tier_evictions_total") == 0
+        for k, d in chunks.items():
+            assert client.get(k) == d
+        assert read_ok() == len(keys)

@@ -399,16 +399,48 @@ class ChunkStore:
         if pending is not None:
             return await pending.wait()
         keys = [key, *(self._peer_following(key) if ahead else ())]
+        reads = self._start_peer_batch(keys, chained=ahead)
+        return await reads[0].wait()
+
+    def _start_peer_batch(self, keys: list[bytes], chained: bool,
+                          ahead: bool = False) -> list[PeerRead]:
+        """Reads of `keys` (one batch per peer, `_fetch_peer`) registered as under way.
+        `chained`: its first read knows the batch's last key (`PeerRead.then`), so that
+        when that first chunk lands, the batch after it goes out (`_read_ahead`).
+        `ahead`: a batch no client asked for yet (read into free room only)."""
         reads = [PeerRead() for _ in keys]
         for k, read in zip(keys, reads, strict=True):
             self._fetching[k] = read
-        mine = reads[0].wait()
-        self._spawn(self._fetch_peer(keys, reads))
-        return await mine
+        if chained:
+            reads[0].then = keys[-1]
+        self._spawn(self._fetch_peer(keys, reads, ahead))
+        return reads
 
-    def _peer_following(self, key: bytes) -> list[bytes]:
+    def _read_ahead(self, head: PeerRead) -> None:
+        """The first chunk of a batch of a run of peer chunks landed: the next batch of
+        that run (the keys after the batch's last in the LOOKUP that found them,
+        `_peer_following`) is read now, before the client reaches it, so that the
+        connections do not idle while the client takes this batch's chunks (without it
+        a run's next FETCHes went out only when the client asked for their first chunk:
+        a gap of a round trip and a chunk's transfer at every batch, docs/benchmarks.md,
+        "Peer reads pipelined across batches"). Once per batch, so at most two batches of
+        a run are in flight, each within `MAX_BATCH` and `MAX_BATCH_BYTES`; and only into
+        free room below DRAM's high watermark (`_fetch_peer`): nothing is evicted for
+        chunks no client asked for yet, and where room runs out the chain stops, until a
+        client's read of a chunk not in yet starts it again. (On the landing, not on a
+        client's ask: a client reads a landed chunk lease-free, without the agent hearing
+        of it; and the batch after goes out a chunk's transfer after the first, not
+        sharing the link with it.)"""
+        last, head.then = head.then, None
+        assert last is not None
+        following = self._peer_following(last, whole=True)
+        if following:
+            self._start_peer_batch(following, chained=True, ahead=True)
+
+    def _peer_following(self, key: bytes, whole: bool = False) -> list[bytes]:
         """The keys after `key` in the recent LOOKUP that found it in the peer tier, that a
-        peer holds and nobody is reading yet, within one batch's caps."""
+        peer holds and nobody is reading yet, within one batch's caps (`whole`: the
+        batch is these keys alone; otherwise `key` is read with them)."""
         assert self.peer is not None
         seq, depth, _ = self.recent.get(key) or (0, 0, False)
         prompt = self._peer_prompts.get(seq)
@@ -416,8 +448,9 @@ class ChunkStore:
             return []
         out: list[bytes] = []
         total = 0
+        room = MAX_BATCH if whole else MAX_BATCH - 1
         for k in prompt[depth + 1 :]:
-            if len(out) + 1 >= MAX_BATCH:
+            if len(out) >= room:
                 break
             got = self.peer.holder(k)
             if got is None or k in self._fetching or self.contains(k):
@@ -428,7 +461,8 @@ class ChunkStore:
             out.append(k)
         return out
 
-    async def _fetch_peer(self, keys: list[bytes], reads: list[PeerRead]) -> None:
+    async def _fetch_peer(self, keys: list[bytes], reads: list[PeerRead],
+                          ahead: bool = False) -> None:
         """Reserve arena extents for chunks peers hold and have them received into them
         (one batch per peer, `PeerNetwork.fetch_many`); as each read settles, a callback
         makes its chunk a DRAM chunk like a promotion (announced as this node's from then
@@ -436,17 +470,24 @@ class ChunkStore:
         lying peer: None, and the extents are free again, only once the worker that writes
         into them is done. (This task ends once the reads are queued: a task step and a
         `shield` per chunk, awaiting each read in turn, were a fifth of the reading loop's
-        Python at 1 MiB chunks.)"""
+        Python at 1 MiB chunks.) `ahead` (`_read_ahead`): only into free room below
+        DRAM's high watermark, nothing evicted for it; the reads past that room are not
+        made (a client's ask reads them), nor the batch after (the chain stops)."""
         assert self.peer is not None
         peer = self.peer
         mark = self.deletes.mark()
         started = [False] * len(keys)
         by_link: dict[PeerLink, list[tuple[int, Extents]]] = {}
+        d = self.dram
+        limit = int(self.policy.tiers.dram.high_watermark * d.capacity_bytes)
         try:
             for i, key in enumerate(keys):
                 got = peer.holder(key)
                 if got is None:
                     continue
+                if ahead and d.used_bytes + got[1] > limit:
+                    reads[0].then = None
+                    break
                 try:
                     extents = await self._room(got[1])  # NVMe holders announce file sizes
                 except OpError:
@@ -480,6 +521,8 @@ class ChunkStore:
             log.warning("%s read from a peer not stored: %s", key.hex(), e.message)
         finally:
             self._read_over(key, read, chunk)
+        if chunk is not None and read.then is not None:
+            self._read_ahead(read)
 
     def _read_over(self, key: bytes, read: PeerRead, chunk: DramChunk | None) -> None:
         read.settle(chunk)
@@ -1396,10 +1439,13 @@ class PeerRead:
     that goes away (a client's disconnect cancels its wait) leaves the others theirs, with
     no `shield` (two more hand-offs through the loop) around a shared one."""
 
-    __slots__ = ("waiters",)
+    __slots__ = ("then", "waiters")
 
     def __init__(self) -> None:
         self.waiters: list[asyncio.Future[DramChunk | None]] = []
+        self.then: bytes | None = None
+        """On a batch's first read: the batch's last key, until this chunk's landing
+        sends the batch after it (`ChunkStore._read_ahead`)."""
 
     def wait(self) -> asyncio.Future[DramChunk | None]:
         fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
