@@ -378,15 +378,7 @@ class ChunkStore:
             if self.peer is not None and not self._below(key):
                 fetched = await self._from_peer(key)
                 if fetched is not None:
-                    # The chunk DRAM holds for the key now, not the one that landed: this
-                    # read resumed a turn of the loop after the landing, and meanwhile an
-                    # eviction (the watermark's at an insert, another read's room) may
-                    # have taken it and another chunk its place; a lease on it gave the
-                    # client that other chunk, whole, which the client's check did not
-                    # catch (tests/peers/test_peer_batches.py, a window larger than DRAM).
-                    if (chunk := self.dram.get(key)) is not None:
-                        return chunk
-                    continue  # read again, within FIND_TRIES
+                    return fetched
             loaded = await self._load(key)
             if loaded is not None:
                 return loaded
@@ -404,11 +396,20 @@ class ChunkStore:
         them next. A prefetch reads its key only (its LOOKUP's `lookaheadChunks` bound
         what it loads)."""
         pending = self._fetching.get(key)
-        if pending is not None:
-            return await pending.wait()
-        keys = [key, *(self._peer_following(key) if ahead else ())]
-        reads = self._start_peer_batch(keys, chained=ahead)
-        return await reads[0].wait()
+        if pending is None:
+            keys = [key, *(self._peer_following(key) if ahead else ())]
+            pending = self._start_peer_batch(keys, chained=ahead)[0]
+        return self._landed_chunk(key, await pending.wait())
+
+    def _landed_chunk(self, key: bytes, landed: DramChunk | None) -> DramChunk | None:
+        """The chunk DRAM holds for `key` now that a read waiting on its landing resumes,
+        not the `landed` view: a `DramChunk` is a view of a slot, and a turn of the loop
+        after the landing an eviction (the watermark's at an insert, another read's room)
+        may have taken the chunk and given its slot to another; a lease on the old view
+        gave the client that other chunk, whole, with that chunk's checksum, which the
+        client's check cannot catch (tests/peers/test_peer_batches.py, a window larger
+        than DRAM). None when it went: the caller looks below, else it is a miss."""
+        return None if landed is None else self.dram.get(key)
 
     def _start_peer_batch(self, keys: list[bytes], chained: bool,
                           ahead: bool = False) -> list[PeerRead]:
@@ -544,7 +545,7 @@ class ChunkStore:
         assert self.peer is not None
         pending = self._fetching.get(key)
         if pending is not None:
-            return await pending.wait()
+            return self._landed_chunk(key, await pending.wait())
         read = self._fetching[key] = PeerRead()
         chunk = None
         try:
