@@ -24,7 +24,7 @@ ROW = {"recompute_ttft_s", "hit_ttft_s", "speedup", "hit_tokens", "prompt_tokens
        "overhead_of_best_load", "cold_copy_s", "overhead_of_best_load_cold",
        "sum_copy_s", "best_load_copy_calls_s", "best_load_outside_copy_calls",
        "best_load_chunks_without_lease", "best_load_copy_calls_cpu_s", "arena_copy_s",
-       "overhead_of_best_load_arena"}
+       "overhead_of_best_load_arena", "median_load_outside_copy_calls"}
 
 
 def bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -59,6 +59,7 @@ def test_quick_vllm_part_times_a_hit_against_a_recompute_with_its_breakdown() ->
         # the load's copies went through the compiled loop, and took part of the load
         assert 0 < row["best_load_copy_calls_s"] <= row["best_load_s"], row
         assert row["best_load_copy_calls_cpu_s"] > 0, row
+        assert 0 < row["median_load_outside_copy_calls"] < 1, row
         assert 0 < row["sum_copy_s"] < 1, row  # the compiled loop is in the vLLM environment
         # the load's source bytes copied again from the arena it read them from
         assert 0 < row["arena_copy_s"] < 1, row

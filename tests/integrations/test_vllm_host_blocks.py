@@ -77,12 +77,14 @@ def test_runs_of_consecutive_blocks_are_one_range_and_adjacent_layers_merge() ->
 
 
 @pytest.mark.parametrize("chunks", [[[3, 4], [5, 6], [9, 1], [11, 10]],
-                                    [[7, 8], [0, 1], [2, 3]]], ids=["mixed", "consecutive"])
+                                    [[7, 8], [0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]],
+                         ids=["mixed", "consecutive", "one run"])
 def test_a_loads_window_is_each_chunks_ranges_one_after_the_other(
         chunks: list[list[int]]) -> None:
     """What a load hands the client (`HostTargets`' flat pairs) is each chunk's `ranges`,
     the first chunk's skipped blocks into scratch, in the chunks' order (every chunk of
-    consecutive blocks: made in comprehensions, the usual load)."""
+    consecutive blocks: made in comprehensions, the usual load; the whole load's blocks
+    one run: found so in one comparison)."""
     host = _HostBlocks.of(layers(), PER_BLOCK, BLOCKS)
     assert host is not None
     for skip in (0, 1):
@@ -91,6 +93,6 @@ def test_a_loads_window_is_each_chunks_ranges_one_after_the_other(
                     for i, bids in enumerate(chunks)]
         assert [[(flat[2 * k], flat[2 * k + 1]) for k in range(starts[i], starts[i + 1])]
                 for i in range(len(chunks))] == expected
-    for bad in ([[0, 1], [BLOCKS]], [[0, 1], [-1, 0]]):
+    for bad in ([[0, 1], [BLOCKS]], [[0, 1], [-1, 0]], [[BLOCKS - 2, BLOCKS - 1], [BLOCKS]]):
         with pytest.raises(ValueError, match="out of the KV cache"):
             host.window(bad, 0)

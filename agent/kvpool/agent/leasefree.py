@@ -166,6 +166,23 @@ def located(index: IndexReader, keys: Sequence[bytes]) -> None:
     module function so that a test can act there (as `locate` for `read_window`)."""
 
 
+_last_message: tuple[int, bytes, bytes, int] = (-1, b"", b"", 0)
+
+
+def _message(size: int, meta: bytes) -> tuple[bytes, int]:
+    """`wsum_message(size, meta)` for the copy call (empty where it is over the compiled
+    hash's MAX_MESSAGE bytes), the last one kept: an engine's loads all ask the same."""
+    global _last_message
+    last = _last_message
+    if last[0] == size and last[1] is meta:
+        return last[2], last[3]
+    message, sums_at = wsum_message(size, meta)
+    if len(message) > leasekernel.MAX_MESSAGE:
+        message = b""
+    _last_message = (size, meta, message, sums_at)
+    return message, sums_at
+
+
 def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes],
                  start: int, target: HostTargets, sizes: list[int]
                  ) -> tuple[list[int], list[bytes]] | None:
@@ -191,28 +208,27 @@ def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes
     epoch = index.epoch()
     if epoch is None:
         return list(range(n)), []
-    info = array.array("Q", bytes(8 * leasekernel.INFO_WORDS * n))
+    # Each slot's words (INFO_WORDS a chunk), then each chunk's two sums: one allocation.
+    words = leasekernel.INFO_WORDS * n
+    info = array.array("Q", bytes(8 * (words + 2 * n)))
     at = info.buffer_info()[0]
     found = kernels.locate(index.address, index.mask, want, n, target.size, target.meta_hash,
                            limit, at)
     if not found:
         return list(range(n)), []
     located(index, keys)
-    sums = array.array("Q", bytes(16 * n))
     # Each chunk's checksum made in the call where its head and metadata fit the compiled
     # hash (XXH3's forms up to 240 bytes), else from the sums here.
-    message, sums_at = wsum_message(target.size, target.meta)
-    if len(message) > leasekernel.MAX_MESSAGE:
-        message = b""
+    message, sums_at = _message(target.size, target.meta)
     kept = kernels.copy(index.address, base, want, at, n, target.ranges.buffer_info()[0],
                         target.starts.buffer_info()[0] + 8 * start, target.size, epoch,
-                        sums.buffer_info()[0], message, sums_at)
+                        at + 8 * words, message, sums_at)
     if not kept:
         return list(range(n)), []
-    passed: list[int] = info[:: leasekernel.INFO_WORDS].tolist()  # 0: not read
+    passed: list[int] = info[: words : leasekernel.INFO_WORDS].tolist()  # 0: not read
     if not message:
-        wanted = info[3 :: leasekernel.INFO_WORDS]
-        digests = wsum_finish_many(target.size, sums.tobytes(), target.meta)
+        wanted = info[3 : words : leasekernel.INFO_WORDS]
+        digests = wsum_finish_many(target.size, info[words:].tobytes(), target.meta)
         passed = [int(a != 0 and digests[i] == wanted[i]) for i, a in enumerate(passed)]
     if found == n and all(passed):
         sizes[start : start + n] = [target.size] * n  # every chunk read (the usual load)

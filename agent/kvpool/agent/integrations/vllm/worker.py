@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from itertools import pairwise
+from itertools import chain, pairwise
 from typing import Any
 
 import torch
@@ -293,9 +293,14 @@ class WorkerSide:
             self._report_load(job, [0] * len(keys))
 
     def _report_load(self, job: LoadJob, sizes: list[int]) -> None:
-        bad = [] if all(sizes) else \
-            [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
-             if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
+        if all(sizes):  # every chunk loaded (the usual load): the fewest steps
+            with self._cond:
+                self._loaded.add(job.req_id)
+                self._loading -= 1
+                self._cond.notify_all()
+            return
+        bad = [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
+               if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
         if bad and self.link.client is not None:
             missing = sum(1 for s in sizes if not s)
             log.info("kvpool: %d of %d chunks of request %s not loaded (evicted, failing "
@@ -373,9 +378,13 @@ class _HostBlocks:
         the first chunk's first `skip_blocks` blocks go to the scratch block. Block ids
         outside the KV cache are refused (`check`)."""
         bases, stride, nbytes, limit = self.bases, self.stride, self.nbytes, self.num_blocks
-        if not skip_blocks and stride == nbytes and all(chunks) \
-                and min(map(min, chunks)) >= 0 and max(map(max, chunks)) < limit \
-                and all(c == list(range(c[0], c[0] + len(c))) for c in chunks):
+        ids = list(chain.from_iterable(chunks)) if not skip_blocks else []
+        if ids and stride == nbytes and all(chunks) and (
+                # the whole load's blocks consecutive (a fresh request's): one comparison
+                (ids[0] >= 0 and ids[-1] < limit
+                 and ids == list(range(ids[0], ids[0] + len(ids))))
+                or (min(ids) >= 0 and max(ids) < limit
+                    and all(c == list(range(c[0], c[0] + len(c))) for c in chunks))):
             # the usual load: every chunk consecutive blocks, one range a layer (as `ranges`),
             # in comprehensions (no Python statement per chunk)
             layers = len(bases)
