@@ -51,7 +51,7 @@ from typing import Any
 
 from . import wsumkernel
 from .jit import Lazy, compile_ir
-from .lookupkernel import XXH3_IR
+from .lookupkernel import XXH3_IR, slot_read
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ _SECRET = bytes.fromhex(
 _SECRET_IR = "".join(f"\\{b:02X}" for b in _SECRET)
 _HEADER = 64
 _SLOT = 64
+_SLOT_FIELDS = (("o", 24, "i64"), ("s", 32, "i64"), ("c", 40, "i64"), ("m", 48, "i64"),
+                ("kind", 56, "i32"))
+"""What `locate` reads of a slot beside its first word and key, under the same seqlock:
+the chunk's arena offset, size, checksum, metadata hash and checksum kind (`lookupindex`'s
+slot layout), as %so, %ss, %sc, %sm, %skind."""
 _EPOCH_AT = 16
 _WSUM = 1
 """`checksums.WSUM`: the only kind whose check the copy's own sums give."""
@@ -210,43 +215,15 @@ key:
   %home = and i64 %h, %mask
   %io = mul i64 %i, {INFO_WORDS}
   %ip = getelementptr i64, ptr %info, i64 %io
-  br label %walk
-walk:
+  br label %swalk
+swalk:
   %at = phi i64 [%home, %key], [%at.n, %step]
   %steps = phi i64 [0, %key], [%steps.n, %step]
   %off.0 = mul i64 %at, {_SLOT}
   %off = add i64 %off.0, {_HEADER}
-  %p = getelementptr i8, ptr %base, i64 %off
-  %pk0 = getelementptr i8, ptr %p, i64 8
-  %pk1 = getelementptr i8, ptr %p, i64 16
-  %po = getelementptr i8, ptr %p, i64 24
-  %ps = getelementptr i8, ptr %p, i64 32
-  %pc = getelementptr i8, ptr %p, i64 40
-  %pm = getelementptr i8, ptr %p, i64 48
-  %pkind = getelementptr i8, ptr %p, i64 56
-  br label %read
-read:
-  %tries = phi i64 [0, %walk], [%tries.n, %again]
-  %w = load atomic i64, ptr %p acquire, align 8
-  %sk0 = load atomic i64, ptr %pk0 monotonic, align 8
-  %sk1 = load atomic i64, ptr %pk1 monotonic, align 8
-  %so = load atomic i64, ptr %po monotonic, align 8
-  %ss = load atomic i64, ptr %ps monotonic, align 8
-  %sc = load atomic i64, ptr %pc monotonic, align 8
-  %sm = load atomic i64, ptr %pm monotonic, align 8
-  %skind = load atomic i32, ptr %pkind monotonic, align 8
-  fence acquire
-  %w2 = load atomic i64, ptr %p monotonic, align 8
-  %odd = trunc i64 %w to i1
-  %moved = icmp ne i64 %w, %w2
-  %bad = or i1 %odd, %moved
-  br i1 %bad, label %again, label %good
-again:
-  %tries.n = add i64 %tries, 1
-  %give = icmp uge i64 %tries.n, {READ_RETRIES}
-  br i1 %give, label %miss, label %read
+{slot_read("s", "base", "off", "miss", "good", _SLOT_FIELDS)}
 good:
-  %state = lshr i64 %w, 32
+  %state = lshr i64 %sw, 32
   %empty = icmp eq i64 %state, 0
   br i1 %empty, label %miss, label %used
 used:
@@ -261,7 +238,7 @@ step:
   %at.n = and i64 %at.1, %mask
   %steps.n = add i64 %steps, 1
   %more = icmp ule i64 %steps.n, %mask
-  br i1 %more, label %walk, label %miss
+  br i1 %more, label %swalk, label %miss
 check:
   ; the size, metadata and kind asked for, one extent inside the arena (NO_EXTENT, all
   ; ones, is past any arena)
@@ -279,7 +256,7 @@ check:
 hitkey:
   store i64 %off, ptr %ip, align 8
   %ip1 = getelementptr i64, ptr %ip, i64 1
-  store i64 %w, ptr %ip1, align 8
+  store i64 %sw, ptr %ip1, align 8
   %ip2 = getelementptr i64, ptr %ip, i64 2
   store i64 %so, ptr %ip2, align 8
   %ip3 = getelementptr i64, ptr %ip, i64 3

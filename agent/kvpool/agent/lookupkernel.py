@@ -60,20 +60,26 @@ _PEER_TABLE = 64 + 4 * (1 << 16)
 """Bytes from the peer table's start to its first slot (its header, the peers' states)."""
 
 
-def _slot_read(p: str, base: str, at: str, torn: str, good: str) -> str:
+def slot_read(p: str, base: str, at: str, torn: str, good: str,
+               fields: tuple[tuple[str, int, str], ...] = ()) -> str:
     """IR reading slot `at` (byte offset from `base`) under the seqlock into %{p}w (its
-    first word), %{p}k0 and %{p}k1 (its key), then branching to `good`, or to `torn` after
-    READ_RETRIES torn reads."""
+    first word), %{p}k0 and %{p}k1 (its key), and each of `fields` (name, byte offset in
+    the slot, IR type) into %{p}{name}, then branching to `good`, or to `torn` after
+    READ_RETRIES torn reads. The block before it is `{p}walk`."""
+    geps = "".join(f"\n  %{p}{name}p = getelementptr i8, ptr %{p}ptr, i64 {at_}"
+                   for name, at_, _ in fields)
+    loads = "".join(f"\n  %{p}{name} = load atomic {ty}, ptr %{p}{name}p monotonic, align 8"
+                    for name, _, ty in fields)
     return f"""
   %{p}ptr = getelementptr i8, ptr %{base}, i64 %{at}
   %{p}k0p = getelementptr i8, ptr %{p}ptr, i64 8
-  %{p}k1p = getelementptr i8, ptr %{p}ptr, i64 16
+  %{p}k1p = getelementptr i8, ptr %{p}ptr, i64 16{geps}
   br label %{p}read
 {p}read:
   %{p}tries = phi i64 [0, %{p}walk], [%{p}tries.n, %{p}again]
   %{p}w = load atomic i64, ptr %{p}ptr acquire, align 8
   %{p}k0 = load atomic i64, ptr %{p}k0p monotonic, align 8
-  %{p}k1 = load atomic i64, ptr %{p}k1p monotonic, align 8
+  %{p}k1 = load atomic i64, ptr %{p}k1p monotonic, align 8{loads}
   fence acquire
   %{p}w2 = load atomic i64, ptr %{p}ptr monotonic, align 8
   %{p}odd = trunc i64 %{p}w to i1
@@ -318,7 +324,7 @@ dwalk:
   %dsteps = phi i64 [0, %key], [%dsteps.n, %dnext]
   %doff.0 = mul i64 %dat, {_DRAM_SLOT}
   %doff = add i64 %doff.0, {_HEADER}
-{_slot_read("d", "base", "doff", "torn", "dgood")}
+{slot_read("d", "base", "doff", "torn", "dgood")}
 dgood:
   %dstate = lshr i64 %dw, 32
   %dempty = icmp eq i64 %dstate, 0
@@ -350,7 +356,7 @@ pwalk:
   %pat = phi i64 [%phome, %pkey], [%pat.n, %pnext]
   %psteps = phi i64 [0, %pkey], [%psteps.n, %pnext]
   %poff = mul i64 %pat, {_SLOT}
-{_slot_read("p", "ptab", "poff", "torn", "pgood")}
+{slot_read("p", "ptab", "poff", "torn", "pgood")}
 pgood:
   %pstate = lshr i64 %pw, 48
   %pempty = icmp eq i64 %pstate, 0
