@@ -242,8 +242,14 @@ class Connection:
         await self.flush()
 
     def close(self) -> None:
+        # Marked ended first: a connection closed by the agent's stop before its task
+        # first ran must not register its fd with the loop then (a closed fd: EBADF, or
+        # its number already reused by another socket), and a read waiting on it ends.
         self._pause()
+        self.eof = True
         self.sock.close()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     async def serve(self) -> None:
         self._resume()  # registered for the connection's life (paused only when full)
