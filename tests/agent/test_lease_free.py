@@ -20,7 +20,7 @@ from kvpool.agent import leasefree, leasekernel
 from kvpool.agent.arena import Arena, ExtentAllocator
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import AgentConfig, TierPolicy
-from kvpool.agent.hostcopy import HostTargets
+from kvpool.agent.hostcopy import BlockTargets, HostBlocks, HostTargets
 from kvpool.agent.lookupindex import IndexReader, SharedIndex
 from kvpool.agent.metrics import AgentMetrics
 from kvpool.agent.protocol import Extents, checksum
@@ -419,9 +419,10 @@ def test_chunks_a_planned_read_cannot_take_go_through_a_lease(
     assert planned in ([], [5, 1])  # the compiled calls' table reads: both reads
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["ranges", "block-ids"])
 @pytest.mark.parametrize("reuse", [False, True], ids=["deleted", "deleted-and-reused"])
 def test_a_chunk_that_leaves_between_the_compiled_table_read_and_the_copy_is_never_returned(
-        agent: LocalAgent, client: KVPoolClient, reuse: bool,
+        agent: LocalAgent, client: KVPoolClient, reuse: bool, blocks: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The race of the Python path's test above, through the compiled calls: another
     client deletes the chunk (and stores another WSUM chunk of the same size and metadata
@@ -451,14 +452,84 @@ def test_a_chunk_that_leaves_between_the_compiled_table_read_and_the_copy_is_nev
     monkeypatch.setattr(leasefree, "located", racing)
     before = scrape(agent)
     out = [bytearray(CHUNK)]
-    assert reader.get_many_into([key], _targets(out)) == [0]
+    kv = _Layers(blocks=4, per=1)  # (blocks: the chunk in block 2 of each layer)
+    target = kv.host.targets([[2]]) if blocks else _targets(out)
+    assert reader.get_many_into([key], target) == [0]
     assert raced, "the race ran"
     assert reader.reads_without_lease == 0
+    if blocks:
+        out = [bytearray(kv.block(0, 2) + kv.block(1, 2))]
     if reuse:
         assert bytes(out[0]) == data[other]  # the copy read the other chunk's bytes...
     after = scrape(agent)  # ...and the read went on to the agent: not found
     assert after[NOT_FOUND] == before[NOT_FOUND] + 1
     reader.close()
+
+
+class _Layers:
+    """Two KV-cache layers of `blocks` blocks in host memory (bytearrays), as
+    `HostBlocks` a chunk of `per` blocks of each: the destinations of `BlockTargets`."""
+
+    def __init__(self, blocks: int = 12, per: int = 4, meta: bytes = META) -> None:
+        self.nbytes = CHUNK // (2 * per)
+        self.layers = [bytearray(blocks * self.nbytes) for _ in range(2)]
+        self.scratch = bytearray(self.nbytes)
+        self.host = HostBlocks([self._at(b) for b in self.layers], self.nbytes, self.nbytes,
+                               blocks, per, meta, scratch_address=self._at(self.scratch),
+                               owner=self)
+
+    @staticmethod
+    def _at(b: bytearray) -> int:
+        return ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b))
+
+    def block(self, layer: int, block_id: int) -> bytes:
+        return bytes(self.layers[layer][block_id * self.nbytes : (block_id + 1) * self.nbytes])
+
+
+def test_block_targets_are_read_into_their_blocks(
+        shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
+    """A read whose destinations are block ids (`BlockTargets`, a vLLM load's): each chunk's
+    bytes land, layer by layer, in its blocks in order, adjacent or not, the first chunk's
+    skipped blocks in scratch and not in the KV cache; without a lease, no ACQUIRE. The
+    compiled call plans the copies from the ids itself; the Python path from `ranges`."""
+    kv = _Layers()
+    keys = [_key(next(_fresh)) for _ in range(3)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    _wsum_put(reader, keys, data)
+    chunks = [[3, 4, 5, 6], [9, 1, 11, 10], [0, 2, 7, 8]]
+    before = scrape(shared)
+    target = kv.host.targets(chunks, skip=1)
+    assert reader.get_many_into(keys, target) == [CHUNK] * 3
+    n = kv.nbytes
+    for c, (bids, chunk) in enumerate(zip(chunks, data, strict=True)):
+        for layer in range(2):
+            for j, b in enumerate(bids):
+                got = chunk[(layer * 4 + j) * n : (layer * 4 + j + 1) * n]
+                if c == 0 and j == 0:  # skipped: vLLM holds it already
+                    assert kv.block(layer, b) == bytes(n)
+                else:
+                    assert kv.block(layer, b) == got, (c, layer, j)
+    assert bytes(kv.scratch) == data[0][4 * n : 5 * n]  # layer 1's skipped block, last
+    assert reader.reads_without_lease == 3
+    assert scrape(shared)[ACQUIRES] == before[ACQUIRES]
+    assert planned in ([], [3])
+
+
+def test_block_ids_outside_the_blocks_are_refused_and_nothing_is_read(
+        shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
+    """A `BlockTargets` made with an id outside its blocks (`HostBlocks.targets` refuses it
+    before any read): one clear error from the read, and no block written."""
+    kv = _Layers()
+    keys = [_key(next(_fresh)) for _ in range(2)]
+    _wsum_put(reader, keys, [os.urandom(CHUNK) for _ in keys])
+    with pytest.raises(ValueError, match="out of the KV cache"):
+        kv.host.targets([[0, 1, 2, 12], [4, 5, 6, 7]])
+    import array
+    bad = BlockTargets(kv.host, array.array("q", [0, 1, 2, 12, 4, 5, 6, 7]))
+    with pytest.raises(ValueError, match="out of the KV cache"):
+        reader.get_many_into(keys, bad)
+    assert kv.layers == [bytearray(len(kv.layers[0]))] * 2
+    assert reader.reads_without_lease == 0
 
 
 def test_corrupted_arena_bytes_fail_a_planned_read_and_are_a_miss(

@@ -43,7 +43,7 @@ from .constants import (
     PEER_TIER_CODE,
     TIER_NAMES,
 )
-from .hostcopy import HostTargets
+from .hostcopy import BlockTargets, HostTargets
 from .protocol import EngineBlocks
 from .transport import (
     Buffer,
@@ -77,6 +77,10 @@ def default_socket(socket_path: str | os.PathLike[str] | None = None) -> str:
     if socket_path is not None and os.fspath(socket_path):
         return os.fspath(socket_path)
     return os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+
+
+_PLANNED = (BlockTargets, HostTargets)
+"""Targets whose every destination is known before the read (`leasefree.read_planned`)."""
 
 
 class AgentUnavailable(ConnectionError):
@@ -365,9 +369,10 @@ class KVPoolClient:
         With `lease_free`, the DRAM chunks the lookup index describes are read first
         without a lease (into buffers and host ranges, always checked), and only the rest
         are ACQUIREd; `target` may then be asked twice for a key whose lease-free copy
-        failed its checks (the second time for its leased read). A `HostTargets` target
-        (every destination known before the read) is read so in compiled calls, the whole
-        call at once (`leasefree.read_planned`), the keys they leave as above.
+        failed its checks (the second time for its leased read). A `HostTargets` or
+        `BlockTargets` target (every destination known before the read) is read so in one
+        compiled call, the whole call at once (`leasefree.read_planned`), the keys it leaves
+        as above.
 
         `verify`: True checks every chunk against its checksum; None (the default) checks
         the chunks copied into buffers (in the copy's own pass, nearly free) but not those
@@ -387,14 +392,15 @@ class KVPoolClient:
         sizes = [0] * len(keys)
         if meanwhile is not None:  # once, even when a window is retried after a reconnect
             meanwhile = _once(meanwhile)
-        if isinstance(target, HostTargets):
-            # Every destination known before the read: the whole call lease-free in
-            # compiled calls where the lookup index allows, before any window is made (an
+        if isinstance(target, _PLANNED):
+            # Every destination known before the read: the whole call lease-free in one
+            # compiled call where the lookup index allows, before any window is made (an
             # engine's load: no Python per chunk); the keys left take the windows below.
             left = self._read_planned(keys, target, sizes, meanwhile)
             if left is not None:
                 if left:
-                    self._metas.learn(target.meta)
+                    self._metas.learn(target.blocks.meta if isinstance(target, BlockTargets)
+                                      else target.meta)
                     rest = self.get_many_into(
                         [keys[i] for i in left],
                         leasefree.socket_target(target, 0, left, {}, self._metas),
@@ -414,8 +420,8 @@ class KVPoolClient:
         return self.lease_free and isinstance(t, ZeroCopyTransport) and t.index is not None \
             and not t.conn.closed
 
-    def _read_planned(self, keys: Sequence[bytes], target: HostTargets, sizes: list[int],
-                      meanwhile: Meanwhile) -> list[int] | None:
+    def _read_planned(self, keys: Sequence[bytes], target: BlockTargets | HostTargets,
+                      sizes: list[int], meanwhile: Meanwhile) -> list[int] | None:
         """The lease-free read of a whole `get_many_into` whose destinations are known
         (`leasefree.read_planned`): the indices of the keys left, or None where it is not
         tried (`lease_free` off, no connection, not compiled yet)."""

@@ -26,6 +26,7 @@ import array
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, pairwise
 from typing import Any
 
 import xxhash
@@ -87,6 +88,136 @@ class HostTargets:
         first, end = self.starts[index], self.starts[index + 1]
         return HostRanges([(flat[2 * k], flat[2 * k + 1]) for k in range(first, end)],
                           owner=self.owner)
+
+
+class HostBlocks:
+    """Blocks of host memory as an engine's KV cache lays them out (vLLM's on the CPU), as
+    destinations of chunks: block b of layer l is `nbytes` contiguous bytes at
+    `bases[l] + b * stride` (b below `num_blocks`), and a chunk of `per` blocks is, for
+    each layer in turn, its blocks in order: `size` bytes (`len(bases) * per * nbytes`) of
+    metadata `meta` (or metadata `same(meta)` says is the same). `scratch_address`: one
+    block's bytes where the blocks a read skips are copied (and dropped). The caller keeps
+    the memory alive (`owner`). A read's target is `targets(block ids)`."""
+
+    __slots__ = ("bases", "gaps", "meta", "meta_hash", "nbytes", "num_blocks", "owner", "per",
+                 "plan", "same", "scratch_address", "size", "stride")
+
+    def __init__(self, bases: Sequence[int], stride: int, nbytes: int, num_blocks: int,
+                 per: int, meta: bytes, *, scratch_address: int, owner: Any = None,
+                 same: Callable[[bytes], bool] | None = None,
+                 meta_hash: int | None = None) -> None:
+        if not bases or per < 1 or nbytes < 1 or stride < nbytes:
+            raise ValueError("HostBlocks: at least one layer, one block a chunk, and blocks "
+                             "that do not overlap")
+        self.bases = list(bases)
+        self.stride = stride
+        self.nbytes = nbytes
+        self.num_blocks = num_blocks
+        self.per = per
+        self.size = len(self.bases) * per * nbytes
+        self.meta = meta
+        self.meta_hash = xxhash.xxh3_64_intdigest(meta) if meta_hash is None else meta_hash
+        self.same = same
+        self.owner = owner
+        self.scratch_address = scratch_address
+        self.gaps = {b1 - b0 for b0, b1 in pairwise(self.bases)}
+        """How far each layer starts from the previous one: a chunk's last range in a
+        layer ends where its first in the next begins only if it spans one of these."""
+        self.plan: Any = None
+        """The compiled read's parameters for these blocks (`leasefree`'s, kept here)."""
+
+    def targets(self, chunks: Sequence[Sequence[int]], skip: int = 0) -> BlockTargets:
+        """The target of a read of `len(chunks)` chunks into these block ids (`per` a
+        chunk); the first chunk's first `skip` blocks go to scratch."""
+        ids = array.array("q", chain.from_iterable(chunks))
+        if len(ids) != self.per * len(chunks):
+            raise ValueError(f"kvpool: chunks of {self.per} blocks, not "
+                             f"{[len(c) for c in chunks]}")
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            self.check(chunks)  # raises, before anything is read
+        return BlockTargets(self, ids, skip)
+
+    def check(self, chunks: Sequence[Sequence[int]]) -> None:
+        """One clear error for block ids outside the blocks."""
+        for block_ids in chunks:
+            if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+                raise ValueError(f"kvpool: block ids {list(block_ids)} out of the KV "
+                                 f"cache's {self.num_blocks} blocks")
+
+    def ranges(self, block_ids: Sequence[int], scratch_blocks: int = 0) -> HostRanges:
+        """A chunk's destination: for each layer, its blocks in order (adjacent ones
+        merged); the first `scratch_blocks` blocks go to scratch. The ids must be in the
+        blocks (`check`)."""
+        scratch, stride, nbytes = self.scratch_address, self.stride, self.nbytes
+        first, n = block_ids[0] if block_ids else 0, len(block_ids)
+        if n and not scratch_blocks and stride == nbytes \
+                and list(block_ids) == list(range(first, first + n)):
+            # the usual chunk: consecutive blocks, one range a layer
+            return HostRanges([(base + first * stride, n * nbytes) for base in self.bases],
+                              owner=self.owner)
+        # The chunk's runs of blocks adjacent in memory, found once for every layer (a
+        # block's range follows the previous one's only when the ids are consecutive and
+        # blocks are packed), then each layer's ranges from them: a Python step per run
+        # and layer, not per block and layer.
+        ids = block_ids[scratch_blocks:]
+        cuts = [k for k, (a, b) in enumerate(pairwise(ids), 1) if b != a + 1] \
+            if stride == nbytes else list(range(1, len(ids)))
+        edges = [0, *cuts, len(ids)] if len(ids) else [0]
+        offsets = [(ids[s] * stride, (e - s) * nbytes) for s, e in pairwise(edges)]
+        lead = [(scratch, nbytes)] * min(scratch_blocks, n)
+        bases = self.bases
+        if offsets and not lead \
+                and offsets[-1][0] + offsets[-1][1] - offsets[0][0] not in self.gaps:
+            # no layer's first range follows the previous layer's last in memory
+            return HostRanges([(base + o, m) for base in bases for o, m in offsets],
+                              owner=self.owner)
+        out: list[tuple[int, int]] = []
+        for base in bases:
+            # Where a range may follow the previous one in memory (a layer's first, the
+            # scratch block's), merged as everywhere; within a layer's runs it never does.
+            for at, length in lead + [(base + o, m) for o, m in offsets[:1]]:
+                if out and out[-1][0] + out[-1][1] == at:
+                    out[-1] = (out[-1][0], out[-1][1] + length)
+                else:
+                    out.append((at, length))
+            out += [(base + o, m) for o, m in offsets[1:]]
+        return HostRanges(out, owner=self.owner)
+
+
+class BlockTargets:
+    """A read target (`transport.ReadTarget`) into blocks of host memory (`HostBlocks`):
+    chunk i of the call goes to block ids `ids[i * per : (i + 1) * per]` when it has the
+    blocks' chunk size and metadata, the first chunk's first `skip` blocks to scratch; any
+    other chunk is declined (None). With `lease_free`, a window of such a target is read
+    in one compiled call that also plans the destinations from the ids (`leasekernel`)."""
+
+    __slots__ = ("blocks", "ids", "skip")
+
+    def __init__(self, blocks: HostBlocks, ids: array.array[int], skip: int = 0) -> None:
+        self.blocks = blocks
+        self.ids = ids
+        self.skip = skip
+
+    def __len__(self) -> int:
+        return len(self.ids) // self.blocks.per
+
+    def __call__(self, index: int, size: int, meta: bytes) -> HostRanges | None:
+        blocks = self.blocks
+        if size != blocks.size or (meta != blocks.meta
+                                   and (blocks.same is None or not blocks.same(meta))):
+            return None
+        per = blocks.per
+        if not 0 <= index < len(self.ids) // per:
+            return None
+        block_ids = self.ids[index * per : (index + 1) * per].tolist()
+        blocks.check([block_ids])
+        return blocks.ranges(block_ids, self.skip if index == 0 else 0)
+
+    def check(self) -> None:
+        """One clear error where a block id is outside the blocks."""
+        per = self.blocks.per
+        self.blocks.check([self.ids[k : k + per].tolist()
+                           for k in range(0, len(self.ids), per)])
 
 
 def address_of(buffer: Any) -> int:

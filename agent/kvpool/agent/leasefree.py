@@ -40,7 +40,7 @@ goes through the lease (a device copy completes later, after the slot's second r
 
 from __future__ import annotations
 
-import array
+import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +50,7 @@ from . import leasekernel
 from . import protocol as p
 from .checksums import wsum_finish_many, wsum_message
 from .constants import KEY_BYTES
-from .hostcopy import HostRanges, HostTargets
+from .hostcopy import BlockTargets, HostBlocks, HostRanges, HostTargets
 from .lookupindex import IndexReader, Where
 from .transport import BufferCopies, Check, ReadTarget
 
@@ -162,16 +162,19 @@ def read_window(index: IndexReader, arena: memoryview, base: int, metas: Metas,
 
 
 def located(index: IndexReader, keys: Sequence[bytes]) -> None:
-    """Called by `read_planned` between its table reads and its copies, doing nothing: a
-    module function so that a test can act there (as `locate` for `read_window`)."""
+    """Called by `read_planned`'s compiled call between its table reads and its copies
+    where a test replaces it (the default does nothing and is not called): a module
+    function so that a test can act there (as `locate` for `read_window`)."""
 
 
+_LOCATED = located
+_HOOK = ctypes.CFUNCTYPE(None)
 _last_message: tuple[int, bytes, bytes, int] = (-1, b"", b"", 0)
 
 
 def _message(size: int, meta: bytes) -> tuple[bytes, int]:
-    """`wsum_message(size, meta)` for the copy call (empty where it is over the compiled
-    hash's MAX_MESSAGE bytes), the last one kept: an engine's loads all ask the same."""
+    """`wsum_message(size, meta)` for the compiled call (empty where it is over the compiled
+    hash's MAX_MESSAGE bytes), the last one kept."""
     global _last_message
     last = _last_message
     if last[0] == size and last[1] is meta:
@@ -183,61 +186,91 @@ def _message(size: int, meta: bytes) -> tuple[bytes, int]:
     return message, sums_at
 
 
+def _plan(kernels: leasekernel.Kernels, index: IndexReader, base: int, limit: int,
+          size: int, meta: bytes, meta_hash: int, blocks: HostBlocks | None
+          ) -> leasekernel.Plan:
+    message, sums_at = _message(size, meta)
+    return leasekernel.Plan(kernels, index.address, index.mask, base, limit, size,
+                            meta_hash, message, sums_at, blocks)
+
+
+def _read(plan: leasekernel.Plan, index: IndexReader, keys: Sequence[bytes],
+          read: Callable[[], int]) -> int:
+    """`read()`, with the test's `located` called between the table reads and the copies."""
+    hook = _HOOK(lambda: located(index, keys))
+    plan.set_hook(ctypes.cast(hook, ctypes.c_void_p).value or 0)
+    try:
+        return read()
+    finally:
+        plan.set_hook(0)
+
+
 def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes],
-                 start: int, target: HostTargets, sizes: list[int]
+                 start: int, target: HostTargets | BlockTargets, sizes: list[int]
                  ) -> tuple[list[int], list[bytes]] | None:
-    """`read_window` for a window whose destinations are known (`HostTargets`), in two
-    compiled calls (`leasekernel`): the slots read under their seqlock, the copies with
-    their sums and each chunk's checksum from them (here, from the sums, where its WSUM head
-    and metadata are over the compiled hash's 240 bytes), the slots and the table's epoch
-    read again, with no Python per chunk. Returns the window indices left (for `read_window`,
+    """`read_window` for a window whose destinations are known (`HostTargets`, or
+    `BlockTargets`, whose ranges the call makes from block ids) in one compiled call
+    (`leasekernel.read`): the table's epoch, the slots read under their seqlock, the copies
+    with their sums and each chunk's checksum from them (here, from the sums, where its WSUM
+    head and metadata are over the compiled hash's 240 bytes), the slots and the epoch read
+    again, with no Python per chunk. Returns the window indices left (for `read_window`,
     then the socket: any chunk not read here: not in the table as one WSUM extent of the
     target's size and metadata, ranges cut inside a word, a slot or epoch that changed, a
-    checksum mismatch) and the keys read; None where the
-    compiled calls cannot take the window (not compiled yet: compiling now on a thread of
-    its own; a malformed key; destinations not given for every key): `read_window` then."""
+    checksum mismatch) and the keys read; None where the compiled call cannot take the
+    window (not compiled yet: compiling now on a thread of its own; a malformed key;
+    destinations not given for every key). A `BlockTargets` with a block id outside its
+    blocks raises ValueError, nothing read."""
     kernels = leasekernel.ready()
     if kernels is None:
         leasekernel.compile_soon()
         return None
     n = len(keys)
     want = b"".join(keys)
-    if len(want) != KEY_BYTES * n or (n and max(map(len, keys)) != KEY_BYTES) \
-            or len(target.starts) < start + n + 1 or target.size & 3:
+    if len(want) != KEY_BYTES * n or (n and max(map(len, keys)) != KEY_BYTES):
         return None
-    epoch = index.epoch()
-    if epoch is None:
-        return list(range(n)), []
-    # Each slot's words (INFO_WORDS a chunk), then each chunk's two sums: one allocation.
-    words = leasekernel.INFO_WORDS * n
-    info = array.array("Q", bytes(8 * (words + 2 * n)))
-    at = info.buffer_info()[0]
-    found = kernels.locate(index.address, index.mask, want, n, target.size, target.meta_hash,
-                           limit, at)
-    if not found:
-        return list(range(n)), []
-    located(index, keys)
-    # Each chunk's checksum made in the call where its head and metadata fit the compiled
-    # hash (XXH3's forms up to 240 bytes), else from the sums here.
-    message, sums_at = _message(target.size, target.meta)
-    kept = kernels.copy(index.address, base, want, at, n, target.ranges.buffer_info()[0],
-                        target.starts.buffer_info()[0] + 8 * start, target.size, epoch,
-                        at + 8 * words, message, sums_at)
-    if not kept:
-        return list(range(n)), []
-    passed: list[int] = info[: words : leasekernel.INFO_WORDS].tolist()  # 0: not read
-    if not message:
-        wanted = info[3 : words : leasekernel.INFO_WORDS]
-        digests = wsum_finish_many(target.size, info[words:].tobytes(), target.meta)
-        passed = [int(a != 0 and digests[i] == wanted[i]) for i, a in enumerate(passed)]
-    if found == n and all(passed):
-        sizes[start : start + n] = [target.size] * n  # every chunk read (the usual load)
+    if isinstance(target, BlockTargets):
+        blocks = target.blocks
+        per = blocks.per
+        if len(target.ids) < (start + n) * per:
+            return None
+        plan = blocks.plan
+        if plan is None or plan.mapping != (index.address, base, limit):
+            plan = blocks.plan = _plan(kernels, index, base, limit, blocks.size, blocks.meta,
+                                       blocks.meta_hash, blocks)
+        plan.set_skip(0 if start else target.skip)
+        ids = target.ids.buffer_info()[0] + 8 * per * start
+        got = plan.read(want, n, ids) if located is _LOCATED else \
+            _read(plan, index, keys, lambda: plan.read(want, n, ids))
+        if got < 0:
+            target.check()  # raises: the ids were checked in the call
+            return None
+        meta = blocks.meta
+    else:
+        if len(target.starts) < start + n + 1 or target.size & 3:
+            return None
+        plan = _plan(kernels, index, base, limit, target.size, target.meta,
+                     target.meta_hash, None)
+        ranges = target.ranges.buffer_info()[0]
+        starts = target.starts.buffer_info()[0] + 8 * start
+        got = plan.read_ranges(want, n, ranges, starts) if located is _LOCATED else \
+            _read(plan, index, keys, lambda: plan.read_ranges(want, n, ranges, starts))
+        meta = target.meta
+    size = plan.size
+    if got == n and plan.checked:
+        sizes[start : start + n] = [size] * n  # every chunk read (the usual load)
         return [], list(keys)
+    words = leasekernel.INFO_WORDS * n
+    info = plan.info
+    passed: list[int] = info[: words : leasekernel.INFO_WORDS].tolist()  # 0: not read
+    if not plan.checked and got > 0:
+        wanted = info[3 : words : leasekernel.INFO_WORDS]
+        digests = wsum_finish_many(size, plan.sums[: 2 * n].tobytes(), meta)
+        passed = [int(a != 0 and digests[i] == wanted[i]) for i, a in enumerate(passed)]
     left: list[int] = []
     read: list[bytes] = []
     for i, ok in enumerate(passed):
         if ok:
-            sizes[start + i] = target.size
+            sizes[start + i] = size
             read.append(keys[i])
         else:
             left.append(i)

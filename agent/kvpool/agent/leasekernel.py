@@ -1,4 +1,4 @@
-"""A lease-free read of a window in two compiled calls: the table reads, the copies with
+"""A lease-free read of a window in one compiled call: the table reads, the copies with
 their sums and the checks after them, with no Python per chunk (`leasefree.read_planned`).
 
 `leasefree.read_window` reads a window without a lease in Python, a few steps a key: the
@@ -7,8 +7,17 @@ sums and the slot read again. In an engine's process that Python runs cold (a pr
 memory traffic evicts the interpreter's code and data between loads): ~0.15 ms of a 2k
 load of 7 chunks, 5-7% of it (docs/benchmarks.md, "A load's lease-free read in compiled
 calls"). When the caller knows every destination before the read (`HostTargets`: chunks of
-one size and metadata into host ranges), the same steps are loops here:
+one size and metadata into host ranges; `BlockTargets`: into block ids), the same steps
+are loops here, in one call, `read(params, want, n, ids)`: `params` a `Plan`'s words (what
+stays the same from one read to the next: the table, the arena, the chunks' size and
+metadata, the buffers below, the blocks' geometry), `want` the `n` keys, `ids` the block
+ids (null: the ranges are in `params`). It runs without the GIL (a ctypes call of C type)
+and makes these steps, each an internal function:
 
+- `expand` (block ids only): each chunk's ranges from its ids (see `hostcopy.HostBlocks`:
+  for each layer, its blocks, adjacent ones in one range; the first chunk's first `skip`
+  at the scratch block), written as `copy` takes them; -1 from `read` for an id outside the
+  blocks (nothing read). Then the table's epoch (odd: nothing read).
 - `locate(base, mask, want, n, size, meta_hash, limit, info)`: for each of the `n` keys
   (16 bytes each at `want`), its DRAM slot read under the seqlock as `lookupindex` reads
   it (the first word, the rest, a fence, the first word again; at most `READ_RETRIES`
@@ -16,8 +25,8 @@ one size and metadata into host ranges), the same steps are loops here:
   bytes, of `size` bytes, metadata hash `meta_hash` and kind WSUM is found: its slot's byte
   offset in the table, its first word (seq | state << 32), the chunk's arena offset and
   checksum go to `info[4 i ..]`; any other key gets 0 at `info[4 i]` (its slot offset,
-  never 0 for a slot: the header comes first). Returns the keys found. It holds the GIL
-  (a few microseconds).
+  never 0 for a slot: the header comes first). Returns the keys found (none: nothing
+  read). Then, where a test set one, the hook (`leasefree.located`).
 - `copy(piece, base, arena, want, info, n, ranges, starts, size, epoch, sums, msg, msglen,
   sums_at)`: for each key found, its `size` bytes from the arena into its ranges
   (`ranges[2 r]` address, `ranges[2 r + 1]` bytes, for r from `starts[i]` to
@@ -31,9 +40,11 @@ one size and metadata into host ranges), the same steps are loops here:
   `msglen` 0 the caller checks the sums itself (`checksums.wsum_finish_many`). Then a fence
   (the streaming stores visible; the copies' loads before what follows), each found slot
   read again (the same first word, so the same seq and LIVE, and the same key) else 0 at
-  `info[4 i]`, and last the table's epoch: returns 1 if it is still `epoch`, 0 if the
-  table was rebuilt meanwhile (nothing read). It runs without the GIL (ctypes lets it go
-  for the copy).
+  `info[4 i]`, and last the table's epoch: 1 if it is still `epoch`, 0 if the table was
+  rebuilt meanwhile (nothing read).
+
+`read` returns the chunks read (each with `info[4 i]` not 0; where nothing is read, every
+`info[4 i]` is 0). The steps besides the copies take about a microsecond a chunk.
 
 Why the checks are the Python path's: see `leasefree` (the slot retired before its pages
 are freed; x86-64's load order; `lookupindex.IndexReader.usable`).
@@ -44,6 +55,7 @@ Where llvmlite is missing or cannot compile, `ready()` is None and the window go
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 from collections.abc import Callable
@@ -85,6 +97,24 @@ slot layout), as %so, %ss, %sc, %sm, %skind."""
 _EPOCH_AT = 16
 _WSUM = 1
 """`checksums.WSUM`: the only kind whose check the copy's own sums give."""
+
+PARAMS = ("piece", "table", "mask", "arena", "limit", "size", "meta_hash", "info", "sums",
+          "msg", "msglen", "sums_at", "ranges", "starts", "skip", "bases", "layers", "stride",
+          "nbytes", "per", "scratch", "blocks", "hook")
+"""The words of `read`'s parameter block (`Plan`), in order."""
+_POINTERS = {"piece", "table", "arena", "info", "sums", "msg", "ranges", "starts", "bases",
+             "hook"}
+
+
+def _params_ir() -> str:
+    """IR loading each word of the parameter block %p into %P.<name> (a pointer or i64)."""
+    out = []
+    for i, name in enumerate(PARAMS):
+        ty = "ptr" if name in _POINTERS else "i64"
+        out.append(f"  %P.{name}.p = getelementptr i64, ptr %p, i64 {i}\n"
+                   f"  %P.{name} = load {ty}, ptr %P.{name}.p, align 8")
+    return "\n".join(out)
+
 
 _IR = f"""
 declare i64 @llvm.bswap.i64(i64)
@@ -437,38 +467,275 @@ epochs:
   %r.e = zext i1 %kept.e to i64
   ret i64 %r.e
 }}
+
+; The destinations of `n` chunks from their block ids (`ids`, `per` a chunk: each in
+; [0, blocks)): chunk i is, for each layer in turn, its blocks, block b of layer l at
+; bases[l] + b * stride, `nbytes` each; the first `skip` blocks of chunk 0 at `scratch`.
+; Written as `copy` takes them (`ranges` pairs, `starts`), a range that ends where the
+; next block begins grown instead (within a chunk). 1 (nothing written) for an id outside.
+define internal i64 @expand(ptr %ids, i64 %n, i64 %skip, ptr %bases, i64 %layers,
+                            i64 %stride, i64 %nbytes, i64 %per, i64 %scratch, i64 %blocks,
+                            ptr %ranges, ptr %starts) nounwind {{
+entry:
+  %total = mul i64 %n, %per
+  %any = icmp ne i64 %total, 0
+  br i1 %any, label %vloop, label %expand0
+vloop:
+  %v = phi i64 [0, %entry], [%v.n, %vok]
+  %vp = getelementptr i64, ptr %ids, i64 %v
+  %vid = load i64, ptr %vp, align 8
+  %vbad = icmp uge i64 %vid, %blocks
+  br i1 %vbad, label %refuse, label %vok
+vok:
+  %v.n = add i64 %v, 1
+  %vmore = icmp ult i64 %v.n, %total
+  br i1 %vmore, label %vloop, label %expand0
+refuse:
+  ret i64 1
+expand0:
+  store i64 0, ptr %starts, align 8
+  %empty = icmp eq i64 %total, 0
+  br i1 %empty, label %done, label %chunk
+chunk:
+  %i = phi i64 [0, %expand0], [%i.n, %chunk_end]
+  %rc = phi i64 [0, %expand0], [%r.n, %chunk_end]
+  %first = icmp eq i64 %i, 0
+  %cskip = select i1 %first, i64 %skip, i64 0
+  %ibase = mul i64 %i, %per
+  br label %layer
+layer:
+  %l = phi i64 [0, %chunk], [%l.n, %layer_end]
+  %rl = phi i64 [%rc, %chunk], [%r.n, %layer_end]
+  %bp = getelementptr i64, ptr %bases, i64 %l
+  %lbase = load i64, ptr %bp, align 8
+  br label %block
+block:
+  %j = phi i64 [0, %layer], [%j.n, %block_end]
+  %r = phi i64 [%rl, %layer], [%r.n, %block_end]
+  %sk = icmp ult i64 %j, %cskip
+  %idx = add i64 %ibase, %j
+  %ip = getelementptr i64, ptr %ids, i64 %idx
+  %id = load i64, ptr %ip, align 8
+  %off = mul i64 %id, %stride
+  %real = add i64 %lbase, %off
+  %dst = select i1 %sk, i64 %scratch, i64 %real
+  %has = icmp ugt i64 %r, %rc
+  br i1 %has, label %adj, label %new
+adj:
+  %pr = sub i64 %r, 1
+  %pa.i = shl i64 %pr, 1
+  %pap = getelementptr i64, ptr %ranges, i64 %pa.i
+  %pa = load i64, ptr %pap, align 8
+  %plp = getelementptr i64, ptr %pap, i64 1
+  %pl = load i64, ptr %plp, align 8
+  %pend = add i64 %pa, %pl
+  %follows = icmp eq i64 %pend, %dst
+  br i1 %follows, label %grow, label %new
+grow:
+  %pl.n = add i64 %pl, %nbytes
+  store i64 %pl.n, ptr %plp, align 8
+  br label %block_end
+new:
+  %na.i = shl i64 %r, 1
+  %nap = getelementptr i64, ptr %ranges, i64 %na.i
+  store i64 %dst, ptr %nap, align 8
+  %nlp = getelementptr i64, ptr %nap, i64 1
+  store i64 %nbytes, ptr %nlp, align 8
+  %r.new = add i64 %r, 1
+  br label %block_end
+block_end:
+  %r.n = phi i64 [%r, %grow], [%r.new, %new]
+  %j.n = add i64 %j, 1
+  %jmore = icmp ult i64 %j.n, %per
+  br i1 %jmore, label %block, label %layer_end
+layer_end:
+  %l.n = add i64 %l, 1
+  %lmore = icmp ult i64 %l.n, %layers
+  br i1 %lmore, label %layer, label %chunk_end
+chunk_end:
+  %i.n = add i64 %i, 1
+  %sp = getelementptr i64, ptr %starts, i64 %i.n
+  store i64 %r.n, ptr %sp, align 8
+  %imore = icmp ult i64 %i.n, %n
+  br i1 %imore, label %chunk, label %done
+done:
+  ret i64 0
+}}
+
+; The whole lease-free read of `n` keys in one call (see the module): `p` the parameters
+; (`Plan`'s words), `ids` the block ids (null: `ranges` and `starts` given).
+define i64 @read(ptr %p, ptr %want, i64 %n, ptr %ids) nounwind {{
+entry:
+{_params_ir()}
+  %hasids = icmp ne ptr %ids, null
+  br i1 %hasids, label %expand, label %table
+expand:
+  %bad = call i64 @expand(ptr %ids, i64 %n, i64 %P.skip, ptr %P.bases, i64 %P.layers,
+                          i64 %P.stride, i64 %P.nbytes, i64 %P.per, i64 %P.scratch,
+                          i64 %P.blocks, ptr %P.ranges, ptr %P.starts)
+  %refused = icmp ne i64 %bad, 0
+  br i1 %refused, label %refuse, label %table
+refuse:
+  ret i64 -1
+table:
+  %epp = getelementptr i8, ptr %P.table, i64 {_EPOCH_AT}
+  %epoch = load atomic i64, ptr %epp acquire, align 8
+  %odd = trunc i64 %epoch to i1
+  br i1 %odd, label %none, label %find
+find:
+  %found = call i64 @locate(ptr %P.table, i64 %P.mask, ptr %want, i64 %n, i64 %P.size,
+                            i64 %P.meta_hash, i64 %P.limit, ptr %P.info)
+  %nothing = icmp eq i64 %found, 0
+  br i1 %nothing, label %gone, label %hooked
+hooked:
+  %hashook = icmp ne ptr %P.hook, null
+  br i1 %hashook, label %callhook, label %copying
+callhook:
+  call void %P.hook()
+  br label %copying
+copying:
+  %kept = call i64 @copy(ptr %P.piece, ptr %P.table, ptr %P.arena, ptr %want, ptr %P.info,
+                         i64 %n, ptr %P.ranges, ptr %P.starts, i64 %P.size, i64 %epoch,
+                         ptr %P.sums, ptr %P.msg, i64 %P.msglen, i64 %P.sums_at)
+  %lost = icmp eq i64 %kept, 0
+  br i1 %lost, label %none, label %count
+count:
+  %c = phi i64 [0, %copying], [%c.n, %count]
+  %got = phi i64 [0, %copying], [%got.n, %count]
+  %co = mul i64 %c, {INFO_WORDS}
+  %cp = getelementptr i64, ptr %P.info, i64 %co
+  %cat = load i64, ptr %cp, align 8
+  %cread = icmp ne i64 %cat, 0
+  %cone = zext i1 %cread to i64
+  %got.n = add i64 %got, %cone
+  %c.n = add i64 %c, 1
+  %cmore = icmp ult i64 %c.n, %n
+  br i1 %cmore, label %count, label %counted
+counted:
+  ret i64 %got.n
+none:
+  %zn = icmp eq i64 %n, 0
+  br i1 %zn, label %gone, label %zero
+zero:
+  %z = phi i64 [0, %none], [%z.n, %zero]
+  %zo = mul i64 %z, {INFO_WORDS}
+  %zp = getelementptr i64, ptr %P.info, i64 %zo
+  store i64 0, ptr %zp, align 8
+  %z.n = add i64 %z, 1
+  %zmore = icmp ult i64 %z.n, %n
+  br i1 %zmore, label %zero, label %gone
+gone:
+  ret i64 0
+}}
 """
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_AT = {name: i for i, name in enumerate(PARAMS)}
 
 
 class Kernels:
-    def __init__(self, locate: Callable[..., int], copy: Callable[..., int],
+    def __init__(self, read: Callable[[int, bytes, int, int], int],
                  digest: Callable[..., int], piece: int) -> None:
-        self.locate = locate
-        """See the module: (base, mask, want, n, size, meta_hash, limit, info) -> found."""
-        self._copy = copy
+        self.read = read
+        """`read(params, want, n, ids)`, see the module: `params` the address of a `Plan`'s
+        words, `want` the keys (16 bytes each), `ids` the address of the block ids (0:
+        destinations given as ranges). It lets the GIL go (a ctypes call of C type)."""
         self._digest = digest
-        self._piece = piece
-
-    def copy(self, base: int, arena: int, want: bytes, info: int, n: int, ranges: int,
-             starts: int, size: int, epoch: int, sums: int, message: bytes = b"",
-             sums_at: int = 0) -> int:
-        """See the module: 1 if the table's epoch is still `epoch`, else 0. `message`: the
-        WSUM checksum's input with its sums at `sums_at` (zeros there, overwritten with each
-        chunk's), MIN_MESSAGE to MAX_MESSAGE bytes: each chunk's checksum is checked here,
-        0 at `info[4 i]` where it does not match; empty, the caller checks them."""
-        if message and not MIN_MESSAGE <= len(message) <= MAX_MESSAGE:
-            raise ValueError(f"a checksum's input of {len(message)} bytes")
-        return self._copy(self._piece, base, arena, want, info, n, ranges, starts, size,
-                          epoch, sums, message, len(message), sums_at)
+        self.piece = piece
 
     def xxh3(self, data: bytes) -> int:
-        """XXH3-64 of `data` (MIN_MESSAGE to MAX_MESSAGE bytes) as the copy call makes it."""
+        """XXH3-64 of `data` (MIN_MESSAGE to MAX_MESSAGE bytes) as the read call makes it."""
         if not MIN_MESSAGE <= len(data) <= MAX_MESSAGE:
             raise ValueError(f"{len(data)} bytes")
         return self._digest(data, len(data))
+
+
+class Plan:
+    """`read`'s parameter block for one mapping (lookup table and arena) and one form of
+    destinations, made once and reused by each read of it, with the buffers the call
+    writes (each key's slot words and sums; the destinations it plans from block ids),
+    grown as a read needs. Not thread-safe: one client's reads, one at a time.
+
+    `message`, `sums_at`: the WSUM checksum's input (`checksums.wsum_message`, MIN_MESSAGE
+    to MAX_MESSAGE bytes; empty: the caller finishes each checksum from the sums). `blocks`:
+    the destinations' blocks (`hostcopy.HostBlocks`), for reads whose destinations are
+    block ids; None: reads give ranges (`ranges`, `starts`)."""
+
+    def __init__(self, kernels: Kernels, table: int, mask: int, arena: int, limit: int,
+                 size: int, meta_hash: int, message: bytes, sums_at: int,
+                 blocks: Any = None) -> None:
+        if message and not MIN_MESSAGE <= len(message) <= MAX_MESSAGE:
+            raise ValueError(f"a checksum's input of {len(message)} bytes")
+        self.kernels = kernels
+        self.mapping = (table, arena, limit)
+        """What the words name, so that a caller can tell a plan made for another mapping
+        (a reconnect maps the agent's files again)."""
+        self.size = size
+        self.checked = bool(message)
+        """Whether the call checks each chunk's checksum (else: `sums`, for the caller)."""
+        self.message = message  # the call reads it: kept alive with the plan
+        self.words = array.array("Q", bytes(8 * len(PARAMS)))
+        self.address = self.words.buffer_info()[0]
+        w, at = self.words, _AT
+        w[at["piece"]], w[at["table"]], w[at["mask"]] = kernels.piece, table, mask
+        w[at["arena"]], w[at["limit"]], w[at["size"]] = arena, limit, size
+        w[at["meta_hash"]], w[at["msglen"]], w[at["sums_at"]] = meta_hash, len(message), sums_at
+        w[at["msg"]] = ctypes.cast(ctypes.c_char_p(message), _P).value or 0 if message else 0
+        self.blocks = blocks
+        self._per_chunk = 0
+        if blocks is not None:
+            self._bases = array.array("Q", blocks.bases)
+            w[at["bases"]], w[at["layers"]] = self._bases.buffer_info()[0], len(blocks.bases)
+            w[at["stride"]], w[at["nbytes"]] = blocks.stride, blocks.nbytes
+            w[at["per"]], w[at["scratch"]] = blocks.per, blocks.scratch_address
+            w[at["blocks"]] = blocks.num_blocks
+            self._per_chunk = len(blocks.bases) * blocks.per
+        self.capacity = 0
+        self.info = array.array("Q")
+        """INFO_WORDS a key: its slot's offset (0: not read), first word, arena offset and
+        checksum."""
+        self.sums = array.array("Q")
+        """Two a key: its chunk's S0 and S1."""
+        self._ranges = array.array("Q")
+        self._starts = array.array("Q")
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.capacity)
+        self.info = array.array("Q", bytes(8 * INFO_WORDS * n))
+        self.sums = array.array("Q", bytes(16 * n))
+        w, at = self.words, _AT
+        w[at["info"]], w[at["sums"]] = self.info.buffer_info()[0], self.sums.buffer_info()[0]
+        if self.blocks is not None:
+            self._ranges = array.array("Q", bytes(16 * self._per_chunk * n))
+            self._starts = array.array("Q", bytes(8 * (n + 1)))
+            w[at["ranges"]] = self._ranges.buffer_info()[0]
+            w[at["starts"]] = self._starts.buffer_info()[0]
+        self.capacity = n
+
+    def read(self, want: bytes, n: int, ids: int) -> int:
+        """The read of the `n` keys `want` into the blocks `ids` (the address of `n` times
+        `per` block ids, i64; the first chunk's first `skip` go to scratch): the chunks read,
+        -1 for a block id outside the blocks (nothing read). Chunk i was read where
+        `info[INFO_WORDS * i]` is not 0."""
+        if n > self.capacity:
+            self._grow(n)
+        return self.kernels.read(self.address, want, n, ids)
+
+    def read_ranges(self, want: bytes, n: int, ranges: int, starts: int) -> int:
+        """`read` into destinations given as ranges (`copy`'s `ranges` and `starts`)."""
+        if n > self.capacity:
+            self._grow(n)
+        w = self.words
+        w[_AT["ranges"]], w[_AT["starts"]] = ranges, starts
+        return self.kernels.read(self.address, want, n, 0)
+
+    def set_skip(self, skip: int) -> None:
+        self.words[_AT["skip"]] = skip
+
+    def set_hook(self, hook: int) -> None:
+        """A function `read` calls between its table reads and its copies (0: none)."""
+        self.words[_AT["hook"]] = hook
 
 
 _keep: list[Any] = []
@@ -479,20 +746,18 @@ def _compile() -> Kernels | None:
     if piece is None:
         return None
     try:
-        compiled = compile_ir(_IR, ("locate", "copy", "xxh3_bytes"), opt=2)
+        compiled = compile_ir(_IR, ("read", "xxh3_bytes"), opt=2)
     except Exception as e:  # a JIT refused (e.g. no executable memory): Python still works
         log.warning("lease-free window read not compiled (%s); it runs in Python", e)
         return None
     if compiled is None or not all(compiled):
         return None
-    # locate: PYFUNCTYPE, a call of microseconds keeps the GIL; copy: CFUNCTYPE, which
-    # lets the GIL go for the copies (milliseconds), as `wsumkernel.copy_sums` does.
-    locate = ctypes.PYFUNCTYPE(_I, _P, _I, _P, _I, _I, ctypes.c_uint64, _I, _P)(compiled[0])
-    copy = ctypes.CFUNCTYPE(_I, _P, _P, _P, _P, _P, _I, _P, _P, _I, ctypes.c_uint64,
-                            _P, _P, _I, _I)(compiled[1])
-    digest = ctypes.PYFUNCTYPE(ctypes.c_uint64, _P, _I)(compiled[2])
-    _keep.extend((locate, copy, digest))
-    return Kernels(locate, copy, digest, piece)
+    # read: CFUNCTYPE, which lets the GIL go for the copies (milliseconds), as
+    # `wsumkernel.copy_sums` does; digest: a call of microseconds keeps it.
+    read = ctypes.CFUNCTYPE(_I, _P, ctypes.c_char_p, _I, _P)(compiled[0])
+    digest = ctypes.PYFUNCTYPE(ctypes.c_uint64, _P, _I)(compiled[1])
+    _keep.extend((read, digest))
+    return Kernels(read, digest, piece)
 
 
 _compiled = Lazy(_compile, "kvpool-leasefree-jit")

@@ -119,8 +119,8 @@ class TimedEngine:
         self.sources: list[tuple[int, int]] = []
         """The load's copies' sources as its copy calls read them: (address, bytes) in the
         arena mapping (`arena_copy_s`)."""
-        self.planned: list[tuple[int, bytes, int]] = []
-        """Each compiled lease-free copy call's arena, keys and chunk size
+        self.planned: list[tuple[int, bytes]] = []
+        """Each compiled lease-free read call's parameter block and keys
         (`_planned_sources`)."""
         self.worker: Any = None
         if connector is not None:
@@ -185,30 +185,37 @@ class TimedEngine:
             # for a core (or, with the GIL released, nothing else)
             self.times["copy_call_cpu_s"] += time.thread_time() - c0
         hostcopy._Batch.run = timed_run  # type: ignore[method-assign, assignment]
-        # A lease-free window whose destinations were planned before the read copies in
-        # one compiled call that also hashes each chunk's checksum from its sums and reads
-        # each slot again after its copies (`leasekernel`: well under a microsecond a chunk
-        # of the call's time).
+        # A lease-free window whose destinations are known before the read is read in one
+        # compiled call (`leasekernel.read`): the table's epoch and each key's slot read
+        # first, the copies (with the sums, each chunk's checksum hashed from them), then
+        # each slot and the epoch again; for block ids, the copies' ranges planned from
+        # them first. All but the copies: about a microsecond a chunk of the call's time.
         from kvpool.agent import leasekernel
 
-        copy = leasekernel.Kernels.copy
+        kernels = leasekernel.kernels()
+        if kernels is not None:
+            read = kernels.read
 
-        def timed_copy(self_: leasekernel.Kernels, base: int, arena: int, want: bytes,
-                       info: int, n: int, ranges: int, starts: int, size: int, epoch: int,
-                       sums: int, message: bytes = b"", sums_at: int = 0) -> int:
-            self.planned.append((arena, want, size))  # its sources: `_planned_sources`
-            c0, t0 = time.thread_time(), time.perf_counter()
-            kept = copy(self_, base, arena, want, info, n, ranges, starts, size, epoch, sums,
-                        message, sums_at)
-            self.times["copy_call_s"] += time.perf_counter() - t0
-            self.times["copy_call_cpu_s"] += time.thread_time() - c0
-            return kept
-        leasekernel.Kernels.copy = timed_copy  # type: ignore[method-assign, assignment]
+            def timed_read(params: int, want: bytes, n: int, ids: int) -> int:
+                self.planned.append((params, want))  # its sources: `_planned_sources`
+                c0, t0 = time.thread_time(), time.perf_counter()
+                got = read(params, want, n, ids)
+                self.times["copy_call_s"] += time.perf_counter() - t0
+                self.times["copy_call_cpu_s"] += time.thread_time() - c0
+                return got
+            kernels.read = timed_read
 
-    def _planned_sources(self, arena: int, want: bytes, size: int) -> list[tuple[int, int]]:
-        """The arena bytes a compiled lease-free copy call read (`arena_copy_s`), found
+    def _planned_sources(self, params: int, want: bytes) -> list[tuple[int, int]]:
+        """The arena bytes a compiled lease-free read call read (`arena_copy_s`), found
         after the request (not in the load's time): each chunk of the call where the
-        lookup index says it lies (one extent; these chunks stay put in the bench's pool)."""
+        lookup index says it lies (one extent; these chunks stay put in the bench's pool).
+        `params`: the call's parameter block, the worker's blocks' `leasekernel.Plan`
+        (which names the arena's address and the chunks' size)."""
+        host = self.worker._host
+        plan = host.plan if host is not None else None
+        if plan is None or plan.address != params:
+            return []
+        arena, size = plan.mapping[1], plan.size
         client = self.worker.link.client
         index = getattr(client._transport, "index", None) if client is not None else None
         if index is None:

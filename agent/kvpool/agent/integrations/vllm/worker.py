@@ -35,7 +35,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from itertools import chain, pairwise
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ from xxhash import xxh3_64_intdigest
 
 from ... import leasekernel, wsumkernel
 from ...client import KVPoolClient
-from ...hostcopy import HostRanges, HostTargets
+from ...hostcopy import HostBlocks
 from .. import engine_pod
 from .jobs import LoadJob, Rank, SaveJob, StepJobs
 from .layout import chunk_meta, meta_matches
@@ -88,7 +87,15 @@ class WorkerSide:
         self._meta_hash = 0
         self._chunk_bytes = 0
         self._queue: queue.Queue[tuple[LoadJob | SaveJob, Any] | None] = queue.Queue()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        """Guards the state below: entered in C (`with`), where a `Condition`'s own
+        `__enter__` is a Python call."""
+        self._cond = threading.Condition(self._lock)
+        self._idle = False
+        """A step that computed nothing waits for a load (`finished`): its wake-up is a
+        token on `_woken`, which the load's report puts (one C call, where a `Condition`'s
+        `notify_all` is several Python calls: ~30 µs of a load's own time, cold)."""
+        self._woken: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._saves: collections.Counter[str] = collections.Counter()
         self._held: set[str] = set()
         self._loaded: set[str] = set()
@@ -97,7 +104,7 @@ class WorkerSide:
         """Loads queued or running."""
         self._thread: threading.Thread | None = None
         self._stream: Any = None
-        self._host: _HostBlocks | None = None
+        self._host: HostBlocks | None = None
         """Where each block of each layer is in host memory, when a load can be copied
         into addresses (CPU tensors whose blocks are contiguous)."""
 
@@ -118,7 +125,9 @@ class WorkerSide:
         self._meta_hash = xxh3_64_intdigest(self._meta)
         block_bytes = first[: self._per_block].numel() * first.element_size()
         self._chunk_bytes = block_bytes * len(layers) * self.layout.blocks_per_chunk
-        self._host = _HostBlocks.of(layers, self._per_block, num_blocks)
+        self._host = host_blocks(layers, self._per_block, num_blocks,
+                                 self.layout.blocks_per_chunk, self._meta, self._same_meta,
+                                 self._meta_hash)
         # Compiled now (a fraction of a second, once per process), not in the first load.
         wsumkernel.kernel()
         if self.settings.lease_free:
@@ -173,10 +182,18 @@ class WorkerSide:
     def finished(self, idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
         """The requests whose saves and whose loads are done. `idle`: this step computed
         nothing, so wait up to `IDLE_WAIT` for a load in flight to finish first."""
-        with self._cond:
-            if idle and self._loading and not self._loaded:
-                self._cond.wait_for(lambda: bool(self._loaded) or not self._loading,
-                                    IDLE_WAIT)
+        with self._lock:
+            wait = self._idle = bool(idle and self._loading and not self._loaded)
+        if wait:
+            try:
+                self._woken.get(timeout=IDLE_WAIT)  # (a load's report puts it: `_wake`)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle:
+                        self._idle = False  # no report meanwhile: none puts a token
+                    else:
+                        self._woken.get_nowait()  # one did, as the wait ended: not stale
+        with self._lock:
             saved = {r for r in self._held if not self._saves[r]}
             self._held -= saved
             for r in saved:
@@ -254,12 +271,10 @@ class WorkerSide:
         host = self._host
         target: Any
         if host is not None:
-            # Addresses, known before the read (plain integers: once the ids are checked
-            # here, nothing in the read fails on them), so the client reads a lease-free
-            # window in compiled calls.
-            ranges, starts = host.window(job.block_ids, job.skip_blocks)
-            target = HostTargets(self._chunk_bytes, self._meta, ranges, starts,
-                                 same=self._same_meta, owner=host, meta_hash=self._meta_hash)
+            # Block ids over the KV cache's addresses, known before the read: the client
+            # reads a lease-free window in one compiled call that plans the copies from
+            # them (and refuses ids outside the cache, nothing read).
+            target = host.targets(job.block_ids, job.skip_blocks)
         else:
             chunks = [self._segments(bids, job.skip_blocks if i == 0 else 0)
                       for i, bids in enumerate(job.block_ids)]
@@ -276,7 +291,8 @@ class WorkerSide:
             # Chunks of this layout are read without a lease where the lookup index allows
             # (the copy checked against the chunk's checksum and the index after it);
             # the rest under a lease, as every chunk on CUDA.
-            client.expect_meta(self._meta)
+            if host is None:  # (a `BlockTargets` names its metadata itself)
+                client.expect_meta(self._meta)
             with client.releases_held():
                 sizes = client.get_many_into(keys, target, verify=True, stream=self._stream)
                 # A chunk still stored but not loadable (its checksum failed: corrupt) is
@@ -294,10 +310,12 @@ class WorkerSide:
 
     def _report_load(self, job: LoadJob, sizes: list[int]) -> None:
         if all(sizes):  # every chunk loaded (the usual load): the fewest steps
-            with self._cond:
+            with self._lock:
                 self._loaded.add(job.req_id)
                 self._loading -= 1
-                self._cond.notify_all()
+                if self._idle:  # a step waits for it (`finished`): it goes on now
+                    self._idle = False
+                    self._woken.put(None)
             return
         bad = [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
                if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
@@ -306,11 +324,13 @@ class WorkerSide:
             log.info("kvpool: %d of %d chunks of request %s not loaded (evicted, failing "
                      "their checksum, or of another layout): vLLM recomputes them",
                      missing, len(sizes), job.req_id)
-        with self._cond:
+        with self._lock:
             self._bad_blocks.update(bad)
             self._loaded.add(job.req_id)
             self._loading -= 1
-            self._cond.notify_all()  # a step waiting for it (`finished`) goes on now
+            if self._idle:  # a step waits for it (`finished`): it goes on now
+                self._idle = False
+                self._woken.put(None)
 
     def _save(self, job: SaveJob) -> None:
         keys = job.keys[self.rank]
@@ -331,121 +351,24 @@ class WorkerSide:
             self._saves[job.req_id] -= 1
 
 
-class _HostBlocks:
-    """The blocks of CPU KV-cache layers as addresses: block b of layer l starts at
-    `bases[l] + b * stride` and is `nbytes` contiguous bytes."""
-
-    def __init__(self, layers: list[torch.Tensor], bases: list[int], stride: int,
-                 nbytes: int, num_blocks: int) -> None:
-        self.layers = layers  # the memory the addresses point into, kept alive
-        self.bases = bases
-        self.stride = stride
-        self.nbytes = nbytes
-        self.num_blocks = num_blocks
-        self.gaps = {b1 - b0 for b0, b1 in pairwise(bases)}
-        """How far each layer starts from the previous one: a chunk's last range in a
-        layer ends where its first in the next begins only if it spans one of these."""
-        self.scratch = torch.empty(nbytes, dtype=torch.uint8)
-        """Where the bytes of blocks vLLM already holds are read to (and dropped)."""
-
-    @classmethod
-    def of(cls, layers: list[torch.Tensor], per_block: int,
-           num_blocks: int) -> _HostBlocks | None:
-        """None unless every layer is on the CPU with each block contiguous, blocks evenly
-        spaced (then a load copies into addresses; else into tensor pieces)."""
-        first = layers[0]
-        if first.device.type != "cpu":
+def host_blocks(layers: list[torch.Tensor], per_block: int, num_blocks: int, per_chunk: int,
+                meta: bytes, same: Callable[[bytes], bool], meta_hash: int) -> HostBlocks | None:
+    """The blocks of CPU KV-cache layers as addresses (`HostBlocks`: block b of layer l at
+    `layers[l].data_ptr() + b * stride`); None unless every layer is on the CPU with each
+    block contiguous and blocks evenly spaced (then a load copies into addresses; else into
+    tensor pieces)."""
+    first = layers[0]
+    if first.device.type != "cpu":
+        return None
+    size = first.element_size()
+    stride = first.stride(0) * per_block * size
+    nbytes = first[:per_block].numel() * size
+    for layer in layers:  # a block is a slice of the first dimension
+        if not layer[:per_block].is_contiguous() \
+                or layer.stride(0) * per_block * size != stride or stride < nbytes:
             return None
-        size = first.element_size()
-        stride = first.stride(0) * per_block * size
-        nbytes = first[:per_block].numel() * size
-        for layer in layers:  # a block is a slice of the first dimension
-            if not layer[:per_block].is_contiguous() \
-                    or layer.stride(0) * per_block * size != stride or stride < nbytes:
-                return None
-        return cls(layers, [t.data_ptr() for t in layers], stride, nbytes, num_blocks)
-
-    def check(self, chunks: list[list[int]]) -> None:
-        """One clear error for block ids outside the KV cache."""
-        for block_ids in chunks:
-            if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
-                raise ValueError(f"kvpool: block ids {block_ids} out of the KV cache's "
-                                 f"{self.num_blocks} blocks")
-
-    def window(self, chunks: list[list[int]], skip_blocks: int) -> tuple[list[int], list[int]]:
-        """The destinations of a load's chunks, flat as `HostTargets` takes them: every
-        chunk's (address, bytes) pairs one after the other, and where each chunk's begin;
-        the first chunk's first `skip_blocks` blocks go to the scratch block. Block ids
-        outside the KV cache are refused (`check`)."""
-        bases, stride, nbytes, limit = self.bases, self.stride, self.nbytes, self.num_blocks
-        ids = list(chain.from_iterable(chunks)) if not skip_blocks else []
-        if ids and stride == nbytes and all(chunks) and (
-                # the whole load's blocks consecutive (a fresh request's): one comparison
-                (ids[0] >= 0 and ids[-1] < limit
-                 and ids == list(range(ids[0], ids[0] + len(ids))))
-                or (min(ids) >= 0 and max(ids) < limit
-                    and all(c == list(range(c[0], c[0] + len(c))) for c in chunks))):
-            # the usual load: every chunk consecutive blocks, one range a layer (as `ranges`),
-            # in comprehensions (no Python statement per chunk)
-            layers = len(bases)
-            return ([x for c in chunks for base in bases
-                     for x in (base + c[0] * stride, len(c) * nbytes)],
-                    list(range(0, layers * len(chunks) + 1, layers)))
-        flat: list[int] = []
-        starts = [0]
-        for i, block_ids in enumerate(chunks):
-            n = len(block_ids)
-            first = block_ids[0] if n else 0
-            if n and (min(block_ids) < 0 or max(block_ids) >= limit):
-                self.check([block_ids])
-            if n and (i or not skip_blocks) and stride == nbytes \
-                    and block_ids[-1] - first == n - 1 \
-                    and block_ids == list(range(first, first + n)):
-                # the usual chunk: consecutive blocks, one range a layer (as `ranges`)
-                at, length = first * stride, n * nbytes
-                for base in bases:
-                    flat += (base + at, length)
-            else:
-                for at, length in self.ranges(block_ids, skip_blocks if i == 0 else 0).ranges:
-                    flat += (at, length)
-            starts.append(len(flat) // 2)
-        return flat, starts
-
-    def ranges(self, block_ids: list[int], scratch_blocks: int = 0) -> HostRanges:
-        """A chunk's destination: for each layer, its blocks in order (adjacent ones
-        merged); the first `scratch_blocks` blocks go to the scratch block. The ids must
-        be in the KV cache (`check`)."""
-        scratch, stride, nbytes = self.scratch.data_ptr(), self.stride, self.nbytes
-        first, n = block_ids[0] if block_ids else 0, len(block_ids)
-        if n and not scratch_blocks and stride == nbytes \
-                and block_ids == list(range(first, first + n)):
-            # the usual chunk: consecutive blocks, one range a layer
-            return HostRanges([(base + first * stride, n * nbytes) for base in self.bases],
-                              owner=self)
-        # The chunk's runs of blocks adjacent in memory, found once for every layer (a
-        # block's range follows the previous one's only when the ids are consecutive and
-        # blocks are packed), then each layer's ranges from them: a Python step per run
-        # and layer, not per block and layer.
-        ids = block_ids[scratch_blocks:]
-        cuts = [k for k, (a, b) in enumerate(pairwise(ids), 1) if b != a + 1] \
-            if stride == nbytes else list(range(1, len(ids)))
-        edges = [0, *cuts, len(ids)] if ids else [0]
-        offsets = [(ids[s] * stride, (e - s) * nbytes) for s, e in pairwise(edges)]
-        lead = [(scratch, nbytes)] * min(scratch_blocks, n)
-        bases = self.bases
-        if offsets and not lead \
-                and offsets[-1][0] + offsets[-1][1] - offsets[0][0] not in self.gaps:
-            # no layer's first range follows the previous layer's last in memory
-            return HostRanges([(base + o, m) for base in bases for o, m in offsets],
-                              owner=self)
-        out: list[tuple[int, int]] = []
-        for base in bases:
-            # Where a range may follow the previous one in memory (a layer's first, the
-            # scratch block's), merged as everywhere; within a layer's runs it never does.
-            for at, length in lead + [(base + o, m) for o, m in offsets[:1]]:
-                if out and out[-1][0] + out[-1][1] == at:
-                    out[-1] = (out[-1][0], out[-1][1] + length)
-                else:
-                    out.append((at, length))
-            out += [(base + o, m) for o, m in offsets[1:]]
-        return HostRanges(out, owner=self)
+    # Where the bytes of blocks vLLM already holds are read to (and dropped).
+    scratch = torch.empty(nbytes, dtype=torch.uint8)
+    return HostBlocks([t.data_ptr() for t in layers], stride, nbytes, num_blocks, per_chunk,
+                      meta, scratch_address=scratch.data_ptr(), owner=(layers, scratch),
+                      same=same, meta_hash=meta_hash)
