@@ -515,6 +515,27 @@ def test_block_targets_are_read_into_their_blocks(
     assert planned in ([], [3])
 
 
+def test_reads_in_a_held_block_are_told_to_the_agent_when_it_ends(
+        shared: LocalAgent, reader: KVPoolClient) -> None:
+    """A vLLM load reads inside `releases_held` and reports to vLLM before the block ends:
+    the READ of its lease-free reads is made and told when the block ends (with its
+    RELEASEs), one for the block's reads, and the agent counts it."""
+    kv = _Layers()
+    keys = [_key(next(_fresh)) for _ in range(4)]
+    _wsum_put(reader, keys, [os.urandom(CHUNK) for _ in keys])
+    before = scrape(shared)
+    with reader.releases_held():
+        assert reader.get_many_into(keys[:2], kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7]])) \
+            == [CHUNK] * 2
+        assert reader.get_many_into(keys[2:], kv.host.targets([[8, 9, 10, 11], [0, 1, 2, 3]])) \
+            == [CHUNK] * 2
+        assert reader.reads_without_lease == 4
+    reader.stats()  # takes the told READ along first
+    after = scrape(shared)
+    assert after[READS] == before.get(READS, 0) + 1
+    assert after[ACQUIRES] == before[ACQUIRES]
+
+
 def test_block_ids_outside_the_blocks_are_refused_and_nothing_is_read(
         shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
     """A `BlockTargets` made with an id outside its blocks (`HostBlocks.targets` refuses it

@@ -6,6 +6,7 @@ connector in tests/integrations/test_vllm_engine.py."""
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 from collections.abc import Iterator
@@ -65,7 +66,8 @@ def test_a_load_fills_its_blocks_and_its_report_ends_the_steps_wait_for_it(
         release = threading.Event()
         b.fault_hook = lambda _: release.wait(60)
         into = [[9, 10], [3, 4], [15, 14]]
-        b.start_step(StepJobs(loads=[LoadJob("r", {RANK: keys}, into, skip_blocks=1)]))
+        ids = array.array("q", [b for chunk in into for b in chunk])
+        b.start_step(StepJobs(loads=[LoadJob("r", {RANK: keys}, ids, skip_blocks=1)]))
         got: list[tuple[set[str] | None, set[str] | None]] = []
         step = threading.Thread(target=lambda: got.append(b.finished(idle=True)))
         step.start()

@@ -396,7 +396,19 @@ class KVPoolClient:
             # Every destination known before the read: the whole call lease-free in one
             # compiled call where the lookup index allows, before any window is made (an
             # engine's load: no Python per chunk); the keys left take the windows below.
-            left = self._read_planned(keys, target, sizes, meanwhile)
+            t = self._transport
+            left = None
+            if self.lease_free and isinstance(t, ZeroCopyTransport) and t.index is not None \
+                    and not t.conn.closed:  # (`_lease_free_on`, inline: an engine's load)
+                if meanwhile is not None:
+                    meanwhile()  # (before the first copy: there is no answer to wait for)
+                got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target,
+                                             sizes)
+                if got is not None:
+                    left, done = got
+                    if done:  # (`_told_reads`, inline)
+                        self.reads_without_lease += len(done)
+                        t.conn.tell_reads(done)
             if left is not None:
                 if left:
                     self._metas.learn(target.blocks.meta if isinstance(target, BlockTargets)
@@ -420,29 +432,11 @@ class KVPoolClient:
         return self.lease_free and isinstance(t, ZeroCopyTransport) and t.index is not None \
             and not t.conn.closed
 
-    def _read_planned(self, keys: Sequence[bytes], target: BlockTargets | HostTargets,
-                      sizes: list[int], meanwhile: Meanwhile) -> list[int] | None:
-        """The lease-free read of a whole `get_many_into` whose destinations are known
-        (`leasefree.read_planned`): the indices of the keys left, or None where it is not
-        tried (`lease_free` off, no connection, not compiled yet)."""
-        t = self._transport
-        if t is None or not self._lease_free_on(t):
-            return None
-        assert isinstance(t, ZeroCopyTransport) and t.index is not None
-        if meanwhile is not None:
-            meanwhile()  # (before the first copy: there is no answer to wait for)
-        got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target, sizes)
-        if got is None:
-            return None
-        left, done = got
-        self._told_reads(t, done)
-        return left
-
     def _told_reads(self, t: Transport, keys: list[bytes]) -> None:
         """Tell the agent of chunks read without a lease (with the next write)."""
         if keys:
             self.reads_without_lease += len(keys)
-            t.conn.tell(p.Read(t.conn.rid(), keys))
+            t.conn.tell_reads(keys)
 
     def _read_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                      sizes: list[int], verify: bool | None, stream: object,
@@ -481,7 +475,7 @@ class KVPoolClient:
         RELEASEs go out in one write then (or with any call made meanwhile). The chunks were
         copied (and checked) when each read returned; a caller hands them on first, e.g. a
         connector telling its engine that a load is done. The agent hears of reads made
-        without a lease at the same time."""
+        without a lease at the same time (their READ is made then: `tell_reads`)."""
         return self._live().conn.held_casts()
 
     def put_many(self, keys: Sequence[bytes], data: Sequence[Buffer],

@@ -133,8 +133,16 @@ class HostBlocks:
         if len(ids) != self.per * len(chunks):
             raise ValueError(f"kvpool: chunks of {self.per} blocks, not "
                              f"{[len(c) for c in chunks]}")
+        return self.target(ids, skip)
+
+    def target(self, ids: array.array[int], skip: int = 0) -> BlockTargets:
+        """`targets`, the ids given flat (`per` a chunk, i64), as the compiled read takes
+        them."""
+        per = self.per
+        if len(ids) % per:
+            raise ValueError(f"kvpool: chunks of {per} blocks, not {len(ids)} ids in all")
         if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            self.check(chunks)  # raises, before anything is read
+            self.check([ids[k : k + per].tolist() for k in range(0, len(ids), per)])
         return BlockTargets(self, ids, skip)
 
     def check(self, chunks: Sequence[Sequence[int]]) -> None:

@@ -168,6 +168,7 @@ def located(index: IndexReader, keys: Sequence[bytes]) -> None:
 
 
 _LOCATED = located
+_SKIP = leasekernel.PARAMS.index("skip")
 _HOOK = ctypes.CFUNCTYPE(None)
 _last_message: tuple[int, bytes, bytes, int] = (-1, b"", b"", 0)
 
@@ -190,8 +191,10 @@ def _plan(kernels: leasekernel.Kernels, index: IndexReader, base: int, limit: in
           size: int, meta: bytes, meta_hash: int, blocks: HostBlocks | None
           ) -> leasekernel.Plan:
     message, sums_at = _message(size, meta)
-    return leasekernel.Plan(kernels, index.address, index.mask, base, limit, size,
+    plan = leasekernel.Plan(kernels, index.address, index.mask, base, limit, size,
                             meta_hash, message, sums_at, blocks)
+    plan.source = index
+    return plan
 
 
 def _read(plan: leasekernel.Plan, index: IndexReader, keys: Sequence[bytes],
@@ -234,12 +237,14 @@ def read_planned(index: IndexReader, base: int, limit: int, keys: Sequence[bytes
         if len(target.ids) < (start + n) * per:
             return None
         plan = blocks.plan
-        if plan is None or plan.mapping != (index.address, base, limit):
+        if plan is None or plan.source is not index:  # (one a connection's mapping)
             plan = blocks.plan = _plan(kernels, index, base, limit, blocks.size, blocks.meta,
                                        blocks.meta_hash, blocks)
-        plan.set_skip(0 if start else target.skip)
+        if n > plan.capacity:
+            plan.grow(n)
+        plan.words[_SKIP] = 0 if start else target.skip
         ids = target.ids.buffer_info()[0] + 8 * per * start
-        got = plan.read(want, n, ids) if located is _LOCATED else \
+        got = kernels.read(plan.address, want, n, ids) if located is _LOCATED else \
             _read(plan, index, keys, lambda: plan.read(want, n, ids))
         if got < 0:
             target.check()  # raises: the ids were checked in the call

@@ -669,8 +669,10 @@ class Plan:
             raise ValueError(f"a checksum's input of {len(message)} bytes")
         self.kernels = kernels
         self.mapping = (table, arena, limit)
-        """What the words name, so that a caller can tell a plan made for another mapping
-        (a reconnect maps the agent's files again)."""
+        """What the words name (the table's and the arena's addresses, the arena's size)."""
+        self.source: Any = None
+        """The caller's, to tell a plan made for another mapping (a reconnect maps the
+        agent's files again)."""
         self.size = size
         self.checked = bool(message)
         """Whether the call checks each chunk's checksum (else: `sums`, for the caller)."""
@@ -700,7 +702,8 @@ class Plan:
         self._ranges = array.array("Q")
         self._starts = array.array("Q")
 
-    def _grow(self, n: int) -> None:
+    def grow(self, n: int) -> None:
+        """Buffers for reads of `n` keys at least."""
         n = max(n, 2 * self.capacity)
         self.info = array.array("Q", bytes(8 * INFO_WORDS * n))
         self.sums = array.array("Q", bytes(16 * n))
@@ -719,13 +722,13 @@ class Plan:
         -1 for a block id outside the blocks (nothing read). Chunk i was read where
         `info[INFO_WORDS * i]` is not 0."""
         if n > self.capacity:
-            self._grow(n)
+            self.grow(n)
         return self.kernels.read(self.address, want, n, ids)
 
     def read_ranges(self, want: bytes, n: int, ranges: int, starts: int) -> int:
         """`read` into destinations given as ranges (`copy`'s `ranges` and `starts`)."""
         if n > self.capacity:
-            self._grow(n)
+            self.grow(n)
         w = self.words
         w[_AT["ranges"]], w[_AT["starts"]] = ranges, starts
         return self.kernels.read(self.address, want, n, 0)

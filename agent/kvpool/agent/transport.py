@@ -384,6 +384,9 @@ class Connection:
         write."""
         self._holding = 0
         """Open `held_casts` blocks: casts wait in `_told` until the outermost one ends."""
+        self._held_casts = HeldCasts(self)
+        self._reads: list[bytes] = []
+        """Keys read without a lease in a `held_casts` block, not told yet (`tell_reads`)."""
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)
         self.untold = 0
@@ -490,6 +493,15 @@ class Connection:
         except OSError:
             self.close()  # the next call reconnects
 
+    def tell_reads(self, keys: list[bytes]) -> None:
+        """Tell the agent of chunks read without a lease (a READ, `tell`): in a
+        `held_casts` block, one READ when it ends (as its RELEASEs: the caller hands the
+        read's data on first), else now."""
+        if self._holding:
+            self._reads += keys
+        else:
+            self.tell(p.Read(self.rid(), keys))
+
     def call(self, req: p.Request) -> p.Reply:
         """Send `req` and return its reply; an error reply raises `ProtocolError`."""
         self._send(p.encode(req))
@@ -539,11 +551,16 @@ class Connection:
         send them in one write (any call made meanwhile takes them along first). A caller
         that hands a read's data on before its leases end is not kept waiting by that
         write: it wakes the agent, which on a busy machine may take this thread's core."""
-        return HeldCasts(self)
+        return self._held_casts  # (one for the connection: it holds no state of a block)
 
     def _held(self, delta: int) -> None:
         self._holding += delta
-        if not self._holding and self._told and self.sock is not None:
+        if self._holding:
+            return
+        if self._reads:
+            keys, self._reads = self._reads, []
+            self.tell(p.Read(self.rid(), keys))
+        if self._told and self.sock is not None:
             try:
                 self._send(b"")
             except OSError:
@@ -560,7 +577,7 @@ class HeldCasts:
         self._conn = conn
 
     def __enter__(self) -> None:
-        self._conn._held(1)
+        self._conn._holding += 1  # (`_held(1)`, one Python call fewer)
 
     def __exit__(self, *exc: object) -> None:
         self._conn._held(-1)

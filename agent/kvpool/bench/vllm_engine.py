@@ -119,8 +119,8 @@ class TimedEngine:
         self.sources: list[tuple[int, int]] = []
         """The load's copies' sources as its copy calls read them: (address, bytes) in the
         arena mapping (`arena_copy_s`)."""
-        self.planned: list[tuple[int, bytes]] = []
-        """Each compiled lease-free read call's parameter block and keys
+        self.planned: list[tuple[float, float, int, bytes]] = []
+        """Each compiled lease-free read call's time, CPU time, parameter block and keys
         (`_planned_sources`)."""
         self.worker: Any = None
         if connector is not None:
@@ -134,8 +134,8 @@ class TimedEngine:
         self.worker = get_kv_transfer_group().worker
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
         asked: list[float] = []
-        matched, load, report = (scheduler.matched_tokens, self.worker._load,
-                                 self.worker._report_load)
+        matched, load, report, loaded = (scheduler.matched_tokens, self.worker._load,
+                                         self.worker._report_load, self.worker._report_loaded)
         reported: list[float] = []
 
         def timed_matched(request: Any, computed: int) -> tuple[int | None, bool]:
@@ -151,6 +151,10 @@ class TimedEngine:
             report(job, sizes)
             reported.append(time.perf_counter())
 
+        def timed_loaded(job: Any) -> None:  # (the report of a load of every chunk)
+            loaded(job)
+            reported.append(time.perf_counter())
+
         def timed_load(job: Any) -> None:
             # to the load's report to vLLM (what vLLM waits for; its leases' RELEASEs go
             # out after it)
@@ -164,12 +168,14 @@ class TimedEngine:
             if client is not None:
                 self.times["chunks_without_lease"] += client.reads_without_lease - before
             # every chunk's bytes are read, a first chunk's skipped blocks into scratch
-            self.times["loaded_bytes"] += len(job.block_ids) * self.worker._chunk_bytes
+            self.times["loaded_bytes"] += len(job.keys[self.worker.rank]) \
+                * self.worker._chunk_bytes
             self.pieces += self._pieces(job)
 
         scheduler.matched_tokens = timed_matched
         self.worker._load = timed_load
         self.worker._report_load = timed_report
+        self.worker._report_loaded = timed_loaded
         # The load's copy calls (the compiled copy-and-sum loop), timed where the client
         # makes them: the connector's time outside them is `load_s - copy_call_s`.
         from kvpool.agent import hostcopy
@@ -194,14 +200,17 @@ class TimedEngine:
 
         kernels = leasekernel.kernels()
         if kernels is not None:
-            read = kernels.read
+            read, clock, cpu, planned = kernels.read, time.perf_counter, time.thread_time, \
+                self.planned
 
             def timed_read(params: int, want: bytes, n: int, ids: int) -> int:
-                self.planned.append((params, want))  # its sources: `_planned_sources`
-                c0, t0 = time.thread_time(), time.perf_counter()
+                # as little as can be around the call (what is here counts as the load's
+                # time outside it): the sums are made after the request (`ttft`)
+                c0 = cpu()
+                t0 = clock()
                 got = read(params, want, n, ids)
-                self.times["copy_call_s"] += time.perf_counter() - t0
-                self.times["copy_call_cpu_s"] += time.thread_time() - c0
+                t1 = clock()
+                planned.append((t1 - t0, cpu() - c0, params, want))
                 return got
             kernels.read = timed_read
 
@@ -235,9 +244,8 @@ class TimedEngine:
         if host is None:  # copied into tensor pieces: one per layer and block
             block = self.worker._chunk_bytes // len(self.worker._layers) \
                 // self.worker.layout.blocks_per_chunk
-            return [block] * (len(job.block_ids) * len(self.worker._layers)
-                              * self.worker.layout.blocks_per_chunk)
-        return [n for i, bids in enumerate(job.block_ids)
+            return [block] * (len(job.block_ids) * len(self.worker._layers))
+        return [n for i, bids in enumerate(job.chunks(host.per))
                 for _, n in host.ranges(bids, job.skip_blocks if i == 0 else 0).ranges]
 
     @staticmethod
@@ -342,7 +350,7 @@ class TimedEngine:
                       "copy_call_cpu_s": 0.0, "chunks_without_lease": 0}
         self.pieces = []
         self.sources = []
-        self.planned = []
+        self.planned.clear()  # (the list `timed_read` appends to)
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}],
                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
@@ -354,8 +362,10 @@ class TimedEngine:
             core = self.llm.llm_engine.engine_core.engine_core
             while core.scheduler.has_requests():
                 self.llm.llm_engine.step()
-        for call in self.planned:
-            self.sources += self._planned_sources(*call)
+        for call_s, cpu_s, params, want in self.planned:
+            times["copy_call_s"] += call_s
+            times["copy_call_cpu_s"] += cpu_s
+            self.sources += self._planned_sources(params, want)
         copy, cold, summed = self.copy_s(self.pieces)
         return {"ttft_s": seconds, "cached_tokens": out.num_cached_tokens, **times,
                 "copy_s": copy, "cold_copy_s": cold, "sum_copy_s": summed,

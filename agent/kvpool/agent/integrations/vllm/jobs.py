@@ -6,6 +6,7 @@ its own rank.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 from ...protocol import EngineBlocks
@@ -21,11 +22,18 @@ class LoadJob:
     req_id: str
     keys: dict[Rank, list[bytes]]
     """Per rank, the keys of the chunks to load, in token order."""
-    block_ids: list[list[int]]
-    """Per chunk, the vLLM blocks it fills."""
+    block_ids: array.array[int]
+    """The vLLM blocks the chunks fill, flat (i64): chunk i's are `block_ids[i * per :
+    (i + 1) * per]`, `per` the layout's blocks a chunk; as the worker's compiled read takes
+    them (`hostcopy.BlockTargets`), with no list a chunk made or read on the way."""
     skip_blocks: int = 0
     """Leading blocks of the first chunk that vLLM already holds (its own prefix cache):
     never written, their bytes are read past."""
+
+    def chunks(self, per: int) -> list[list[int]]:
+        """The block ids, a list a chunk."""
+        ids = self.block_ids.tolist()
+        return [ids[k : k + per] for k in range(0, len(ids), per)]
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ workers load and save in each step. It never waits on the agent.
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
@@ -176,7 +177,7 @@ class SchedulerSide:
         st.loaded = True
         self._jobs.loads.append(LoadJob(
             request.request_id, {r: k[first:end] for r, k in keys.items()},
-            [list(block_ids[c * per : (c + 1) * per]) for c in range(first, end)],
+            array.array("q", block_ids[first * per : end * per]),
             skip_blocks=(st.local_tokens - first * n) // bs))
 
     # -- saves and the step's metadata

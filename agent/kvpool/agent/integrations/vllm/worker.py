@@ -256,7 +256,7 @@ class WorkerSide:
                 log.exception("kvpool: %s of request %s failed", type(job).__name__,
                               job.req_id)
                 if isinstance(job, LoadJob):
-                    self._report_load(job, [0] * len(job.block_ids))
+                    self._report_load(job, [0] * len(job.keys[self.rank]))
                 else:
                     self._report_save(job)
             finally:
@@ -274,10 +274,10 @@ class WorkerSide:
             # Block ids over the KV cache's addresses, known before the read: the client
             # reads a lease-free window in one compiled call that plans the copies from
             # them (and refuses ids outside the cache, nothing read).
-            target = host.targets(job.block_ids, job.skip_blocks)
+            target = host.target(job.block_ids, job.skip_blocks)
         else:
             chunks = [self._segments(bids, job.skip_blocks if i == 0 else 0)
-                      for i, bids in enumerate(job.block_ids)]
+                      for i, bids in enumerate(job.chunks(self.layout.blocks_per_chunk))]
 
             def target(i: int, size: int, meta: bytes) -> Any:
                 return chunks[i] if size == self._chunk_bytes and self._same_meta(meta) \
@@ -295,10 +295,14 @@ class WorkerSide:
                 client.expect_meta(self._meta)
             with client.releases_held():
                 sizes = client.get_many_into(keys, target, verify=True, stream=self._stream)
+                if all(sizes):  # every chunk loaded (the usual load): the fewest steps
+                    self._report_loaded(job)
+                    reported = True
+                    return sizes
                 # A chunk still stored but not loadable (its checksum failed: corrupt) is
                 # deleted, so that the next request that computes it stores it again; one
                 # that is gone costs a DELETE that finds nothing.
-                for key, size in zip(keys, sizes, strict=True) if not all(sizes) else ():
+                for key, size in zip(keys, sizes, strict=True):
                     if not size and client.delete(key):
                         log.warning("kvpool: a stored chunk failed its checksum and was "
                                     "deleted from the pool")
@@ -308,16 +312,21 @@ class WorkerSide:
         if self.link.call(get) is None and not reported:
             self._report_load(job, [0] * len(keys))
 
+    def _report_loaded(self, job: LoadJob) -> None:
+        """`_report_load` of a load whose every chunk was read."""
+        with self._lock:
+            self._loaded.add(job.req_id)
+            self._loading -= 1
+            if self._idle:  # a step waits for it (`finished`): it goes on now
+                self._idle = False
+                self._woken.put(None)
+
     def _report_load(self, job: LoadJob, sizes: list[int]) -> None:
-        if all(sizes):  # every chunk loaded (the usual load): the fewest steps
-            with self._lock:
-                self._loaded.add(job.req_id)
-                self._loading -= 1
-                if self._idle:  # a step waits for it (`finished`): it goes on now
-                    self._idle = False
-                    self._woken.put(None)
+        if all(sizes):
+            self._report_loaded(job)
             return
-        bad = [b for i, (bids, size) in enumerate(zip(job.block_ids, sizes, strict=True))
+        per = self.layout.blocks_per_chunk
+        bad = [b for i, (bids, size) in enumerate(zip(job.chunks(per), sizes, strict=True))
                if not size for b in bids[(job.skip_blocks if i == 0 else 0):]]
         if bad and self.link.client is not None:
             missing = sum(1 for s in sizes if not s)
