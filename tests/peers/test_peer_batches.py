@@ -5,6 +5,7 @@ order (docs/cross-node.md, "Reads in batches")."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from contextlib import ExitStack, suppress
@@ -256,3 +257,39 @@ def test_a_window_of_peer_chunks_larger_than_dram_gets_each_its_own_bytes(
         got = client.get_many_into(keys, lambda i, n, meta: bufs[i])
         assert [i for i in range(len(keys)) if got[i] and bufs[i] != data[i]] == []
         assert got.count(len(data[0])) > 32  # (most of them read: the case is exercised)
+
+
+def test_a_windows_chunk_is_copied_while_a_later_one_is_still_read_from_a_peer(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """A window's replies are not held back for a chunk read from below: the agent sends
+    the replies it holds before an ACQUIRE that waits for a peer, and the client copies
+    the chunks it has while the next is read. Here the peer is stopped until the client
+    copies the window's first chunk (its target resumes the peer); were that copy made
+    only once the peer's chunk is in, the peer's read would run out its timeout first and
+    the chunk would be a miss."""
+    with ExitStack() as stack:
+        (a, ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False,
+                                 prefetch=False, timeout="5s")
+        mine, theirs = os.urandom(16), os.urandom(16)
+        data = {mine: os.urandom(256 << 10), theirs: os.urandom(512 << 10)}
+        assert cb.put(mine, data[mine]) and ca.put(theirs, data[theirs])
+        seen_as(cb, [mine, theirs], ["dram", "peer"])
+        assert a.proc is not None
+        bufs = [bytearray(len(data[k])) for k in (mine, theirs)]
+        copied: list[int] = []
+
+        def target(i: int, size: int, meta: bytes) -> bytearray:
+            if i == 0:  # the first chunk's copy: the peer answers from now on
+                os.kill(a.proc.pid, signal.SIGCONT)
+            copied.append(i)
+            return bufs[i]
+
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            got = cb.get_many_into([mine, theirs], target)
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        assert got == [len(data[mine]), len(data[theirs])]
+        assert bufs == [data[mine], data[theirs]]
+        assert copied == [0, 1]
+        assert metric(b, "kvpool_peer_requests_total", direction="read", result="timeout") == 0

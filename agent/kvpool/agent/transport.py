@@ -191,6 +191,8 @@ class WindowConnection(Protocol):
 
     def replies(self, n: int) -> list[p.Reply]: ...
 
+    def answered(self) -> bool: ...
+
     def cast(self, *reqs: p.Request) -> None: ...
 
     def close(self) -> None: ...
@@ -252,33 +254,53 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
     Copies made by this process's CPU go in groups (`read_groups`): the next group's
     ACQUIREs go out before this group is copied, so the agent answers them meanwhile, and
     a group's RELEASEs go out with the ACQUIREs of the group after the next. A device's
-    copies (`copies.dma`) go in one group: one write, one fence."""
+    copies (`copies.dma`) go in one group: one write, one fence.
+
+    Within a group, the replies in hand are copied whenever the next one has not arrived
+    yet (`conn.answered`): a chunk the agent is still reading from below (a peer, NVMe)
+    is waited for with the chunks before it copied, not after (all replies there at once,
+    the group is read whole, then the next group posted, then copied, as above)."""
     groups = read_groups(len(keys), pipelined=not copies.dma)
 
     def acquires(group: tuple[int, int]) -> list[p.Request]:
         return [p.Acquire(conn.rid(), k, copies.dma) for k in keys[group[0] : group[1]]]
     conn.post(acquires(groups[0]))
-    posted, received = 1, 0
+    unread = groups[0][1] - groups[0][0]
+    """Replies to ACQUIREs sent and not read yet."""
     releases: list[p.Request] = []
     """Granted leases whose RELEASE has not gone out."""
+    granted: list[p.Request] = []
+    """This group's granted leases, not in `releases` yet."""
     try:
         if meanwhile is not None:
             meanwhile()
         for n, (lo, hi) in enumerate(groups):
-            replies = conn.replies(hi - lo)
-            received += 1
-            granted = [p.Release(conn.rid(), r.lease) for r in replies
-                       if isinstance(r, p.AcquireReply)]
-            if n + 1 < len(groups):
-                conn.post(acquires(groups[n + 1]), casts=releases)
-                posted, releases = posted + 1, []
-            releases += granted
-            _read_group(copies, replies, start + lo, target, sizes)
-    finally:
-        if posted > received:  # a failure with a group's ACQUIREs unanswered: end them too
+            group = _GroupCopies(copies, start + lo, target, sizes)
             try:
-                releases += [p.Release(conn.rid(), r.lease)
-                             for r in conn.replies(groups[received][1] - groups[received][0])
+                replies: list[p.Reply] = []
+                while len(replies) < hi - lo:
+                    if replies and not copies.dma and not conn.answered():
+                        group.start(replies)  # while the agent works on the next one
+                    reply = conn.replies(1)[0]
+                    unread -= 1
+                    replies.append(reply)
+                    if isinstance(reply, p.AcquireReply):
+                        granted.append(p.Release(conn.rid(), reply.lease))
+                if n + 1 < len(groups):
+                    conn.post(acquires(groups[n + 1]), casts=releases)
+                    unread += groups[n + 1][1] - groups[n + 1][0]
+                    releases = []
+                releases += granted
+                granted = []
+                group.start(replies)
+                group.finish()
+            finally:
+                group.settle()
+    finally:
+        releases += granted
+        if unread:  # a failure with ACQUIREs unanswered: end their leases too
+            try:
+                releases += [p.Release(conn.rid(), r.lease) for r in conn.replies(unread)
                              if isinstance(r, p.AcquireReply)]
             except (OSError, p.ProtocolError):
                 conn.close()  # the agent ends a closed connection's leases itself
@@ -308,25 +330,39 @@ def read_groups(n: int, pipelined: bool = True) -> list[tuple[int, int]]:
     return groups
 
 
-def _read_group(copies: Copies, replies: Sequence[p.Reply], start: int, target: ReadTarget,
-                sizes: list[int]) -> None:
-    """Copy a group's granted chunks (`replies` answer the keys from `start` on), wait for
-    the copies, then record the sizes of those that passed their check."""
-    started: list[tuple[int, p.AcquireReply]] = []
-    checks: list[Check] = []
-    fenced = False
-    try:
-        for i, reply, out in acquired(replies, start, target):
-            started.append((i, reply))  # before its copies: settled on failure
-            checks.append(copies.read(start + i, reply, out))
-        copies.fence()
-        fenced = True
-        for (i, reply), check in zip(started, checks, strict=True):
+class _GroupCopies:
+    """The copies of one group of a read window: started as its replies come (`start`,
+    given the group's replies so far), then waited for (`finish`): the sizes of those that
+    passed their check recorded. `settle` on every path: no lease ends while a copy that
+    started may still use its pages."""
+
+    def __init__(self, copies: Copies, start: int, target: ReadTarget,
+                 sizes: list[int]) -> None:
+        self.copies, self.at, self.target, self.sizes = copies, start, target, sizes
+        self.taken = 0
+        """Replies handed to `copies` so far."""
+        self.started: list[tuple[int, p.AcquireReply]] = []
+        self.checks: list[Check] = []
+        self.fenced = False
+
+    def start(self, replies: Sequence[p.Reply]) -> None:
+        """Start the copies of the granted chunks among `replies[self.taken:]` (`replies`
+        answer the group's keys in order)."""
+        first, self.taken = self.taken, len(replies)
+        for i, reply, out in acquired(replies[first:], self.at + first, self.target):
+            self.started.append((first + i, reply))  # before its copies: settled on failure
+            self.checks.append(self.copies.read(self.at + first + i, reply, out))
+
+    def finish(self) -> None:
+        self.copies.fence()
+        self.fenced = True
+        for (i, reply), check in zip(self.started, self.checks, strict=True):
             if check():
-                sizes[start + i] = reply.size
-    finally:
-        if started and not fenced:
-            copies.settle()
+                self.sizes[self.at + i] = reply.size
+
+    def settle(self) -> None:
+        if self.started and not self.fenced:
+            self.copies.settle()
 
 
 class BufferCopies(Copies):
@@ -528,6 +564,14 @@ class Connection:
         """The replies, error replies included, of the `n` requests `post` sent."""
         self._drain()
         return [self._read_reply() for _ in range(n)]
+
+    def answered(self) -> bool:
+        """Whether bytes of a reply have arrived and wait to be read (reading the next
+        reply would not wait for the agent to answer, but at most for the rest of a frame
+        it is writing)."""
+        if self._early:
+            return True
+        return self.sock is not None and bool(self._readable.poll(0))
 
     def cast(self, *reqs: p.Request) -> None:
         """Send without waiting; the replies are read before the next call's. Inside

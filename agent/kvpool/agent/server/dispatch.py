@@ -162,6 +162,11 @@ def _unpin(c: Connection, r: p.Unpin) -> p.UnpinReply:
 
 
 async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
+    if c.out and c.store.waits(r.key):
+        # The replies held back for one send (a window's ACQUIREs before this one) go
+        # now, not after this chunk's read from a peer or NVMe: the client copies those
+        # chunks meanwhile (`transport.read_window`).
+        await c.flush()
     g = await c.store.acquire(r.key, c.id, r.dma)
     return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
                           g.checksum_kind)

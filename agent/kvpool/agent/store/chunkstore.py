@@ -765,6 +765,15 @@ class ChunkStore:
     def contains(self, key: bytes) -> bool:
         return key in self.dram or self._below(key)
 
+    def waits(self, key: bytes) -> bool:
+        """Whether an ACQUIRE of `key` would wait for a read from below DRAM (a peer's, under
+        way or to start, or NVMe's) rather than be answered in this turn of the loop (a
+        chunk in DRAM, or a miss): the connection sends the replies it holds before it."""
+        if key in self.dram:
+            return False
+        return key in self._fetching or self._below(key) or (
+            self.peer is not None and self.peer.holder(key) is not None)
+
     def _below(self, key: bytes) -> bool:
         """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
         return self.nvme is not None and self.nvme.holds(key)
