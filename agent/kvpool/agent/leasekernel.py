@@ -100,8 +100,10 @@ _WSUM = 1
 
 PARAMS = ("piece", "table", "mask", "arena", "limit", "size", "meta_hash", "info", "sums",
           "msg", "msglen", "sums_at", "ranges", "starts", "skip", "bases", "layers", "stride",
-          "nbytes", "per", "scratch", "blocks", "hook")
-"""The words of `read`'s parameter block (`Plan`), in order."""
+          "nbytes", "per", "scratch", "blocks", "hook", "cycles")
+"""The words of `read`'s parameter block (`Plan`), in order. `cycles`: written by `read`,
+the CPU's cycle counter's ticks in its copies (`copy`, which also hashes the checksums and
+reads the slots again after them), added up (for a benchmark: `cycles()`)."""
 _POINTERS = {"piece", "table", "arena", "info", "sums", "msg", "ranges", "starts", "bases",
              "hook"}
 
@@ -118,6 +120,7 @@ def _params_ir() -> str:
 
 _IR = f"""
 declare i64 @llvm.bswap.i64(i64)
+declare i64 @llvm.readcyclecounter()
 declare i64 @llvm.umin.i64(i64, i64)
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 
@@ -221,6 +224,11 @@ last:
   %lacc.n = add i64 %lacc, %lm
   %hm = call i64 @avalanche(i64 %lacc.n)
   ret i64 %hm
+}}
+
+define i64 @cycles() nounwind {{
+  %c = call i64 @llvm.readcyclecounter()
+  ret i64 %c
 }}
 
 define i64 @xxh3_bytes(ptr %d, i64 %n) nounwind {{
@@ -594,9 +602,14 @@ callhook:
   call void %P.hook()
   br label %copying
 copying:
+  %cy0 = call i64 @llvm.readcyclecounter()
   %kept = call i64 @copy(ptr %P.piece, ptr %P.table, ptr %P.arena, ptr %want, ptr %P.info,
                          i64 %n, ptr %P.ranges, ptr %P.starts, i64 %P.size, i64 %epoch,
                          ptr %P.sums, ptr %P.msg, i64 %P.msglen, i64 %P.sums_at)
+  %cy1 = call i64 @llvm.readcyclecounter()
+  %cyd = sub i64 %cy1, %cy0
+  %cyall = add i64 %P.cycles, %cyd
+  store i64 %cyall, ptr %P.cycles.p, align 8
   %lost = icmp eq i64 %kept, 0
   br i1 %lost, label %none, label %count
 count:
@@ -636,13 +649,16 @@ _AT = {name: i for i, name in enumerate(PARAMS)}
 
 class Kernels:
     def __init__(self, read: Callable[[int, bytes, int, int], int],
-                 digest: Callable[..., int], piece: int) -> None:
+                 digest: Callable[..., int], piece: int, cycles: Callable[[], int]) -> None:
         self.read = read
         """`read(params, want, n, ids)`, see the module: `params` the address of a `Plan`'s
         words, `want` the keys (16 bytes each), `ids` the address of the block ids (0:
         destinations given as ranges). It lets the GIL go (a ctypes call of C type)."""
         self._digest = digest
         self.piece = piece
+        self.cycles = cycles
+        """The CPU's cycle counter now (x86-64: its time-stamp counter; 0 where it has
+        none): what `Plan.words`' `cycles` counts in."""
 
     def xxh3(self, data: bytes) -> int:
         """XXH3-64 of `data` (MIN_MESSAGE to MAX_MESSAGE bytes) as the read call makes it."""
@@ -749,7 +765,7 @@ def _compile() -> Kernels | None:
     if piece is None:
         return None
     try:
-        compiled = compile_ir(_IR, ("read", "xxh3_bytes"), opt=2)
+        compiled = compile_ir(_IR, ("read", "xxh3_bytes", "cycles"), opt=2)
     except Exception as e:  # a JIT refused (e.g. no executable memory): Python still works
         log.warning("lease-free window read not compiled (%s); it runs in Python", e)
         return None
@@ -759,8 +775,9 @@ def _compile() -> Kernels | None:
     # `wsumkernel.copy_sums` does; digest: a call of microseconds keeps it.
     read = ctypes.CFUNCTYPE(_I, _P, ctypes.c_char_p, _I, _P)(compiled[0])
     digest = ctypes.PYFUNCTYPE(ctypes.c_uint64, _P, _I)(compiled[1])
-    _keep.extend((read, digest))
-    return Kernels(read, digest, piece)
+    cycles = ctypes.PYFUNCTYPE(ctypes.c_uint64)(compiled[2])
+    _keep.extend((read, digest, cycles))
+    return Kernels(read, digest, piece, cycles)
 
 
 _compiled = Lazy(_compile, "kvpool-leasefree-jit")

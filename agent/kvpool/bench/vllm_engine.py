@@ -100,6 +100,7 @@ def _sweep() -> Any:
     return _sweeps[0]
 
 
+
 class TimedEngine:
     def __init__(self, model: str, max_len: int, connector: dict[str, Any] | None,
                  reply: Any) -> None:
@@ -122,6 +123,10 @@ class TimedEngine:
         self.planned: list[tuple[float, float, int, bytes]] = []
         """Each compiled lease-free read call's time, CPU time, parameter block and keys
         (`_planned_sources`)."""
+        self.tick_s = 0.0
+        """Seconds a tick of the CPU's cycle counter (0: none), for `copies_s`."""
+        self.cycles_at = 0
+        """Where the compiled read's parameters count its copies' ticks."""
         self.worker: Any = None
         if connector is not None:
             self._instrument()
@@ -200,6 +205,14 @@ class TimedEngine:
 
         kernels = leasekernel.kernels()
         if kernels is not None:
+            # The call's copies alone (with their checksums and the slots read again after
+            # them) are counted inside it in the CPU's cycle counter's ticks: their rate,
+            # against this clock's (`copies_s`).
+            c0, t0 = kernels.cycles(), time.perf_counter()
+            time.sleep(0.2)
+            ticks = (kernels.cycles() - c0) / (time.perf_counter() - t0)
+            self.tick_s = 1 / ticks if ticks > 0 else 0.0
+            self.cycles_at = leasekernel.PARAMS.index("cycles")
             read, clock, cpu, planned = kernels.read, time.perf_counter, time.thread_time, \
                 self.planned
 
@@ -213,6 +226,11 @@ class TimedEngine:
                 planned.append((t1 - t0, cpu() - c0, params, want))
                 return got
             kernels.read = timed_read
+
+    def _plan(self) -> Any:
+        """The worker's compiled read's parameters (`leasekernel.Plan`), once it read."""
+        host = self.worker._host if self.worker is not None else None
+        return host.plan if host is not None else None
 
     def _planned_sources(self, params: int, want: bytes) -> list[tuple[int, int]]:
         """The arena bytes a compiled lease-free read call read (`arena_copy_s`), found
@@ -351,6 +369,9 @@ class TimedEngine:
         self.pieces = []
         self.sources = []
         self.planned.clear()  # (the list `timed_read` appends to)
+        plan = self._plan()
+        if plan is not None:  # (a plan made during the request starts at 0)
+            plan.words[self.cycles_at] = 0
         t0 = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": prompt}],
                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
@@ -362,6 +383,9 @@ class TimedEngine:
             core = self.llm.llm_engine.engine_core.engine_core
             while core.scheduler.has_requests():
                 self.llm.llm_engine.step()
+        plan = self._plan()
+        if plan is not None and self.tick_s:  # (else no `copies_s`: not counted)
+            times["copies_s"] = plan.words[self.cycles_at] * self.tick_s
         for call_s, cpu_s, params, want in self.planned:
             times["copy_call_s"] += call_s
             times["copy_call_cpu_s"] += cpu_s

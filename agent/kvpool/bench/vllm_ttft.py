@@ -141,7 +141,17 @@ def _row(tokens: int, reference: dict[str, Any], hits: list[dict[str, Any]]) -> 
         "best_load_chunks_without_lease": int(fastest.get("chunks_without_lease", 0)),
         "median_load_outside_copy_calls": _median_share(
             [(h["load_s"], h["copy_call_s"]) for h in hits]),
+        # the copies alone, counted inside the compiled read (None without it)
+        "best_load_copies_s": _round(fastest.get("copies_s")),
+        "best_load_outside_copies": None if fastest.get("copies_s") is None
+        else _overhead(best, fastest["copies_s"]),
+        "median_load_outside_copies": None if any(h.get("copies_s") is None for h in hits)
+        else _median_share([(h["load_s"], h["copies_s"]) for h in hits]),
     }
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 def _median_share(loads: list[tuple[float, float]]) -> float | None:
