@@ -44,7 +44,9 @@ and makes these steps, each an internal function:
   rebuilt meanwhile (nothing read).
 
 `read` returns the chunks read (each with `info[4 i]` not 0; where nothing is read, every
-`info[4 i]` is 0). The steps besides the copies take about a microsecond a chunk.
+`info[4 i]` is 0). The steps besides the copies take about 1 µs for 7 chunks with warm
+caches, ~15 µs cold, the ctypes call included (docs/benchmarks.md, "A load in one compiled
+call").
 
 Why the checks are the Python path's: see `leasefree` (the slot retired before its pages
 are freed; x86-64's load order; `lookupindex.IndexReader.usable`).
