@@ -419,8 +419,8 @@ def test_chunks_a_planned_read_cannot_take_go_through_a_lease(
     assert planned in ([], [5, 1])  # the compiled calls' table reads: both reads
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["ranges", "block-ids"])
-@pytest.mark.parametrize("reuse", [False, True], ids=["deleted", "deleted-and-reused"])
+@pytest.mark.parametrize(("reuse", "blocks"), [(False, False), (True, False), (True, True)],
+                         ids=["deleted", "deleted-and-reused", "deleted-and-reused-block-ids"])
 def test_a_chunk_that_leaves_between_the_compiled_table_read_and_the_copy_is_never_returned(
         agent: LocalAgent, client: KVPoolClient, reuse: bool, blocks: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:

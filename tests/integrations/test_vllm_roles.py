@@ -1,10 +1,17 @@
 """The vLLM connector's roles, as vLLM defines them, on its scheduler side against a real
 agent (no vLLM: the request and step objects carry the attributes vLLM 0.32's have, as the
 connector reads them): a `kv_consumer` loads and never stores, a `kv_producer` stores and
-never loads. `tests/peers/test_peer_vllm.py` runs both roles in vLLM's own engines."""
+never loads. `tests/peers/test_peer_vllm.py` runs both roles in vLLM's own engines.
+
+And its worker side loading into CPU KV-cache layers on the same agent (layers shaped as
+vLLM 0.32's CPU worker makes them, jobs as its scheduler side makes them): a load's chunks
+land in the blocks it names, and its report ends at once a step that waits for it."""
 
 from __future__ import annotations
 
+import array
+import os
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -13,9 +20,12 @@ from typing import Any
 import pytest
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.integrations.vllm import worker as worker_module
+from kvpool.agent.integrations.vllm.jobs import LoadJob, SaveJob, StepJobs
 from kvpool.agent.integrations.vllm.layout import KeyChain, Layout
 from kvpool.agent.integrations.vllm.scheduler import SchedulerSide
 from kvpool.agent.integrations.vllm.settings import Settings
+from kvpool.agent.integrations.vllm.worker import WorkerSide
 from kvpool.bench.local import LocalAgent
 
 CHUNK, BLOCK = 64, 32
@@ -59,7 +69,8 @@ def whole_prompt_step(req: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalAgent, list[bytes]]]:
-    """An agent holding PROMPT's four chunks, and their keys (the tests store nothing)."""
+    """An agent holding PROMPT's four chunks, and their keys (the scheduler-side tests store
+    nothing; the worker's stores chunks of keys of its own)."""
     keys = KeyChain(LAYOUT.fingerprint()).upto(PROMPT, 4)
     with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("roles"), dram="8Mi") as a, \
             KVPoolClient(a.socket_path) as c:
@@ -104,3 +115,73 @@ def test_a_producer_stores_and_never_loads(pool: tuple[LocalAgent, list[bytes]])
         assert side.finished(req) is True  # its blocks kept until the saves are done
     finally:
         side.close()
+
+
+BLOCKS = 16
+WORKER_LAYOUT = Layout(model="m", dtype="float32", layers=2, kv_heads=2, head_size=64,
+                       head_size_v=64, block_size=BLOCK, chunk_tokens=2 * BLOCK)
+RANK = (0, 0)
+
+
+def layers() -> dict[str, Any]:
+    """Two CPU KV-cache layers of BLOCKS blocks (K and V of a token: 2 x 2 heads x 64)."""
+    import torch
+
+    return {f"l{i}": torch.randn(BLOCKS * BLOCK, 2, 2, 64) for i in range(2)}
+
+
+def worker(agent: LocalAgent, kv: dict[str, Any]) -> WorkerSide:
+    side = WorkerSide(Settings(socket=str(agent.socket_path), layout=WORKER_LAYOUT,
+                               loads=True, saves=True, timeout=5.0, lookup_wait=5.0),
+                      "m", RANK)
+    side.register(kv, BLOCKS)
+    return side
+
+
+def test_a_load_fills_its_blocks_and_its_report_ends_the_steps_wait_for_it(
+        pool: tuple[LocalAgent, list[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine A saves three chunks from its blocks; engine B loads them into other blocks
+    (not one run, the first chunk's first block already held: read past). B's step that
+    computed nothing waits for the load in flight (IDLE_WAIT made far longer than the test
+    here) and the load's report ends that wait: the step returns the request loaded."""
+    import torch
+    agent = pool[0]
+    monkeypatch.setattr(worker_module, "IDLE_WAIT", 600.0)
+    kv_a, kv_b = layers(), layers()
+    before = {name: t.clone() for name, t in kv_b.items()}
+    a, b = worker(agent, kv_a), worker(agent, kv_b)
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        saved = [[0, 1], [2, 3], [4, 5]]
+        a.end_step(StepJobs(saves=[SaveJob("r", {RANK: keys}, saved, [None] * 3)]))
+        a.wait_for_saves({"r"})
+
+        release = threading.Event()
+        b.fault_hook = lambda _: release.wait(60)
+        into = [[9, 10], [3, 4], [15, 14]]
+        ids = array.array("q", [b for chunk in into for b in chunk])
+        b.start_step(StepJobs(loads=[LoadJob("r", {RANK: keys}, ids, skip_blocks=1)]))
+        got: list[tuple[set[str] | None, set[str] | None]] = []
+        step = threading.Thread(target=lambda: got.append(b.finished(idle=True)))
+        step.start()
+        for _ in range(6000):  # until the step waits for the load
+            with b._lock:
+                if b._idle:
+                    break
+            threading.Event().wait(0.01)
+        release.set()
+        step.join(60)
+        assert got == [(None, {"r"})], "the load's report ended the step's wait"
+        assert b.load_errors() == set()
+
+        per = BLOCK  # rows of a block in a layer's first dimension
+        for name in kv_a:
+            for src, dst, skip in zip(saved, into, [1, 0, 0], strict=True):
+                for j, (s, d) in enumerate(zip(src, dst, strict=True)):
+                    # a skipped block is vLLM's own (untouched), the others the chunk's
+                    want = before[name][d * per : (d + 1) * per] if j < skip \
+                        else kv_a[name][s * per : (s + 1) * per]
+                    assert torch.equal(kv_b[name][d * per : (d + 1) * per], want), (name, d)
+    finally:
+        a.close()
+        b.close()
