@@ -536,6 +536,37 @@ def test_reads_in_a_held_block_are_told_to_the_agent_when_it_ends(
     assert after[ACQUIRES] == before[ACQUIRES]
 
 
+def test_read_blocks_reads_a_whole_call_then_tells_or_leaves_it_all_to_get_many_into(
+        shared: LocalAgent, reader: KVPoolClient) -> None:
+    """`read_blocks`: every chunk in DRAM, read in the compiled call, `then` called once and
+    then one READ told; a key not stored (or a client without `lease_free`): False, `then`
+    not called, nothing told, and `get_many_into` reads what is there."""
+    assert leasekernel.kernels() is not None
+    kv = _Layers()
+    keys = [_key(next(_fresh)) for _ in range(3)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    _wsum_put(reader, keys, data)
+    calls: list[int] = []
+    before = scrape(shared)
+    target = kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    assert reader.read_blocks(keys, target, lambda: calls.append(reader.reads_without_lease))
+    assert calls == [3]  # after the reads were counted, before the READ
+    assert kv.block(1, 9) == data[2][5 * kv.nbytes : 6 * kv.nbytes]
+    reader.stats()
+    after = scrape(shared)
+    assert after[READS] == before.get(READS, 0) + 1
+    assert after[ACQUIRES] == before[ACQUIRES]
+
+    absent = _key(next(_fresh))
+    two = kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert not reader.read_blocks([keys[0], absent], two, lambda: calls.append(-1))
+    with KVPoolClient(shared.socket_path) as leased:  # lease_free off
+        assert not leased.read_blocks(keys[:2], two, lambda: calls.append(-1))
+    reader.stats()
+    assert scrape(shared)[READS] == after[READS] and calls == [3]
+    assert reader.get_many_into([keys[0], absent], two) == [CHUNK, 0]
+
+
 def test_block_ids_outside_the_blocks_are_refused_and_nothing_is_read(
         shared: LocalAgent, reader: KVPoolClient, planned: list[int]) -> None:
     """A `BlockTargets` made with an id outside its blocks (`HostBlocks.targets` refuses it

@@ -470,6 +470,33 @@ class KVPoolClient:
             for j, i in enumerate(left):
                 sizes[start + i] = got[j]
 
+    def read_blocks(self, keys: Sequence[bytes], target: BlockTargets,
+                    then: Callable[[], object]) -> bool:
+        """Read every chunk of the call into its blocks without a lease, in the one compiled
+        call (`leasefree.read_planned`), then call `then()` (e.g. tell the engine the load
+        is done) and tell the agent of the reads (one READ, written now): True. False where
+        not every chunk can be read so (`lease_free` off, no connection, not compiled yet, a
+        chunk not in DRAM as one WSUM extent of the blocks' size and metadata, changed
+        meanwhile, or failing its checksum): nothing was told and `then` was not called;
+        read the call with `get_many_into` (a chunk read here is read again there). Block
+        ids outside the blocks raise ValueError, nothing read.
+
+        `get_many_into` reads such a call the same way first; this is its shortest form, for
+        a caller with little time to spare (vLLM's connector: a load's own time is what
+        its engine waits for, and in an engine's process each Python call runs cold)."""
+        t = self._transport
+        if not self.lease_free or not isinstance(t, ZeroCopyTransport) or t.index is None \
+                or t.conn.sock is None:
+            return False
+        got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target,
+                                     [0] * len(keys))
+        if got is None or got[0]:
+            return False
+        self.reads_without_lease += len(keys)
+        then()
+        t.conn.tell(p.Read(t.conn.rid(), got[1]), now=True)
+        return True
+
     def releases_held(self) -> HeldCasts:
         """Reads made in the block end their leases when it ends, not as each returns: the
         RELEASEs go out in one write then (or with any call made meanwhile). The chunks were
