@@ -1,7 +1,8 @@
 """FETCH replies sent straight from the event loop (`peers.direct`): on a real TCP
 connection served by asyncio, a reply larger than the socket's buffer arrives whole and in
-order, head first, while the reader takes it slowly; the transport writes after it once
-the sender is quiet; a reader that stops taking bytes ends the reply with a timeout, and
+order, head first, while the reader takes it slowly; a reply's head leaves with its
+chunk's first bytes, in one TCP segment; the transport writes after it once the sender is
+quiet; a reader that stops taking bytes ends the reply with a timeout, and
 no writer callback is left on the socket."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import struct
 from pathlib import Path
 
 from kvpool.agent.peers.direct import DirectSender
@@ -78,6 +80,7 @@ def test_a_reply_past_the_socket_buffer_arrives_whole_and_the_transport_writes_a
             writer.write(b"after")  # through the transport, after the reply
             await writer.drain()
             await taking
+            direct.close()
         finally:
             os.close(fd)
             writer.close()
@@ -108,6 +111,46 @@ def test_a_reader_that_stops_taking_bytes_ends_the_reply_with_a_timeout(
             else:
                 raise AssertionError("a reply nobody reads went out whole")
             assert not _registered_writer(loop, direct.fd)
+            direct.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def _segments_out(sock: socket.socket) -> int:
+    """TCP segments the socket has sent (Linux's `tcp_info.tcpi_segs_out`)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return int(struct.unpack_from("I", info, 136)[0])
+
+
+def test_a_replys_head_leaves_with_its_first_bytes_in_one_segment(tmp_path: Path) -> None:
+    # asyncio's transports set TCP_NODELAY: a head written on its own was a segment of its
+    # own (one more packet per chunk for both ends), before its bytes.
+    data = os.urandom(100)
+    path = tmp_path / "chunk"
+    path.write_bytes(data)
+    head = b"HEAD" * 7
+
+    async def main() -> None:
+        writer, reader, server = await _pair()
+        sock = writer.get_extra_info("socket")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            direct = DirectSender.make(writer.transport)
+            assert direct is not None
+            before = _segments_out(sock)
+            assert direct.send(head, fd, [(0, len(data))])  # small: out at once
+            received = b""
+            while len(received) < len(head) + len(data):
+                more = reader.recv(4096)
+                assert more, "the connection closed mid-reply"
+                received += more
+            assert received == head + data
+            assert _segments_out(sock) - before == 1
             direct.close()
         finally:
             os.close(fd)

@@ -2,10 +2,13 @@
 
 A reply is its head (`wire.encode_reply`) and its chunk's byte ranges in a file (the
 arena, or an NVMe chunk file). Both go to the non-blocking socket in this process, the
-head with `os.write`, the bytes with `os.sendfile` (the kernel queues references to the
-file's pages: `unacked` holds the chunk's lease until they are acknowledged), as far as
-the socket's buffer takes them; the rest each time the socket has room again, from a
-writer callback the loop calls, the reply's coroutine woken only once it is all out.
+head with a `send` flagged `MSG_MORE` (the kernel holds it for the bytes that follow: on
+this TCP_NODELAY socket it was a segment of its own, one more packet per chunk for both
+ends to process, the reader woken for the head alone), the bytes with `os.sendfile` (the
+kernel queues references to the file's pages: `unacked` holds the chunk's lease until
+they are acknowledged), as far as the socket's buffer takes them; the rest each time the
+socket has room again, from a writer callback the loop calls, the reply's coroutine woken
+only once it is all out.
 
 What it replaces, per chunk that did not fit the buffer at once (most chunks of a
 pipelined batch of 1 MiB chunks, once the reader's window is full): the head through the
@@ -26,7 +29,10 @@ this path (`DirectSender.make` gives None).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +48,9 @@ class DirectSender:
         self.fd = fd
         self._add_writer = add_writer
         self._remove_writer = remove_writer
-        self._head = memoryview(b"")
+        self._head = bytearray()
+        self._sent = 0
+        """Bytes of `_head` the socket took."""
         self._file = -1
         self._ranges: list[tuple[int, int]] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -75,7 +83,8 @@ class DirectSender:
         the socket took all of it now; else `rest` sends what is left. Raises OSError
         when the connection failed, ConnectionError when the file ends before a range
         (the reply cannot be completed: the connection must close)."""
-        self._head, self._file, self._ranges = memoryview(head), file, list(ranges)
+        self._head, self._sent = bytearray(head), 0  # (writable: `_send_more` exports it)
+        self._file, self._ranges = file, list(ranges)
         return self._step()
 
     async def rest(self, timeout: float) -> None:
@@ -156,16 +165,15 @@ class DirectSender:
 
     def _step(self) -> bool:
         """Send what the socket takes now; True once the reply is out."""
-        head = self._head
-        while head:
-            try:
-                n = os.write(self.fd, head)
-            except BlockingIOError:
-                self._head = head
-                return False
-            head = head[n:]
-        self._head = head
         ranges = self._ranges
+        # MSG_MORE only where bytes follow: a head held with nothing behind it would wait
+        # for the kernel's 200 ms timer.
+        more = socket.MSG_MORE if ranges else 0
+        while self._sent < len(self._head):
+            try:
+                self._sent += _send_more(self.fd, self._head, self._sent, more)
+            except BlockingIOError:
+                return False
         while ranges:
             offset, n = ranges[0]
             try:
@@ -179,3 +187,27 @@ class DirectSender:
             else:
                 ranges.pop(0)
         return True
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc_send = _libc.send
+_libc_send.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc_send.restype = ctypes.c_ssize_t
+
+
+def _send_more(fd: int, data: bytearray, at: int, flags: int) -> int:
+    """`send(2)` of `data[at:]` with `flags` on the transport's own descriptor: bytes sent,
+    BlockingIOError when the socket has no room. (asyncio's socket wrapper has no `send`,
+    and a socket object of our own would be a second descriptor: epoll would keep the
+    first's registration, the writer callback's, alive after the transport closes it.)"""
+    n = len(data) - at
+    r = _libc_send(fd, (ctypes.c_char * n).from_buffer(data, at), n,
+                   flags | socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    if r < 0:
+        err = ctypes.get_errno()
+        if err == errno.EINTR:
+            return 0  # (the caller asks again)
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise BlockingIOError(err, os.strerror(err))
+        raise OSError(err, os.strerror(err))
+    return int(r)
