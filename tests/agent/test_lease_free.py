@@ -536,11 +536,10 @@ def test_reads_in_a_held_block_are_told_to_the_agent_when_it_ends(
     assert after[ACQUIRES] == before[ACQUIRES]
 
 
-def test_read_blocks_reads_a_whole_call_then_tells_or_leaves_it_all_to_get_many_into(
+def test_read_blocks_reads_a_whole_call_then_tells(
         shared: LocalAgent, reader: KVPoolClient) -> None:
     """`read_blocks`: every chunk in DRAM, read in the compiled call, `then` called once and
-    then one READ told; a key not stored (or a client without `lease_free`): False, `then`
-    not called, nothing told, and `get_many_into` reads what is there."""
+    then one READ told; a client without `lease_free`: None, nothing read or told."""
     assert leasekernel.kernels() is not None
     kv = _Layers()
     keys = [_key(next(_fresh)) for _ in range(3)]
@@ -549,7 +548,8 @@ def test_read_blocks_reads_a_whole_call_then_tells_or_leaves_it_all_to_get_many_
     calls: list[int] = []
     before = scrape(shared)
     target = kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
-    assert reader.read_blocks(keys, target, lambda: calls.append(reader.reads_without_lease))
+    assert reader.read_blocks(keys, target, lambda: calls.append(reader.reads_without_lease)) \
+        == [CHUNK] * 3
     assert calls == [3]  # after the reads were counted, before the READ
     assert kv.block(1, 9) == data[2][5 * kv.nbytes : 6 * kv.nbytes]
     reader.stats()
@@ -557,14 +557,43 @@ def test_read_blocks_reads_a_whole_call_then_tells_or_leaves_it_all_to_get_many_
     assert after[READS] == before.get(READS, 0) + 1
     assert after[ACQUIRES] == before[ACQUIRES]
 
-    absent = _key(next(_fresh))
-    two = kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7]])
-    assert not reader.read_blocks([keys[0], absent], two, lambda: calls.append(-1))
     with KVPoolClient(shared.socket_path) as leased:  # lease_free off
-        assert not leased.read_blocks(keys[:2], two, lambda: calls.append(-1))
+        assert leased.read_blocks(keys[:2], kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7]]),
+                                  lambda: calls.append(-1)) is None
     reader.stats()
     assert scrape(shared)[READS] == after[READS] and calls == [3]
-    assert reader.get_many_into([keys[0], absent], two) == [CHUNK, 0]
+
+
+def test_get_many_into_reads_only_what_read_blocks_left(
+        shared: LocalAgent, reader: KVPoolClient) -> None:
+    """A call `read_blocks` reads in part: the chunks it read are told (one READ), `then` is
+    not called, and `get_many_into(..., read=sizes)` reads the chunks it left and not the
+    others again (their blocks, overwritten meanwhile, stay as they are)."""
+    assert leasekernel.kernels() is not None
+    kv = _Layers()
+    keys = [_key(next(_fresh)) for _ in range(3)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    _wsum_put(reader, [keys[0], keys[2]], [data[0], data[2]])
+    calls: list[int] = []
+    before = scrape(shared)
+    target = kv.host.targets([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    read = reader.read_blocks(keys, target, lambda: calls.append(-1))
+    assert read == [CHUNK, 0, CHUNK] and calls == []
+    assert reader.reads_without_lease == 2
+    assert kv.block(0, 8) == data[2][: kv.nbytes]
+    reader.stats()
+    assert scrape(shared)[READS] == before.get(READS, 0) + 1
+
+    _wsum_put(reader, [keys[1]], [data[1]])  # the chunk left is there now
+    for layer in kv.layers:  # chunk 0's blocks: were it read again, they would change
+        layer[: 4 * kv.nbytes] = bytes(4 * kv.nbytes)
+    assert reader.get_many_into(keys, target, read=read) == [CHUNK] * 3
+    assert kv.block(0, 0) == bytes(kv.nbytes) and kv.block(1, 3) == bytes(kv.nbytes)
+    assert kv.block(0, 4) == data[1][: kv.nbytes]
+    assert kv.block(1, 7) == data[1][7 * kv.nbytes :]
+    assert kv.block(1, 11) == data[2][7 * kv.nbytes :]
+    with pytest.raises(ValueError, match="one size per key"):
+        reader.get_many_into(keys, target, read=read[:2])
 
 
 def test_block_ids_outside_the_blocks_are_refused_and_nothing_is_read(

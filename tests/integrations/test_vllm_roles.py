@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.agent import leasefree, leasekernel
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.integrations.vllm import worker as worker_module
 from kvpool.agent.integrations.vllm.jobs import LoadJob, SaveJob, StepJobs
@@ -182,6 +183,49 @@ def test_a_load_fills_its_blocks_and_its_report_ends_the_steps_wait_for_it(
                     want = before[name][d * per : (d + 1) * per] if j < skip \
                         else kv_a[name][s * per : (s + 1) * per]
                     assert torch.equal(kv_b[name][d * per : (d + 1) * per], want), (name, d)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_load_with_a_chunk_gone_reads_the_others_once_and_reports_its_blocks(
+        pool: tuple[LocalAgent, list[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load whose middle chunk left the pool: the chunks there land in their blocks, each
+    read once (the compiled read's copies are not made again by the load of what it left),
+    and the gone chunk's blocks are reported for vLLM to recompute."""
+    import torch
+    assert leasekernel.kernels() is not None  # (compiled now: the load's first read is so)
+    agent = pool[0]
+    kv_a, kv_b = layers(), layers()
+    a, b = worker(agent, kv_a), worker(agent, kv_b)
+    try:
+        assert b._host is not None, "the CPU layers are read as block ids"
+        keys = [os.urandom(16) for _ in range(3)]
+        a.end_step(StepJobs(saves=[SaveJob("r", {RANK: keys}, [[0, 1], [2, 3], [4, 5]],
+                                           [None] * 3)]))
+        a.wait_for_saves({"r"})
+        with KVPoolClient(agent.socket_path) as c:
+            assert c.delete(keys[1])
+        into = [[9, 10], [3, 4], [15, 14]]
+        planned: list[int] = []  # the keys of each compiled read (the real one, counted)
+        read_planned = leasefree.read_planned
+
+        def counted(*args: Any) -> Any:
+            planned.append(len(args[3]))
+            return read_planned(*args)
+        monkeypatch.setattr(leasefree, "read_planned", counted)
+        assert b.link.connected() is not None  # (as after the worker's first step)
+        b.start_step(StepJobs(loads=[LoadJob("r", {RANK: keys},
+                                             array.array("q", [x for c in into for x in c]))]))
+        assert b.drain(60)
+        assert b.load_errors() == {3, 4}
+        assert planned == [3], "one compiled read of the load, not a second of the same keys"
+        client = b.link.client
+        assert client is not None and client.reads_without_lease == 2
+        for name in kv_a:
+            for s, d in ((0, 9), (1, 10), (4, 15), (5, 14)):
+                assert torch.equal(kv_b[name][d * BLOCK : (d + 1) * BLOCK],
+                                   kv_a[name][s * BLOCK : (s + 1) * BLOCK]), (name, d)
     finally:
         a.close()
         b.close()

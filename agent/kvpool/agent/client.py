@@ -358,7 +358,8 @@ class KVPoolClient:
 
     def get_many_into(self, keys: Sequence[bytes], target: ReadTarget, *,
                       verify: bool | None = None, stream: object = None,
-                      meanwhile: Meanwhile = None) -> list[int]:
+                      meanwhile: Meanwhile = None,
+                      read: Sequence[int] | None = None) -> list[int]:
         """Copy each stored chunk into the buffer `target(index, size, meta)` gives for it.
 
         The ACQUIREs of a window go out in one write and their replies come back in
@@ -388,8 +389,15 @@ class KVPoolClient:
         `meanwhile`: the caller's work to do while the agent answers the first ACQUIREs
         (e.g. planning the destinations `target` gives): called once, after they are sent
         and before `target` is first called (never for no keys).
+
+        `read`: the sizes a `read_blocks` of the same keys into the same target gave (a
+        `HostTargets` or `BlockTargets` target only): the chunks it read are not read again,
+        only those it left (0).
         """
         sizes = [0] * len(keys)
+        if read is not None and (not isinstance(target, _PLANNED) or len(read) != len(keys)):
+            raise ValueError("get_many_into: `read` needs a HostTargets or BlockTargets "
+                             "target and one size per key")
         if meanwhile is not None:  # once, even when a window is retried after a reconnect
             meanwhile = _once(meanwhile)
         if isinstance(target, _PLANNED):
@@ -398,8 +406,12 @@ class KVPoolClient:
             # engine's load: no Python per chunk); the keys left take the windows below.
             t = self._transport
             left = None
-            if self.lease_free and isinstance(t, ZeroCopyTransport) and t.index is not None \
-                    and not t.conn.closed:  # (`_lease_free_on`, inline: an engine's load)
+            if read is not None:  # the compiled call ran already (`read_blocks`)
+                sizes[:] = read
+                left = [i for i, size in enumerate(read) if not size]
+            elif self.lease_free and isinstance(t, ZeroCopyTransport) \
+                    and t.index is not None and not t.conn.closed:
+                # (`_lease_free_on`, inline: an engine's load)
                 if meanwhile is not None:
                     meanwhile()  # (before the first copy: there is no answer to wait for)
                 got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target,
@@ -471,15 +483,17 @@ class KVPoolClient:
                 sizes[start + i] = got[j]
 
     def read_blocks(self, keys: Sequence[bytes], target: BlockTargets,
-                    then: Callable[[], object]) -> bool:
-        """Read every chunk of the call into its blocks without a lease, in the one compiled
-        call (`leasefree.read_planned`), then call `then()` (e.g. tell the engine the load
-        is done) and tell the agent of the reads (one READ, written now): True. False where
-        not every chunk can be read so (`lease_free` off, no connection, not compiled yet, a
-        chunk not in DRAM as one WSUM extent of the blocks' size and metadata, changed
-        meanwhile, or failing its checksum): nothing was told and `then` was not called;
-        read the call with `get_many_into` (a chunk read here is read again there). Block
-        ids outside the blocks raise ValueError, nothing read.
+                    then: Callable[[], object]) -> list[int] | None:
+        """Read the chunks of the call into their blocks without a lease, in the one compiled
+        call (`leasefree.read_planned`), and tell the agent of the reads (one READ, written
+        now). Returns the size read per key, 0 for a chunk not read so (not in DRAM as one
+        WSUM extent of the blocks' size and metadata, changed meanwhile, or failing its
+        checksum); `then()` (e.g. telling the engine the load is done) is called before the
+        READ when every chunk was read. None where the call cannot be read so at all
+        (`lease_free` off, no connection, not compiled yet): nothing read, nothing told.
+        The chunks left are read by `get_many_into(keys, target, read=sizes)`, which does
+        not read the others again. Block ids outside the blocks raise ValueError, nothing
+        read.
 
         `get_many_into` reads such a call the same way first; this is its shortest form, for
         a caller with little time to spare (vLLM's connector: a load's own time is what
@@ -487,15 +501,18 @@ class KVPoolClient:
         t = self._transport
         if not self.lease_free or not isinstance(t, ZeroCopyTransport) or t.index is None \
                 or t.conn.sock is None:
-            return False
-        got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target,
-                                     [0] * len(keys))
-        if got is None or got[0]:
-            return False
-        self.reads_without_lease += len(keys)
-        then()
-        t.conn.tell(p.Read(t.conn.rid(), got[1]), now=True)
-        return True
+            return None
+        sizes = [0] * len(keys)
+        got = leasefree.read_planned(t.index, t.base, t.arena.nbytes, keys, 0, target, sizes)
+        if got is None:
+            return None
+        left, done = got
+        self.reads_without_lease += len(done)
+        if not left:
+            then()
+        if done:
+            t.conn.tell(p.Read(t.conn.rid(), done), now=True)
+        return sizes
 
     def releases_held(self) -> HeldCasts:
         """Reads made in the block end their leases when it ends, not as each returns: the

@@ -270,6 +270,7 @@ class WorkerSide:
             self.fault_hook(keys)
         host = self._host
         target: Any
+        read: list[int] | None = None  # what the compiled call read already, if it ran
         if host is not None:
             # Block ids over the KV cache's addresses, known before the read: the client
             # reads a lease-free window in one compiled call that plans the copies from
@@ -279,10 +280,12 @@ class WorkerSide:
             # The usual load (every chunk in DRAM): that call alone, vLLM told before the
             # agent (no other Python between the I/O thread and the call, or after it: ~30
             # µs of a 2k load's own time, cold). Anything else: the load below (which
-            # reconnects a dropped link, leases what it must, reports bad blocks).
-            if client is not None and client.read_blocks(
-                    keys, target, lambda: self._report_loaded(job)):
-                return
+            # reconnects a dropped link, leases what it must, reports bad blocks), of the
+            # chunks that call left only.
+            if client is not None:
+                read = client.read_blocks(keys, target, lambda: self._report_loaded(job))
+                if read is not None and all(read):
+                    return
         else:
             chunks = [self._segments(bids, job.skip_blocks if i == 0 else 0)
                       for i, bids in enumerate(job.chunks(self.layout.blocks_per_chunk))]
@@ -302,7 +305,8 @@ class WorkerSide:
             if host is None:  # (a `BlockTargets` names its metadata itself)
                 client.expect_meta(self._meta)
             with client.releases_held():
-                sizes = client.get_many_into(keys, target, verify=True, stream=self._stream)
+                sizes = client.get_many_into(keys, target, verify=True, stream=self._stream,
+                                             read=read)
                 if all(sizes):  # every chunk loaded (the usual load): the fewest steps
                     self._report_loaded(job)
                     reported = True
