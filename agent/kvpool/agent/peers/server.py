@@ -2,8 +2,10 @@
 
 One asyncio server on `peers.port`. A connection first proves the pool's secret (`auth`);
 one that cannot is counted, logged and closed before anything else is read. Then it
-carries FETCH requests, answered in order, one at a time (a connection's memory is one
-reply header; on plain TCP the bytes go from the arena or the chunk file to the socket
+carries FETCH requests, answered in order (on plain TCP those already received behind
+the first as one batch, sent by a worker thread in one compiled call, `BatchSender`: a
+connection's memory is at most `FETCH_BATCH` reply headers; else one at a time from the
+loop; on plain TCP the bytes go from the arena or the chunk file to the socket
 with sendfile, never through a Python buffer; under TLS, which encrypts in this process,
 through 256 KiB blocks; a chunk on its way to NVMe from its in-flight copy in memory)
 and PUSH offers (hand-offs: the space decides, then reads the chunk from the sender as
@@ -25,7 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from . import auth, wire
+from . import auth, sendkernel, wire
+from .batchsend import BatchSender
 from .direct import DirectSender
 from .metrics import PeerMetrics
 from .unacked import Unacked
@@ -43,6 +46,9 @@ MAX_PENDING = 1 << 16
 """Changes queued for one subscriber; beyond it, it is closed (and resyncs)."""
 MAX_CONNECTIONS = 1024
 """Peer connections served at once (each pool agent keeps `connections` + 1 to us)."""
+FETCH_BATCH = 32
+"""FETCH requests answered in one batch (`BatchSender`): those already buffered behind the
+first (a reader sends a batch of up to 32 in one write)."""
 _owners = iter(range(-1, -(1 << 62), -1))
 """Lease owners of peer connections: negative, never a client connection's id."""
 
@@ -199,6 +205,8 @@ class PeerServer:
         self._closing = False
 
     async def start(self, host: str, port: int) -> None:
+        if self.tls is None:
+            sendkernel.compile_soon()  # replies go from the event loop until it is compiled
         self.server = await asyncio.start_server(
             self._accepted, None if host == "*" else host, port, ssl=self.tls,
             ssl_handshake_timeout=HANDSHAKE_TIMEOUT if self.tls else None, reuse_address=True)
@@ -256,8 +264,16 @@ class PeerServer:
         # (under TLS the bytes are copies: nothing to hold).
         sock = writer.get_extra_info("socket")
         direct = DirectSender.make(writer.transport) if self.tls is None else None
-        unacked = (Unacked(writer.transport, sock, STALL_TIMEOUT,
-                           direct.abort if direct is not None else None)
+        batches: list[BatchSender] = []
+        """The connection's batch sender, once the kernel is compiled (made at a FETCH)."""
+
+        def on_reset() -> asyncio.Future[int] | None:
+            # A reply from the loop ends now; a batch on a worker stops at its next wait,
+            # and the transport's abort waits for it.
+            if direct is not None:
+                direct.abort()
+            return batches[0].stop() if batches else None
+        unacked = (Unacked(writer.transport, sock, STALL_TIMEOUT, on_reset)
                    if sock is not None and self.tls is None else None)
         cancelled = False
         try:
@@ -269,7 +285,8 @@ class PeerServer:
                 self.m.auth_failures.inc()
                 log.warning("peer connection from %s refused: %s", peer, e or type(e).__name__)
                 return
-            await self._requests(reader, writer, peer, owner, client_id, unacked, direct)
+            await self._requests(reader, writer, peer, owner, client_id, unacked, direct,
+                                 batches)
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -284,6 +301,8 @@ class PeerServer:
             self.connections -= 1
             if direct is not None:
                 direct.close()
+            for b in batches:
+                b.close()
             try:
                 if unacked is not None:
                     # Before the close: the kernel would go on sending queued bytes from
@@ -313,7 +332,8 @@ class PeerServer:
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         peer: str, owner: int, client_id: bytes,
-                        unacked: Unacked | None, direct: DirectSender | None) -> None:
+                        unacked: Unacked | None, direct: DirectSender | None,
+                        batches: list[BatchSender]) -> None:
         offers: deque[asyncio.Task[None]] = deque()
         """PUSH offers of this connection under way, in order: each answers once the one
         before it has (replies keep the requests' order)."""
@@ -345,6 +365,13 @@ class PeerServer:
                 if op == wire.OP_DELETE:
                     await self._delete(writer, peer, rid, tenant, key, client_id)
                     continue
+                if unacked is not None and direct is not None and self.tls is None:
+                    if not batches and (made := BatchSender.make(writer.transport)):
+                        batches.append(made)
+                    if batches and batches[0].free():
+                        await self._fetch_batch(reader, writer, peer, owner, (rid, tenant, key),
+                                                unacked, direct, batches[0])
+                        continue
                 await self._fetch(writer, peer, owner, rid, tenant, key, unacked, direct)
         finally:
             for task in offers:  # the connection is gone: its offers go with it
@@ -397,6 +424,13 @@ class PeerServer:
         start = time.monotonic()
         holdings = self.spaces.get(tenant)
         source = None if holdings is None else await holdings.peer_source(key, owner)
+        await self._reply(writer, peer, rid, source, unacked, direct, start)
+
+    async def _reply(self, writer: asyncio.StreamWriter, peer: str, rid: int,
+                     source: ChunkSource | None, unacked: Unacked | None,
+                     direct: DirectSender | None, start: float) -> None:
+        """One FETCH's reply from the event loop: ABSENT, or `source`'s bytes (its lease
+        held by `unacked` until they are acknowledged, where sent with sendfile)."""
         if source is None:
             if direct is not None:
                 direct.quiet()
@@ -435,6 +469,94 @@ class PeerServer:
             else:
                 source.close()
         self.m.served(peer, "ok", time.monotonic() - start, source.size)
+
+    async def _fetch_batch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           peer: str, owner: int, first: tuple[int, str, bytes],
+                           unacked: Unacked, direct: DirectSender,
+                           batcher: BatchSender) -> None:
+        """A FETCH and those already buffered behind it (a reader's batch, one write),
+        answered in order: their sources taken and leased here, their replies sent by a
+        worker in one compiled call (`BatchSender`: no Python, no wake-up of this loop per
+        chunk); a chunk not in a file (the in-flight copy of a demotion) from the loop, in
+        its place."""
+        requests = [first]
+        while len(requests) < FETCH_BATCH and (n := _buffered_fetch(reader)):
+            data = await reader.readexactly(n)  # buffered: returns at once
+            _, rid, tlen, key = wire.request_head(data[: wire.REQUEST.size])
+            tenant = data[wire.REQUEST.size :].decode(errors="replace") if tlen else ""
+            requests.append((rid, tenant, key))
+        direct.quiet()
+        batch = sendkernel.Batch()
+        taken: list[ChunkSource | None] = []
+        """The batch's sources (None: ABSENT), in order, until `_send_batch` settles them."""
+        start = time.monotonic()
+        try:
+            for rid, tenant, key in requests:
+                holdings = self.spaces.get(tenant)
+                source = None if holdings is None else await holdings.peer_source(key, owner)
+                if source is not None and (source.data is not None or source.fd < 0):
+                    # Bytes in memory: the transport's way, after what is batched before it.
+                    try:
+                        await self._send_batch(batcher, batch, taken, peer, start, unacked)
+                    except BaseException:
+                        source.close()
+                        raise
+                    batch = sendkernel.Batch()
+                    await self._reply(writer, peer, rid, source, unacked, None, start)
+                    start = time.monotonic()
+                    continue
+                if source is None:
+                    batch.add(wire.encode_reply(wire.ABSENT, rid), -1, [])
+                else:
+                    batch.add(wire.encode_reply(
+                        wire.OK, rid, kind=source.kind, size=source.size,
+                        checksum=source.checksum, meta=source.meta, tenant=source.tenant),
+                        source.fd, source.ranges)
+                taken.append(source)
+            await self._send_batch(batcher, batch, taken, peer, start, unacked)
+        finally:
+            for left in taken:  # not handed to the worker (an error or a cancellation)
+                if left is not None:
+                    left.close()
+
+    async def _send_batch(self, batcher: BatchSender, batch: sendkernel.Batch,
+                          taken: list[ChunkSource | None], peer: str, start: float,
+                          unacked: Unacked) -> None:
+        """Send `batch` on a worker; then each chunk that went, whole or in part, has its
+        lease held until its bytes are acknowledged, the rest are released (no byte of
+        them is in the socket). Empties `taken`. Raises what ended the batch early."""
+        if not taken:
+            return
+        code = sendkernel.ERRNO
+        try:
+            code = await batcher.send(batch, STALL_TIMEOUT)
+        finally:
+            done, partial = batch.done, batch.partial
+            sources, taken[:] = list(taken), []
+            for i, source in enumerate(sources):
+                if i == done:  # the reply the batch ended in
+                    self.m.served(peer, "error", time.monotonic() - start)
+                if source is None:
+                    if i < done:
+                        self.m.served(peer, "absent", batch.end(i) - start)
+                elif i < done or (i == done and partial):
+                    # Sent with sendfile (whole, or in part): the socket's queue refers to
+                    # the chunk's pages until the peer acknowledges them (or a reset).
+                    os.close(source.fd)
+                    unacked.hold(source.release, i < done)
+                    if i < done:
+                        self.m.served(peer, "ok", batch.end(i) - start, source.size)
+                else:
+                    source.close()  # no byte of it is in the socket
+        if code == sendkernel.DONE:
+            return
+        if code == sendkernel.TIMEOUT:
+            raise TimeoutError("the reader took longer than its bound to take a chunk")
+        if code == sendkernel.ENDED:
+            raise ConnectionError("a chunk's file ends before its bytes")
+        if code == sendkernel.STOPPED:
+            raise ConnectionResetError("the connection was reset")
+        raise OSError(batch.errno, os.strerror(batch.errno))
 
     async def _stream(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
@@ -553,6 +675,19 @@ def _deltas(pending: deque[tuple[str, int, bytes, int]]) -> Iterator[bytes]:
         run.append((key, size))
     if current is not None and run:
         yield wire.encode_stream(current[1], current[0], run, now)
+
+
+def _buffered_fetch(reader: asyncio.StreamReader) -> int:
+    """The length of the next request if it is a FETCH already whole in the reader's
+    buffer (readable without a wait), else 0. (The buffer is asyncio's own: a reader
+    without it gives 0, and each FETCH is answered as it is read.)"""
+    buf = getattr(reader, "_buffer", None)
+    if not isinstance(buf, bytearray) or len(buf) < wire.REQUEST.size:
+        return 0
+    if buf[0] != wire.OP_FETCH:
+        return 0
+    n = wire.REQUEST.size + int.from_bytes(buf[2:4], "little")
+    return n if len(buf) >= n else 0
 
 
 def _name(writer: asyncio.StreamWriter) -> str:

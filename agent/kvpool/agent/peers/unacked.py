@@ -35,6 +35,7 @@ import termios
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 POLL = 0.001
 """Seconds between checks while leases wait for their bytes' acknowledgement."""
@@ -73,13 +74,16 @@ class Unacked:
     after the leases ended: it waits for the acknowledgements, or resets)."""
 
     def __init__(self, transport: asyncio.WriteTransport, sock: socket.socket,
-                 timeout: float, on_reset: Callable[[], None] | None = None) -> None:
+                 timeout: float,
+                 on_reset: Callable[[], asyncio.Future[Any] | None] | None = None) -> None:
         self.transport = transport
         self.sock = sock
         self.timeout = timeout
         self.on_reset = on_reset
         """Called before a reset aborts the transport (a reply sent by the connection's
-        `DirectSender` ends first)."""
+        `DirectSender` ends first); where it gives a future (a batch's call out on a
+        worker, `BatchSender.stop`), the abort waits for it: the socket must not close
+        under the worker."""
         self.pending: deque[tuple[float, float, Callable[[], None]]] = deque()
         """(end: acknowledged bytes that free it, deadline, release), in end order."""
         self._fresh: list[tuple[bool, float, Callable[[], None]]] = []
@@ -88,6 +92,8 @@ class Unacked:
         self._idle = asyncio.Event()
         self._idle.set()
         self._reset = False
+        self._closed = False
+        """Reset, and the socket closed since (its queue purged): leases end at once."""
 
     def hold(self, release: Callable[[], None], whole: bool = True) -> None:
         """Keep a chunk's lease (`release` ends it) until its bytes are acknowledged; one
@@ -100,7 +106,11 @@ class Unacked:
         acknowledged. (A `tcp_info` read and an ioctl per chunk, with a timer moved
         each, were a third of the holder's Python serving 1 MiB chunks.)"""
         if self._reset:
-            release()
+            if self._closed:
+                release()
+            else:  # the abort waits for a worker: released once the socket is closed
+                self.pending.append((math.inf, math.inf, release))
+                self._idle.clear()
             return
         self._fresh.append((whole, time.monotonic() + self.timeout, release))
         self._idle.clear()
@@ -156,12 +166,19 @@ class Unacked:
             self._timer = None
         with contextlib.suppress(OSError):  # closed already
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-        if self.on_reset is not None:
-            self.on_reset()
+        waiting = self.on_reset() if self.on_reset is not None else None
+        if waiting is None or waiting.done():
+            self._abort()
+        else:
+            waiting.add_done_callback(lambda _: self._abort())
+
+    def _abort(self) -> None:
         self.transport.abort()
         asyncio.get_running_loop().call_soon(self._release_all)
 
     def _release_all(self) -> None:
+        if self._reset:
+            self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

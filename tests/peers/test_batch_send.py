@@ -1,0 +1,262 @@
+"""FETCH replies sent a batch at a time by a worker in one compiled call
+(`peers.batchsend`, `peers.sendkernel`), on a real TCP connection served by asyncio with
+small socket buffers: a batch (a reply past the buffers in two file ranges, an ABSENT
+head, a small reply) arrives whole and in order while the reader takes it slowly, the
+transport reading again and writing after it; each head leaves in the segment of its
+chunk's first bytes; a reader that takes no bytes ends the batch with a timeout, saying
+how far it went; a reset of the connection (`Unacked.reset`) stops a batch waiting for
+room and aborts the transport only once the worker's call is over, and so does a
+cancellation; a file that ends before its range ends the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent.peers import sendkernel
+from kvpool.agent.peers.batchsend import BatchSender
+from kvpool.agent.peers.unacked import Unacked
+
+CHUNK = 4 << 20
+"""Far more than the sockets' buffers (set small below): most of it waits for room."""
+
+
+@pytest.fixture(autouse=True)
+def _compiled() -> None:
+    if sendkernel.kernel() is None:
+        pytest.fail("the send kernel did not compile (llvmlite is a dependency)")
+
+
+async def _pair() -> tuple[asyncio.StreamWriter, socket.socket, asyncio.Server]:
+    """A connection from a plain blocking socket (the reader) to an asyncio server: the
+    server's side as a stream writer."""
+    accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
+
+    def on_accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set_result(writer)
+
+    server = await asyncio.start_server(on_accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    reader.connect(("127.0.0.1", port))
+    writer = await accepted
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    return writer, reader, server
+
+
+def _sender(writer: asyncio.StreamWriter) -> BatchSender:
+    sender = BatchSender.make(writer.transport)
+    assert sender is not None and sender.free()
+    return sender
+
+
+def test_a_batch_arrives_whole_and_in_order_and_the_transport_reads_and_writes_after_it(
+        tmp_path: Path) -> None:
+    data = os.urandom(CHUNK)
+    path = tmp_path / "chunk"
+    path.write_bytes(b"x" * 4096 + data)  # the chunk at an offset, in two ranges
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        writer, reader, server = await _pair()
+        received = bytearray()
+        total = 5 + CHUNK + 6 + 3 + 100 + 5
+
+        def read_slowly() -> None:
+            while len(received) < total:
+                more = reader.recv(64 << 10)
+                assert more, "the connection closed mid-batch"
+                received.extend(more)
+
+        taking = loop.run_in_executor(None, read_slowly)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sender = _sender(writer)
+            batch = sendkernel.Batch()
+            half = 4096 + CHUNK // 2
+            batch.add(b"HEAD1", fd, [(4096, CHUNK // 2), (half, CHUNK - CHUNK // 2)])
+            batch.add(b"ABSENT", -1, [])
+            batch.add(b"H3!", fd, [(4096, 100)])
+            started = loop.time()
+            assert await sender.send(batch, 30.0) == sendkernel.DONE
+            assert (batch.done, batch.partial) == (3, False)
+            assert started <= batch.end(0) <= batch.end(1) <= batch.end(2) <= loop.time()
+            assert writer.transport.is_reading()  # paused while the worker sent
+            writer.write(b"after")  # through the transport, after the batch
+            await writer.drain()
+            await taking
+            sender.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+        assert bytes(received) == b"HEAD1" + data + b"ABSENT" + b"H3!" + data[:100] + b"after"
+
+    asyncio.run(main())
+
+
+def _segments_out(sock: socket.socket) -> int:
+    """TCP segments the socket has sent (Linux's `tcp_info.tcpi_segs_out`)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return int(struct.unpack_from("I", info, 136)[0])
+
+
+def test_each_head_leaves_with_its_chunks_first_bytes_in_one_segment(tmp_path: Path) -> None:
+    # asyncio's transports set TCP_NODELAY: a head sent on its own is a segment of its own.
+    data = os.urandom(100)
+    path = tmp_path / "chunk"
+    path.write_bytes(data)
+
+    async def main() -> None:
+        writer, reader, server = await _pair()
+        sock = writer.get_extra_info("socket")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sender = _sender(writer)
+            batch = sendkernel.Batch()
+            batch.add(b"HEAD" * 7, fd, [(0, len(data))])
+            before = _segments_out(sock)
+            assert await sender.send(batch, 5.0) == sendkernel.DONE
+            received = b""
+            while len(received) < 28 + len(data):
+                more = reader.recv(4096)
+                assert more, "the connection closed mid-reply"
+                received += more
+            assert received == b"HEAD" * 7 + data
+            assert _segments_out(sock) - before == 1
+            sender.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_stops_taking_bytes_ends_the_batch_with_a_timeout(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(CHUNK))
+
+    async def main() -> None:
+        writer, reader, server = await _pair()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sender = _sender(writer)
+            batch = sendkernel.Batch()
+            for _ in range(3):
+                batch.add(b"HEAD", fd, [(0, CHUNK)])
+            # The reader never reads: the first reply stops part way.
+            assert await sender.send(batch, 0.2) == sendkernel.TIMEOUT
+            assert (batch.done, batch.partial) == (0, True)
+            sender.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_reset_stops_a_batch_waiting_for_room_and_aborts_the_transport_after_it(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(CHUNK))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        writer, reader, server = await _pair()
+        fd = os.open(path, os.O_RDONLY)
+        released: list[int] = []
+        try:
+            sender = _sender(writer)
+            unacked = Unacked(writer.transport, writer.get_extra_info("socket"), 30.0,
+                              sender.stop)
+            batch = sendkernel.Batch()
+            batch.add(b"HEAD", fd, [(0, CHUNK)])
+            sending = loop.create_task(sender.send(batch, 30.0))
+            while sender.running is None or not batch.partial:
+                await asyncio.sleep(0.01)  # the worker waits for room (nobody reads)
+            unacked.reset()
+            # The socket stays open while the worker may still use it; a lease held
+            # meanwhile waits for the close.
+            assert not writer.transport.is_closing()
+            unacked.hold(lambda: released.append(1))
+            assert await sending == sendkernel.STOPPED
+            await asyncio.sleep(0.01)
+            assert writer.transport.is_closing()
+            await unacked.settle(wait=True)
+            assert released == [1]
+            assert not sender.free()  # the connection is ending: no other batch
+            sender.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_batch_returns_only_once_the_workers_call_is_over(tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(CHUNK))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        writer, reader, server = await _pair()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sender = _sender(writer)
+            batch = sendkernel.Batch()
+            batch.add(b"HEAD", fd, [(0, CHUNK)])
+            sending = loop.create_task(sender.send(batch, 30.0))
+            while sender.running is None or not batch.partial:
+                await asyncio.sleep(0.01)
+            running = sender.running
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            assert running.done() and running.result() == sendkernel.STOPPED
+            assert sender.running is None
+            sender.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_file_that_ends_before_its_range_ends_the_batch(tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(1000))
+
+    async def main() -> None:
+        writer, reader, server = await _pair()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sender = _sender(writer)
+            batch = sendkernel.Batch()
+            batch.add(b"OK", fd, [(0, 1000)])
+            batch.add(b"CUT", fd, [(0, 4000)])
+            assert await sender.send(batch, 5.0) == sendkernel.ENDED
+            assert (batch.done, batch.partial) == (1, True)
+            sender.close()
+        finally:
+            os.close(fd)
+            writer.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(main())
