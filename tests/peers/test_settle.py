@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -71,5 +72,40 @@ def test_a_deferred_wake_up_waits_for_its_payer_and_keeps_the_eventfd_open_until
         settler.pay()
         with pytest.raises(OSError):
             os.fstat(fd)
+
+    asyncio.run(main())
+
+
+def test_a_callback_target_is_called_on_the_loop_once_and_one_that_raises_spares_the_rest(
+) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        errors: list[BaseException] = []
+        loop.set_exception_handler(lambda _, ctx: errors.append(ctx["exception"]))
+        settler: Settler[int] = Settler(loop)
+        got: list[tuple[int, int]] = []
+        ident = threading.get_ident()
+
+        def call(i: int) -> Callable[[int], None]:
+            def on(result: int) -> None:
+                assert threading.get_ident() == ident  # the loop's thread
+                got.append((i, result))
+                if i == 1:
+                    raise ValueError("a bug in one read's callback")
+            return on
+        threads = [threading.Thread(target=settler.settle, args=(call(i), 10 * i))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # Never inline, from the loop's thread too: queued, called as the loop drains.
+        settler.settle(call(3), 30)
+        assert not got
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sorted(got) == [(0, 0), (1, 10), (2, 20), (3, 30)]
+        assert [str(e) for e in errors] == ["a bug in one read's callback"]
+        settler.close()
 
     asyncio.run(main())

@@ -50,7 +50,7 @@ from .. import checksums
 from . import auth, recvkernel, wire
 from .directory import PeerDirectory
 from .metrics import PeerMetrics
-from .settle import Settler
+from .settle import Settler, Target
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,12 @@ class _Want:
     key: bytes
     target: ArenaTarget
     deadline: float
-    done: asyncio.Future[Fetched | str]
+    done: Target[Fetched | str]
+    """The future its result settles, or the callback the event loop calls with it."""
     settler: Settler[Fetched | str]
     queued: float = field(default_factory=time.monotonic)
+    settled: bool = False
+    """Its result was handed over (`PeerLink._settle`): a callback is called once."""
 
 
 class PeerLink:
@@ -508,19 +511,29 @@ class PeerLink:
     # -- reads: queued on the event loop, sent in batches by worker threads
 
     def fetch_many(self, reads: list[tuple[str, bytes, ArenaTarget]], deadline: float,
-                   executor: Executor) -> list[asyncio.Future[Fetched | str]]:
+                   executor: Executor,
+                   then: list[Callable[[Fetched | str], None]] | None = None,
+                   ) -> list[asyncio.Future[Fetched | str]]:
         """Queue reads of (tenant, key, target): each future settles with the chunk
         received into its target's arena extents and verified, or why not (ABSENT,
         FAILED, TIMEOUT, CORRUPT), by `deadline` (monotonic) at the latest. Reads queued
-        together go out together (one batch, while within its caps)."""
+        together go out together (one batch, while within its caps). `then`: a callback
+        per read instead, which the event loop calls with its result (once, never inline),
+        and no futures are made (none returned)."""
         loop = asyncio.get_running_loop()
         settler = self._settler
         if settler is None or settler.loop is not loop:
             if settler is not None:
                 settler.close()
             settler = self._settler = Settler(loop)
-        wants = [_Want(t, k, target, deadline, loop.create_future(), settler)
-                 for t, k, target in reads]
+        if then is None:
+            futures = [loop.create_future() for _ in reads]
+            wants = [_Want(t, k, target, deadline, fut, settler)
+                     for (t, k, target), fut in zip(reads, futures, strict=True)]
+        else:
+            futures = []
+            wants = [_Want(t, k, target, deadline, call, settler)
+                     for (t, k, target), call in zip(reads, then, strict=True)]
         with self._lock:
             self._wants.extend(wants)
             pumps = min(self.connections - self._pumps, len(self._wants))
@@ -534,7 +547,7 @@ class PeerLink:
                     left, self._wants = list(self._wants), deque()
                 for w in left:
                     self._settle(w, FAILED)
-        return [w.done for w in wants]
+        return futures
 
     async def fetch(self, tenant: str, key: bytes, target: ArenaTarget, deadline: float,
                     executor: Executor) -> Fetched | str:
@@ -579,6 +592,9 @@ class PeerLink:
         """Count the read and hand its result to the event loop (once: a later call is
         ignored). `defer`: the settler, if it is owed the loop's wake-up (the next
         `receive` makes it, `Settler.settle`)."""
+        if want.settled:
+            return None
+        want.settled = True
         seconds = time.monotonic() - want.queued
         if isinstance(result, Fetched):
             self.m.read(self.name, "ok", seconds, result.size)

@@ -22,7 +22,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
@@ -213,12 +213,14 @@ class PeerNetwork:
                                 self.pool)
 
     def fetch_many(self, link: PeerLink, reads: list[tuple[str, bytes, ArenaTarget]],
-                   timeout: float | None = None) -> list[asyncio.Future[Fetched | str]]:
+                   timeout: float | None = None,
+                   then: list[Callable[[Fetched | str], None]] | None = None,
+                   ) -> list[asyncio.Future[Fetched | str]]:
         """Reads from `link` queued together (one pipelined batch where they fit one,
-        `PeerLink.fetch_many`), each within `timeout` (by default `peers.timeout`) from
-        now."""
+        `PeerLink.fetch_many`: a future per read, or with `then` a callback per read), each
+        within `timeout` (by default `peers.timeout`) from now."""
         deadline = time.monotonic() + (self.cfg.timeout if timeout is None else timeout)
-        return link.fetch_many(reads, deadline, self.pool)
+        return link.fetch_many(reads, deadline, self.pool, then)
 
     # -- hand-offs
 

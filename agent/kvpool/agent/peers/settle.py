@@ -33,9 +33,12 @@ import errno
 import os
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, Union
 
 T = TypeVar("T")
+
+Target = Union["asyncio.Future[T]", Callable[[T], None]]
+"""Where a result goes: a future, or a callback the loop calls with it."""
 
 
 def _gil_keeping_write() -> Callable[[int], None] | None:
@@ -67,12 +70,13 @@ _bump = _gil_keeping_write()
 
 
 class Settler(Generic[T]):
-    """Settles futures of one event loop from any thread (`settle`), many per wake-up."""
+    """Settles futures (or calls callbacks) of one event loop from any thread (`settle`),
+    many per wake-up."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._queue: list[tuple[asyncio.Future[T], T]] = []
+        self._queue: list[tuple[Target[T], T]] = []
         self._armed = False
         """A wake-up is on its way: the loop drains the queue before it sleeps again."""
         self.wakes = 0
@@ -87,9 +91,10 @@ class Settler(Generic[T]):
             self._fd = self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             loop.add_reader(self._fd, self._drain)
 
-    def settle(self, fut: asyncio.Future[T], result: T, *, defer: bool = False) -> bool:
+    def settle(self, fut: Target[T], result: T, *, defer: bool = False) -> bool:
         """Set `result` on `fut` in the loop's thread, soon (once: a settled future is left
-        as it is). From any thread, the loop's included. With `defer`, a wake-up the loop
+        as it is), or call `fut(result)` there where it is a callback (never inline: from
+        the loop's thread too, it is queued). From any thread. With `defer`, a wake-up the loop
         needs is not made here: True says one is owed, and the caller writes 1 to
         `owed_fd` soon (a compiled call, without the GIL), then calls `paid` (or `pay`
         to have it made here); the eventfd stays open until then."""
@@ -106,7 +111,7 @@ class Settler(Generic[T]):
                     _bump(self._fd)  # under the lock: `close` cannot free the fd meanwhile
                 return False
         with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
-            self.loop.call_soon_threadsafe(_resolve, fut, result)
+            self.loop.call_soon_threadsafe(_deliver, self.loop, fut, result)
         return False
 
     @property
@@ -137,8 +142,9 @@ class Settler(Generic[T]):
         with self._lock:
             queued, self._queue = self._queue, []
             self._armed = False
+        loop = self.loop
         for fut, result in queued:
-            _resolve(fut, result)
+            _deliver(loop, fut, result)
 
     def close(self) -> None:
         """Stop watching the eventfd (in the loop's thread); what is queued is resolved now,
@@ -158,9 +164,19 @@ class Settler(Generic[T]):
             queued, self._queue = self._queue, []
         for fut, result in queued:
             with contextlib.suppress(RuntimeError):  # a closed loop
-                _resolve(fut, result)
+                _deliver(self.loop, fut, result)
 
 
-def _resolve(fut: asyncio.Future[T], result: T) -> None:
-    if not fut.done():
-        fut.set_result(result)
+def _deliver(loop: asyncio.AbstractEventLoop, target: Target[T], result: T) -> None:
+    """`result` to its future (unless settled already), or to its callback: one that
+    raises is reported as asyncio reports a callback's error, and the rest of the queue
+    is delivered all the same."""
+    if isinstance(target, asyncio.Future):
+        if not target.done():
+            target.set_result(result)
+        return
+    try:
+        target(result)
+    except Exception as e:  # (a bug: one read's, not the others' queued with it)
+        loop.call_exception_handler({"message": "peer read callback failed",
+                                     "exception": e})

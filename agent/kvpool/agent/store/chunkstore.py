@@ -58,7 +58,6 @@ from ..keytable import homes
 from ..metrics import AgentMetrics
 from ..peers import wire
 from ..peers.links import (
-    FAILED,
     MAX_BATCH,
     MAX_BATCH_BYTES,
     PUSH_READ_TIMEOUT,
@@ -475,13 +474,15 @@ class ChunkStore:
         """Reserve arena extents for chunks peers hold and have them received into them
         (one batch per peer, `PeerNetwork.fetch_many`); as each read settles, a callback
         makes its chunk a DRAM chunk like a promotion (announced as this node's from then
-        on) and answers who waits for it (`_landed`). A stale entry, a failed, slow or
-        lying peer: None, and the extents are free again, only once the worker that writes
-        into them is done. (This task ends once the reads are queued: a task step and a
-        `shield` per chunk, awaiting each read in turn, were a fifth of the reading loop's
-        Python at 1 MiB chunks.) `ahead` (`_read_ahead`): only into free room below
-        DRAM's high watermark, nothing evicted for it; the reads past that room are not
-        made (a client's ask reads them), nor the batch after (the chain stops)."""
+        on) and answers who waits for it (`_landed`, which the loop calls as it takes the
+        results from the worker: no future per read, no turn of the loop more per chunk).
+        A stale entry, a failed, slow or lying peer: None, and the extents are free again,
+        only once the worker that writes into them is done. (This task ends once the reads
+        are queued: a task step and a `shield` per chunk, awaiting each read in turn, were
+        a fifth of the reading loop's Python at 1 MiB chunks.) `ahead` (`_read_ahead`):
+        only into free room below DRAM's high watermark, nothing evicted for it; the reads
+        past that room are not made (a client's ask reads them), nor the batch after (the
+        chain stops)."""
         assert self.peer is not None
         peer = self.peer
         mark = self.deletes.mark()
@@ -503,11 +504,12 @@ class ChunkStore:
                     continue  # no room now: the shared tier, or a miss
                 by_link.setdefault(got[0], []).append((i, extents))
             for link, items in by_link.items():
-                works = peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
-                                               for i, extents in items])
-                for (i, extents), work in zip(items, works, strict=True):
-                    work.add_done_callback(functools.partial(
-                        self._landed, keys[i], extents, reads[i], mark))
+                peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
+                                       for i, extents in items],
+                                then=[functools.partial(self._landed, keys[i], extents,
+                                                        reads[i], mark)
+                                      for i, extents in items])
+                for i, _ in items:
                     started[i] = True
         finally:
             for i, key in enumerate(keys):
@@ -519,13 +521,13 @@ class ChunkStore:
                         self.dram.free(extents)
 
     def _landed(self, key: bytes, extents: Extents, read: PeerRead, mark: int,
-                work: asyncio.Future[Fetched | str]) -> None:
-        """A peer read of `_fetch_peer` settled: its chunk inserted (or its extents freed)
-        and whoever waits for it answered."""
+                result: Fetched | str) -> None:
+        """A peer read of `_fetch_peer` settled (the event loop calls this as it takes the
+        read's result from the worker, `Settler`): its chunk inserted (or its extents
+        freed) and whoever waits for it answered."""
         chunk = None
         try:
-            chunk = self._fetched(key, extents, FAILED if work.cancelled() else work.result(),
-                                  mark)
+            chunk = self._fetched(key, extents, result, mark)
         except OpError as e:  # its insert refused (the journal cannot record it)
             log.warning("%s read from a peer not stored: %s", key.hex(), e.message)
         finally:
@@ -915,11 +917,26 @@ class ChunkStore:
 
     # -- reads
 
+    def acquire_now(self, key: bytes, owner: int, dma: bool = False) -> Granted | None:
+        """`acquire` of a chunk DRAM holds now, answered without a wait (a connection
+        answers it as its frame arrives, without waking its task); None where DRAM does
+        not hold it, nothing done then but the checks `acquire` makes first (the caller
+        then `acquire`s it: a read from below, or a miss)."""
+        check_key(key)
+        if dma:
+            self.dma_owners.add(owner)
+        self._check_lease_budget(owner)
+        chunk = self.dram.get(key)
+        return None if chunk is None else self._lease(key, chunk, owner)
+
     async def acquire(self, key: bytes, owner: int, dma: bool = False) -> Granted:
         check_key(key)
         if dma:
             self.dma_owners.add(owner)
         self._check_lease_budget(owner)
+        chunk = self.dram.get(key)  # (nearly every read: no wait, `_find` not entered)
+        if chunk is not None:
+            return self._lease(key, chunk, owner)
         found = await self._find(key)
         tier, transient = 2, False
         if found is None:
@@ -933,6 +950,13 @@ class ChunkStore:
             chunk = self.dram.get(key) or await self._promote(rec, "promotion", source, hits,
                                                               evict=False)
             tier, transient = TIER_CODE[source], not pol.should_promote(self.policy, hits or 1)
+        return self._lease(key, chunk, owner, tier, transient)
+
+    def _lease(self, key: bytes, chunk: DramChunk, owner: int, tier: int = 2,
+               transient: bool = False) -> Granted:
+        """A read lease on `key`'s DRAM chunk for `owner` (`acquire`'s end): `tier` is
+        where the chunk was found, `transient` that it is dropped from DRAM at once
+        (hidden, freed at RELEASE: promotion is off)."""
         self._touch_read(chunk)
         lease = self.dram.open_read(chunk, owner)
         if key in self.handoffs:  # the hand-off's read: the lease keeps it till RELEASE

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..constants import PEER_TIER_CODE
 from ..peers.links import FAILED, ArenaTarget, Fetched, PeerLink
@@ -53,12 +53,15 @@ class PeerTier:
         return await self.network.fetch(link, self.tenant, key, target)
 
     def fetch_many(self, link: PeerLink, reads: list[tuple[bytes, ArenaTarget]],
-                   timeout: float | None = None) -> list[asyncio.Future[Fetched | str]]:
+                   timeout: float | None = None,
+                   then: list[Callable[[Fetched | str], None]] | None = None,
+                   ) -> list[asyncio.Future[Fetched | str]]:
         """Reads of (key, target) from one peer, sent together (a pipelined batch): a
         future per read, settled as its chunk is in and verified, or with why not, within
-        `timeout` (by default `peers.timeout`)."""
+        `timeout` (by default `peers.timeout`); with `then`, a callback per read instead,
+        which the event loop calls with that (no futures made)."""
         return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads],
-                                       timeout)
+                                       timeout, then)
 
     def fetch_soon(self, link: PeerLink, key: bytes, target: ArenaTarget,
                    timeout: float) -> asyncio.Future[Fetched | str]:
