@@ -132,7 +132,85 @@ class Connection:
             self._pause()
         self.end += n
         if self.waiter is not None and not self.waiter.done():
+            if n and self.need == 1 and self._quick():
+                return  # every frame that came is answered: the task waits on
             self.waiter.set_result(None)
+
+    def _quick(self) -> bool:
+        """With the task waiting for a frame (`read_frame`, nothing held to send), answer
+        the frames that came whose op answers at once (`Dispatcher.quick`: a RELEASE, an
+        ACQUIRE of a chunk in DRAM), here in the loop's callback, and send their replies:
+        the task is not woken for them (a turn of the loop, the coroutines' resumption and
+        a future per frame: two frames per chunk an engine reads). True when every byte
+        that came was so answered; False at the first frame that is not whole, not such an
+        op or not answerable now (a chunk to read from below): it is left in the buffer,
+        with the replies before it held in order, for the task to answer."""
+        if not self.hello or self.out:
+            return False
+        quick = self.dispatcher.quick
+        metrics = self.dispatcher.metrics
+        limit = self.dispatcher.max_frame_bytes
+        buf = self.buf
+        while (pending := self.end - self.start) > 0:
+            if pending < p.HEADER.size:
+                return False
+            (length,) = p.HEADER.unpack_from(buf, self.start)
+            begin = self.start + p.HEADER.size
+            if length > limit or pending < p.HEADER.size + length or length < 2:
+                return False
+            # A request is a msgpack array led by its op: a fixarray and a positive fixint.
+            handler = quick.get(buf[begin + 1]) if 0x90 <= buf[begin] <= 0x9F else None
+            if handler is None:
+                return False
+            started = time.perf_counter()
+            try:
+                with memoryview(buf) as view:
+                    req = p.request_decoder.decode(view[begin : begin + length])
+            except msgspec.MsgspecError:
+                return False  # (the task answers it: BAD_FRAME)
+            op = p.Op(buf[begin + 1])
+            try:
+                reply = handler(self, req)
+                if reply is None:
+                    return False  # not now: the task answers it (nothing was done)
+                self.reply(p.encode(reply))
+                metrics.ops_ok[op].inc()
+            except OpError as e:
+                metrics.op_error(op, e.code)
+                self.reply(p.encode(p.ErrorReply(rid=req.rid, code=int(e.code),
+                                                 message=e.message)))
+            except Exception as e:  # a bug must cost one request, not the agent
+                log.exception("internal error serving %s", op.name)
+                metrics.op_error(op, p.ErrorCode.INTERNAL)
+                self.reply(p.encode(p.ErrorReply(rid=req.rid, code=int(p.ErrorCode.INTERNAL),
+                                                 message=f"{type(e).__name__}: {e}")))
+            metrics.latency[op].observe(time.perf_counter() - started)
+            self.start = begin + length
+            if self.out_bytes >= COALESCE_BYTES and not self._send_now():
+                return False
+        self.start = self.end = 0
+        return self._send_now()
+
+    def _send_now(self) -> bool:
+        """Send the held replies from the loop's callback; False where the socket did not
+        take them all (the rest stays held: the task sends it, under the send timeout) or
+        the send failed (the task finds the connection ended)."""
+        frames = self.out[0] if len(self.out) == 1 else b"".join(self.out)
+        self.out.clear()
+        self.out_bytes = 0
+        try:
+            sent = self.sock.send(frames)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            self.error = e
+            self.eof = True
+            self._pause()
+            return False
+        if sent == len(frames):
+            return True
+        self.reply(frames[sent:])
+        return False
 
     async def _fill(self, need: int, timeout: float | None) -> None:
         """Wait until `need` bytes are buffered from self.start, each wait for more bytes
@@ -151,6 +229,9 @@ class Connection:
             if self.end - self.start >= need or self.eof:
                 self.need = 0
                 continue
+            if self.out:  # replies `_quick` answered and the socket did not take
+                await self.flush()
+                continue  # (bytes may have come meanwhile)
             self._resume()
             self.waiter = self.loop.create_future()
             try:

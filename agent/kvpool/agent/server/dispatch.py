@@ -56,6 +56,13 @@ class Dispatcher:
             p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats(c.space)),
             p.Op.READ: _read,
         }
+        self.quick: dict[int, Callable[[Connection, Any], Any]] = {
+            int(p.Op.ACQUIRE): _acquire_now,
+            int(p.Op.RELEASE): _release,
+        }
+        """Ops a connection may answer as their frames arrive, without waking its task
+        (`Connection._quick`): each answers now, or says None (not now: the task answers
+        it, with no effect had)."""
 
     async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
         """The reply to one request (an `OpError` for what the client did wrong)."""
@@ -168,6 +175,16 @@ async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
         # chunks meanwhile (`transport.read_window`).
         await c.flush()
     g = await c.store.acquire(r.key, c.id, r.dma)
+    return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
+                          g.checksum_kind)
+
+
+def _acquire_now(c: Connection, r: p.Acquire) -> p.AcquireReply | None:
+    """ACQUIRE of a chunk in DRAM, answered at once (`_acquire` otherwise: a chunk to read
+    from below waits for it, a miss may ask the shared tier)."""
+    g = c.store.acquire_now(r.key, c.id, r.dma)
+    if g is None:
+        return None
     return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
                           g.checksum_kind)
 
