@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from kvpool.agent import checksums
 from kvpool.agent.peers import wire
+from kvpool.agent.peers.server import FETCH_BATCH_BYTES
 
 from .conftest import metric, wait_until
 from .nodes import Network, in_ns
@@ -79,3 +81,33 @@ def test_a_chunk_deleted_and_its_extent_rewritten_while_its_bytes_wait_reaches_t
                    "the stalled reader's lease to end after the bound")
         with pytest.raises(ConnectionResetError):
             recv_exact(stuck, 64 * KiB)
+
+
+def test_a_peer_that_stops_reading_a_pipelined_batch_holds_about_a_batchs_bytes(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    # FETCHes pipelined in one write are answered as a batch (their chunks leased, then
+    # sent by a worker); a batch holds at most FETCH_BATCH_BYTES of chunks (and the next
+    # one's lease), not every chunk asked for, while its reader takes nothing.
+    with ExitStack() as stack:
+        ((a, ca),) = start(stack, net, tmp_path, secret, n=1, nvme=False, dram="96Mi",
+                           prefetch=False)
+        size = 4 << 20
+        keys = [os.urandom(16) for _ in range(12)]
+        for key in keys:
+            assert ca.put(key, os.urandom(size))
+        wait_until(lambda: "sent in batches by a compiled call" in a.log(),
+                   "the send kernel to be compiled")
+        stuck = stack.enter_context(authenticated(net.nodes[0].addr, secret, rcvbuf=2 * KiB))
+        stuck.sendall(b"".join(wire.encode_request(wire.OP_FETCH, i, key, "")
+                               for i, key in enumerate(keys)))
+        held = (FETCH_BATCH_BYTES // size) + 1
+        wait_until(lambda: ca.stats()["leases"]["read"] >= held, "the batch's leases")
+        # The worker waits for room; the FETCHes after the batch are not leased meanwhile.
+        time.sleep(0.5)
+        assert ca.stats()["leases"]["read"] == held
+        # The agent serves other peers meanwhile.
+        with authenticated(net.nodes[0].addr, secret) as other:
+            other.sendall(wire.encode_request(wire.OP_FETCH, 99, keys[-1], ""))
+            head = wire.reply_head(recv_exact(other, wire.REPLY.size))
+            assert (head.status, head.rid, head.size) == (wire.OK, 99, size)
+            recv_exact(other, head.meta_len + head.tenant_len + size)

@@ -328,6 +328,7 @@ def _compile() -> Kernel | None:
     call = ctypes.CFUNCTYPE(ctypes.c_int64, _P, _P)(compiled[0])
     fns = (_P * len(addresses))(*addresses)
     _keep.extend((call, fns))
+    log.info("peer replies are sent in batches by a compiled call")
     return Kernel(call, fns)
 
 

@@ -49,6 +49,12 @@ MAX_CONNECTIONS = 1024
 FETCH_BATCH = 32
 """FETCH requests answered in one batch (`BatchSender`): those already buffered behind the
 first (a reader sends a batch of up to 32 in one write)."""
+FETCH_BATCH_BYTES = 32 << 20
+"""Chunk bytes leased for one batch at most (a reader's batch is at most 32 MiB): the
+chunks of a connection's pipelined FETCHes past it are leased only once the ones before
+them are out, so a peer that stops reading keeps about this much of the arena from
+eviction (and the next chunk, taken before the batch went; besides the chunks sent and
+not yet acknowledged)."""
 _owners = iter(range(-1, -(1 << 62), -1))
 """Lease owners of peer connections: negative, never a client connection's id."""
 
@@ -490,6 +496,8 @@ class PeerServer:
         taken: list[ChunkSource | None] = []
         """The batch's sources (None: ABSENT), in order, until `_send_batch` settles them."""
         start = time.monotonic()
+        batched = 0
+        """Chunk bytes in `batch`."""
         try:
             for rid, tenant, key in requests:
                 holdings = self.spaces.get(tenant)
@@ -501,13 +509,21 @@ class PeerServer:
                     except BaseException:
                         source.close()
                         raise
-                    batch = sendkernel.Batch()
+                    batch, batched = sendkernel.Batch(), 0
                     await self._reply(writer, peer, rid, source, unacked, None, start)
                     start = time.monotonic()
                     continue
+                if source is not None and batched and batched + source.size > FETCH_BATCH_BYTES:
+                    try:  # the batch's worth of bytes: out first, then this one's
+                        await self._send_batch(batcher, batch, taken, peer, start, unacked)
+                    except BaseException:
+                        source.close()
+                        raise
+                    batch, batched, start = sendkernel.Batch(), 0, time.monotonic()
                 if source is None:
                     batch.add(wire.encode_reply(wire.ABSENT, rid), -1, [])
                 else:
+                    batched += source.size
                     batch.add(wire.encode_reply(
                         wire.OK, rid, kind=source.kind, size=source.size,
                         checksum=source.checksum, meta=source.meta, tenant=source.tenant),
