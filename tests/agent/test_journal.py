@@ -7,6 +7,7 @@ not grow, a PUT answered with an error had stored its chunk anyway.
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 from collections.abc import Iterator
@@ -183,5 +184,30 @@ def test_a_rewrite_keeps_the_journal_private_as_it_was_created(tmp_path: Path) -
         journal.rewrite([JournalEntry(key_of(1), [(0, 1)], PAGE, 1, b"", "")])
         assert path.stat().st_mode & 0o777 == 0o600
         assert [e.key for e in replay(path)] == [key_of(1)]
+    finally:
+        journal.close()
+
+
+def test_chunks_committed_together_are_one_write_replayed_in_order_or_none_of_them(
+        tmp_path: Path) -> None:
+    """`commit_many` (a drain's peer reads, landed together): one write, replayed as the
+    commits one by one would be; a write that fails leaves the file as it was."""
+    path = tmp_path / "arena.journal"
+    journal = Journal(path)
+    try:
+        entries = [JournalEntry(key_of(i), [(i * PAGE, PAGE)], PAGE, i, b"m", "t")
+                   for i in range(4)]
+        journal.commit(entries[0])
+        journal.commit_many(entries[1:])
+        journal.drop(key_of(2))
+        assert list(replay(path)) == [entries[0], entries[1], entries[3]]
+        size = path.stat().st_size
+        journal.fd, good = os.open(path, os.O_RDONLY), journal.fd  # a write that fails
+        with pytest.raises(OSError):
+            journal.commit_many([JournalEntry(key_of(9), [(0, PAGE)], PAGE, 9, b"", "")])
+        os.close(journal.fd)
+        journal.fd = good
+        assert path.stat().st_size == size
+        assert list(replay(path)) == [entries[0], entries[1], entries[3]]
     finally:
         journal.close()

@@ -293,3 +293,28 @@ def test_a_windows_chunk_is_copied_while_a_later_one_is_still_read_from_a_peer(
         assert bufs == [data[mine], data[theirs]]
         assert copied == [0, 1]
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="timeout") == 0
+
+
+def test_the_chunks_of_a_batch_read_from_a_peer_are_journaled_and_back_after_a_restart(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """The chunks a drain of read results brings land together, journaled in one write
+    (`ChunkStore._land`): a warm restart of the reader (SIGKILL) finds each of them in its
+    own DRAM again, its bytes whole, with the peer that served them gone."""
+    with ExitStack() as stack:
+        (a, ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False,
+                                 prefetch=False, extra={"connections": 1})
+        chunks = {os.urandom(16): os.urandom(64 << 10) for _ in range(16)}
+        keys = list(chunks)
+        for k, d in chunks.items():
+            assert ca.put(k, d)
+        seen_as(cb, keys, ["peer"] * 16)
+        assert cb.get(keys[0]) == chunks[keys[0]]
+        wait_until(lambda: cb.lookup_tiers(keys) == ["dram"] * 16, "the batch's chunks")
+        cb.close()
+        b.kill()  # SIGKILL: only the journal speaks for them
+        a.kill()  # nothing can be read from the peer any more
+        b.start()
+        with KVPoolClient(b.socket_path) as again:
+            assert again.lookup_tiers(keys) == ["dram"] * 16
+            for k, d in chunks.items():
+                assert again.get(k) == d

@@ -113,6 +113,25 @@ class Journal:
         self._append(COMMIT, _enc.encode(entry))
         self.live += 1
 
+    def commit_many(self, entries: list[JournalEntry]) -> None:
+        """Record chunks as visible, in one write: all of them, or (OSError, the file
+        unchanged) none."""
+        if not entries:
+            return
+        self._maybe_compact()
+        records = [frame(COMMIT, _enc.encode(e)) for e in entries]
+        data = records[0] if len(records) == 1 else b"".join(records)
+        try:
+            written = os.write(self.fd, data)
+            if written != len(data):
+                raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+        except OSError:
+            os.ftruncate(self.fd, self.size)  # a torn record would end every later replay
+            raise
+        self.size += len(data)
+        self.records += len(records)
+        self.live += len(records)
+
     def drop(self, key: bytes) -> None:
         """Record a chunk as gone. Never raises: the chunk is gone from the index already,
         so a failure marks the journal stale and the next compaction leaves the chunk out."""

@@ -142,9 +142,7 @@ class Settler(Generic[T]):
         with self._lock:
             queued, self._queue = self._queue, []
             self._armed = False
-        loop = self.loop
-        for fut, result in queued:
-            _deliver(loop, fut, result)
+        _deliver_all(self.loop, queued)
 
     def close(self) -> None:
         """Stop watching the eventfd (in the loop's thread); what is queued is resolved now,
@@ -162,9 +160,42 @@ class Settler(Generic[T]):
             os.close(efd)
         with self._lock:
             queued, self._queue = self._queue, []
+        with contextlib.suppress(RuntimeError):  # a closed loop
+            _deliver_all(self.loop, queued)
+
+
+_drains = threading.local()
+
+
+def after_drain(fn: Callable[[], None]) -> None:
+    """Call `fn` once the results a `Settler` is delivering now are all delivered (a
+    callback's work for many results at once: the store lands the chunks a drain brings
+    together, `ChunkStore._land`); outside of a drain, now. In the loop's thread."""
+    ends: list[Callable[[], None]] | None = getattr(_drains, "ends", None)
+    if ends is None:
+        fn()
+    else:
+        ends.append(fn)
+
+
+def _deliver_all(loop: asyncio.AbstractEventLoop,
+                 queued: list[tuple[Target[T], T]]) -> None:
+    """Every result to its target, then what their callbacks asked for once they all are
+    (`after_drain`), each error reported as asyncio reports a callback's."""
+    outer = getattr(_drains, "ends", None)
+    ends: list[Callable[[], None]] = []
+    _drains.ends = ends
+    try:
         for fut, result in queued:
-            with contextlib.suppress(RuntimeError):  # a closed loop
-                _deliver(self.loop, fut, result)
+            _deliver(loop, fut, result)
+    finally:
+        _drains.ends = outer
+        for fn in ends:
+            try:
+                fn()
+            except Exception as e:  # (a bug: reported, the others still run)
+                loop.call_exception_handler({"message": "peer read callback failed",
+                                             "exception": e})
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, target: Target[T], result: T) -> None:

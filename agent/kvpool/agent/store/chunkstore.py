@@ -65,6 +65,7 @@ from ..peers.links import (
     PeerLink,
 )
 from ..peers.server import ChunkSource
+from ..peers.settle import after_drain
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
 from ..tiers.base import ChunkRecord, IntegrityError
@@ -168,6 +169,9 @@ class ChunkStore:
         """The chunks the pool's other agents hold (`attach_peer`); None: peers are off."""
         self._fetching: dict[bytes, PeerRead] = {}
         """Reads from peers under way, one per key however many ask."""
+        self._landing: list[tuple[bytes, Extents, PeerRead, int, Fetched | str]] = []
+        """Peer reads settled in the drain of results under way, landed once it is done
+        (`_land`)."""
         self.handoffs: dict[bytes, tuple[float, int]] = {}
         """Chunks pushed here by peers (hand-offs) and not read yet: pinned until their
         first read or this monotonic time; with their arena bytes (whole pages). Journaled
@@ -523,17 +527,58 @@ class ChunkStore:
     def _landed(self, key: bytes, extents: Extents, read: PeerRead, mark: int,
                 result: Fetched | str) -> None:
         """A peer read of `_fetch_peer` settled (the event loop calls this as it takes the
-        read's result from the worker, `Settler`): its chunk inserted (or its extents
-        freed) and whoever waits for it answered."""
-        chunk = None
+        read's result from the worker, `Settler`): queued to land with the others the same
+        drain brings (`_land`, once the drain has taken them all)."""
+        self._landing.append((key, extents, read, mark, result))
+        if len(self._landing) == 1:
+            after_drain(self._land)
+
+    def _land(self) -> None:
+        """The peer reads a drain brought, landed together: each checked as `_fetched`
+        checks one (a failed read, or a key deleted or stored meanwhile, frees its
+        extents), the chunks kept journaled in one write (or, refused by the journal, none
+        of them stored), inserted, the watermark checked once, then whoever waits for each
+        answered. A chunk is still inserted only once its worker verified it and the
+        journal holds it."""
+        landing, self._landing = self._landing, []
+        chunks: list[DramChunk | None] = [None] * len(landing)
+        kept: list[tuple[int, Extents, Fetched]] = []
         try:
-            chunk = self._fetched(key, extents, result, mark)
-        except OpError as e:  # its insert refused (the journal cannot record it)
-            log.warning("%s read from a peer not stored: %s", key.hex(), e.message)
+            seen: set[bytes] = set()
+            for i, (key, extents, _, mark, result) in enumerate(landing):
+                if not isinstance(result, Fetched):
+                    self.dram.free(extents)
+                    continue
+                extents = self._trim(extents, result.size)
+                if key in seen or self.deletes.since(key, mark) or self.contains(key):
+                    self.dram.free(extents)
+                    chunks[i] = self.dram.get(key)
+                    continue
+                seen.add(key)
+                kept.append((i, extents, result))
+            if self.journal is not None and kept:
+                try:
+                    self.journal.commit_many([
+                        JournalEntry(landing[i][0], extents, r.size, r.checksum, r.meta,
+                                     r.tenant, r.kind) for i, extents, r in kept])
+                except OSError as e:
+                    for _, extents, _ in kept:
+                        self.dram.free(extents)
+                    log.warning("%d chunks read from peers not stored: the commit journal "
+                                "cannot record them (%s)", len(kept), e)
+                    kept = []
+            for i, extents, r in kept:
+                chunks[i] = self._insert(landing[i][0], extents, r.size, r.checksum, r.meta,
+                                         r.tenant, hits=1, evict=False, kind=r.kind,
+                                         journaled=True)
+            if kept:
+                self._check_watermark()
         finally:
-            self._read_over(key, read, chunk)
-        if chunk is not None and read.then is not None:
-            self._read_ahead(read)
+            for (key, _, read, _, _), chunk in zip(landing, chunks, strict=True):
+                self._read_over(key, read, chunk)
+        for (_, _, read, _, _), chunk in zip(landing, chunks, strict=True):
+            if chunk is not None and read.then is not None:
+                self._read_ahead(read)
 
     def _read_over(self, key: bytes, read: PeerRead, chunk: DramChunk | None) -> None:
         read.settle(chunk)
@@ -891,12 +936,13 @@ class ChunkStore:
 
     def _insert(self, key: bytes, extents: Extents, size: int, checksum_: int, meta: bytes,
                 tenant: str, hits: int = 0, evict: bool = True,
-                kind: int = checksums.XXH3) -> DramChunk:
+                kind: int = checksums.XXH3, journaled: bool = False) -> DramChunk:
         """Make a chunk visible; `evict=False` leaves the watermark check to the caller.
 
         Journaled first: a chunk the journal cannot record is refused and its extents
-        freed, so no client is told "failed" for a chunk that is stored."""
-        if self.journal is not None:
+        freed, so no client is told "failed" for a chunk that is stored. (`journaled`: the
+        caller has journaled it already, with others in one write: `_land`.)"""
+        if self.journal is not None and not journaled:
             try:
                 self.journal.commit(JournalEntry(key, extents, size, checksum_, meta, tenant,
                                                  kind))
