@@ -45,6 +45,7 @@ class LocalAgent:
         # chunks zeroed). The same workdir still finds its arena again (warm restarts).
         digest = hashlib.sha256(str(self.workdir.resolve()).encode()).hexdigest()[:12]
         self.arena_path = arena or Path("/dev/shm") / f"kvpool-{self.workdir.name}-{digest}.arena"
+        self.metrics_host = metrics_host
         self.metrics_port = free_port()
         self.metrics_url = f"http://{metrics_host}:{self.metrics_port}"
         self.prefix = prefix or []
@@ -69,8 +70,8 @@ class LocalAgent:
 
     def _use_metrics_port(self, port: int) -> None:
         at = self.args.index("--metrics-addr") + 1
-        self.args[at] = f"127.0.0.1:{port}"
-        self.metrics_port, self.metrics_url = port, f"http://127.0.0.1:{port}"
+        self.args[at] = f"{self.metrics_host}:{port}"
+        self.metrics_port, self.metrics_url = port, f"http://{self.metrics_host}:{port}"
 
     def _start(self) -> LocalAgent:
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
@@ -83,7 +84,7 @@ class LocalAgent:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                taken = f"--metrics-addr 127.0.0.1:{self.metrics_port}: ".encode()
+                taken = f"--metrics-addr {self.metrics_host}:{self.metrics_port}: ".encode()
                 if taken in self.log_path.read_bytes()[log_start:]:
                     raise MetricsPortTaken(self.metrics_port)
                 raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
