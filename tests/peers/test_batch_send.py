@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import struct
 from pathlib import Path
 
 import pytest
@@ -22,32 +20,16 @@ from kvpool.agent.peers import sendkernel
 from kvpool.agent.peers.batchsend import BatchSender
 from kvpool.agent.peers.unacked import Unacked
 
+from .served import segments_out, served
+
 CHUNK = 4 << 20
-"""Far more than the sockets' buffers (set small below): most of it waits for room."""
+"""Far more than the sockets' buffers (`served` makes them small): most of it waits for room."""
 
 
 @pytest.fixture(autouse=True)
 def _compiled() -> None:
     if sendkernel.kernel() is None:
         pytest.fail("the send kernel did not compile (llvmlite is a dependency)")
-
-
-async def _pair() -> tuple[asyncio.StreamWriter, socket.socket, asyncio.Server]:
-    """A connection from a plain blocking socket (the reader) to an asyncio server: the
-    server's side as a stream writer."""
-    accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
-
-    def on_accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.set_result(writer)
-
-    server = await asyncio.start_server(on_accept, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader = socket.socket()
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-    reader.connect(("127.0.0.1", port))
-    writer = await accepted
-    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
-    return writer, reader, server
 
 
 def _sender(writer: asyncio.StreamWriter) -> BatchSender:
@@ -64,19 +46,17 @@ def test_a_batch_arrives_whole_and_in_order_and_the_transport_reads_and_writes_a
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        writer, reader, server = await _pair()
-        received = bytearray()
-        total = 5 + CHUNK + 6 + 3 + 100 + 5
+        async with served(path) as (writer, reader, fd):
+            received = bytearray()
+            total = 5 + CHUNK + 6 + 3 + 100 + 5
 
-        def read_slowly() -> None:
-            while len(received) < total:
-                more = reader.recv(64 << 10)
-                assert more, "the connection closed mid-batch"
-                received.extend(more)
+            def read_slowly() -> None:
+                while len(received) < total:
+                    more = reader.recv(64 << 10)
+                    assert more, "the connection closed mid-batch"
+                    received.extend(more)
 
-        taking = loop.run_in_executor(None, read_slowly)
-        fd = os.open(path, os.O_RDONLY)
-        try:
+            taking = loop.run_in_executor(None, read_slowly)
             sender = _sender(writer)
             batch = sendkernel.Batch()
             half = 4096 + CHUNK // 2
@@ -92,20 +72,9 @@ def test_a_batch_arrives_whole_and_in_order_and_the_transport_reads_and_writes_a
             await writer.drain()
             await taking
             sender.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
         assert bytes(received) == b"HEAD1" + data + b"ABSENT" + b"H3!" + data[:100] + b"after"
 
     asyncio.run(main())
-
-
-def _segments_out(sock: socket.socket) -> int:
-    """TCP segments the socket has sent (Linux's `tcp_info.tcpi_segs_out`)."""
-    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    return int(struct.unpack_from("I", info, 136)[0])
 
 
 def test_each_head_leaves_with_its_chunks_first_bytes_in_one_segment(tmp_path: Path) -> None:
@@ -115,14 +84,12 @@ def test_each_head_leaves_with_its_chunks_first_bytes_in_one_segment(tmp_path: P
     path.write_bytes(data)
 
     async def main() -> None:
-        writer, reader, server = await _pair()
-        sock = writer.get_extra_info("socket")
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        async with served(path) as (writer, reader, fd):
+            sock = writer.get_extra_info("socket")
             sender = _sender(writer)
             batch = sendkernel.Batch()
             batch.add(b"HEAD" * 7, fd, [(0, len(data))])
-            before = _segments_out(sock)
+            before = segments_out(sock)
             assert await sender.send(batch, 5.0) == sendkernel.DONE
             received = b""
             while len(received) < 28 + len(data):
@@ -130,13 +97,8 @@ def test_each_head_leaves_with_its_chunks_first_bytes_in_one_segment(tmp_path: P
                 assert more, "the connection closed mid-reply"
                 received += more
             assert received == b"HEAD" * 7 + data
-            assert _segments_out(sock) - before == 1
+            assert segments_out(sock) - before == 1
             sender.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())
 
@@ -147,9 +109,7 @@ def test_a_reader_that_stops_taking_bytes_ends_the_batch_with_a_timeout(
     path.write_bytes(os.urandom(CHUNK))
 
     async def main() -> None:
-        writer, reader, server = await _pair()
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        async with served(path) as (writer, _reader, fd):
             sender = _sender(writer)
             batch = sendkernel.Batch()
             for _ in range(3):
@@ -158,11 +118,6 @@ def test_a_reader_that_stops_taking_bytes_ends_the_batch_with_a_timeout(
             assert await sender.send(batch, 0.2) == sendkernel.TIMEOUT
             assert (batch.done, batch.partial) == (0, True)
             sender.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())
 
@@ -174,10 +129,8 @@ def test_a_reset_stops_a_batch_waiting_for_room_and_aborts_the_transport_after_i
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        writer, reader, server = await _pair()
-        fd = os.open(path, os.O_RDONLY)
-        released: list[int] = []
-        try:
+        async with served(path) as (writer, _reader, fd):
+            released: list[int] = []
             sender = _sender(writer)
             unacked = Unacked(writer.transport, writer.get_extra_info("socket"), 30.0,
                               sender.stop)
@@ -198,11 +151,6 @@ def test_a_reset_stops_a_batch_waiting_for_room_and_aborts_the_transport_after_i
             assert released == [1]
             assert not sender.free()  # the connection is ending: no other batch
             sender.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())
 
@@ -213,9 +161,7 @@ def test_a_cancelled_batch_returns_only_once_the_workers_call_is_over(tmp_path: 
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        writer, reader, server = await _pair()
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        async with served(path) as (writer, _reader, fd):
             sender = _sender(writer)
             batch = sendkernel.Batch()
             batch.add(b"HEAD", fd, [(0, CHUNK)])
@@ -229,11 +175,6 @@ def test_a_cancelled_batch_returns_only_once_the_workers_call_is_over(tmp_path: 
             assert running.done() and running.result() == sendkernel.STOPPED
             assert sender.running is None
             sender.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())
 
@@ -243,9 +184,7 @@ def test_a_file_that_ends_before_its_range_ends_the_batch(tmp_path: Path) -> Non
     path.write_bytes(os.urandom(1000))
 
     async def main() -> None:
-        writer, reader, server = await _pair()
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        async with served(path) as (writer, _reader, fd):
             sender = _sender(writer)
             batch = sendkernel.Batch()
             batch.add(b"OK", fd, [(0, 1000)])
@@ -253,10 +192,5 @@ def test_a_file_that_ends_before_its_range_ends_the_batch(tmp_path: Path) -> Non
             assert await sender.send(batch, 5.0) == sendkernel.ENDED
             assert (batch.done, batch.partial) == (1, True)
             sender.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())

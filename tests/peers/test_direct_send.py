@@ -9,32 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import struct
 from pathlib import Path
 
 from kvpool.agent.peers.direct import DirectSender
 
+from .served import segments_out, served
+
 CHUNK = 4 << 20
-"""Far more than the sockets' buffers (set small below): most of it waits for room."""
-
-
-async def _pair() -> tuple[asyncio.StreamWriter, socket.socket, asyncio.Server]:
-    """A connection from a plain blocking socket (the reader) to an asyncio server: the
-    server's side as a stream writer."""
-    accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
-
-    def on_accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.set_result(writer)
-
-    server = await asyncio.start_server(on_accept, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader = socket.socket()
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-    reader.connect(("127.0.0.1", port))
-    writer = await accepted
-    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
-    return writer, reader, server
+"""Far more than the sockets' buffers (`served` makes them small): most of it waits for room."""
 
 
 def _registered_writer(loop: asyncio.AbstractEventLoop, fd: int) -> bool:
@@ -55,19 +37,17 @@ def test_a_reply_past_the_socket_buffer_arrives_whole_and_the_transport_writes_a
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        writer, reader, server = await _pair()
-        received = bytearray()
-        total = len(head) + CHUNK + 5
+        async with served(path) as (writer, reader, fd):
+            received = bytearray()
+            total = len(head) + CHUNK + 5
 
-        def read_slowly() -> None:
-            while len(received) < total:
-                more = reader.recv(64 << 10)
-                assert more, "the connection closed mid-reply"
-                received.extend(more)
+            def read_slowly() -> None:
+                while len(received) < total:
+                    more = reader.recv(64 << 10)
+                    assert more, "the connection closed mid-reply"
+                    received.extend(more)
 
-        taking = loop.run_in_executor(None, read_slowly)
-        fd = os.open(path, os.O_RDONLY)
-        try:
+            taking = loop.run_in_executor(None, read_slowly)
             direct = DirectSender.make(writer.transport)
             assert direct is not None and direct.ready()
             half = 4096 + CHUNK // 2
@@ -81,11 +61,6 @@ def test_a_reply_past_the_socket_buffer_arrives_whole_and_the_transport_writes_a
             await writer.drain()
             await taking
             direct.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
         assert bytes(received) == head + data + b"after"
 
     asyncio.run(main())
@@ -98,9 +73,7 @@ def test_a_reader_that_stops_taking_bytes_ends_the_reply_with_a_timeout(
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        writer, reader, server = await _pair()
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        async with served(path) as (writer, _reader, fd):
             direct = DirectSender.make(writer.transport)
             assert direct is not None
             assert not direct.send(b"HEAD", fd, [(0, CHUNK)])  # the reader never reads
@@ -112,19 +85,8 @@ def test_a_reader_that_stops_taking_bytes_ends_the_reply_with_a_timeout(
                 raise AssertionError("a reply nobody reads went out whole")
             assert not _registered_writer(loop, direct.fd)
             direct.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())
-
-
-def _segments_out(sock: socket.socket) -> int:
-    """TCP segments the socket has sent (Linux's `tcp_info.tcpi_segs_out`)."""
-    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    return int(struct.unpack_from("I", info, 136)[0])
 
 
 def test_a_replys_head_leaves_with_its_first_bytes_in_one_segment(tmp_path: Path) -> None:
@@ -136,13 +98,11 @@ def test_a_replys_head_leaves_with_its_first_bytes_in_one_segment(tmp_path: Path
     head = b"HEAD" * 7
 
     async def main() -> None:
-        writer, reader, server = await _pair()
-        sock = writer.get_extra_info("socket")
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        async with served(path) as (writer, reader, fd):
+            sock = writer.get_extra_info("socket")
             direct = DirectSender.make(writer.transport)
             assert direct is not None
-            before = _segments_out(sock)
+            before = segments_out(sock)
             assert direct.send(head, fd, [(0, len(data))])  # small: out at once
             received = b""
             while len(received) < len(head) + len(data):
@@ -150,12 +110,7 @@ def test_a_replys_head_leaves_with_its_first_bytes_in_one_segment(tmp_path: Path
                 assert more, "the connection closed mid-reply"
                 received += more
             assert received == head + data
-            assert _segments_out(sock) - before == 1
+            assert segments_out(sock) - before == 1
             direct.close()
-        finally:
-            os.close(fd)
-            writer.close()
-            reader.close()
-            server.close()
 
     asyncio.run(main())
