@@ -97,6 +97,7 @@ def test_quick_bench_reports_every_required_figure(result: dict[str, Any]) -> No
 def test_the_peer_part_reads_every_chunk_back_and_reports_each_figure(
         result: dict[str, Any]) -> None:
     peer = result["peer"]
+    assert result["meta"]["peer_congestion_control"] == "reno"  # as both namespaces said
     assert set(peer["sizes"]) == set(SIZES_QUICK)
     for size, row in peer["sizes"].items():
         assert {"peer_read_gbps", "peer_read_many_gbps", "raw_tcp_gbps", "peer_vs_raw",

@@ -19,6 +19,9 @@ same run.
   turns. The entries come over the wire from a peer that only announces
   (`InventoryPeer`, in this process, on the bridge: an agent holding 10^6 chunks would
   need 10^6 arena pages); a FETCH from it is answered "absent".
+- Both nodes' TCP congestion control is `reno` for the whole part (`CONGESTION_CONTROL`:
+  the machine's `bbr` paced the veth links far below what they carry), reported as
+  `congestion_control` (the suite moves it to `meta.peer_congestion_control`).
 - tls: the 16 MiB reads in one window between two more agents, with TLS between them
   (`peers.tls`, a CA made for the run), against the plain ones of the same run.
 - propagation: seconds from a PUT on node 0 returning to node 1's LOOKUP counting the
@@ -88,6 +91,14 @@ HANDOFF_SHARE = 0.5
 """The agents' `peers.handoffShare`: a whole window pinned unread fits their quota."""
 POLL = 0.0005
 """Seconds between a hand-off sample's questions to node 1 (both columns alike)."""
+CONGESTION_CONTROL = "reno"
+"""TCP congestion control in the nodes' namespaces, for the agents and the raw baseline
+alike. A namespace inherits the machine's, and `bbr` (a common default) paces each socket
+by its estimate of the link's bandwidth, which the veth pairs' reordering (spurious
+retransmissions, every one DSACKed) knocks down to a few Mbit/s at times: raw TCP then ran
+at ~1.7 GB/s where the same veths carry ~6 GB/s without pacing, and a hand-off stalled
+40-70 ms at random (docs/benchmarks.md). `reno` is built into every kernel and allowed in
+a namespace; a bench that compares against the link measures the link, not the pacing."""
 
 
 def size_name(size: int) -> str:
@@ -142,6 +153,18 @@ def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
 
 def _in(node: Node, *cmd: str) -> list[str]:
     return ["ip", "netns", "exec", node.ns, *cmd]
+
+
+def congestion_control(net: Network, name: str) -> str:
+    """Set the nodes' TCP congestion control (before any of their sockets is made); what
+    their namespaces say it is now."""
+    said = set()
+    for node in net.nodes:
+        subprocess.run(_in(node, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={name}"),
+                       check=True, capture_output=True)
+        said.add(subprocess.run(_in(node, "sysctl", "-n", "net.ipv4.tcp_congestion_control"),
+                                check=True, capture_output=True, text=True).stdout.strip())
+    return ",".join(sorted(said))
 
 
 def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float:
@@ -291,6 +314,7 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvpool-peer-bench-") as tmpdir, \
             Network(2) as net, contextlib.ExitStack() as stack:
+        result["congestion_control"] = congestion_control(net, CONGESTION_CONTROL)  # a word
         tmp = Path(tmpdir)
         secret = tmp / "secret"
         secret.write_bytes(os.urandom(32).hex().encode())

@@ -158,6 +158,7 @@ def run_bench(quick: bool, as_json: bool, out: Path | None,
         from .peer_tier import run_peer
 
         result["peer"] = run_peer(quick, reps)
+        result["meta"]["peer_congestion_control"] = result["peer"].pop("congestion_control")
     if "vllm" in parts:
         part("vLLM time to first token: a kvpool hit vs recomputed (three engine starts)")
         from .vllm_ttft import run_vllm
