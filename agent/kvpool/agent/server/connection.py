@@ -175,15 +175,8 @@ class Connection:
                     return False  # not now: the task answers it (nothing was done)
                 self.reply(p.encode(reply))
                 metrics.ops_ok[op].inc()
-            except OpError as e:
-                metrics.op_error(op, e.code)
-                self.reply(p.encode(p.ErrorReply(rid=req.rid, code=int(e.code),
-                                                 message=e.message)))
-            except Exception as e:  # a bug must cost one request, not the agent
-                log.exception("internal error serving %s", op.name)
-                metrics.op_error(op, p.ErrorCode.INTERNAL)
-                self.reply(p.encode(p.ErrorReply(rid=req.rid, code=int(p.ErrorCode.INTERNAL),
-                                                 message=f"{type(e).__name__}: {e}")))
+            except Exception as e:
+                self._reply_error(op, req.rid, e)
             metrics.latency[op].observe(time.perf_counter() - started)
             self.start = begin + length
             if self.out_bytes >= COALESCE_BYTES and not self._send_now():
@@ -381,17 +374,23 @@ class Connection:
             else:
                 self.reply(p.encode(await self.dispatcher.dispatch(self, op, req)))
             metrics.ops_ok[op].inc()
-        except OpError as e:
-            metrics.op_error(op, e.code)
-            self.reply(p.encode(p.ErrorReply(rid=req.rid, code=int(e.code), message=e.message)))
         except Closed:
             raise
-        except Exception as e:  # a bug must cost one request, not the agent
-            log.exception("internal error serving %s", op.name)
-            metrics.op_error(op, p.ErrorCode.INTERNAL)
-            self.reply(p.encode(p.ErrorReply(rid=req.rid, code=int(p.ErrorCode.INTERNAL),
-                                             message=f"{type(e).__name__}: {e}")))
+        except Exception as e:
+            self._reply_error(op, req.rid, e)
         metrics.latency[op].observe(time.perf_counter() - started)
+
+    def _reply_error(self, op: p.Op, rid: int, e: Exception) -> None:
+        """The reply of a request that failed, counted: an OpError's code and message, or
+        INTERNAL with the exception, logged with its traceback (called in its `except`): a
+        bug must cost one request, not the agent."""
+        if isinstance(e, OpError):
+            code, message = e.code, e.message
+        else:
+            log.exception("internal error serving %s", op.name)
+            code, message = p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
+        self.dispatcher.metrics.op_error(op, code)
+        self.reply(p.encode(p.ErrorReply(rid=rid, code=int(code), message=message)))
 
     async def _hello(self, req: p.Hello) -> None:
         if req.version != p.PROTOCOL_VERSION:
