@@ -46,6 +46,17 @@ async def served(path: Path) -> AsyncIterator[tuple[asyncio.StreamWriter, socket
         server.close()
 
 
+def take(sock: socket.socket, n: int, step: int = 4096) -> bytes:
+    """The next `n` bytes from the reading socket, `step` at most at a time (a slow reader:
+    the sender waits for room in between); fails where the connection closes first."""
+    received = bytearray()
+    while len(received) < n:
+        more = sock.recv(min(step, n - len(received)))
+        assert more, "the connection closed mid-reply"
+        received += more
+    return bytes(received)
+
+
 def segments_out(sock: socket.socket) -> int:
     """TCP segments the socket has sent (Linux's `tcp_info.tcpi_segs_out`)."""
     info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)

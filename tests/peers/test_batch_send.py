@@ -20,7 +20,7 @@ from kvpool.agent.peers import sendkernel
 from kvpool.agent.peers.batchsend import BatchSender
 from kvpool.agent.peers.unacked import Unacked
 
-from .served import segments_out, served
+from .served import segments_out, served, take
 
 CHUNK = 4 << 20
 """Far more than the sockets' buffers (`served` makes them small): most of it waits for room."""
@@ -47,16 +47,7 @@ def test_a_batch_arrives_whole_and_in_order_and_the_transport_reads_and_writes_a
     async def main() -> None:
         loop = asyncio.get_running_loop()
         async with served(path) as (writer, reader, fd):
-            received = bytearray()
-            total = 5 + CHUNK + 6 + 3 + 100 + 5
-
-            def read_slowly() -> None:
-                while len(received) < total:
-                    more = reader.recv(64 << 10)
-                    assert more, "the connection closed mid-batch"
-                    received.extend(more)
-
-            taking = loop.run_in_executor(None, read_slowly)
+            taking = loop.run_in_executor(None, take, reader, 5 + CHUNK + 6 + 3 + 100 + 5, 64 << 10)
             sender = _sender(writer)
             batch = sendkernel.Batch()
             half = 4096 + CHUNK // 2
@@ -70,9 +61,9 @@ def test_a_batch_arrives_whole_and_in_order_and_the_transport_reads_and_writes_a
             assert writer.transport.is_reading()  # paused while the worker sent
             writer.write(b"after")  # through the transport, after the batch
             await writer.drain()
-            await taking
+            received = await taking
             sender.close()
-        assert bytes(received) == b"HEAD1" + data + b"ABSENT" + b"H3!" + data[:100] + b"after"
+        assert received == b"HEAD1" + data + b"ABSENT" + b"H3!" + data[:100] + b"after"
 
     asyncio.run(main())
 
@@ -91,12 +82,7 @@ def test_each_head_leaves_with_its_chunks_first_bytes_in_one_segment(tmp_path: P
             batch.add(b"HEAD" * 7, fd, [(0, len(data))])
             before = segments_out(sock)
             assert await sender.send(batch, 5.0) == sendkernel.DONE
-            received = b""
-            while len(received) < 28 + len(data):
-                more = reader.recv(4096)
-                assert more, "the connection closed mid-reply"
-                received += more
-            assert received == b"HEAD" * 7 + data
+            assert take(reader, 28 + len(data)) == b"HEAD" * 7 + data
             assert segments_out(sock) - before == 1
             sender.close()
 

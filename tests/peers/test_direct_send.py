@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvpool.agent.peers.direct import DirectSender
 
-from .served import segments_out, served
+from .served import segments_out, served, take
 
 CHUNK = 4 << 20
 """Far more than the sockets' buffers (`served` makes them small): most of it waits for room."""
@@ -38,16 +38,7 @@ def test_a_reply_past_the_socket_buffer_arrives_whole_and_the_transport_writes_a
     async def main() -> None:
         loop = asyncio.get_running_loop()
         async with served(path) as (writer, reader, fd):
-            received = bytearray()
-            total = len(head) + CHUNK + 5
-
-            def read_slowly() -> None:
-                while len(received) < total:
-                    more = reader.recv(64 << 10)
-                    assert more, "the connection closed mid-reply"
-                    received.extend(more)
-
-            taking = loop.run_in_executor(None, read_slowly)
+            taking = loop.run_in_executor(None, take, reader, len(head) + CHUNK + 5, 64 << 10)
             direct = DirectSender.make(writer.transport)
             assert direct is not None and direct.ready()
             half = 4096 + CHUNK // 2
@@ -59,9 +50,9 @@ def test_a_reply_past_the_socket_buffer_arrives_whole_and_the_transport_writes_a
             assert not _registered_writer(loop, direct.fd)
             writer.write(b"after")  # through the transport, after the reply
             await writer.drain()
-            await taking
+            received = await taking
             direct.close()
-        assert bytes(received) == head + data + b"after"
+        assert received == head + data + b"after"
 
     asyncio.run(main())
 
@@ -104,12 +95,7 @@ def test_a_replys_head_leaves_with_its_first_bytes_in_one_segment(tmp_path: Path
             assert direct is not None
             before = segments_out(sock)
             assert direct.send(head, fd, [(0, len(data))])  # small: out at once
-            received = b""
-            while len(received) < len(head) + len(data):
-                more = reader.recv(4096)
-                assert more, "the connection closed mid-reply"
-                received += more
-            assert received == head + data
+            assert take(reader, len(head) + len(data)) == head + data
             assert segments_out(sock) - before == 1
             direct.close()
 
