@@ -14,7 +14,7 @@ import torch
 
 from kvpool.agent import checksums, wsumkernel
 from kvpool.agent import protocol as p
-from kvpool.agent.gpu import Piece, plan_copies, wsum_from_partials, wsum_partials
+from kvpool.agent.gpu import Piece, device_wsum, plan_copies
 from kvpool.agent.tiers import base
 
 from .conftest import RawConn
@@ -94,15 +94,14 @@ def test_the_tensor_wsum_equals_the_agents(sizes: list[int]) -> None:
     g = torch.Generator().manual_seed(len(sizes))
     segments = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
     data = b"".join(s.numpy().tobytes() for s in segments)
-    partials, firsts = wsum_partials(segments)
-    assert wsum_from_partials(len(data), partials, firsts, b"k") == \
+    assert device_wsum(segments, len(data), b"k") == \
         checksums.compute(checksums.WSUM, [data], b"k")
 
 
 def test_the_tensor_wsum_of_a_view_not_aligned_in_its_storage_equals_the_agents() -> None:
     storage = torch.randint(0, 256, (4097,), dtype=torch.uint8)
     seg = storage[1:]  # its bytes start one byte into the storage: no int32 view of it
-    assert wsum_from_partials(4096, *wsum_partials([seg]), b"") == \
+    assert device_wsum([seg], 4096, b"") == \
         checksums.compute(checksums.WSUM, [seg.numpy().tobytes()])
 
 

@@ -167,6 +167,37 @@ def test_tensor_puts_carry_the_wsum_kind_and_its_checksum_matches_the_cpu_defini
         raw.close()
 
 
+def test_a_window_of_mixed_layouts_carries_each_chunks_wsum_and_reads_back_exactly(
+        agent: LocalAgent, tclient: KVPoolClient) -> None:
+    # one window: chunks of many equal segments (summed stacked), odd sizes, a tail of
+    # 1-3 bytes, a view not aligned in its storage, other dtypes
+    g = torch.Generator().manual_seed(21)
+
+    def rand(n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    storage = rand(4097)
+    chunks = [chunk_segments(kv_cache(22, layers=32), 0), chunk_segments(kv_cache(23), 1),
+              [rand(1000), rand(2000), rand(7)], [storage[1:]], [rand(5)],
+              [rand(4096).view(torch.float64), rand(64).view(torch.int32)]]
+    keys = keys_for(len(chunks))
+    metas = [bytes([i]) * 3 for i in range(len(chunks))]
+    assert tclient.put_many(keys, chunks, metas) == [True] * len(chunks)
+    raw = RawConn(agent.socket_path)
+    try:
+        for key, chunk, meta in zip(keys, chunks, metas, strict=True):
+            reply = raw.call(p.Acquire(1, key))
+            assert isinstance(reply, p.AcquireReply)
+            assert reply.checksum_kind == checksums.WSUM
+            assert reply.checksum == checksums.compute(checksums.WSUM, [packed(chunk)], meta)
+            raw.call(p.Release(2, reply.lease))
+    finally:
+        raw.close()
+    out = [[torch.zeros_like(s) for s in c] for c in chunks]
+    sizes = tclient.get_many_into(keys, lambda i, n, m: out[i], verify=True)
+    assert sizes == [len(packed(c)) for c in chunks]
+    assert [packed(o) for o in out] == [packed(c) for c in chunks]
+
+
 def test_segments_cut_mid_word_fall_back_to_xxh3_over_the_arena_bytes(
         agent: LocalAgent, tclient: KVPoolClient) -> None:
     data = torch.randint(0, 256, (1001,), dtype=torch.uint8)
@@ -419,3 +450,23 @@ def test_gpu_tensors_round_trip_through_the_registered_arena(agent: LocalAgent) 
         assert 0 not in c.get_many_into(keys, lambda i, n, m: dests[i], verify=True,
                                         stream=stream)
         assert all(torch.equal(a, b) for a, b in zip(cache, empty, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("on", ["own stream", "default stream"])
+def test_gpu_windows_go_in_batch_calls_and_land_byte_exact(agent: LocalAgent, on: str) -> None:
+    from kvpool.agent import cudacopy
+
+    before = cudacopy.uses["batched"]
+    stream = torch.cuda.Stream() if on == "own stream" else None  # the legacy default one
+    with KVPoolClient(agent.socket_path) as c:
+        cache = [layer.cuda() for layer in kv_cache(16, layers=16)]
+        keys = keys_for(4, salt=7)
+        chunks = [chunk_segments(cache, b) for b in range(4)]
+        assert c.put_many(keys, chunks, stream=stream) == [True] * 4
+        empty = [torch.zeros_like(layer) for layer in cache]
+        dests = [chunk_segments(empty, b) for b in range(4)]
+        assert 0 not in c.get_many_into(keys, lambda i, n, m: dests[i], stream=stream)
+    assert all(torch.equal(a, b) for a, b in zip(cache, empty, strict=True))
+    assert cudacopy.loaded.why == "", cudacopy.loaded.why
+    assert cudacopy.uses["batched"] >= before + 2  # the put's window and the get's

@@ -590,7 +590,7 @@ class KVPoolClient:
             return None
         if not all(is_tensor):
             raise TypeError("put_many takes buffers or tensors in one call, not both")
-        chunks = [gpu.segments_of(d, f"the chunk of key {i}") for i, d in enumerate(data)]
+        chunks = [gpu.parts_of(d, f"the chunk of key {i}") for i, d in enumerate(data)]
         gpu.device_of(chunks)
         results: list[PutResult] = [False] * len(keys)
         step = self._batch_step()

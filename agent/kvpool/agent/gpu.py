@@ -7,19 +7,25 @@ each segment and the lease extents, with no packed intermediate copy.
 
 On CUDA the client's arena mapping is registered with CUDA once per mapping
 (`cudaHostRegister`, through `_cuda.cudart()`), so a copy between a GPU tensor
-and the arena is a DMA at the pinned-memory rate. Copies are issued on a stream the
-caller may pass (default: the device's current stream). A read lease is released,
-and a write committed, only after the copies that use it completed on that stream:
-the window records an event after its copies and waits for that event (not for the
-whole device). CPU tensors take the same path; their copies complete as issued.
+and the arena is a DMA at the pinned-memory rate. A window's copies are planned as
+integers as its leases come and made together at its fence, in one driver call
+(`kvpool.agent.cudacopy`; one `copy_` a piece where that call is not available). They
+go to a stream the caller may pass (default: the device's current stream). A read lease
+is released, and a write committed, only after the copies that use it completed on that
+stream: the window records an event after its copies and waits for that event (not for
+the whole device). CPU tensors take the same path; their copies are made as planned
+(one `memmove` a piece) and complete as made.
 
 Writes carry the WSUM checksum kind (`kvpool.agent.checksums`), computed by torch
-from the source tensors on the same stream, so the put is not capped by CPU hashing;
-the agent verifies it like XXH3 wherever it verifies a chunk.
+from the source tensors, every chunk of a window together on a stream of its own that
+runs beside the copies (`kvpool.agent.tensorsums`), and read back once a window, so the
+put is not capped by CPU hashing; the agent verifies it like XXH3 wherever it verifies a
+chunk.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
@@ -27,10 +33,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from . import checksums
+from . import checksums, cudacopy, tensorsums
 from . import protocol as p
+from .cudacopy import CopyPlan
 from .transport import (
     Check,
     Copies,
@@ -43,9 +51,11 @@ from .transport import (
 
 Segments = list[torch.Tensor]
 log = logging.getLogger(__name__)
-_cuda: Any = torch.cuda  # its Event and cudart() are untyped
-_SUM_BLOCK_WORDS = 1 << 22
-"""Words one checksum step takes (16 MiB of chunk): bounds the int64 temporaries."""
+_cuda: Any = torch.cuda  # its Event, Stream and cudart() are untyped
+QUEUE_BYTES = 32 << 20
+"""Chunk bytes planned on a GPU before they are queued, without waiting for the window's
+fence: the DMA of the first ones runs while the next are planned (32 MiB take ~0.6 ms of
+DMA, several times what planning them takes)."""
 
 
 class Fence(Protocol):
@@ -142,15 +152,19 @@ def is_chunk(obj: object) -> bool:
 # --------------------------------------------------------------------------- decisions
 
 
-def segments_of(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> Segments:
-    """The byte views (uint8, 1-D) of a chunk's segments, checked: contiguous, on a CPU
-    or CUDA device, all on one device."""
+def parts_of(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> Segments:
+    """A chunk's segments as they are (no view made: a view costs a few µs, and a KV chunk
+    has one segment a layer for K and for V), checked: contiguous, on a CPU or CUDA
+    device, all on one device."""
     parts = [chunk] if isinstance(chunk, torch.Tensor) else list(chunk)
     if not parts:
         raise ValueError(f"{what} has no segments")
-    device = parts[0].device
-    out: Segments = []
+    first = parts[0]
+    device = first.device if isinstance(first, torch.Tensor) \
+        and first.device.type in ("cpu", "cuda") else None
     for n, seg in enumerate(parts):
+        if isinstance(seg, torch.Tensor) and seg.device == device and seg.is_contiguous():
+            continue
         name = f"{what}, segment {n}" if len(parts) > 1 else what
         if not isinstance(seg, torch.Tensor):
             raise TypeError(f"{name} is a {type(seg).__name__}, not a tensor")
@@ -160,11 +174,14 @@ def segments_of(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> Segm
         if seg.device != device:
             raise ValueError(f"{name} is on {seg.device}, segment 0 on {device}: the "
                              "segments of a chunk share one device")
-        if not seg.is_contiguous():
-            raise ValueError(f"{name} is not contiguous (shape {tuple(seg.shape)}, stride "
-                             f"{seg.stride()}); pass .contiguous() or a contiguous slice")
-        out.append(seg.reshape(-1).view(torch.uint8))
-    return out
+        raise ValueError(f"{name} is not contiguous (shape {tuple(seg.shape)}, stride "
+                         f"{seg.stride()}); pass .contiguous() or a contiguous slice")
+    return parts
+
+
+def segments_of(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> Segments:
+    """The byte views (uint8, 1-D) of a chunk's segments, checked as `parts_of` does."""
+    return [tensorsums.byte_view(s) for s in parts_of(chunk, what)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,24 +197,11 @@ class Piece:
 def plan_copies(extents: Sequence[tuple[int, int]], segment_bytes: Sequence[int],
                 size: int) -> list[Piece]:
     """The copies that move `size` chunk bytes between the lease extents (in order) and
-    the segments (in order), each piece within one extent and one segment."""
-    pieces: list[Piece] = []
-    seg = at = 0
-    left = size
-    for offset, length in extents:
-        length = min(length, left)
-        while length > 0:
-            while seg < len(segment_bytes) and at == segment_bytes[seg]:
-                seg, at = seg + 1, 0
-            if seg == len(segment_bytes):
-                raise ValueError(f"chunk of {size} bytes does not fit in "
-                                 f"{sum(segment_bytes)} bytes of segments")
-            step = min(length, segment_bytes[seg] - at)
-            pieces.append(Piece(offset, seg, at, step))
-            offset, at, length, left = offset + step, at + step, length - step, left - step
-    if left:
-        raise ValueError(f"the lease extents hold {size - left} of the chunk's {size} bytes")
-    return pieces
+    the segments (in order), each piece within one extent and one segment
+    (`cudacopy.plan_flat`, as objects)."""
+    flat: array.array[int] = array.array("q")
+    cudacopy.plan_flat(extents, segment_bytes, size, 0, flat)
+    return [Piece(*flat[k : k + cudacopy.PIECE]) for k in range(0, len(flat), cudacopy.PIECE)]
 
 
 def device_of(chunks: Sequence[Segments]) -> torch.device | None:
@@ -229,77 +233,109 @@ def as_copy_stream(stream: object, device: torch.device | None) -> CopyStream:
 
 def wsum_aligned(segments: Segments) -> bool:
     """WSUM on the device needs every segment but the last to end on a 4-byte word."""
-    return all(s.numel() % 4 == 0 for s in segments[:-1])
+    return all(s.nbytes % 4 == 0 for s in segments[:-1])
 
 
-class _Ramp:
-    """0, 1, 2, ... as int64 on a device, grown on demand (the weights of S1)."""
+def _sum_info(seg: torch.Tensor) -> tensorsums.SegmentInfo:
+    return seg.nbytes, seg.data_ptr() % 4 == 0, (seg.shape, seg.dtype)
+
+
+def device_wsum(segments: Segments, size: int, meta: bytes) -> int:
+    """The WSUM checksum of one chunk made of `segments` (`wsum_aligned`), computed where
+    they are, on the current stream; waits for it."""
+    groups = tensorsums.plan_sums([[_sum_info(s) for s in segments]])
+    rows = tensorsums.sum_rows(groups, [segments], segments[0].device)
+    chunk_of, first = tensorsums.rows_of(groups)
+    s0, s1 = tensorsums.chunk_sums(rows.cpu().numpy(), chunk_of, first, 1)
+    return checksums.wsum_finish(size, s0[0], s1[0], meta)
+
+
+class _WindowSums:
+    """The WSUMs of a window's writes: added as the leases come, queued together at the
+    fence (`queue`, on the current stream), read back once the fence passed (`collect`)."""
 
     def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
+        self.indices: list[int] = []
+        """The window index of each chunk added and not queued yet, with its segments."""
+        self.chunks: list[Segments] = []
+        self.values: dict[int, tuple[int, int]] = {}
+        """(S0, S1) of each chunk collected, by window index."""
+        self._queued: list[tuple[list[int], torch.Tensor, np.ndarray, np.ndarray]] = []
 
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        ramp = self._by_device.get(device)
-        if ramp is None or ramp.numel() < n:
-            ramp = torch.arange(max(n, 1 << 16), dtype=torch.int64, device=device)
-            if device.type == "cuda":
-                # Made on whatever stream is current, read later on others: let it finish
-                # (once per device and size).
-                _cuda.synchronize(device)
-            self._by_device[device] = ramp
-        return ramp[:n]
+    def add(self, index: int, segments: Segments) -> None:
+        self.indices.append(index)
+        self.chunks.append(segments)
 
+    def queue(self, device: torch.device) -> None:
+        indices, chunks = self.indices, self.chunks
+        self.indices, self.chunks = [], []
+        groups = tensorsums.plan_sums([[_sum_info(s) for s in segs] for segs in chunks])
+        rows = tensorsums.sum_rows(groups, chunks, device)
+        if device.type == "cuda":  # read back with the window's fence, not a sync of its own
+            host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            rows = host
+        self._queued.append((indices, rows, *tensorsums.rows_of(groups)))
 
-_ramp = _Ramp()
-
-
-def _words(seg: torch.Tensor) -> torch.Tensor:
-    """The bytes of `seg` (uint8, whole words only) as unsigned 32-bit values in int64."""
-    try:
-        return seg.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    except RuntimeError:  # a byte view not aligned to 4 bytes in its storage
-        b = seg.view(-1, 4).to(torch.int64)
-        return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
-
-
-def wsum_partials(segments: Segments) -> tuple[torch.Tensor, list[int]]:
-    """The chunk's WSUM sums in steps, computed where the segments are (on the caller's
-    stream when issued inside it): [S0, S1 with step-local weights] per step as int64
-    (wrapping modulo 2^64, as the definition does), and each step's first word index.
-    `wsum_from_partials` finishes them on the host. Needs `wsum_aligned(segments)`."""
-    rows: list[torch.Tensor] = []
-    firsts: list[int] = []
-    word = 0
-    device = segments[0].device
-    for seg in segments:
-        nbytes = seg.numel()
-        whole = nbytes - nbytes % 4
-        for start in range(0, whole, 4 * _SUM_BLOCK_WORDS):
-            u = _words(seg[start : min(whole, start + 4 * _SUM_BLOCK_WORDS)])
-            rows.append(torch.stack([u.sum(), (u * _ramp.get(device, u.numel())).sum()]))
-            firsts.append(word)
-            word += u.numel()
-        if whole < nbytes:  # the chunk's last bytes (only the last segment may end mid-word)
-            tail = torch.zeros(4, dtype=torch.int64, device=device)
-            tail[: nbytes - whole] = seg[whole:].to(torch.int64)
-            last = tail[0] | (tail[1] << 8) | (tail[2] << 16) | (tail[3] << 24)
-            rows.append(torch.stack([last, torch.zeros_like(last)]))
-            firsts.append(word)
-            word += 1
-    if not rows:
-        return torch.zeros((0, 2), dtype=torch.int64, device=device), firsts
-    return torch.stack(rows), firsts
+    def collect(self) -> None:
+        for indices, rows, chunk_of, first in self._queued:
+            s0, s1 = tensorsums.chunk_sums(rows.numpy(), chunk_of, first, len(indices))
+            self.values.update(zip(indices, zip(s0, s1, strict=True), strict=True))
+        self._queued = []
 
 
-def wsum_from_partials(size: int, partials: torch.Tensor, firsts: list[int],
-                       meta: bytes) -> int:
-    """The WSUM checksum from `wsum_partials`, read back once the copies' fence passed."""
-    s0 = s1 = 0
-    for (part_s0, part_s1), first in zip(partials.cpu().tolist(), firsts, strict=True):
-        part_s0 &= checksums.U64
-        s0 += part_s0
-        s1 += (part_s1 & checksums.U64) + first * part_s0
-    return checksums.wsum_finish(size, s0, s1, meta)
+class _SideStreams:
+    """A CUDA device's streams of our own: `sums` runs a window's checksum kernels beside
+    its copies (they read the sources, not the arena); `copies` takes a batch of copies
+    when the caller's stream is the legacy default stream, which the driver call refuses.
+    Each waits for the caller's stream first, and the caller's stream for it after."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums: Any = _cuda.Stream(device)
+        self.copies: Any = _cuda.Stream(device)
+
+
+_side: dict[torch.device, _SideStreams] = {}
+
+
+def _side_streams(device: torch.device) -> _SideStreams:
+    side = _side.get(device)
+    if side is None:
+        side = _side[device] = _SideStreams(device)
+    return side
+
+
+_checked: set[torch.device] = set()
+
+
+def _check_batches(batcher: cudacopy.BatchCopier, device: torch.device) -> bool:
+    """Once per device, before the batch call carries any chunk: pieces to pinned host
+    memory and back through it, checked byte for byte. A call that fails or moves the
+    wrong bytes (a driver that takes other arguments than ours) turns batching off
+    (`cudacopy.loaded.disable`, one warning): slower copies, never wrong ones."""
+    _checked.add(device)
+    stream = _side_streams(device).copies
+    with torch.cuda.stream(stream):
+        src = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=device)
+        back = torch.zeros_like(src)
+    host = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
+    stream.synchronize()
+    d, h, b = src.data_ptr(), host.data_ptr(), back.data_ptr()
+    cuts = [(0, 1000), (1000, 3000), (4000, 96)]  # pieces of odd sizes, in two calls each way
+    err = 0
+    for dst, source in ((h, d), (b, h)):
+        err = err or batcher.copy(np.array([dst + o for o, _ in cuts], dtype=np.uint64),
+                                  np.array([source + o for o, _ in cuts], dtype=np.uint64),
+                                  np.array([n for _, n in cuts], dtype=np.uint64),
+                                  stream.cuda_stream)[0]
+        stream.synchronize()
+    if err:
+        cudacopy.loaded.disable(f"cuMemcpyBatchAsync returned CUDA error {err} on {device}")
+        return False
+    if not (torch.equal(host, src.cpu()) and torch.equal(back, src)):
+        cudacopy.loaded.disable(f"cuMemcpyBatchAsync moved the wrong bytes on {device}")
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- the arena
@@ -332,14 +368,62 @@ class DeviceArena:
             registrar.unregister(self.address)
         del self.tensor
 
-    def _copy(self, pieces: list[Piece], segments: Segments, to_arena: bool) -> None:
-        for c in pieces:
-            arena = self.tensor[c.arena : c.arena + c.nbytes]
-            seg = segments[c.segment][c.at : c.at + c.nbytes]
+    def copy(self, plan: CopyPlan, to_arena: bool, copier: CopyStream) -> object:
+        """Make the planned copies (CPU tensors) or queue them on `copier` (CUDA): one
+        driver call for them all where the arena is registered and the call works here,
+        else one `copy_` a piece. Returns what must stay alive until the fence passed."""
+        device = plan.segments[0].device
+        if device.type == "cpu":
+            with copier.issue():
+                cudacopy.host_copy(*plan.arrays(self.address, to_arena))
+            cudacopy.uses["host"] += 1
+            return plan
+        if isinstance(copier, CudaStream) and self._registrar is not None:
+            batch = self._batched(plan, to_arena, copier.stream)
+            if batch is not None:
+                return batch
+        with copier.issue():
+            self._copy_pieces(plan, to_arena)
+        cudacopy.uses["per_piece"] += 1
+        return plan
+
+    def _batched(self, plan: CopyPlan, to_arena: bool, stream: Any) -> object | None:
+        """The pieces in one `cuMemcpyBatchAsync` on `stream` (in its order); None, with
+        nothing queued for good, where that call is not available or failed."""
+        batcher = cudacopy.loaded.get()
+        if batcher is None or not batcher.has_context():
+            return None  # (no context on this thread yet: the copy_ path makes one)
+        if stream.device not in _checked and not _check_batches(batcher, stream.device):
+            return None
+        on = stream
+        if stream.cuda_stream == 0:
+            on = _side_streams(stream.device).copies
+            on.wait_stream(stream)
+        err, batch = batcher.copy(*plan.arrays(self.address, to_arena), on.cuda_stream)
+        if on is not stream:
+            stream.wait_stream(on)  # the caller's fence covers them
+        if err:
+            # Some pieces may be queued: the copy_ path makes them all again after them
+            # (the same bytes to the same places).
+            cudacopy.loaded.disable(f"cuMemcpyBatchAsync returned CUDA error {err}")
+            return None
+        cudacopy.uses["batched"] += 1
+        return batch, plan
+
+    def _copy_pieces(self, plan: CopyPlan, to_arena: bool) -> None:
+        views: dict[int, torch.Tensor] = {}
+        pieces = plan.pieces
+        for k in range(0, len(pieces), cudacopy.PIECE):
+            offset, segment, at, nbytes = pieces[k : k + cudacopy.PIECE]
+            seg = views.get(segment)
+            if seg is None:
+                seg = views[segment] = tensorsums.byte_view(plan.segments[segment])
+            arena = self.tensor[offset : offset + nbytes]
+            part = seg[at : at + nbytes]
             if to_arena:
-                arena.copy_(seg, non_blocking=True)
+                arena.copy_(part, non_blocking=True)
             else:
-                seg.copy_(arena, non_blocking=True)
+                part.copy_(arena, non_blocking=True)
 
     # -- batch windows: the client's window loops (`transport.write_window` and
     # `read_window`) with tensor copies as their copy step
@@ -349,9 +433,9 @@ class DeviceArena:
                    results: list[Any], stream: object,
                    blocks: Sequence[p.EngineBlocks | None] | None = None,
                    to: str = "") -> None:
-        """Put a window of chunks from tensors: their copies into the leases and their
-        WSUMs go to `stream`, the window COMMITs once they completed (handed off `to` a
-        node, when named)."""
+        """Put a window of chunks from tensors: their copies into the leases go to
+        `stream` and their WSUMs beside it, the window COMMITs once they completed
+        (handed off `to` a node, when named)."""
         device = device_of(chunks)  # one device, checked before any ALLOC
         copies = _TensorCopies(self, stream, chunks=chunks, metas=metas,
                                dma=device is not None and device.type == "cuda")
@@ -374,25 +458,29 @@ class DeviceArena:
         """The destination's bytes match the chunk's checksum (read after the fence)."""
         left, parts = reply.size, []
         for s in segs:
-            take = min(left, s.numel())
+            take = min(left, s.nbytes)
             if take:
-                parts.append(s[:take])
+                parts.append(tensorsums.byte_view(s)[:take])
             left -= take
         on_device = any(s.device.type != "cpu" for s in parts)
         if on_device and reply.checksum_kind == checksums.WSUM and wsum_aligned(parts):
-            return wsum_from_partials(reply.size, *wsum_partials(parts),
-                                      reply.meta) == reply.checksum
+            return device_wsum(parts, reply.size, reply.meta) == reply.checksum
         # On the host the checksum module's own loops (XXH3, the compiled WSUM) are several
         # times faster than torch's word sums.
         host = [s.cpu().numpy() for s in parts]
         return checksums.compute(reply.checksum_kind, host, reply.meta) == reply.checksum
 
 
+def _intact() -> bool:
+    return True
+
+
 class _TensorCopies(Copies):
-    """The copy step of a tensor window: copies between the arena and the segments issued
-    on one `CopyStream`, fenced once for the window. A write's checksum is WSUM computed
-    where the segments are (XXH3 of the arena bytes when they are cut inside a word); a
-    read into a buffer goes to `buffers`."""
+    """The copy step of a tensor window: the copies between the arena and the segments
+    planned as the leases come and made at the fence (CPU tensors: as planned), on one
+    `CopyStream`, fenced once for the window. A write's checksum is WSUM computed where
+    the segments are, for the whole window at its fence (XXH3 of the arena bytes when
+    they are cut inside a word); a read into a buffer goes to `buffers`."""
 
     def __init__(self, arena: DeviceArena, stream: object, chunks: Sequence[Segments] = (),
                  metas: Sequence[bytes] = (), buffers: Copies | None = None,
@@ -401,13 +489,25 @@ class _TensorCopies(Copies):
         self.arena = arena
         self.chunks = chunks
         self.metas = metas
-        self.sizes = [sum(s.numel() for s in segs) for segs in chunks]
+        self.sizes = [sum(s.nbytes for s in segs) for segs in chunks]
         self.buffers = buffers
         self.verify = verify
         self._stream = stream
         self._copier: CopyStream | None = None
         """Made at the first tensor: the default stream is its device's current one."""
         self._device: torch.device | None = None
+        self._plan = CopyPlan()
+        self._planned = 0
+        """Bytes in `_plan`."""
+        self._ready: Any = None
+        """A put's CUDA event recorded before its first copy: the sources are ready, and
+        the checksums wait for that, not for the copies."""
+        self._sums = _WindowSums()
+        self._keep: list[object] = []
+        """What the copies queued use (the driver call's arrays, the segments): kept until
+        the fence passed."""
+        self._side: list[Any] = []
+        """Our own streams with this window's work on them (waited for by `settle` too)."""
 
     def _on(self, segs: Segments, what: str) -> CopyStream:
         device = segs[0].device
@@ -422,17 +522,22 @@ class _TensorCopies(Copies):
 
     def write(self, index: int, lease: p.AllocReply) -> Digest:
         segs, size, meta = self.chunks[index], self.sizes[index], self.metas[index]
-        with self._on(segs, f"the chunk of key {index}").issue():
-            self.arena._copy(plan_copies(lease.extents, [s.numel() for s in segs], size),
-                             segs, to_arena=True)
-            partials = wsum_partials(segs) if wsum_aligned(segs) else None
+        copier = self._on(segs, f"the chunk of key {index}")
+        if self._ready is None and isinstance(copier, CudaStream):
+            self._ready = _cuda.Event()
+            self._ready.record(copier.stream)
+        summed = wsum_aligned(segs)
+        if summed:
+            self._sums.add(index, segs)
+        self._add(lease.extents, segs, size, to_arena=True)
         tensor = self.arena.tensor
 
         def digest() -> tuple[int, int]:
-            if partials is None:  # segments cut mid-word: hash the arena bytes
+            if not summed:  # segments cut mid-word: hash the arena bytes
                 return checksums.xxh3((tensor[o : o + n].numpy() for o, n in lease.extents),
                                       meta), checksums.XXH3
-            return wsum_from_partials(size, *partials, meta), checksums.WSUM
+            s0, s1 = self._sums.values[index]
+            return checksums.wsum_finish(size, s0, s1, meta), checksums.WSUM
         return digest
 
     def read(self, index: int, lease: p.AcquireReply, out: Any) -> Check:
@@ -440,17 +545,49 @@ class _TensorCopies(Copies):
             assert self.buffers is not None
             return self.buffers.read(index, lease, out)
         what = f"the destination of key {index}"
-        segs = segments_of(out, what)
-        pieces = plan_copies(lease.extents, [s.numel() for s in segs], lease.size)
-        with self._on(segs, what).issue():
-            self.arena._copy(pieces, segs, to_arena=False)
+        segs = parts_of(out, what)
+        self._on(segs, what)
+        self._add(lease.extents, segs, lease.size, to_arena=False)
         if not self.verify:
-            return lambda: True
+            return _intact
         return lambda: self.arena._verified(lease, segs)
+
+    def _add(self, extents: Sequence[tuple[int, int]], segs: Segments, size: int,
+             to_arena: bool) -> None:
+        """Plan a chunk's copies; make them at once on the CPU (while the agent answers
+        on), queue them on a GPU once `QUEUE_BYTES` are planned."""
+        self._plan.add(extents, segs, [s.nbytes for s in segs], size)
+        self._planned += size
+        if segs[0].device.type == "cpu" or self._planned >= QUEUE_BYTES:
+            self._flush(to_arena, sums=False)
+
+    def _flush(self, to_arena: bool, sums: bool) -> None:
+        """Queue (CPU: make) the copies planned so far, and with `sums` the checksums of
+        the chunks added so far: on CUDA on a stream of their own, beside the copies."""
+        copier, device = self._copier, self._device
+        assert copier is not None and device is not None
+        if len(self._plan):
+            plan, self._plan, self._planned = self._plan, CopyPlan(), 0
+            self._keep.append(self.arena.copy(plan, to_arena, copier))
+        side = None
+        if sums and self._sums.indices and isinstance(copier, CudaStream):
+            side = _side_streams(device).sums
+            self._side.append(side)
+            side.wait_event(self._ready)  # the sources are ready (not the copies after)
+        if sums and self._sums.indices:
+            with torch.cuda.stream(side) if side is not None else copier.issue():
+                self._sums.queue(device)
+            if side is not None:
+                assert isinstance(copier, CudaStream)
+                copier.stream.wait_stream(side)  # the window's fence covers them
 
     def fence(self) -> None:
         if self._copier is not None:
+            self._flush(to_arena=bool(self.chunks), sums=True)
             self._copier.record().wait()
+            self._keep.clear()
+            self._side.clear()
+            self._sums.collect()
         if self.buffers is not None:  # reads into host ranges are made at the fence
             self.buffers.fence()
 
@@ -458,6 +595,9 @@ class _TensorCopies(Copies):
         if self._copier is not None:
             with contextlib.suppress(Exception):
                 self._copier.record().wait()
+            for side in self._side:
+                with contextlib.suppress(Exception):
+                    side.synchronize()
 
 
 def chunk_bytes(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> bytes:

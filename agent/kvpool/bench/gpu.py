@@ -7,6 +7,9 @@ Parts:
 - `pool_rates`: `put_many` GPU → pool and `get_many_into` pool → GPU through the public
   client API (registered arena, WSUM checksum on), at 1, 16 and 32 MiB chunks, as GB/s
   and as ratios of the pinned limits (targets: get ≥ 0.9, put ≥ 0.8 of the limit).
+  `meta.copies` says how the client made the windows' copies (one `cuMemcpyBatchAsync`
+  a window, or one `copy_` a piece and why); `meta.copies_all` the same, the `ttft`
+  part's included.
 - `ttft`: a Llama-3-8B-shaped model with random weights built from a `LlamaConfig`
   (nothing downloaded), bf16: a full prefill of prefix + 1 token against a hit (LOOKUP,
   load every 256-token chunk of the prefix's KV from the pool into per-layer buffers, one
@@ -286,6 +289,14 @@ def ttft(socket_path: Path, token_counts: Sequence[int], reps: int,
         return {str(t): bench.measure(t, reps) for t in token_counts}
 
 
+def _copies() -> dict[str, object]:
+    """How the client copied its tensor windows so far (one batch call a window, one
+    copy_ a piece, or on the host) and whether the batch call works here."""
+    from kvpool.agent import cudacopy
+
+    return cudacopy.report()
+
+
 def _machine() -> dict[str, Any]:
     import torch
 
@@ -317,6 +328,7 @@ def run_gpu_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any
     with LocalAgent("--no-lock", "--max-chunk", "64Mi", dram=dram, start_timeout=120) as agent:
         console.print("put/get GPU <-> pool through the client API")
         result["pool"] = pool_rates(agent.socket_path, limits, 1 * GiB, reps)
+        result["meta"]["copies"] = _copies()
         try:
             import transformers  # noqa: F401
         except ImportError:
@@ -324,6 +336,7 @@ def run_gpu_bench(quick: bool, as_json: bool, out: Path | None) -> dict[str, Any
         else:
             console.print("time to first token: prefill vs hit")
             result["ttft"] = ttft(agent.socket_path, tokens, max(3, reps // 2))
+    result["meta"]["copies_all"] = _copies()
     result["targets"] = against_targets(result)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -363,6 +376,9 @@ def _print_tables(console: Any, r: dict[str, Any]) -> None:
 
     p = r["pinned"]
     console.print(f"pinned limits: host→GPU {p['h2d_gbps']} GB/s, GPU→host {p['d2h_gbps']} GB/s")
+    copies = r["meta"].get("copies_all", {})
+    console.print(f"tensor windows copied: {copies.get('windows')}; batch call: "
+                  f"{copies.get('batch_call')}")
     t = Table(title="GPU ↔ pool through put_many / get_many_into (ratio of the pinned limit)")
     for col in ("chunk", "put GB/s", "put/limit", "get GB/s", "get/limit", "byte-exact"):
         t.add_column(col)
