@@ -1,17 +1,20 @@
-"""FETCH replies sent a batch at a time by a worker in one compiled call
-(`peers.batchsend`, `peers.sendkernel`), on a real TCP connection served by asyncio with
-small socket buffers: a batch (a reply past the buffers in two file ranges, an ABSENT
-head, a small reply) arrives whole and in order while the reader takes it slowly, the
-transport reading again and writing after it; each head leaves in the segment of its
-chunk's first bytes; a reader that takes no bytes ends the batch with a timeout, saying
-how far it went; a reset of the connection (`Unacked.reset`) stops a batch waiting for
-room and aborts the transport only once the worker's call is over, and so does a
+"""FETCH replies sent a batch at a time by a worker in one compiled call (`peers.batchsend`,
+`peers.sendkernel`), on a real TCP connection served by asyncio with small socket buffers: a
+batch (a reply past the buffers in two file ranges, an ABSENT head, a small reply) arrives
+whole and in order while the reader takes it slowly, the transport reading again and writing
+after it; each head leaves in the segment of its chunk's first bytes; a reader that takes no
+bytes ends the batch with a timeout, saying how far it went, and one that resets the
+connection with the call's errno; a reset of the connection (`Unacked.reset`) stops a batch
+waiting for room and aborts the transport only once the worker's call is over, and so does a
 cancellation; a file that ends before its range ends the batch."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import socket
+import struct
 from pathlib import Path
 
 import pytest
@@ -107,6 +110,27 @@ def test_a_reader_that_stops_taking_bytes_ends_the_batch_with_a_timeout(
 
     asyncio.run(main())
 
+
+
+def test_a_reader_that_resets_the_connection_ends_the_batch_with_its_errno(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(os.urandom(CHUNK))
+
+    async def main() -> None:
+        async with served(path) as (writer, reader, fd):
+            sender = _sender(writer)
+            batch = sendkernel.Batch()
+            batch.add(b"HEAD", fd, [(0, CHUNK)])
+            # A zero linger: the close sends a reset, not a FIN.
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            reader.close()
+            assert await sender.send(batch, 5.0) == sendkernel.ERRNO
+            assert batch.errno in (errno.ECONNRESET, errno.EPIPE)
+            assert batch.done == 0
+            sender.close()
+
+    asyncio.run(main())
 
 def test_a_reset_stops_a_batch_waiting_for_room_and_aborts_the_transport_after_it(
         tmp_path: Path) -> None:

@@ -72,6 +72,25 @@ entry:
   ret i64 %t
 }}
 
+; libc's errno of the thread.
+define internal i32 @errno_now(ptr %fns) {{
+entry:
+  %elp = getelementptr ptr, ptr %fns, i64 4
+  %errno_at = load ptr, ptr %elp, align 8
+  %ep = call ptr %errno_at()
+  %e = load i32, ptr %ep, align 4
+  ret i32 %e
+}}
+
+; A call failed with errno `e`: kept in ctx for the caller, and the code to end with.
+define internal i64 @failed_with(ptr %ctx, i32 %e) {{
+entry:
+  %e64 = sext i32 %e to i64
+  %erp = getelementptr i64, ptr %ctx, i64 {_ERRNO}
+  store i64 %e64, ptr %erp, align 8
+  ret i64 {ERRNO}
+}}
+
 ; After a send or sendfile that did not move bytes (r <= 0): 0 to try again (EINTR, or
 ; room came within the deadline), else the code to end with.
 define internal i64 @trouble(ptr %ctx, ptr %fns, i64 %r, i64 %deadline, ptr %ts, ptr %pfd) {{
@@ -79,20 +98,15 @@ entry:
   %neg = icmp slt i64 %r, 0
   br i1 %neg, label %errno, label %wait
 errno:
-  %elp = getelementptr ptr, ptr %fns, i64 4
-  %errno_at = load ptr, ptr %elp, align 8
-  %ep = call ptr %errno_at()
-  %e = load i32, ptr %ep, align 4
+  %e = call i32 @errno_now(ptr %fns)
   %eintr = icmp eq i32 %e, {errno.EINTR}
   br i1 %eintr, label %again, label %other
 other:
   %eagain = icmp eq i32 %e, {errno.EAGAIN}
   br i1 %eagain, label %wait, label %failed
 failed:
-  %e64 = sext i32 %e to i64
-  %erp = getelementptr i64, ptr %ctx, i64 {_ERRNO}
-  store i64 %e64, ptr %erp, align 8
-  ret i64 {ERRNO}
+  %fr = call i64 @failed_with(ptr %ctx, i32 %e)
+  ret i64 %fr
 wait:
   %clp = getelementptr i64, ptr %ctx, i64 {_CLOCK}
   %cl64 = load i64, ptr %clp, align 8
@@ -127,17 +141,12 @@ poll:
   %pfail = icmp slt i32 %pr, 0
   br i1 %pfail, label %pollerr, label %polled
 pollerr:
-  %elp2 = getelementptr ptr, ptr %fns, i64 4
-  %errno_at2 = load ptr, ptr %elp2, align 8
-  %ep2 = call ptr %errno_at2()
-  %e2 = load i32, ptr %ep2, align 4
+  %e2 = call i32 @errno_now(ptr %fns)
   %eintr2 = icmp eq i32 %e2, {errno.EINTR}
   br i1 %eintr2, label %again, label %pollfailed
 pollfailed:
-  %e264 = sext i32 %e2 to i64
-  %erp2 = getelementptr i64, ptr %ctx, i64 {_ERRNO}
-  store i64 %e264, ptr %erp2, align 8
-  ret i64 {ERRNO}
+  %pfr = call i64 @failed_with(ptr %ctx, i32 %e2)
+  ret i64 %pfr
 polled:
   %stopped = load i16, ptr %rv1, align 2
   %halt = icmp ne i16 %stopped, 0
