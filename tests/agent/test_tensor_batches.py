@@ -176,3 +176,23 @@ def test_a_chunks_segments_are_checked_without_a_view() -> None:
         parts_of([torch.zeros(4), torch.zeros(4, 4).t()], "x")
     with pytest.raises(TypeError, match="x, segment 0 is a bytes"):
         parts_of([b"abcd", torch.zeros(4)], "x")  # type: ignore[list-item]
+
+
+def test_a_windows_sums_queued_in_batches_come_back_for_every_chunk() -> None:
+    # on a GPU a window's sums are queued with each batch of copies, collected at its fence
+    from kvpool.agent.gpu import _WindowSums
+
+    chunks = _window()
+    sums = _WindowSums()
+    cpu = torch.device("cpu")
+    for i in (0, 2, 5):
+        sums.add(i, chunks[i])
+    sums.queue(cpu)
+    for i in (1, 3, 4, 6, 7):
+        sums.add(i, chunks[i])
+    sums.queue(cpu)
+    sums.collect()
+    for i, segs in enumerate(chunks):
+        data = packed(segs)
+        assert checksums.wsum_finish(len(data), *sums.values[i]) == \
+            checksums.compute(checksums.WSUM, [data]), f"chunk {i}"

@@ -555,11 +555,15 @@ class _TensorCopies(Copies):
     def _add(self, extents: Sequence[tuple[int, int]], segs: Segments, size: int,
              to_arena: bool) -> None:
         """Plan a chunk's copies; make them at once on the CPU (while the agent answers
-        on), queue them on a GPU once `QUEUE_BYTES` are planned."""
+        on; the checksums at the fence, the window's together); on a GPU queue them, and
+        the checksums of the chunks planned, once `QUEUE_BYTES` are planned (so the sums
+        too run beside the DMA, not after it)."""
         self._plan.add(extents, segs, [s.nbytes for s in segs], size)
         self._planned += size
-        if segs[0].device.type == "cpu" or self._planned >= QUEUE_BYTES:
+        if segs[0].device.type == "cpu":
             self._flush(to_arena, sums=False)
+        elif self._planned >= QUEUE_BYTES:
+            self._flush(to_arena, sums=True)
 
     def _flush(self, to_arena: bool, sums: bool) -> None:
         """Queue (CPU: make) the copies planned so far, and with `sums` the checksums of
