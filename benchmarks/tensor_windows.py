@@ -11,13 +11,18 @@ Two shapes, each put (`put_many`, WSUM on) and got back (`get_many_into`, not ve
 Prints one JSON line: per shape and direction the median seconds of a call, GB/s, µs a
 chunk and µs a piece (segment), and how the windows were copied (`cudacopy.report`). On a
 GPU the same again with the batch call turned off (one `copy_` a piece), for comparison.
+`--profile`: then one more put and get of each shape under cProfile, the functions that
+took the longest (cumulative) printed to stderr: where a chunk's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import sys
 import time
 from typing import Any
 
@@ -95,6 +100,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=MiB, help="flat chunk bytes")
     ap.add_argument("--total", type=int, default=0, help="bytes a call (per shape)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="profile a put and a get a shape")
     a = ap.parse_args()
     gpu = a.device == "cuda"
     segment = a.segment or (512 * KiB if gpu else 8 * KiB)
@@ -112,6 +118,16 @@ def main() -> None:
             result[run] = {name: measure(kv, chunks, a.device, a.reps)
                            for name, chunks in data.items()}
             result[run]["copies"] = cudacopy.report() if cudacopy is not None else None
+            if a.profile:
+                for name, chunks in data.items():
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    measure(kv, chunks, a.device, 1)
+                    profiler.disable()
+                    print(f"--- {run}, {name}: one put and one get, after a warm-up",
+                          file=sys.stderr)
+                    pstats.Stats(profiler, stream=sys.stderr).sort_stats(
+                        "cumulative").print_stats(30)
     print(json.dumps(result))
 
 
