@@ -196,3 +196,12 @@ def test_a_windows_sums_queued_in_batches_come_back_for_every_chunk() -> None:
         data = packed(segs)
         assert checksums.wsum_finish(len(data), *sums.values[i]) == \
             checksums.compute(checksums.WSUM, [data]), f"chunk {i}"
+
+
+def test_both_ways_of_widening_words_give_their_unsigned_values() -> None:
+    words = torch.tensor([0, 1, -1, -2**31, 2**31 - 1, -12345], dtype=torch.int32)
+    want = [0, 1, 2**32 - 1, 2**31, 2**31 - 1, 2**32 - 12345]
+    cpu = torch.device("cpu")
+    assert tensorsums.widen(words, cpu).tolist() == want
+    assert tensorsums.masked(words, cpu).tolist() == want
+    assert tensorsums.masked(words, cpu).dtype == torch.int64

@@ -470,3 +470,14 @@ def test_gpu_windows_go_in_batch_calls_and_land_byte_exact(agent: LocalAgent, on
     assert all(torch.equal(a, b) for a, b in zip(cache, empty, strict=True))
     assert cudacopy.loaded.why == "", cudacopy.loaded.why
     assert cudacopy.uses["batched"] >= before + 2  # the put's window and the get's
+    raw = RawConn(agent.socket_path)
+    try:  # the sums made on the GPU are the agent's definition of WSUM
+        for key, chunk in zip(keys, chunks, strict=True):
+            reply = raw.call(p.Acquire(1, key))
+            assert isinstance(reply, p.AcquireReply)
+            assert reply.checksum_kind == checksums.WSUM
+            host = [s.cpu() for s in chunk]
+            assert reply.checksum == checksums.compute(checksums.WSUM, [packed(host)])
+            raw.call(p.Release(2, reply.lease))
+    finally:
+        raw.close()

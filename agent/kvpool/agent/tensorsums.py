@@ -11,8 +11,8 @@ and reads them back once per window (not once per chunk):
   shape and dtype (stacked into one tensor: the 64 per-layer segments of a KV chunk are
   a few groups, not 64 times 3 kernels), else one unit alone (a slice of a large segment, a
   segment whose address is not 4-byte aligned, the last 1-3 bytes of an odd-sized chunk).
-- `sum_rows` sums each group: its words as unsigned values (an int32 view widened by a
-  mask: one kernel), times [1, i] (one kernel), summed along the words (one kernel):
+- `sum_rows` sums each group: its words as unsigned values (a uint32 view widened to
+  int64: one kernel), times [1, i] (one kernel), summed along the words (one kernel):
   one (S0, S1) row per unit, weights from the unit's start.
 - `chunk_sums` adds each chunk's rows on the host (numpy, modulo 2^64 as the definition).
 """
@@ -176,6 +176,20 @@ def _unsigned_words(group: Sequence[SumUnit], chunks: Sequence[Sequence[torch.Te
         words = seg.reshape(1, -1).view(torch.int32)
     else:
         words = byte_view(seg)[first.start : first.start + first.nbytes].view(torch.int32)[None]
+    return widen(words, device)
+
+
+def widen(words: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int32 words as their unsigned values in int64."""
+    try:
+        return words.view(torch.uint32).to(torch.int64)  # zero-extended: one kernel
+    except RuntimeError:  # a torch without uint32 conversions here
+        return masked(words, device)
+
+
+def masked(words: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`widen` by a mask, which int32 & int64 computes in int64 (one kernel too, slower on
+    a CPU)."""
     return torch.bitwise_and(words, _constants.mask(device))
 
 
