@@ -26,7 +26,7 @@ LIGHT_KVPOOL_MODULES = {
     "kvpool.agent.keys", "kvpool.agent.protocol", "kvpool.agent.checksums",
     "kvpool.agent.wsumkernel", "kvpool.agent.constants", "kvpool.agent.lookupindex",
     "kvpool.agent.hostcopy", "kvpool.agent.jit", "kvpool.agent.lookupkernel",
-    "kvpool.agent.leasefree", "kvpool.agent.leasekernel",
+    "kvpool.agent.leasefree", "kvpool.agent.leasekernel", "kvpool.agent.copythreads",
 }
 """Every kvpool module the client may pull in (the server side, the operator, the tools
 and the pydantic config model are none of them)."""

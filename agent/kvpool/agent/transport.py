@@ -18,11 +18,13 @@ import select
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any, Literal, Protocol, TypeVar
 
 import xxhash
 
-from . import checksums
+from . import checksums, copythreads
 from . import protocol as p
 from .hostcopy import HostRanges, HostReads, address_of, scatter
 from .lookupindex import IndexReader
@@ -370,7 +372,9 @@ class BufferCopies(Copies):
     a write's checksum (XXH3) is computed block by block as it is copied, a read's
     verified the same way unless `verify` is False. Reads into `HostRanges` are made
     together at the fence, in one native call (`kvpool.agent.hostcopy`); `base` is the
-    arena mapping's address."""
+    arena mapping's address. Reads of chunks into buffers go to the process's copy
+    threads where it has them (`copythreads`), each chunk a job, waited for at the
+    fence."""
 
     def __init__(self, arena: memoryview, sources: Sequence[memoryview] = (),
                  metas: Sequence[bytes] = (), verify: bool = True, base: int = 0) -> None:
@@ -380,6 +384,8 @@ class BufferCopies(Copies):
         self.verify = verify
         self.base = base
         self._host: HostReads | None = None
+        self._jobs: list[Future[bool]] = []
+        """Copies on the copy threads not waited for yet."""
 
     def write(self, index: int, lease: p.AllocReply) -> Digest:
         digest = copy_and_checksum(self.arena, lease.extents, self.sources[index],
@@ -394,12 +400,28 @@ class BufferCopies(Copies):
                 self._host = HostReads(self.arena, self.base, self.verify)
             return self._host.add(lease, out)
         dst = fits(as_bytes_view(out), lease.size)
-        intact = copy_out(self.arena, lease.extents, dst, lease if self.verify else None)
+        check = lease if self.verify else None
+        job = copythreads.start(self.arena, self.base, lease.extents, dst, check)
+        if job is not None:
+            self._jobs.append(job)
+            return job.result  # asked for after the fence: done by then
+        intact = copy_out(self.arena, lease.extents, dst, check)
         return lambda: intact
 
     def fence(self) -> None:
+        self._wait()
         if self._host is not None:
             self._host.run()
+
+    def settle(self) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        """Every copy thread's job of this window done (failed ones too: their error is
+        the check's to raise)."""
+        jobs, self._jobs = self._jobs, []
+        if jobs:
+            futures.wait(jobs)
 
 
 class Connection:
