@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.agent import checksums, wsumkernel
+from kvpool.agent import checksums, tensorsums, wsumkernel
 from kvpool.agent import protocol as p
-from kvpool.agent.gpu import Piece, device_wsum, plan_copies
+from kvpool.agent.gpu import Piece, plan_copies
 from kvpool.agent.tiers import base
 
 from .conftest import RawConn
@@ -87,6 +87,15 @@ def test_both_cpu_wsums_wrap_every_sum_modulo_2_64_on_a_large_chunk(kernel: bool
     n, u = size // 4, 2**32 - 1
     got = checksums.wsum_sums([b"\xff" * size], kernel)
     assert got == (size, n * u % 2**64, u * n * (n - 1) // 2 % 2**64)
+
+
+def device_wsum(segments: list[torch.Tensor], size: int, meta: bytes) -> int:
+    """WSUM of one chunk the way a tensor put computes it (`kvpool.agent.tensorsums`)."""
+    infos = [(s.nbytes, s.data_ptr() % 4 == 0, (s.shape, s.dtype)) for s in segments]
+    groups = tensorsums.plan_sums([infos])
+    rows = tensorsums.sum_rows(groups, [segments], torch.device("cpu"))
+    s0, s1 = tensorsums.chunk_sums(rows.numpy(), *tensorsums.rows_of(groups), 1)
+    return checksums.wsum_finish(size, s0[0], s1[0], meta)
 
 
 @pytest.mark.parametrize("sizes", [[4096], [1000, 2000, 7], [4, 4, 4, 1], [65536, 12]])

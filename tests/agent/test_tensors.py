@@ -481,3 +481,27 @@ def test_gpu_windows_go_in_batch_calls_and_land_byte_exact(agent: LocalAgent, on
             raw.call(p.Release(2, reply.lease))
     finally:
         raw.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_flipped_byte_is_never_read_into_a_gpu_tensor_with_verify(
+        agent: LocalAgent) -> None:
+    with KVPoolClient(agent.socket_path) as c:
+        cache = [layer.cuda() for layer in kv_cache(17)]
+        keys = keys_for(3, salt=9)
+        chunks = [chunk_segments(cache, b) for b in range(3)]
+        assert c.put_many(keys, chunks) == [True] * 3
+        conn = c._live().conn
+        lease = conn.call(p.Acquire(conn.rid(), keys[1]))
+        assert isinstance(lease, p.AcquireReply)
+        arena = c._arena
+        assert arena is not None
+        arena[lease.extents[0][0] + 4321] ^= 0x04
+        conn.cast(p.Release(conn.rid(), lease.lease))
+
+        out = [[torch.zeros_like(s) for s in chunk] for chunk in chunks]
+        sizes = c.get_many_into(keys, lambda i, n, m: out[i], verify=True)
+        size = len(packed([s.cpu() for s in chunks[0]]))
+        assert sizes == [size, 0, size]  # each verified on the GPU, the window's together
+        assert all(torch.equal(a, b) for i in (0, 2) for a, b in zip(out[i], chunks[i],
+                                                                     strict=True))

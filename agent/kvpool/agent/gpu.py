@@ -240,16 +240,6 @@ def _sum_info(seg: torch.Tensor) -> tensorsums.SegmentInfo:
     return seg.nbytes, seg.data_ptr() % 4 == 0, (seg.shape, seg.dtype)
 
 
-def device_wsum(segments: Segments, size: int, meta: bytes) -> int:
-    """The WSUM checksum of one chunk made of `segments` (`wsum_aligned`), computed where
-    they are, on the current stream; waits for it."""
-    groups = tensorsums.plan_sums([[_sum_info(s) for s in segments]])
-    rows = tensorsums.sum_rows(groups, [segments], segments[0].device)
-    chunk_of, first = tensorsums.rows_of(groups)
-    s0, s1 = tensorsums.chunk_sums(rows.cpu().numpy(), chunk_of, first, 1)
-    return checksums.wsum_finish(size, s0[0], s1[0], meta)
-
-
 class _WindowSums:
     """The WSUMs of a window's writes: added as the leases come, queued together at the
     fence (`queue`, on the current stream), read back once the fence passed (`collect`)."""
@@ -454,21 +444,26 @@ class DeviceArena:
                                dma=torch.cuda.is_available())
         read_window(conn, copies, keys, start, target, sizes, meanwhile)
 
-    def _verified(self, reply: p.AcquireReply, segs: Segments) -> bool:
-        """The destination's bytes match the chunk's checksum (read after the fence)."""
-        left, parts = reply.size, []
-        for s in segs:
-            take = min(left, s.nbytes)
-            if take:
-                parts.append(tensorsums.byte_view(s)[:take])
-            left -= take
-        on_device = any(s.device.type != "cpu" for s in parts)
-        if on_device and reply.checksum_kind == checksums.WSUM and wsum_aligned(parts):
-            return device_wsum(parts, reply.size, reply.meta) == reply.checksum
-        # On the host the checksum module's own loops (XXH3, the compiled WSUM) are several
-        # times faster than torch's word sums.
-        host = [s.cpu().numpy() for s in parts]
+    @staticmethod
+    def _verified(reply: p.AcquireReply, parts: Segments) -> bool:
+        """The destination's bytes (`parts`, the chunk's bytes in order) match the chunk's
+        checksum, computed on the host (read after the fence): there the checksum module's
+        own loops (XXH3, the compiled WSUM) are several times faster than torch's."""
+        host = [tensorsums.byte_view(s).cpu().numpy() for s in parts]
         return checksums.compute(reply.checksum_kind, host, reply.meta) == reply.checksum
+
+
+def chunk_parts(segs: Segments, size: int) -> Segments:
+    """The first `size` bytes of `segs` as tensors: the segments wholly in, then a byte
+    view of the one the chunk ends in (a view only there)."""
+    parts, left = [], size
+    for s in segs:
+        if left <= 0:
+            break
+        n = s.nbytes
+        parts.append(s if n <= left else tensorsums.byte_view(s)[:left])
+        left -= n
+    return parts
 
 
 def _intact() -> bool:
@@ -503,6 +498,10 @@ class _TensorCopies(Copies):
         """A put's CUDA event recorded before its first copy: the sources are ready, and
         the checksums wait for that, not for the copies."""
         self._sums = _WindowSums()
+        self._checks = _WindowSums()
+        """A read's destinations on a GPU to verify: summed after the copies' fence, the
+        window's together, one read back (not a device-to-host read a chunk)."""
+        self._checked = 0
         self._keep: list[object] = []
         """What the copies queued use (the driver call's arrays, the segments): kept until
         the fence passed."""
@@ -550,7 +549,15 @@ class _TensorCopies(Copies):
         self._add(lease.extents, segs, lease.size, to_arena=False)
         if not self.verify:
             return _intact
-        return lambda: self.arena._verified(lease, segs)
+        parts = chunk_parts(segs, lease.size)
+        if segs[0].device.type == "cuda" and lease.checksum_kind == checksums.WSUM \
+                and wsum_aligned(parts):
+            slot = self._checked
+            self._checked += 1
+            self._checks.add(slot, parts)  # summed after the fence, with the window's others
+            return lambda: checksums.wsum_finish(lease.size, *self._checks.values[slot],
+                                                 lease.meta) == lease.checksum
+        return lambda: DeviceArena._verified(lease, parts)
 
     def _add(self, extents: Sequence[tuple[int, int]], segs: Segments, size: int,
              to_arena: bool) -> None:
@@ -592,6 +599,12 @@ class _TensorCopies(Copies):
             self._keep.clear()
             self._side.clear()
             self._sums.collect()
+            if self._checks.indices:  # the destinations hold the copies now
+                assert self._device is not None
+                with self._copier.issue():
+                    self._checks.queue(self._device)
+                self._copier.record().wait()
+                self._checks.collect()
         if self.buffers is not None:  # reads into host ranges are made at the fence
             self.buffers.fence()
 
