@@ -109,16 +109,18 @@ class CopyPlan:
         sizes = np.ascontiguousarray(pieces[:, 3])
         return (arena, seg, sizes) if to_arena else (seg, arena, sizes)
 
-    def clear(self) -> None:
-        self.pieces = array.array("q")
-        self.addresses = array.array("Q")
-        self.segments = []
-
-
-def host_copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
-    """The pieces between host addresses (CPU tensors and the arena), as they are asked."""
-    for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
-        ctypes.memmove(d, s, n)
+    def host_copy(self, base: int, to_arena: bool) -> None:
+        """Make the pieces between host memory (CPU tensors) and the arena mapping at
+        `base`, one `memmove` each: the same addresses `arrays` gives, without numpy (a
+        CPU chunk is copied as it is planned, a few pieces at a time)."""
+        pieces, addresses = self.pieces, self.addresses
+        for k in range(0, len(pieces), PIECE):
+            arena = base + pieces[k]
+            seg = addresses[pieces[k + 1]] + pieces[k + 2]
+            if to_arena:
+                ctypes.memmove(arena, seg, pieces[k + 3])
+            else:
+                ctypes.memmove(seg, arena, pieces[k + 3])
 
 
 # --------------------------------------------------------------------------- CUDA

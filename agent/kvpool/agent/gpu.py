@@ -365,7 +365,7 @@ class DeviceArena:
         device = plan.segments[0].device
         if device.type == "cpu":
             with copier.issue():
-                cudacopy.host_copy(*plan.arrays(self.address, to_arena))
+                plan.host_copy(self.address, to_arena)
             cudacopy.uses["host"] += 1
             return plan
         if isinstance(copier, CudaStream) and self._registrar is not None:
