@@ -381,17 +381,21 @@ class DeviceArena:
         """The pieces in one `cuMemcpyBatchAsync` on `stream` (in its order); None, with
         nothing queued for good, where that call is not available or failed."""
         batcher = cudacopy.loaded.get()
-        if batcher is None or not batcher.has_context():
-            return None  # (no context on this thread yet: the copy_ path makes one)
-        if stream.device not in _checked and not _check_batches(batcher, stream.device):
+        if batcher is None:
             return None
-        on = stream
-        if stream.cuda_stream == 0:
-            on = _side_streams(stream.device).copies
-            on.wait_stream(stream)
-        err, batch = batcher.copy(*plan.arrays(self.address, to_arena), on.cuda_stream)
-        if on is not stream:
-            stream.wait_stream(on)  # the caller's fence covers them
+        # The driver call uses this thread's current context: the stream's device's.
+        with torch.cuda.device(stream.device):
+            if not batcher.has_context():
+                return None  # (none on this thread yet: the copy_ path makes one)
+            if stream.device not in _checked and not _check_batches(batcher, stream.device):
+                return None
+            on = stream
+            if stream.cuda_stream == 0:
+                on = _side_streams(stream.device).copies
+                on.wait_stream(stream)
+            err, batch = batcher.copy(*plan.arrays(self.address, to_arena), on.cuda_stream)
+            if on is not stream:
+                stream.wait_stream(on)  # the caller's fence covers them
         if err:
             # Some pieces may be queued: the copy_ path makes them all again after them
             # (the same bytes to the same places).
