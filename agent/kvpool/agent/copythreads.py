@@ -11,7 +11,6 @@ of threads: `ctypes.memmove` and xxhash's update both let the GIL go, so the job
 parallel with each other and with the caller, which goes on to the next reply. The
 window's lease rules hold as before: the window waits for every job of a group
 (`BufferCopies.fence`) before its RELEASEs go out, and on a failure too (`settle`).
-A chunk read alone (`get_into`) has its copy split over the threads instead (`copy_one`).
 
 The threads: `$KVPOOL_COPY_THREADS`, else one per four cores this process may run on, at
 most `MAX_THREADS`; none on a machine of fewer than 8 cores, where the caller copies as
@@ -26,7 +25,6 @@ import ctypes
 import os
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
@@ -41,8 +39,6 @@ MAX_THREADS = 4
 MIN_BYTES = 256 << 10
 """Chunks smaller than this are copied by the caller: a job's hand-off (~10-30 µs) would
 cost more than it saves."""
-SPLIT_BYTES = 1 << 20
-"""A chunk read alone (`copy_one`) is split over the copy threads from this size on."""
 BLOCK = 1 << 20
 """Bytes copied before they are hashed (in L2 when the hash reads them back), as
 `transport.COPY_BLOCK`."""
@@ -85,59 +81,6 @@ def pool() -> ThreadPoolExecutor | None:
     return _pool
 
 
-def _checked(arena: memoryview, extents: Sequence[tuple[int, int]], dst: memoryview) -> int:
-    """The chunk's bytes, once its extents are inside the arena and fit in `dst` (else the
-    error `copy_out` would raise)."""
-    limit = arena.nbytes
-    if any(o < 0 or n < 0 or o + n > limit for o, n in extents):
-        raise ValueError("a chunk's extents lie outside the arena")
-    total = sum(n for _, n in extents)
-    if total > dst.nbytes:
-        raise ValueError(f"chunk of {total} bytes does not fit in {dst.nbytes}")
-    return total
-
-
-def copy_one(arena: memoryview, base: int, extents: Sequence[tuple[int, int]],
-             dst: memoryview, check: p.AcquireReply | None) -> bool | None:
-    """One chunk's copy (`KVPoolClient.get_into`) split over the copy threads: its pieces
-    copied at once, each hashed here in order as soon as it is in, so the copy takes about
-    a thread's share of it and the check follows it closely. `transport.copy_out`'s
-    answer, or None where this process has no copy threads or the chunk is smaller than
-    `SPLIT_BYTES` (the caller copies it). Returns only once no piece is being copied."""
-    if not base or sum(n for _, n in extents) < SPLIT_BYTES:
-        return None
-    workers = pool()
-    if workers is None:
-        return None
-    total = _checked(arena, extents, dst)
-    piece = max(MIN_BYTES, min(BLOCK, total // MAX_THREADS))
-    held = (ctypes.c_char * dst.nbytes).from_buffer(dst)
-    to = ctypes.addressof(held)
-    pieces: list[tuple[int, int, Future[int]]] = []
-    try:
-        pos = 0
-        for offset, nbytes in extents:
-            for skip in range(0, nbytes, piece):
-                step = min(piece, nbytes - skip)
-                pieces.append((pos + skip, step, workers.submit(
-                    ctypes.memmove, to + pos + skip, base + offset + skip, step)))
-            pos += nbytes
-        xxh3 = check is not None and check.checksum_kind == checksums.XXH3
-        h = xxhash.xxh3_64(check.meta) if check is not None and xxh3 else None
-        for at, step, job in pieces:
-            job.result()
-            if h is not None:
-                h.update(dst[at : at + step])
-    finally:
-        futures.wait([job for _, _, job in pieces])
-        del held
-    if check is None:
-        return True
-    if h is not None:
-        return int(h.intdigest()) == check.checksum
-    return p.checksum(dst[: check.size], check.meta, check.checksum_kind) == check.checksum
-
-
 def start(arena: memoryview, base: int, extents: Sequence[tuple[int, int]],
           dst: memoryview, check: p.AcquireReply | None) -> Future[bool] | None:
     """A chunk's copy from its arena `extents` (the mapping at address `base`) into `dst`,
@@ -145,12 +88,17 @@ def start(arena: memoryview, base: int, extents: Sequence[tuple[int, int]],
     `transport.copy_out`'s answer. None where this process has no copy threads or the
     chunk is small (the caller copies it). Raises here, as `copy_out` would, for extents
     outside the arena or more bytes than `dst` holds."""
-    if not base or sum(n for _, n in extents) < MIN_BYTES:
+    total = sum(n for _, n in extents)
+    if total < MIN_BYTES or not base:
         return None
     workers = pool()
     if workers is None:
         return None
-    _checked(arena, extents, dst)
+    limit = arena.nbytes
+    if any(o < 0 or n < 0 or o + n > limit for o, n in extents):
+        raise ValueError("a chunk's extents lie outside the arena")
+    if total > dst.nbytes:
+        raise ValueError(f"chunk of {total} bytes does not fit in {dst.nbytes}")
     # A writable export of the destination for as long as the job runs: a bytearray
     # cannot be resized (moved) under the copy meanwhile.
     held = (ctypes.c_char * dst.nbytes).from_buffer(dst)

@@ -864,10 +864,8 @@ class ZeroCopyTransport(Transport):
         if lease is None:
             return 0
         try:
-            out, check = fits(dst, lease.size), lease if verify else None
-            intact = copythreads.copy_one(self.arena, self.base, lease.extents, out, check)
-            if intact is None:
-                intact = copy_out(self.arena, lease.extents, out, check)
+            intact = copy_out(self.arena, lease.extents, fits(dst, lease.size),
+                              lease if verify else None)
         finally:
             self.conn.cast(p.Release(self.conn.rid(), lease.lease))
         return lease.size if intact else 0
