@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -505,3 +506,59 @@ def test_a_flipped_byte_is_never_read_into_a_gpu_tensor_with_verify(
         assert sizes == [size, 0, size]  # each verified on the GPU, the window's together
         assert all(torch.equal(a, b) for i in (0, 2) for a, b in zip(out[i], chunks[i],
                                                                      strict=True))
+
+
+def _device_window(tclient: KVPoolClient, stream: StubStream) -> Any:
+    """The copy step of a GPU's read window (`dma`: its own loop), here on CPU tensors."""
+    from kvpool.agent import gpu
+    from kvpool.agent.transport import BufferCopies, ZeroCopyTransport
+
+    t = tclient._live()
+    assert isinstance(t, ZeroCopyTransport)
+    return gpu._TensorCopies(tclient._device(t), stream,
+                             buffers=BufferCopies(t.arena, base=t.base), dma=True)
+
+
+def test_a_device_read_window_reads_every_group_and_is_fenced_once_with_its_leases_held(
+        agent: LocalAgent, tclient: KVPoolClient) -> None:
+    from kvpool.agent.transport import read_groups, read_window
+
+    keys = keys_for(40, salt=3)
+    chunks = [chunk_segments(kv_cache(30 + b % 4), b % 4) for b in range(40)]
+    assert tclient.put_many(keys, chunks) == [True] * 40
+    assert len(read_groups(40)) == 2  # its ACQUIREs go in two groups
+    out = [[torch.empty_like(s) for s in c] for c in chunks]
+    with KVPoolClient(agent.socket_path) as observer:
+        def every_lease_held() -> None:
+            assert observer.stats()["leases"]["read"] == 40
+
+        stream = StubStream(every_lease_held)
+        sizes = [0] * 40
+        read_window(tclient._live().conn, _device_window(tclient, stream), keys, 0,
+                    lambda i, n, m: out[i], sizes)
+        assert stream.waited == 1
+        assert sizes == [len(packed(c)) for c in chunks]
+        assert [packed(o) for o in out] == [packed(c) for c in chunks]
+        wait_until(lambda: observer.stats()["leases"]["read"] == 0, what="the RELEASEs")
+
+
+def test_a_device_read_window_failing_in_its_second_group_settles_then_releases_all(
+        agent: LocalAgent, tclient: KVPoolClient) -> None:
+    from kvpool.agent.transport import read_window
+
+    keys = keys_for(20, salt=4)
+    chunks = [chunk_segments(kv_cache(40), 0) for _ in range(20)]
+    assert tclient.put_many(keys, chunks) == [True] * 20
+    out = [[torch.empty_like(s) for s in c] for c in chunks]
+    out[10] = out[10][:-1]  # too small: refused in the second group (keys 4 to 19)
+    with KVPoolClient(agent.socket_path) as observer:
+        def leases_still_held() -> None:
+            assert observer.stats()["leases"]["read"] == 20
+
+        stream = StubStream(leases_still_held)
+        with pytest.raises(ValueError, match="does not fit"):
+            read_window(tclient._live().conn, _device_window(tclient, stream), keys, 0,
+                        lambda i, n, m: out[i], [0] * 20)
+        assert stream.waited == 1  # the copies made so far, before any RELEASE
+        wait_until(lambda: observer.stats()["leases"]["read"] == 0, what="the RELEASEs")
+    assert tclient.get(keys[10], verify=True) == packed(chunks[10])  # still stored

@@ -596,6 +596,10 @@ class _TensorCopies(Copies):
                 assert isinstance(copier, CudaStream)
                 copier.stream.wait_stream(side)  # the window's fence covers them
 
+    def queue(self) -> None:
+        if self._copier is not None and len(self._plan):
+            self._flush(to_arena=bool(self.chunks), sums=True)
+
     def fence(self) -> None:
         if self._copier is not None:
             self._flush(to_arena=bool(self.chunks), sums=True)

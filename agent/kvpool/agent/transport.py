@@ -171,6 +171,11 @@ class Copies(ABC):
         """Start copying a read lease's chunk into `out`, what the caller's target gave
         for the key at `index` of its call."""
 
+    def queue(self) -> None:
+        """Hand the copies started so far to the device now (a device's copies may wait
+        to be queued together): the read window calls it after each group."""
+        return None
+
     def fence(self) -> None:
         """Wait until every copy started so far completed (CPU copies complete as they
         are made): leases end only after it."""
@@ -256,13 +261,17 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
     Copies made by this process's CPU go in groups (`read_groups`): the next group's
     ACQUIREs go out before this group is copied, so the agent answers them meanwhile, and
     a group's RELEASEs go out with the ACQUIREs of the group after the next. A device's
-    copies (`copies.dma`) go in one group: one write, one fence.
+    copies (`copies.dma`) go in the same groups, each queued to the device as soon as it
+    is planned, with one fence for the window (`_device_read_window`).
 
     Within a group, the replies in hand are copied whenever the next one has not arrived
     yet (`conn.answered`): a chunk the agent is still reading from below (a peer, NVMe)
     is waited for with the chunks before it copied, not after (all replies there at once,
     the group is read whole, then the next group posted, then copied, as above)."""
-    groups = read_groups(len(keys), pipelined=not copies.dma)
+    if copies.dma:
+        _device_read_window(conn, copies, keys, start, target, sizes, meanwhile)
+        return
+    groups = read_groups(len(keys))
 
     def acquires(group: tuple[int, int]) -> list[p.Request]:
         return [p.Acquire(conn.rid(), k, copies.dma) for k in keys[group[0] : group[1]]]
@@ -300,6 +309,57 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
                 group.settle()
     finally:
         releases += granted
+        if unread:  # a failure with ACQUIREs unanswered: end their leases too
+            try:
+                releases += [p.Release(conn.rid(), r.lease) for r in conn.replies(unread)
+                             if isinstance(r, p.AcquireReply)]
+            except (OSError, p.ProtocolError):
+                conn.close()  # the agent ends a closed connection's leases itself
+        conn.cast(*releases)
+
+
+def _device_read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
+                        start: int, target: ReadTarget, sizes: list[int],
+                        meanwhile: Meanwhile) -> None:
+    """`read_window` for a device's copies: the ACQUIREs go in the same groups, the next
+    group's out before this group's copies are planned, and each group's copies are
+    queued (`Copies.queue`) once planned, so the agent answers the next group while the
+    device copies this one (not all ACQUIREs answered before the first DMA). One fence
+    for the window, at its end: a device's fence is a wait for the device, and the
+    copies of a group need not have completed before the next group's are queued. Every
+    lease is RELEASEd after that fence."""
+    groups = read_groups(len(keys))
+
+    def acquires(group: tuple[int, int]) -> list[p.Request]:
+        return [p.Acquire(conn.rid(), k, True) for k in keys[group[0] : group[1]]]
+    conn.post(acquires(groups[0]))
+    unread = groups[0][1] - groups[0][0]
+    """Replies to ACQUIREs sent and not read yet."""
+    releases: list[p.Request] = []
+    """Granted leases: RELEASEd once the window's copies completed (or on failure, once no
+    copy that started may still use their pages)."""
+    window = _GroupCopies(copies, start, target, sizes)
+    replies: list[p.Reply] = []
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        try:
+            for n, (_, hi) in enumerate(groups):
+                while len(replies) < hi:
+                    reply = conn.replies(1)[0]
+                    unread -= 1
+                    replies.append(reply)
+                    if isinstance(reply, p.AcquireReply):
+                        releases.append(p.Release(conn.rid(), reply.lease))
+                if n + 1 < len(groups):
+                    conn.post(acquires(groups[n + 1]))
+                    unread += groups[n + 1][1] - groups[n + 1][0]
+                window.start(replies)
+                copies.queue()
+            window.finish()
+        finally:
+            window.settle()
+    finally:
         if unread:  # a failure with ACQUIREs unanswered: end their leases too
             try:
                 releases += [p.Release(conn.rid(), r.lease) for r in conn.replies(unread)
