@@ -6,6 +6,7 @@ follows the cores or `$KVPOOL_COPY_THREADS`."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -113,6 +114,41 @@ def test_a_window_that_fails_ends_no_lease_before_its_copies_on_copy_threads_are
         assert other.stats()["leases"]["read"] == 0
         # the client goes on
         assert c.get_many_into(keys, lambda i, n, m: outs[i]) == [size] * len(keys)
+
+
+def test_a_forked_child_copies_on_threads_of_its_own(agent: LocalAgent,
+                                                    copy_threads: None) -> None:
+    """A child forked after its parent made its copy threads (an engine forking its
+    workers) has none of them: its window's copies run on a pool of its own, not on jobs
+    queued for threads that are not there (which would never be done)."""
+    size = 512 * KiB
+    keys = [os.urandom(16) for _ in range(6)]
+    data = [os.urandom(size) for _ in keys]
+    with KVPoolClient(agent.socket_path) as c:
+        assert c.put_many(keys, data) == [True] * len(keys)
+        outs = [bytearray(size) for _ in keys]
+        assert c.get_many_into(keys, lambda i, n, m: outs[i]) == [size] * len(keys)
+    parents = copythreads._pool
+    assert parents is not None
+    pid = os.fork()
+    if pid == 0:  # the child: its own client, its own copy threads
+        ok = False
+        try:
+            with KVPoolClient(agent.socket_path) as child:
+                outs = [bytearray(size) for _ in keys]
+                got = child.get_many_into(keys, lambda i, n, m: outs[i])
+                ok = got == [size] * len(keys) and [bytes(o) for o in outs] == data and \
+                    copythreads._pool is not None and copythreads._pool is not parents
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's window never finished")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_copy_threads_follow_the_cores_and_the_environment(

@@ -16,7 +16,7 @@ The threads: `$KVPOOL_COPY_THREADS`, else one per four cores this process may ru
 most `MAX_THREADS`; none on a machine of fewer than 8 cores, where the caller copies as
 before (there the copies on more threads take the cores the agents need, and two copies
 at once share the memory bandwidth: no gain was measured on 2 cores). Made on the first
-copy, shared by every client of the process.
+copy, shared by every client of the process (a forked child makes its own).
 """
 
 from __future__ import annotations
@@ -45,6 +45,18 @@ BLOCK = 1 << 20
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's threads: its copies would wait for jobs no
+    thread takes. It makes its own pool (and lock: the parent's may have been held by a
+    thread that is not here) at its first copy."""
+    global _pool, _lock
+    _pool = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def default_threads(cores: int) -> int:
