@@ -241,8 +241,10 @@ def _sum_info(seg: torch.Tensor) -> tensorsums.SegmentInfo:
 
 
 class _WindowSums:
-    """The WSUMs of a window's writes: added as the leases come, queued together at the
-    fence (`queue`, on the current stream), read back once the fence passed (`collect`)."""
+    """The WSUMs of a window's chunks (a put's sources, a verified read's destinations):
+    added as the leases come, queued in batches (`queue`, on the current stream; the
+    chunks of a batch summed together), read back once the window's fence passed
+    (`collect`)."""
 
     def __init__(self) -> None:
         self.indices: list[int] = []
@@ -311,7 +313,7 @@ def _check_batches(batcher: cudacopy.BatchCopier, device: torch.device) -> bool:
     host = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
     stream.synchronize()
     d, h, b = src.data_ptr(), host.data_ptr(), back.data_ptr()
-    cuts = [(0, 1000), (1000, 3000), (4000, 96)]  # pieces of odd sizes, in two calls each way
+    cuts = [(0, 1000), (1000, 3000), (4000, 96)]  # pieces of odd sizes: one call each way
     err = 0
     for dst, source in ((h, d), (b, h)):
         err = err or batcher.copy(np.array([dst + o for o, _ in cuts], dtype=np.uint64),
@@ -476,10 +478,11 @@ def _intact() -> bool:
 
 class _TensorCopies(Copies):
     """The copy step of a tensor window: the copies between the arena and the segments
-    planned as the leases come and made at the fence (CPU tensors: as planned), on one
-    `CopyStream`, fenced once for the window. A write's checksum is WSUM computed where
-    the segments are, for the whole window at its fence (XXH3 of the arena bytes when
-    they are cut inside a word); a read into a buffer goes to `buffers`."""
+    planned as the leases come and queued in batches (`QUEUE_BYTES`, a read group, the
+    fence; CPU tensors: made as planned), on one `CopyStream`, fenced once for the window.
+    A write's checksum is WSUM computed where the segments are, with each batch of copies
+    (XXH3 of the arena bytes when they are cut inside a word); a read into a buffer goes
+    to `buffers`."""
 
     def __init__(self, arena: DeviceArena, stream: object, chunks: Sequence[Segments] = (),
                  metas: Sequence[bytes] = (), buffers: Copies | None = None,
