@@ -590,14 +590,12 @@ class _TensorCopies(Copies):
         side = None
         if sums and self._sums.indices and isinstance(copier, CudaStream):
             side = _side_streams(device).sums
-            self._side.append(side)
+            if side not in self._side:
+                self._side.append(side)
             side.wait_event(self._ready)  # the sources are ready (not the copies after)
         if sums and self._sums.indices:
             with torch.cuda.stream(side) if side is not None else copier.issue():
                 self._sums.queue(device)
-            if side is not None:
-                assert isinstance(copier, CudaStream)
-                copier.stream.wait_stream(side)  # the window's fence covers them
 
     def queue(self) -> None:
         if self._copier is not None and len(self._plan):
@@ -606,6 +604,11 @@ class _TensorCopies(Copies):
     def fence(self) -> None:
         if self._copier is not None:
             self._flush(to_arena=bool(self.chunks), sums=True)
+            # The window's fence covers the sums too: the caller's stream waits for them
+            # here, not at each batch (its later copies need not wait for them).
+            for side in self._side:
+                assert isinstance(self._copier, CudaStream)
+                self._copier.stream.wait_stream(side)
             self._copier.record().wait()
             self._keep.clear()
             self._side.clear()
