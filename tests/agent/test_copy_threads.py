@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -77,11 +78,19 @@ def test_a_damaged_chunk_copied_on_a_copy_thread_is_a_miss_and_the_rest_land(
     assert _copy_threads()
 
 
+@pytest.mark.parametrize("torch_loaded", [False, True], ids=["plain", "torch loaded"])
 def test_a_window_that_fails_ends_no_lease_before_its_copies_on_copy_threads_are_done(
-        agent: LocalAgent, copy_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        agent: LocalAgent, copy_threads: None, monkeypatch: pytest.MonkeyPatch,
+        torch_loaded: bool) -> None:
     """The caller's target fails while copies of the chunks before it still run on the
     copy threads: the window's RELEASEs go out only once those copies are done (each
-    copy, once done, finds every lease of the window still held by the agent)."""
+    copy, once done, finds every lease of the window still held by the agent). In a
+    process that has loaded torch (an engine's) a window goes through the tensor path,
+    its buffers' copies on the same threads: the same holds there."""
+    if torch_loaded:
+        import torch  # noqa: F401
+    else:  # (the client takes the tensor path wherever torch is loaded)
+        monkeypatch.delitem(sys.modules, "torch", raising=False)
     size = 512 * KiB
     keys = [os.urandom(16) for _ in range(8)]
     data = [os.urandom(size) for _ in keys]
@@ -111,7 +120,8 @@ def test_a_window_that_fails_ends_no_lease_before_its_copies_on_copy_threads_are
             c.get_many_into(keys, target)
         assert held and min(held) == len(keys), held
         assert [bytes(o) for o in outs[: len(held)]] == data[: len(held)]
-        assert other.stats()["leases"]["read"] == 0
+        # (asked on the window's connection: after its RELEASEs, which have no reply)
+        assert c.stats()["leases"]["read"] == 0
         # the client goes on
         assert c.get_many_into(keys, lambda i, n, m: outs[i]) == [size] * len(keys)
 

@@ -629,6 +629,8 @@ class _TensorCopies(Copies):
             for side in self._side:
                 with contextlib.suppress(Exception):
                     side.synchronize()
+        if self.buffers is not None:  # copies into buffers may still run on copy threads
+            self.buffers.settle()
 
 
 def chunk_bytes(chunk: torch.Tensor | Sequence[torch.Tensor], what: str) -> bytes:
