@@ -23,6 +23,15 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    """One agent for the module's tests (each its own keys, every lease released): an
+    agent's start is most of what a test here costs."""
+    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("copythreads"),
+                    dram="32Mi") as a:
+        yield a
+
+
 @pytest.fixture
 def copy_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """This process with 3 copy threads (a fresh pool, shut down after the test)."""
