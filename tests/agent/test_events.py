@@ -669,3 +669,32 @@ def test_a_restarted_agent_names_the_engines_blocks_as_before(
                         e.medium) == (b.hashes, b.token_ids, b.parent, 16, where)
             assert c.stats()["tiers"]["dram"]["chunks"] == len(in_dram)
     assert "warm restart" in agent.log()
+
+
+def test_each_chunk_of_a_put_window_names_the_blocks_of_its_own_commit(
+        node_agent: tuple[LocalAgent, str, str, Path], ctx: zmq.Context[Any]) -> None:
+    """A put window's COMMITs reach the agent together and are stored as one batch (one
+    journal write): each chunk's BlockStored still carries what its own COMMIT named."""
+    agent, endpoint, _, _ = node_agent
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@n1@")
+    sub.connect(endpoint)
+    decoder = msgspec.msgpack.Decoder(MapBatch)
+    numbers = range(3000, 3008)
+    with KVPoolClient(agent.socket_path, pod="vllm-0", model="m", block_size=16) as c:
+        wait_until(lambda: c.put(key(910_000 + int(time.monotonic_ns() % 10**6)), b"p")
+                   and sub.poll(100), "the subscription to take effect")
+        while sub.poll(200):
+            sub.recv_multipart()
+        assert c.put_many([key(i) for i in numbers], [b"w" * CHUNK for _ in numbers],
+                          blocks=[blocks(i) for i in numbers]) == [True] * len(numbers)
+        stored: dict[int, Stored] = {}
+        while len(stored) < len(numbers):
+            for e in decoder.decode(recv(sub)[2]).events:
+                if isinstance(e, MapStored) and e.medium == "CPU_PINNED":
+                    stored[e.block_hashes[0]] = e
+    sub.close()
+    for i in numbers:
+        b = blocks(i)
+        assert stored[b.hashes[0]] == MapStored(list(b.hashes), b.parent, list(b.token_ids),
+                                                16, None, "CPU_PINNED")

@@ -83,7 +83,20 @@ def test_a_tenant_name_longer_than_the_protocol_allows_is_refused_at_hello(
         assert c.get(key_of(1)) == data_of(1)
 
 
-def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(tmp_path: Path) -> None:
+def _put(c: KVPoolClient, i: int, meta: bytes) -> bool | p.ProtocolError:
+    try:
+        return c.put(key_of(i), data_of(i), meta=meta)
+    except p.ProtocolError as e:
+        return e
+
+
+@pytest.mark.parametrize("windows", [False, True], ids=["one-by-one", "in-windows"])
+def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(
+        tmp_path: Path, windows: bool) -> None:
+    """`in-windows`: `put_many`, whose window's COMMITs the agent journals in one write;
+    where that write does not fit, each chunk is journaled alone, stored where it fits and
+    refused where not. Every chunk acknowledged survives a SIGKILL right after the
+    replies."""
     # RLIMIT_FSIZE stands in for a full tmpfs: the agent (it inherits the limit) can write
     # no file past 2 MiB, the arena's size. Chunks of one page with 16,000 bytes of meta
     # fill the journal's 2 MiB long before the arena.
@@ -101,15 +114,19 @@ def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(tmp_path:
     try:
         stored, refused = [], []
         with KVPoolClient(agent.socket_path) as c:
-            for i in range(300):
-                try:
-                    assert c.put(key_of(i), data_of(i), meta=meta)
+            results = c.put_many([key_of(i) for i in range(300)],  # windows of 128
+                                 [data_of(i) for i in range(300)], [meta] * 300) \
+                if windows else [_put(c, i, meta) for i in range(300)]
+            for i, r in enumerate(results):
+                if r is True:
                     stored.append(i)
-                except p.ProtocolError as e:
-                    assert e.code == p.ErrorCode.NO_SPACE, e
-                    assert "journal" in str(e)
+                else:
+                    assert isinstance(r, p.ProtocolError) and r.code == p.ErrorCode.NO_SPACE, r
+                    assert "journal" in str(r)
                     refused.append(i)
             assert stored and refused
+            if windows:  # the window whose one write did not fit stored what fitted alone
+                assert len(stored) % 128, "a window was stored or refused whole, never in part"
             assert c.stats()["tiers"]["dram"]["chunks"] == len(stored)
             assert all(c.lookup([key_of(i)]) == 0 for i in refused)
             assert all(c.get_with_meta(key_of(i)) == (data_of(i), meta) for i in stored)

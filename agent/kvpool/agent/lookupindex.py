@@ -161,6 +161,8 @@ PEER_MAX_SLOTS = 1 << 22
 """24 B a slot: at most 96 MiB of table (written only as far as it has grown), for up to
 ~3M remote keys (at 3/4 load)."""
 _PAGE = 4096
+_PREFAULT_PIECE = 1 << 20
+"""Bytes of zeros written at a time when the DRAM table is faulted in (`_prefault`)."""
 
 
 def _word(seq: int, gen: int, peer: int, state: int) -> int:
@@ -213,6 +215,18 @@ def _home(key: bytes, mask: int) -> int:
     return xxh3_64_intdigest(key) & mask
 
 
+def _prefault(view: memoryview, nbytes: int) -> None:
+    """Write zeros over the first `nbytes` of a fresh mapping, so its pages are in memory
+    now: a chunk's first COMMIT into a page of the table otherwise takes the page fault
+    (~3 µs, on this project's 2-core machine, in a COMMIT of ~20). The memory is the
+    table's whole size either way once keys have hashed to every page (what the operator
+    counts, `dram_table_bytes`)."""
+    zeros = bytes(min(nbytes, _PREFAULT_PIECE))
+    for at in range(0, nbytes, len(zeros)):
+        n = min(len(zeros), nbytes - at)
+        view[at : at + n] = zeros[:n]
+
+
 class SharedIndex:
     """The agent's side: a sealed memfd table of its visible DRAM keys."""
 
@@ -243,6 +257,7 @@ class SharedIndex:
             os.close(self.fd)
             raise
         self.view = memoryview(self._mm)
+        _prefault(self.view, HEADER_BYTES + slots * SLOT_BYTES)
         flags = LOWER_TIERS if lower_tiers or peer_slots else 0
         if peer_slots:
             flags |= PEER_TABLE | (SHARED_BELOW if shared_below else 0)

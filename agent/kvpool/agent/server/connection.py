@@ -19,6 +19,7 @@ import msgspec
 from .. import __version__
 from .. import protocol as p
 from ..store import MAX_LEASES_PER_CLIENT, OpError
+from .dispatch import commit_many
 
 if TYPE_CHECKING:
     from .dispatch import Dispatcher
@@ -32,6 +33,17 @@ and goes back to this once the frame is handled, so an idle connection holds no 
 COALESCE_BYTES = 256 * 1024
 """Reply bytes held back for one send while more requests of a pipelined batch are
 already buffered; past this they go out (a batch of inline GETs must not pile up)."""
+
+
+MAX_COMMIT_BATCH = 1024
+"""COMMITs handled as one batch at most (`Connection._commits`)."""
+_COMMIT = int(p.Op.COMMIT)
+
+
+def _op_of(body: bytes | bytearray) -> int:
+    """A request's op from its first bytes (a msgpack array led by its op: a fixarray and a
+    positive fixint), or -1."""
+    return body[1] if len(body) >= 2 and 0x90 <= body[0] <= 0x9F and body[1] < 0x80 else -1
 
 
 class Closed(Exception):
@@ -260,9 +272,10 @@ class Connection:
         self.start += length
         return body
 
-    def buffered_frame(self) -> bytes | None:
-        """The next frame's body when it is already whole in the buffer, else None (a
-        frame still arriving, or one too large, is left to `read_frame`)."""
+    def buffered_frame(self, op: int = -1) -> bytes | None:
+        """The next frame's body when it is already whole in the buffer (and, given `op`,
+        a request of that op), else None (a frame still arriving, or one too large, is
+        left to `read_frame`)."""
         pending = self.end - self.start
         if pending < p.HEADER.size:
             return None
@@ -270,6 +283,8 @@ class Connection:
         if length > self.dispatcher.max_frame_bytes or pending < p.HEADER.size + length:
             return None
         begin = self.start + p.HEADER.size
+        if op >= 0 and (length < 2 or _op_of(self.buf[begin : begin + 2]) != op):
+            return None
         with memoryview(self.buf) as view:
             body = bytes(view[begin : begin + length])
         self.start = begin + length
@@ -335,7 +350,7 @@ class Connection:
     async def _serve(self) -> None:
         while True:
             # No frame outlives its handling: an idle connection holds none of its bytes.
-            await self._handle(await self.read_frame())
+            await self._handle_next(await self.read_frame())
             # A pipelined batch (a window of ACQUIREs, RELEASEs cast ahead of a call) is
             # often already whole in the buffer: its replies go out in one send, not one
             # each (a send per reply was ~18% of the loop's time under batches).
@@ -343,8 +358,54 @@ class Connection:
                 body = self.buffered_frame()
                 if body is None:  # (an empty body is a frame too: a malformed one)
                     break
-                await self._handle(body)
+                await self._handle_next(body)
             await self.flush()
+
+    async def _handle_next(self, body: bytes) -> None:
+        """Handle a frame; a COMMIT followed by more COMMITs already whole in the buffer (a
+        put window's, which the client sends in one write) is handled with them, as one
+        batch (`_commits`)."""
+        if self.hello and _op_of(body) == _COMMIT:
+            bodies = [body]
+            while len(bodies) < MAX_COMMIT_BATCH \
+                    and (more := self.buffered_frame(_COMMIT)) is not None:
+                bodies.append(more)
+            if len(bodies) > 1:
+                await self._commits(bodies)
+                return
+        await self._handle(body)
+
+    async def _commits(self, bodies: list[bytes]) -> None:
+        """COMMITs that came together: their chunks journaled in one write and made visible
+        (`dispatch.commit_many`), a reply each, in order; one that fails fails alone. Each
+        request's latency is its share of the batch's time. A frame that does not decode
+        ends the batch before it, and is answered as alone (the connection closes)."""
+        metrics = self.dispatcher.metrics
+        started = time.perf_counter()
+        reqs: list[p.Commit] = []
+        for body in bodies:
+            try:
+                req = p.request_decoder.decode(body)
+            except msgspec.MsgspecError:
+                break
+            assert isinstance(req, p.Commit)  # (its op byte said so)
+            reqs.append(req)
+        replies: list[p.CommitReply | Exception]
+        try:
+            replies = commit_many(self, reqs)
+        except Exception as e:  # a bug: every COMMIT of the batch says it
+            replies = [e] * len(reqs)
+        each = (time.perf_counter() - started) / max(1, len(reqs))
+        op, ok, latency = p.Op.COMMIT, metrics.ops_ok[p.Op.COMMIT], metrics.latency[p.Op.COMMIT]
+        for req, reply in zip(reqs, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._reply_error(op, req.rid, reply)
+            else:
+                self.reply(p.encode(reply))
+                ok.inc()
+            latency.observe(each)
+        if len(reqs) < len(bodies):
+            await self._handle(bodies[len(reqs)])  # its error reply, and Closed
 
     async def _handle(self, body: bytes) -> None:
         metrics = self.dispatcher.metrics
@@ -387,7 +448,7 @@ class Connection:
         if isinstance(e, OpError):
             code, message = e.code, e.message
         else:
-            log.exception("internal error serving %s", op.name)
+            log.error("internal error serving %s", op.name, exc_info=e)
             code, message = p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
         self.dispatcher.metrics.op_error(op, code)
         self.reply(p.encode(p.ErrorReply(rid=rid, code=int(code), message=message)))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -12,7 +13,7 @@ from .. import protocol as p
 from ..config import AgentConfig
 from ..events.identity import identity
 from ..metrics import AgentMetrics
-from ..store import OpError, snapshot
+from ..store import CommitRequest, OpError, Storing, snapshot
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -117,24 +118,59 @@ async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
 
 
 def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
-    if not 0 <= r.next_size <= c.store.config.max_chunk_bytes:  # before: the lease stays open
-        raise OpError(p.ErrorCode.BAD_ARGUMENT,
-                      f"next_size {r.next_size} is outside 0..{c.store.config.max_chunk_bytes}")
-    _check_hint(r.to)
-    lease = c.store.dram.write_lease(r.lease)
-    with _storing(c, (lease.key or r.key) if lease is not None else b"", r):
-        stored = c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind, r.key, r.meta,
-                                r.to)
-    c.spares.discard(r.lease)
-    reply = p.CommitReply(r.rid, stored)
-    # The next put's lease, granted only after this one's chunk is in (best effort: none
-    # when the connection holds its most spares or the arena has no room now).
-    if r.next_size and len(c.spares) < p.MAX_SPARE_LEASES:
-        spare = c.store.spare(r.next_size, c.tenant, c.id)
-        if spare is not None:
-            c.spares.add(spare.lease)
-            reply.spare, reply.spare_extents = spare.lease, spare.extents
+    reply = commit_many(c, [r])[0]
+    if isinstance(reply, Exception):
+        raise reply
     return reply
+
+
+def commit_many(c: Connection, reqs: Sequence[p.Commit]) -> list[p.CommitReply | Exception]:
+    """The replies to COMMITs that came together (a window's), in order; an exception is
+    what that COMMIT's error reply says, the others unaffected. Their chunks are journaled
+    in one write and made visible (`ChunkStore.commit_many`), then each one's spare lease
+    (put-ahead) is granted."""
+    refused = [_commit_refused(c, r) for r in reqs]
+    asked = [r for r, e in zip(reqs, refused, strict=True) if e is None]
+    storing: Storing | None = None
+    if c.space.events is not None:  # what KV events say of each chunk stored
+        storing = functools.partial(_storing_of, c, asked)
+    results = iter(c.store.commit_many(
+        [CommitRequest(r.lease, r.checksum, r.checksum_kind, r.key, r.meta, r.to)
+         for r in asked], c.id, storing))
+    out: list[p.CommitReply | Exception] = []
+    for r, error in zip(reqs, refused, strict=True):
+        stored = error if error is not None else next(results)
+        if isinstance(stored, Exception):
+            out.append(stored)
+            continue
+        c.spares.discard(r.lease)
+        reply = p.CommitReply(r.rid, stored)
+        # The next put's lease, granted only after this one's chunk is in (best effort:
+        # none when the connection holds its most spares or the arena has no room now).
+        if r.next_size and len(c.spares) < p.MAX_SPARE_LEASES:
+            spare = c.store.spare(r.next_size, c.tenant, c.id)
+            if spare is not None:
+                c.spares.add(spare.lease)
+                reply.spare, reply.spare_extents = spare.lease, spare.extents
+        out.append(reply)
+    return out
+
+
+def _commit_refused(c: Connection, r: p.Commit) -> OpError | None:
+    """Why a COMMIT is refused before anything is done (its lease stays open), or None."""
+    if not 0 <= r.next_size <= c.store.config.max_chunk_bytes:
+        return OpError(p.ErrorCode.BAD_ARGUMENT,
+                       f"next_size {r.next_size} is outside 0..{c.store.config.max_chunk_bytes}")
+    try:
+        _check_hint(r.to)
+    except OpError as e:
+        return e
+    return None
+
+
+def _storing_of(c: Connection, reqs: Sequence[p.Commit], i: int,
+                key: bytes) -> contextlib.AbstractContextManager[None]:
+    return _storing(c, key, reqs[i])
 
 
 def _storing(c: Connection, key: bytes,

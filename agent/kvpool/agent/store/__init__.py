@@ -4,7 +4,14 @@ in parts that own their state."""
 from __future__ import annotations
 
 from ..constants import TIER_CODES as TIER_CODE
-from .chunkstore import MAX_LEASES_PER_CLIENT, ChunkStore, Granted, open_journal
+from .chunkstore import (
+    MAX_LEASES_PER_CLIENT,
+    ChunkStore,
+    CommitRequest,
+    Granted,
+    Storing,
+    open_journal,
+)
 from .demotion import IO_THREADS, Demotion
 from .errors import OpError, check_key
 from .loads import READ_THREADS, Loaded, Loads
@@ -14,7 +21,7 @@ from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot, samples, stats_
 
 __all__ = [
     "IO_THREADS", "MAX_LEASES_PER_CLIENT", "PRESENCE_WAIT_THREADS", "READ_THREADS", "TIER_CODE",
-    "ChunkStore", "Demotion", "Granted", "Loaded", "Loads", "LookupCounts", "OpError",
-    "ReadAhead", "SharedLink", "StoreSnapshot", "TierSnapshot", "check_key", "open_journal",
-    "samples", "stats_reply",
+    "ChunkStore", "CommitRequest", "Demotion", "Granted", "Loaded", "Loads", "LookupCounts",
+    "OpError", "ReadAhead", "SharedLink", "StoreSnapshot", "Storing", "TierSnapshot",
+    "check_key", "open_journal", "samples", "stats_reply",
 ]

@@ -43,7 +43,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -69,7 +69,7 @@ from ..peers.settle import after_drain
 from ..protocol import MAX_LOOKUP_KEYS, ErrorCode, Extents, checksum
 from ..tiers import base
 from ..tiers.base import ChunkRecord, IntegrityError
-from ..tiers.dram import DramChunk, DramTier
+from ..tiers.dram import DramChunk, DramTier, WriteLease
 from ..tiers.nvme import NvmeTier
 from ..tiers.peer import PeerTier
 from ..tiers.shared import SharedChunkTier
@@ -107,6 +107,24 @@ FIND_TRIES = 4
 """Reads of a chunk that keeps moving between DRAM and NVMe under one GET or ACQUIRE
 before it is a miss (each try is one NVMe read; a chunk moves only that often when DRAM
 is far too small for the prompts it serves)."""
+
+
+Storing = Callable[[int, bytes], contextlib.AbstractContextManager[None]]
+"""The context a batch's i-th chunk is made visible in, given its key (`commit_many`)."""
+
+
+@dataclass(slots=True)
+class CommitRequest:
+    """What one COMMIT asks (`ChunkStore.commit_many`)."""
+
+    lease: int
+    checksum: int
+    kind: int = checksums.XXH3
+    key: bytes = b""
+    """A spare lease's key (and `meta` its metadata), named at its COMMIT."""
+    meta: bytes = b""
+    to: str = ""
+    """The node the chunk is handed off to (`ChunkStore.hand_off`)."""
 
 
 @dataclass(slots=True)
@@ -876,32 +894,106 @@ class ChunkStore:
         """Make a write lease's chunk visible; False when its key was stored meanwhile
         (theirs is kept). A spare lease (`spare`) takes its `key` and `meta` here. `to`:
         the node that will read it, where it is pushed (`hand_off`), stored now or not."""
-        if kind not in checksums.KINDS:  # checked first: the lease stays open to retry
-            raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {kind}")
-        open_ = self.dram.write_lease(lease_id)
+        result = self.commit_many(
+            [CommitRequest(lease_id, checksum_, kind, key, meta, to)], owner)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def commit_many(self, commits: Sequence[CommitRequest], owner: int,
+                    storing: Storing | None = None) -> list[bool | Exception]:
+        """`commit` of each (a window's COMMITs that came together), one result each: True
+        (stored), False (its key was stored first, theirs is kept), or what refused it (an
+        `OpError`: that commit alone fails, its lease open where `commit` leaves it open).
+
+        The chunks are journaled in one write, then made visible in order, then the DRAM
+        watermark is checked once: each is in the journal before it is visible, as with one
+        commit at a time, and nothing is answered before all of it is done. Where the
+        journal refuses the write, each is journaled alone, and refused alone if that fails
+        too. `storing(i, key)`: the context `commits[i]`'s chunk is made visible in (what
+        KV events say of it)."""
+        results: list[bool | Exception] = [False] * len(commits)
+        ready: list[tuple[int, bytes, bytes, WriteLease]] = []
+        again: list[tuple[int, bytes, bytes, WriteLease]] = []
+        """Keys an earlier commit of the batch stores: done after those, as one commit at a
+        time would (False, unless that earlier commit was refused)."""
+        keys: set[bytes] = set()
+        for i, c in enumerate(commits):
+            try:
+                key, meta, lease = self._close_write(c, owner)
+            except Exception as e:  # that commit's reply says it
+                results[i] = e
+                continue
+            if key in keys:
+                again.append((i, key, meta, lease))
+            elif self.contains(key):
+                # Another client stored the same key first: keep theirs.
+                self.dram.free(lease.extents)
+                self.hand_off(key, c.to)
+            else:
+                keys.add(key)
+                ready.append((i, key, meta, lease))
+        journaled = False
+        if self.journal is not None and len(ready) > 1:
+            try:
+                self.journal.commit_many([
+                    JournalEntry(key, lease.extents, lease.size,
+                                 commits[i].checksum & (2**64 - 1), meta, lease.tenant,
+                                 commits[i].kind)
+                    for i, key, meta, lease in ready])
+                journaled = True
+            except OSError:
+                pass  # one at a time, then: refused alone where it cannot be recorded
+        for i, key, meta, lease in ready:
+            self._commit_visible(commits[i], key, meta, lease, journaled, storing, i, results)
+        for i, key, meta, lease in again:
+            if self.contains(key):
+                self.dram.free(lease.extents)
+                self.hand_off(key, commits[i].to)
+            else:
+                self._commit_visible(commits[i], key, meta, lease, False, storing, i, results)
+        if any(r is True for r in results):
+            self._check_watermark()
+        return results
+
+    def _close_write(self, c: CommitRequest, owner: int) -> tuple[bytes, bytes, WriteLease]:
+        """A commit's checks, then its write lease closed: its key, metadata and lease.
+        Raises, the lease left open, for an unknown checksum kind, a spare's bad key or
+        metadata, or a key other than the lease's; UNKNOWN_LEASE for a lease not open on
+        this connection."""
+        if c.kind not in checksums.KINDS:  # checked first: the lease stays open to retry
+            raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {c.kind}")
+        open_ = self.dram.write_lease(c.lease)
         if open_ is not None and open_.owner == owner:
             if not open_.key:  # a spare: the chunk is named now, checked before it closes
-                check_key(key)
-                self._check_size(open_.size, meta)
-            elif key and key != open_.key:
+                check_key(c.key)
+                self._check_size(open_.size, c.meta)
+            elif c.key and c.key != open_.key:
                 raise OpError(ErrorCode.BAD_ARGUMENT,
-                              f"write lease {lease_id} is for another key")
-        lease = self.dram.close_write(lease_id, owner)
+                              f"write lease {c.lease} is for another key")
+        lease = self.dram.close_write(c.lease, owner)
         if lease is None:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
-                          f"write lease {lease_id} is not open on this connection")
+                          f"write lease {c.lease} is not open on this connection")
         self._write_closed(owner, lease.size)
-        key, meta = (lease.key, lease.meta) if lease.key else (key, meta)
-        if self.contains(key):
-            # Another client stored the same key first: keep theirs.
-            self.dram.free(lease.extents)
-            self.hand_off(key, to)
-            return False
-        chunk = self._insert(key, lease.extents, lease.size, checksum_ & (2**64 - 1),
-                             meta, lease.tenant, kind=kind)
+        return (lease.key, lease.meta, lease) if lease.key else (c.key, c.meta, lease)
+
+    def _commit_visible(self, c: CommitRequest, key: bytes, meta: bytes, lease: WriteLease,
+                        journaled: bool, storing: Storing | None, i: int,
+                        results: list[bool | Exception]) -> None:
+        """A closed write's chunk made visible (journaled first unless `journaled`), offered
+        to the shared tier and handed off; results[i] says how it went."""
+        try:
+            with storing(i, key) if storing is not None else contextlib.nullcontext():
+                chunk = self._insert(key, lease.extents, lease.size, c.checksum & (2**64 - 1),
+                                     meta, lease.tenant, evict=False, kind=c.kind,
+                                     journaled=journaled)
+        except Exception as e:  # the journal cannot record it (pages freed), or a bug
+            results[i] = e
+            return
         self._write_through(chunk)
-        self.hand_off(key, to)
-        return True
+        self.hand_off(key, c.to)
+        results[i] = True
 
     def spare(self, size: int, tenant: str, owner: int) -> Granted | None:
         """A keyless write lease for the connection's next put of `size` bytes (put-ahead,

@@ -1,0 +1,121 @@
+"""The agent's own time per request of a put and a read, and the client's per chunk.
+
+    python benchmarks/put_ops.py                      # 256 chunks of 1 MiB bytes, 7 rounds
+    python benchmarks/put_ops.py --tensor             # the same as CPU tensors (WSUM kind)
+    python benchmarks/put_ops.py --py-spy agent.txt   # the agent under py-spy (collapsed)
+
+Each round deletes the last round's keys, `put_many`s fresh ones (ALLOC and COMMIT a window
+at a time) and reads them back with `get_many_into` (ACQUIRE, RELEASE); the first round
+warms up. Prints one JSON line: the client's median µs a chunk of a put and a read, and the
+agent's mean µs per request of each op over the measured rounds, from its own
+`kvpool_op_duration_seconds` histogram (the handling of a request, from its decoding to its
+reply queued: not the event loop's turns, nor the socket's share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.bench.local import LocalAgent
+
+MiB = 1 << 20
+OPS = ("alloc", "commit", "acquire", "release", "delete")
+
+
+def op_seconds(url: str) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) of each op's requests so far, from the agent's metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "kvpool_op_duration_seconds":
+            continue
+        for s in family.samples:
+            op = s.labels.get("op", "")
+            if op not in OPS:
+                continue
+            row = out.setdefault(op, [0.0, 0.0])
+            if s.name.endswith("_sum"):
+                row[0] = s.value
+            elif s.name.endswith("_count"):
+                row[1] = s.value
+    return {op: (v[0], v[1]) for op, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunk", type=int, default=MiB, help="chunk bytes")
+    ap.add_argument("--chunks", type=int, default=256, help="chunks a round")
+    ap.add_argument("--reps", type=int, default=7, help="measured rounds")
+    ap.add_argument("--tensor", action="store_true", help="CPU tensors (WSUM), not bytes")
+    ap.add_argument("--py-spy", default="", metavar="FILE",
+                    help="run the agent under `py-spy record` (collapsed stacks to FILE)")
+    a = ap.parse_args()
+    if a.tensor:
+        import torch
+
+        data: list[Any] = [torch.randint(0, 256, (a.chunk,), dtype=torch.uint8)
+                           for _ in range(a.chunks)]
+        out: list[Any] = [torch.empty_like(t) for t in data]
+    else:
+        data = [os.urandom(a.chunk) for _ in range(a.chunks)]
+        out = [bytearray(a.chunk) for _ in range(a.chunks)]
+    dram = f"{max(64, 3 * a.chunks * a.chunk // MiB)}Mi"
+    puts: list[float] = []
+    gets: list[float] = []
+    spy: subprocess.Popen[bytes] | None = None
+    with LocalAgent("--no-lock", "--max-chunk", "64Mi", dram=dram,
+                    start_timeout=120) as agent, KVPoolClient(agent.socket_path) as kv:
+        keys: list[bytes] = []
+        before = op_seconds(agent.metrics_url)
+        for rep in range(a.reps + 1):
+            for k in keys:
+                kv.delete(k)
+            keys = [os.urandom(16) for _ in range(a.chunks)]
+            t0 = time.perf_counter()
+            assert all(r is True for r in kv.put_many(keys, data))
+            t1 = time.perf_counter()
+            assert all(kv.get_many_into(keys, lambda i, n, m: out[i]))
+            t2 = time.perf_counter()
+            if rep == 0:
+                before = op_seconds(agent.metrics_url)
+                if a.py_spy:  # the measured rounds only
+                    assert agent.proc is not None
+                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(agent.proc.pid),
+                                            "--format", "raw", "--rate", "1000",
+                                            "-o", a.py_spy], stdout=subprocess.DEVNULL)
+                    time.sleep(1)  # attached
+            else:
+                puts.append(t1 - t0)
+                gets.append(t2 - t1)
+        after = op_seconds(agent.metrics_url)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on an interrupt
+            spy.wait(timeout=60)
+    agent_us = {}
+    for op in OPS:
+        s0, n0 = before.get(op, (0.0, 0.0))
+        s1, n1 = after.get(op, (0.0, 0.0))
+        if n1 > n0:
+            agent_us[op] = round((s1 - s0) / (n1 - n0) * 1e6, 2)
+    load = os.getloadavg()
+    print(json.dumps({
+        "chunk": a.chunk, "chunks": a.chunks, "reps": a.reps, "tensor": a.tensor,
+        "put_us_per_chunk": round(sorted(puts)[len(puts) // 2] / a.chunks * 1e6, 1),
+        "get_us_per_chunk": round(sorted(gets)[len(gets) // 2] / a.chunks * 1e6, 1),
+        "agent_us_per_request": agent_us, "loadavg": [round(x, 2) for x in load],
+    }))
+
+
+if __name__ == "__main__":
+    main()
