@@ -118,10 +118,14 @@ async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
 
 
 def _commit(c: Connection, r: p.Commit) -> p.CommitReply:
-    reply = commit_many(c, [r])[0]
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
+    refused = _commit_refused(c, r)
+    if refused is not None:
+        raise refused
+    lease = c.store.dram.write_lease(r.lease)
+    with _storing(c, (lease.key or r.key) if lease is not None else b"", r):
+        stored = c.store.commit(r.lease, r.checksum, c.id, r.checksum_kind, r.key, r.meta,
+                                r.to)
+    return _committed(c, r, stored)
 
 
 def commit_many(c: Connection, reqs: Sequence[p.Commit]) -> list[p.CommitReply | Exception]:
@@ -140,20 +144,23 @@ def commit_many(c: Connection, reqs: Sequence[p.Commit]) -> list[p.CommitReply |
     out: list[p.CommitReply | Exception] = []
     for r, error in zip(reqs, refused, strict=True):
         stored = error if error is not None else next(results)
-        if isinstance(stored, Exception):
-            out.append(stored)
-            continue
-        c.spares.discard(r.lease)
-        reply = p.CommitReply(r.rid, stored)
-        # The next put's lease, granted only after this one's chunk is in (best effort:
-        # none when the connection holds its most spares or the arena has no room now).
-        if r.next_size and len(c.spares) < p.MAX_SPARE_LEASES:
-            spare = c.store.spare(r.next_size, c.tenant, c.id)
-            if spare is not None:
-                c.spares.add(spare.lease)
-                reply.spare, reply.spare_extents = spare.lease, spare.extents
-        out.append(reply)
+        out.append(stored if isinstance(stored, Exception) else _committed(c, r, stored))
     return out
+
+
+def _committed(c: Connection, r: p.Commit, stored: bool) -> p.CommitReply:
+    """The reply to a COMMIT whose lease was committed (`stored`: its chunk is the one
+    kept), with a spare lease if it asked for one."""
+    c.spares.discard(r.lease)
+    reply = p.CommitReply(r.rid, stored)
+    # The next put's lease, granted only after this one's chunk is in (best effort: none
+    # when the connection holds its most spares or the arena has no room now).
+    if r.next_size and len(c.spares) < p.MAX_SPARE_LEASES:
+        spare = c.store.spare(r.next_size, c.tenant, c.id)
+        if spare is not None:
+            c.spares.add(spare.lease)
+            reply.spare, reply.spare_extents = spare.lease, spare.extents
+    return reply
 
 
 def _commit_refused(c: Connection, r: p.Commit) -> OpError | None:

@@ -894,11 +894,17 @@ class ChunkStore:
         """Make a write lease's chunk visible; False when its key was stored meanwhile
         (theirs is kept). A spare lease (`spare`) takes its `key` and `meta` here. `to`:
         the node that will read it, where it is pushed (`hand_off`), stored now or not."""
-        result = self.commit_many(
-            [CommitRequest(lease_id, checksum_, kind, key, meta, to)], owner)[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        key, meta, lease = self._close_write(lease_id, kind, key, meta, owner)
+        if self.contains(key):
+            # Another client stored the same key first: keep theirs.
+            self.dram.free(lease.extents)
+            self.hand_off(key, to)
+            return False
+        chunk = self._insert(key, lease.extents, lease.size, checksum_ & (2**64 - 1), meta,
+                             lease.tenant, kind=kind)
+        self._write_through(chunk)
+        self.hand_off(key, to)
+        return True
 
     def commit_many(self, commits: Sequence[CommitRequest], owner: int,
                     storing: Storing | None = None) -> list[bool | Exception]:
@@ -920,7 +926,7 @@ class ChunkStore:
         keys: set[bytes] = set()
         for i, c in enumerate(commits):
             try:
-                key, meta, lease = self._close_write(c, owner)
+                key, meta, lease = self._close_write(c.lease, c.kind, c.key, c.meta, owner)
             except Exception as e:  # that commit's reply says it
                 results[i] = e
                 continue
@@ -956,27 +962,28 @@ class ChunkStore:
             self._check_watermark()
         return results
 
-    def _close_write(self, c: CommitRequest, owner: int) -> tuple[bytes, bytes, WriteLease]:
-        """A commit's checks, then its write lease closed: its key, metadata and lease.
-        Raises, the lease left open, for an unknown checksum kind, a spare's bad key or
-        metadata, or a key other than the lease's; UNKNOWN_LEASE for a lease not open on
-        this connection."""
-        if c.kind not in checksums.KINDS:  # checked first: the lease stays open to retry
-            raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {c.kind}")
-        open_ = self.dram.write_lease(c.lease)
+    def _close_write(self, lease_id: int, kind: int, key: bytes, meta: bytes,
+                     owner: int) -> tuple[bytes, bytes, WriteLease]:
+        """A commit's checks, then its write lease closed: the chunk's key, metadata and
+        the lease. Raises, the lease left open, for an unknown checksum kind, a spare's bad
+        key or metadata, or a key other than the lease's; UNKNOWN_LEASE for a lease not
+        open on this connection."""
+        if kind not in checksums.KINDS:  # checked first: the lease stays open to retry
+            raise OpError(ErrorCode.BAD_ARGUMENT, f"unknown checksum kind {kind}")
+        open_ = self.dram.write_lease(lease_id)
         if open_ is not None and open_.owner == owner:
             if not open_.key:  # a spare: the chunk is named now, checked before it closes
-                check_key(c.key)
-                self._check_size(open_.size, c.meta)
-            elif c.key and c.key != open_.key:
+                check_key(key)
+                self._check_size(open_.size, meta)
+            elif key and key != open_.key:
                 raise OpError(ErrorCode.BAD_ARGUMENT,
-                              f"write lease {c.lease} is for another key")
-        lease = self.dram.close_write(c.lease, owner)
+                              f"write lease {lease_id} is for another key")
+        lease = self.dram.close_write(lease_id, owner)
         if lease is None:
             raise OpError(ErrorCode.UNKNOWN_LEASE,
-                          f"write lease {c.lease} is not open on this connection")
+                          f"write lease {lease_id} is not open on this connection")
         self._write_closed(owner, lease.size)
-        return (lease.key, lease.meta, lease) if lease.key else (c.key, c.meta, lease)
+        return (lease.key, lease.meta, lease) if lease.key else (key, meta, lease)
 
     def _commit_visible(self, c: CommitRequest, key: bytes, meta: bytes, lease: WriteLease,
                         journaled: bool, storing: Storing | None, i: int,
