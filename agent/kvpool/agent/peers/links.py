@@ -171,6 +171,8 @@ class _Want:
     queued: float = field(default_factory=time.monotonic)
     settled: bool = False
     """Its result was handed over (`PeerLink._settle`): a callback is called once."""
+    ends: bool = False
+    """The last read of its batch: no read queued after it joins that batch (`alone`)."""
 
 
 class PeerLink:
@@ -513,13 +515,15 @@ class PeerLink:
     def fetch_many(self, reads: list[tuple[str, bytes, ArenaTarget]], deadline: float,
                    executor: Executor,
                    then: list[Callable[[Fetched | str], None]] | None = None,
-                   ) -> list[asyncio.Future[Fetched | str]]:
+                   alone: bool = False) -> list[asyncio.Future[Fetched | str]]:
         """Queue reads of (tenant, key, target): each future settles with the chunk
         received into its target's arena extents and verified, or why not (ABSENT,
         FAILED, TIMEOUT, CORRUPT), by `deadline` (monotonic) at the latest. Reads queued
         together go out together (one batch, while within its caps). `then`: a callback
         per read instead, which the event loop calls with its result (once, never inline),
-        and no futures are made (none returned)."""
+        and no futures are made (none returned). `alone`: these reads are a batch of their
+        own, which no read queued after them joins (they go out while the reads after
+        them are still being prepared: `spare`)."""
         loop = asyncio.get_running_loop()
         settler = self._settler
         if settler is None or settler.loop is not loop:
@@ -534,6 +538,8 @@ class PeerLink:
             futures = []
             wants = [_Want(t, k, target, deadline, call, settler)
                      for (t, k, target), call in zip(reads, then, strict=True)]
+        if alone and wants:
+            wants[-1].ends = True
         with self._lock:
             self._wants.extend(wants)
             pumps = min(self.connections - self._pumps, len(self._wants))
@@ -548,6 +554,12 @@ class PeerLink:
                 for w in left:
                     self._settle(w, FAILED)
         return futures
+
+    def spare(self) -> int:
+        """Connections that no batch uses now (of `connections`): how many batches more
+        would go out at once."""
+        with self._lock:
+            return self.connections - self._pumps
 
     async def fetch(self, tenant: str, key: bytes, target: ArenaTarget, deadline: float,
                     executor: Executor) -> Fetched | str:
@@ -585,6 +597,8 @@ class PeerLink:
                 break
             batch.append(self._wants.popleft())
             total += w.target.room
+            if w.ends:
+                break
         return batch
 
     def _settle(self, want: _Want, result: Fetched | str,

@@ -215,12 +215,13 @@ class PeerNetwork:
     def fetch_many(self, link: PeerLink, reads: list[tuple[str, bytes, ArenaTarget]],
                    timeout: float | None = None,
                    then: list[Callable[[Fetched | str], None]] | None = None,
-                   ) -> list[asyncio.Future[Fetched | str]]:
+                   alone: bool = False) -> list[asyncio.Future[Fetched | str]]:
         """Reads from `link` queued together (one pipelined batch where they fit one,
-        `PeerLink.fetch_many`: a future per read, or with `then` a callback per read), each
-        within `timeout` (by default `peers.timeout`) from now."""
+        `PeerLink.fetch_many`: a future per read, or with `then` a callback per read; with
+        `alone`, a batch of their own), each within `timeout` (by default `peers.timeout`)
+        from now."""
         deadline = time.monotonic() + (self.cfg.timeout if timeout is None else timeout)
-        return link.fetch_many(reads, deadline, self.pool, then)
+        return link.fetch_many(reads, deadline, self.pool, then, alone)
 
     # -- hand-offs
 

@@ -498,13 +498,24 @@ class PeerServer:
         start = time.monotonic()
         batched = 0
         """Chunk bytes in `batch`."""
+        leading: asyncio.Future[None] | None = None
+        """The first reply's send, out on the worker while the loop takes the sources after
+        it: awaited before anything else is sent (one batch out at a time)."""
+
+        async def sent_first() -> None:
+            nonlocal leading
+            if leading is not None:
+                out, leading = leading, None
+                await out
+
         try:
-            for rid, tenant, key in requests:
+            for n, (rid, tenant, key) in enumerate(requests):
                 holdings = self.spaces.get(tenant)
                 source = None if holdings is None else await holdings.peer_source(key, owner)
                 if source is not None and (source.data is not None or source.fd < 0):
                     # Bytes in memory: the transport's way, after what is batched before it.
                     try:
+                        await sent_first()
                         await self._send_batch(batcher, batch, taken, peer, start, unacked)
                     except BaseException:
                         source.close()
@@ -515,6 +526,7 @@ class PeerServer:
                     continue
                 if source is not None and batched and batched + source.size > FETCH_BATCH_BYTES:
                     try:  # the batch's worth of bytes: out first, then this one's
+                        await sent_first()
                         await self._send_batch(batcher, batch, taken, peer, start, unacked)
                     except BaseException:
                         source.close()
@@ -529,8 +541,25 @@ class PeerServer:
                         checksum=source.checksum, meta=source.meta, tenant=source.tenant),
                         source.fd, source.ranges)
                 taken.append(source)
+                if source is not None and n == 0 and len(requests) > 1:
+                    # The first chunk of a batch leaves now, before the sources of the
+                    # others are taken (32 leases, the in-flight copies' and NVMe files'
+                    # look-ups): the reader, and the client waiting for that chunk, have
+                    # it that much sooner (docs/benchmarks.md, "A 1 MiB window's start").
+                    # Its bytes still count in `batched`: the connection holds no more
+                    # chunks' leases at once than a batch's worth, as before.
+                    leading = asyncio.ensure_future(
+                        self._send_batch(batcher, batch, taken, peer, start, unacked))
+                    batch, taken = sendkernel.Batch(), []
+                    start = time.monotonic()
+            await sent_first()
             await self._send_batch(batcher, batch, taken, peer, start, unacked)
         finally:
+            if leading is not None:  # an error or a cancellation while the first was out
+                if not leading.done():
+                    leading.cancel()
+                with contextlib.suppress(BaseException):
+                    await leading
             for left in taken:  # not handed to the worker (an error or a cancellation)
                 if left is not None:
                     left.close()

@@ -443,7 +443,7 @@ class ChunkStore:
             self._fetching[k] = read
         if chained:
             reads[0].then = keys[-1]
-        self._spawn(self._fetch_peer(keys, reads, ahead))
+        self._spawn(self._fetch_peer(keys, reads, ahead, lead=chained and not ahead))
         return reads
 
     def _read_ahead(self, head: PeerRead) -> None:
@@ -492,7 +492,7 @@ class ChunkStore:
         return out
 
     async def _fetch_peer(self, keys: list[bytes], reads: list[PeerRead],
-                          ahead: bool = False) -> None:
+                          ahead: bool = False, lead: bool = False) -> None:
         """Reserve arena extents for chunks peers hold and have them received into them
         (one batch per peer, `PeerNetwork.fetch_many`); as each read settles, a callback
         makes its chunk a DRAM chunk like a promotion (announced as this node's from then
@@ -504,7 +504,14 @@ class ChunkStore:
         a fifth of the reading loop's Python at 1 MiB chunks.) `ahead` (`_read_ahead`):
         only into free room below DRAM's high watermark, nothing evicted for it; the reads
         past that room are not made (a client's ask reads them), nor the batch after (the
-        chain stops)."""
+        chain stops).
+
+        `lead` (a client's read, the client waiting for the first key): the first key's
+        FETCH goes out at once, a batch of its own, before the extents of the others are
+        reserved, where the peer has a connection spare for them besides (the rest go
+        together on it as soon as they are reserved): the client's first chunk is on its
+        way while the agent reserves the batch and the holder takes the batch's sources,
+        instead of after both (docs/benchmarks.md, "A 1 MiB window's start")."""
         assert self.peer is not None
         peer = self.peer
         mark = self.deletes.mark()
@@ -512,6 +519,16 @@ class ChunkStore:
         by_link: dict[PeerLink, list[tuple[int, Extents]]] = {}
         d = self.dram
         limit = int(self.policy.tiers.dram.high_watermark * d.capacity_bytes)
+
+        def send(link: PeerLink, items: list[tuple[int, Extents]], alone: bool) -> None:
+            peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
+                                   for i, extents in items],
+                            then=[functools.partial(self._landed, keys[i], extents,
+                                                    reads[i], mark)
+                                  for i, extents in items], alone=alone)
+            for i, _ in items:
+                started[i] = True
+
         try:
             for i, key in enumerate(keys):
                 got = peer.holder(key)
@@ -524,15 +541,14 @@ class ChunkStore:
                     extents = await self._room(got[1])  # NVMe holders announce file sizes
                 except OpError:
                     continue  # no room now: the shared tier, or a miss
-                by_link.setdefault(got[0], []).append((i, extents))
+                items = by_link.setdefault(got[0], [])
+                items.append((i, extents))
+                if lead and i == 0 and len(keys) > 1 and got[0].spare() >= 2:
+                    send(got[0], items, alone=True)
+                    items.clear()
             for link, items in by_link.items():
-                peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
-                                       for i, extents in items],
-                                then=[functools.partial(self._landed, keys[i], extents,
-                                                        reads[i], mark)
-                                      for i, extents in items])
-                for i, _ in items:
-                    started[i] = True
+                if items:
+                    send(link, items, alone=False)
         finally:
             for i, key in enumerate(keys):
                 if not started[i]:

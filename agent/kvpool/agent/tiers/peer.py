@@ -55,13 +55,14 @@ class PeerTier:
     def fetch_many(self, link: PeerLink, reads: list[tuple[bytes, ArenaTarget]],
                    timeout: float | None = None,
                    then: list[Callable[[Fetched | str], None]] | None = None,
-                   ) -> list[asyncio.Future[Fetched | str]]:
+                   alone: bool = False) -> list[asyncio.Future[Fetched | str]]:
         """Reads of (key, target) from one peer, sent together (a pipelined batch): a
         future per read, settled as its chunk is in and verified, or with why not, within
         `timeout` (by default `peers.timeout`); with `then`, a callback per read instead,
-        which the event loop calls with that (no futures made)."""
+        which the event loop calls with that (no futures made). `alone`: a batch of their
+        own, not joined by reads queued after them (`PeerLink.fetch_many`)."""
         return self.network.fetch_many(link, [(self.tenant, k, t) for k, t in reads],
-                                       timeout, then)
+                                       timeout, then, alone)
 
     def fetch_soon(self, link: PeerLink, key: bytes, target: ArenaTarget,
                    timeout: float) -> asyncio.Future[Fetched | str]:

@@ -1,0 +1,161 @@
+"""A batch's first chunk on its way before the rest of the batch is prepared, on both sides
+(docs/cross-node.md, "Reads in batches"): the holder sends the first reply of a batch of
+FETCHes before it takes the sources of the others, and the reading agent sends a client's
+first FETCH, a batch of its own, before it reserves the extents of the rest of its batch,
+where the peer has a second connection for them. Orders on real connections: a holder
+whose second source cannot be opened until the test lets it still sends the first chunk;
+a peer that holds its reply to the first FETCH until it has seen every FETCH of the batch
+sees them arrive on another connection."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from kvpool.agent import checksums
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.peers import wire
+from kvpool.bench.local import LocalAgent
+from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
+
+from ..agent.test_nvme import settle
+from .conftest import wait_until
+from .nodes import Network, peer_agent
+from .test_peer_reads import nvme_file, seen_as
+from .test_peer_security import authenticated
+
+KiB = 1 << 10
+
+
+def read_reply(s: socket.socket) -> tuple[wire.ReplyHead, bytes]:
+    """One FETCH reply: its head and its chunk bytes (none when ABSENT)."""
+    head = wire.reply_head(recv_exact(s, wire.REPLY.size))
+    recv_exact(s, head.meta_len + head.tenant_len)
+    return head, recv_exact(s, head.size) if head.status == wire.OK else b""
+
+
+def sends_batches(agent: LocalAgent) -> bool:
+    """The agent's compiled send path is open: a batch of FETCHes goes through a batch
+    sender (`_fetch_batch`), not a reply at a time."""
+    return "peer replies are sent in batches by a compiled call" in agent.log()
+
+
+def release(fifo: Path) -> bool:
+    """Let an `open` of `fifo` for reading through (a writer opens it and closes it at
+    once: the reader then finds no chunk file, and the chunk is answered ABSENT); False
+    while nobody has it open for reading yet."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            return False
+        raise
+    os.close(fd)
+    return True
+
+
+def test_the_first_reply_of_a_batch_leaves_before_the_holder_takes_the_other_sources(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    with ExitStack() as stack:
+        holder = stack.enter_context(peer_agent(net, 0, tmp_path / "node0", secret,
+                                                dram="2Mi", prefetch=False, lru=True))
+        ch = stack.enter_context(KVPoolClient(holder.socket_path))
+        # 48 chunks through 2 MiB of DRAM: the oldest go down to NVMe files, the last
+        # stays in DRAM.
+        chunks = {os.urandom(16): os.urandom(64 * KiB) for _ in range(48)}
+        for k, d in chunks.items():
+            assert ch.put(k, d)
+        settle(ch)
+        keys = list(chunks)
+        in_dram, on_nvme = keys[-1], keys[0]
+        assert ch.lookup_tiers([in_dram]) == ["dram"]
+        assert ch.lookup_tiers([on_nvme]) == ["nvme"]
+        s = stack.enter_context(authenticated(net.nodes[0].addr, secret))
+        # Until the holder's compiled send path is open, each FETCH is answered on its own.
+        wait_until(lambda: sends_batches(holder), "the holder's send kernel")
+        # The NVMe chunk's file becomes a FIFO: the holder's open of it, for the batch's
+        # second source, waits until the test opens its other end.
+        fifo = nvme_file(holder, on_nvme)
+        fifo.unlink()
+        os.mkfifo(fifo)
+        stack.callback(lambda: release(fifo))  # never leave the holder's thread stuck
+        s.sendall(wire.encode_request(wire.OP_FETCH, 1000, in_dram, "")
+                  + wire.encode_request(wire.OP_FETCH, 1001, on_nvme, ""))
+        # The first chunk arrives, whole, while the second source is not taken yet
+        # (without the change the holder took both before sending either: this read
+        # would wait until the socket's timeout).
+        head, data = read_reply(s)
+        assert (head.status, head.rid, data) == (wire.OK, 1000, chunks[in_dram])
+        wait_until(lambda: release(fifo), "the holder's open of the second chunk's file")
+        head, data = read_reply(s)
+        assert (head.status, head.rid) == (wire.ABSENT, 1001)
+
+
+class HoldingFirstPeer(ScriptedPeer):
+    """A peer that announces `chunks` and answers each FETCH in order on its connection,
+    but holds its reply to `first` until it has seen a FETCH of every chunk, on any
+    connection (or `HOLD` seconds pass). `keys_on`: the keys FETCHed, per connection."""
+
+    HOLD = 20.0
+
+    def __init__(self, host: str, secret: bytes, chunks: dict[bytes, bytes],
+                 first: bytes) -> None:
+        self.chunks, self.first = chunks, first
+        self.keys_on: list[list[bytes]] = []
+        self.seen: set[bytes] = set()
+        self.cond = threading.Condition()
+        super().__init__(host, secret)
+
+    def speak(self, conn: socket.socket) -> None:
+        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+        recv_exact(conn, tlen)
+        if op == wire.OP_SUBSCRIBE:
+            conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
+                wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
+                + wire.encode_stream(wire.SYNCED))
+            while not self.closed:
+                time.sleep(0.2)
+                conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+            return
+        with self.cond:
+            mine: list[bytes] = []
+            self.keys_on.append(mine)
+        while True:
+            with self.cond:
+                mine.append(key)
+                self.seen.add(key)
+                self.cond.notify_all()
+                if key == self.first:
+                    self.cond.wait_for(lambda: self.seen >= set(self.chunks), self.HOLD)
+            data = self.chunks[key]
+            conn.sendall(wire.encode_reply(
+                wire.OK, rid, kind=checksums.XXH3, size=len(data),
+                checksum=checksums.compute(checksums.XXH3, [data])) + data)
+            op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+            recv_exact(conn, tlen)
+
+
+def test_a_clients_first_fetch_goes_alone_before_the_rest_of_its_batch(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    chunks = {os.urandom(16): os.urandom(32 * KiB) for _ in range(6)}
+    keys = list(chunks)
+    peer = HoldingFirstPeer(net.host, secret.read_bytes().strip(), chunks, keys[0])
+    with ExitStack() as stack:
+        stack.callback(peer.close)
+        agent = stack.enter_context(peer_agent(
+            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
+            extra={"connections": 2, "addresses": [f"{net.host}:{peer.port}"]}))
+        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        seen_as(client, keys, ["peer"] * len(keys))
+        assert client.get(keys[0]) == chunks[keys[0]]
+        # The first FETCH went alone on one connection; the other five, sent while the
+        # peer held its reply to it, together on the second one (without the change all
+        # six went in one write on one connection).
+        assert sorted(peer.keys_on, key=len) == [[keys[0]], keys[1:]]
+        for k, d in chunks.items():
+            assert client.get(k) == d
