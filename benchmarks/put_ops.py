@@ -9,7 +9,8 @@ at a time) and reads them back with `get_many_into` (ACQUIRE, RELEASE); the firs
 warms up. Prints one JSON line: the client's median µs a chunk of a put and a read, and the
 agent's mean µs per request of each op over the measured rounds, from its own
 `kvpool_op_duration_seconds` histogram (the handling of a request, from its decoding to its
-reply queued: not the event loop's turns, nor the socket's share).
+reply queued: not the event loop's turns, nor the socket's share), and the agent process's
+CPU time per chunk of a put and of a read (all of it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,6 +54,12 @@ def op_seconds(url: str) -> dict[str, tuple[float, float]]:
     return {op: (v[0], v[1]) for op, v in out.items()}
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user and system, all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunk", type=int, default=MiB, help="chunk bytes")
@@ -77,16 +85,22 @@ def main() -> None:
     with LocalAgent("--no-lock", "--max-chunk", "64Mi", dram=dram,
                     start_timeout=120) as agent, KVPoolClient(agent.socket_path) as kv:
         keys: list[bytes] = []
+        assert agent.proc is not None
+        pid = agent.proc.pid
+        put_cpu = get_cpu = 0.0
         before = op_seconds(agent.metrics_url)
         for rep in range(a.reps + 1):
             for k in keys:
                 kv.delete(k)
             keys = [os.urandom(16) for _ in range(a.chunks)]
+            c0 = cpu_seconds(pid)
             t0 = time.perf_counter()
             assert all(r is True for r in kv.put_many(keys, data))
             t1 = time.perf_counter()
+            c1 = cpu_seconds(pid)
             assert all(kv.get_many_into(keys, lambda i, n, m: out[i]))
             t2 = time.perf_counter()
+            c2 = cpu_seconds(pid)
             if rep == 0:
                 before = op_seconds(agent.metrics_url)
                 if a.py_spy:  # the measured rounds only
@@ -98,6 +112,8 @@ def main() -> None:
             else:
                 puts.append(t1 - t0)
                 gets.append(t2 - t1)
+                put_cpu += c1 - c0
+                get_cpu += c2 - c1
         after = op_seconds(agent.metrics_url)
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on an interrupt
@@ -113,7 +129,13 @@ def main() -> None:
         "chunk": a.chunk, "chunks": a.chunks, "reps": a.reps, "tensor": a.tensor,
         "put_us_per_chunk": round(sorted(puts)[len(puts) // 2] / a.chunks * 1e6, 1),
         "get_us_per_chunk": round(sorted(gets)[len(gets) // 2] / a.chunks * 1e6, 1),
-        "agent_us_per_request": agent_us, "loadavg": [round(x, 2) for x in load],
+        "agent_us_per_request": agent_us,
+        # The agent process's CPU time (every thread, the event loop's turns and system
+        # calls included), per chunk; at the clock tick's resolution (10 ms a call).
+        "agent_cpu_us_per_chunk": {
+            "put": round(put_cpu / (a.reps * a.chunks) * 1e6, 1),
+            "get": round(get_cpu / (a.reps * a.chunks) * 1e6, 1)},
+        "loadavg": [round(x, 2) for x in load],
     }))
 
 

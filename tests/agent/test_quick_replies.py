@@ -1,10 +1,12 @@
-"""Frames a connection answers as they arrive (a RELEASE, an ACQUIRE of a chunk in DRAM),
-without waking its task (`Connection._quick`), against a real agent process: their replies
-keep the order of the requests with those the task answers, and replies the socket does
-not take at once still reach a client that reads them late."""
+"""Frames a connection answers as they arrive (a RELEASE, an ACQUIRE of a chunk in DRAM, an
+ALLOC that needs no wait for room), without waking its task (`Connection._quick`), against a
+real agent process: their replies keep the order of the requests with those the task
+answers, and replies the socket does not take at once still reach a client that reads
+them late."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from kvpool.agent import protocol as p
@@ -16,16 +18,22 @@ from .conftest import RawConn
 KEY, MISSING = b"q" * 16, b"m" * 16
 
 
-def _sequence() -> list[p.Request]:
-    """Requests of both kinds, interleaved: quick ones (RELEASE, ACQUIRE of a DRAM chunk)
-    and ones the task answers (LOOKUP, ACQUIRE of a key nobody holds)."""
+def _sequence(fresh: bytes) -> list[p.Request]:
+    """Requests of both kinds, interleaved: quick ones (RELEASE, ACQUIRE of a DRAM chunk,
+    ALLOC) and ones the task answers (LOOKUP, ACQUIRE of a key nobody holds)."""
     return [p.Release(1, 999_999), p.Acquire(2, KEY), p.Lookup(3, [KEY, MISSING]),
-            p.Acquire(4, MISSING), p.Acquire(5, KEY), p.Release(6, 999_998)]
+            p.Acquire(4, MISSING), p.Acquire(5, KEY), p.Release(6, 999_998),
+            p.Alloc(7, KEY, 4096), p.Alloc(8, fresh, 4096)]
 
 
-def _check(replies: list[p.Reply], conn: RawConn) -> None:
-    assert [r.rid for r in replies] == [1, 2, 3, 4, 5, 6]
-    unknown, first, lookup, missing, second, unknown2 = replies
+def _check(replies: list[p.Reply], conn: RawConn, fresh: bytes) -> None:
+    assert [r.rid for r in replies] == [1, 2, 3, 4, 5, 6, 7, 8]
+    unknown, first, lookup, missing, second, unknown2, exists, granted = replies
+    assert isinstance(exists, p.AllocReply) and exists.exists
+    assert isinstance(granted, p.AllocReply) and not granted.exists and granted.extents
+    committed = conn.call(p.Commit(9, granted.lease, 0))  # the write lease is real
+    assert isinstance(committed, p.CommitReply) and committed.stored
+    assert isinstance(conn.call(p.Lookup(10, [fresh])), p.LookupReply)
     assert isinstance(unknown, p.ErrorReply) and unknown.code == p.ErrorCode.UNKNOWN_LEASE
     assert isinstance(first, p.AcquireReply) and first.size == 4096
     assert isinstance(lookup, p.LookupReply) and lookup.count == 1
@@ -45,15 +53,18 @@ def test_quick_replies_keep_their_order_among_the_tasks(agent: LocalAgent,
     try:
         # All in one write (the task finds them buffered), then one at a time with the
         # task waiting for each (answered as they arrive where they can be).
-        reqs = _sequence()
+        fresh = os.urandom(16)
+        reqs = _sequence(fresh)
         conn.send(b"".join(p.encode(r) for r in reqs))
-        _check([conn.reply() for _ in reqs], conn)
+        _check([conn.reply() for _ in reqs], conn, fresh)
         replies = []
-        for r in _sequence():
+        fresh = os.urandom(16)
+        for r in _sequence(fresh):
             conn.send(p.encode(r))
             time.sleep(0.02)
             replies.append(conn.reply())
-        _check(replies, conn)
+        _check(replies, conn, fresh)
+        assert client.lookup([fresh]) == 1
     finally:
         conn.close()
 

@@ -13,7 +13,7 @@ from .. import protocol as p
 from ..config import AgentConfig
 from ..events.identity import identity
 from ..metrics import AgentMetrics
-from ..store import CommitRequest, OpError, Storing, snapshot
+from ..store import WAIT, CommitRequest, OpError, Storing, snapshot
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -60,6 +60,7 @@ class Dispatcher:
         self.quick: dict[int, Callable[[Connection, Any], Any]] = {
             int(p.Op.ACQUIRE): _acquire_now,
             int(p.Op.RELEASE): _release,
+            int(p.Op.ALLOC): _alloc_now,
         }
         """Ops a connection may answer as their frames arrive, without waking its task
         (`Connection._quick`): each answers now, or says None (not now: the task answers
@@ -112,6 +113,18 @@ def _check_hint(to: str) -> None:
 async def _alloc(c: Connection, r: p.Alloc) -> p.AllocReply:
     _check_hint(r.to)
     granted = await c.store.alloc(r.key, r.size, r.meta, c.tenant, c.id, r.dma, r.to)
+    if granted is None:
+        return p.AllocReply(r.rid, 0, [], exists=True)
+    return p.AllocReply(r.rid, granted.lease, granted.extents)
+
+
+def _alloc_now(c: Connection, r: p.Alloc) -> p.AllocReply | None:
+    """ALLOC answered at once (`_alloc` otherwise: its room is held by chunks on their way
+    to NVMe, and it waits for them)."""
+    _check_hint(r.to)
+    granted = c.store.alloc_now(r.key, r.size, r.meta, c.tenant, c.id, r.dma, r.to)
+    if granted is WAIT:
+        return None
     if granted is None:
         return p.AllocReply(r.rid, 0, [], exists=True)
     return p.AllocReply(r.rid, granted.lease, granted.extents)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..constants import TIER_CODES as TIER_CODE
 from .chunkstore import (
     MAX_LEASES_PER_CLIENT,
+    WAIT,
     ChunkStore,
     CommitRequest,
     Granted,
@@ -21,7 +22,7 @@ from .snapshot import LookupCounts, StoreSnapshot, TierSnapshot, samples, stats_
 
 __all__ = [
     "IO_THREADS", "MAX_LEASES_PER_CLIENT", "PRESENCE_WAIT_THREADS", "READ_THREADS", "TIER_CODE",
-    "ChunkStore", "CommitRequest", "Demotion", "Granted", "Loaded", "Loads", "LookupCounts",
-    "OpError", "ReadAhead", "SharedLink", "StoreSnapshot", "Storing", "TierSnapshot",
-    "check_key", "open_journal", "samples", "stats_reply",
+    "WAIT", "ChunkStore", "CommitRequest", "Demotion", "Granted", "Loaded", "Loads",
+    "LookupCounts", "OpError", "ReadAhead", "SharedLink", "StoreSnapshot", "Storing",
+    "TierSnapshot", "check_key", "open_journal", "samples", "stats_reply",
 ]

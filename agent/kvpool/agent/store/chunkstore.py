@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import logging
 import os
@@ -108,6 +109,14 @@ FIND_TRIES = 4
 before it is a miss (each try is one NVMe read; a chunk moves only that often when DRAM
 is far too small for the prompts it serves)."""
 
+
+class Wait(enum.Enum):
+    """`ChunkStore.alloc_now`'s answer where the ALLOC must wait for room."""
+
+    WAIT = "wait"
+
+
+WAIT = Wait.WAIT
 
 Storing = Callable[[int, bytes], contextlib.AbstractContextManager[None]]
 """The context a batch's i-th chunk is made visible in, given its key (`commit_many`)."""
@@ -866,6 +875,21 @@ class ChunkStore:
         """A write lease on fresh extents, or None when the key is already stored (then
         handed off `to` a node, if named: the COMMIT that would have done it never comes).
         `dma`: the owner copies by DMA (its leases drain when it disconnects)."""
+        now = self.alloc_now(key, size, meta, tenant, owner, dma, to)
+        if now is not WAIT:
+            return now
+        extents = await self._room(size)  # (room held by chunks on their way to NVMe)
+        if self.contains(key):  # stored by another client while this one waited
+            self.dram.free(extents)
+            self.hand_off(key, to)
+            return None
+        return self._open_write(key, extents, size, meta, tenant, owner)
+
+    def alloc_now(self, key: bytes, size: int, meta: bytes, tenant: str, owner: int,
+                  dma: bool = False, to: str = "") -> Granted | Wait | None:
+        """`alloc` where it needs no wait (a connection answers it as its frame arrives,
+        without waking its task); `WAIT` where its room is held by chunks on their way to
+        NVMe (`alloc` waits for them; what was evicted meanwhile is gone either way)."""
         check_key(key)
         if dma:
             self.dma_owners.add(owner)
@@ -882,15 +906,16 @@ class ChunkStore:
                           f"this connection's uncommitted writes hold {held} bytes of the "
                           f"arena; at most {self.dram.capacity_bytes // UNCOMMITTED_SHARE} "
                           "(half of it): commit or abort some first")
-        extents = await self._room(size)
-        if self.contains(key):  # stored by another client while this one waited
-            self.dram.free(extents)
-            self.hand_off(key, to)
-            return None
-        held = self.uncommitted.get(owner, 0)
+        extents = self._allocate(size)
+        if extents is None:
+            return WAIT
+        return self._open_write(key, extents, size, meta, tenant, owner)
+
+    def _open_write(self, key: bytes, extents: Extents, size: int, meta: bytes, tenant: str,
+                    owner: int) -> Granted:
         lease = self.dram.open_write(key, extents, size, meta, tenant, owner,
                                      self.config.write_lease_timeout)
-        self.uncommitted[owner] = held + pages
+        self.uncommitted[owner] = self.uncommitted.get(owner, 0) + self._pages(size)
         return Granted(lease.id, extents, size)
 
     def _pages(self, size: int) -> int:
