@@ -5,7 +5,9 @@ first FETCH, a batch of its own, before it reserves the extents of the rest of i
 where the peer has a second connection for them. Orders on real connections: a holder
 whose second source cannot be opened until the test lets it still sends the first chunk;
 a peer that holds its reply to the first FETCH until it has seen every FETCH of the batch
-sees them arrive on another connection."""
+sees them arrive on another connection; and since a corrupt first chunk no longer shares a
+connection with the rest of its batch, the rest, answered once the peer is suspect, is
+dropped at its landing."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from kvpool.bench.local import LocalAgent
 from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
 
 from ..agent.test_nvme import settle
-from .conftest import wait_until
+from .conftest import metric, wait_until
 from .nodes import Network, peer_agent
 from .test_peer_reads import nvme_file, seen_as
 from .test_peer_security import authenticated
@@ -159,3 +161,69 @@ def test_a_clients_first_fetch_goes_alone_before_the_rest_of_its_batch(
         assert sorted(peer.keys_on, key=len) == [[keys[0]], keys[1:]]
         for k, d in chunks.items():
             assert client.get(k) == d
+
+
+class CorruptFirstPeer(ScriptedPeer):
+    """A peer that announces `chunks`, answers a FETCH of `first` with bytes that fail
+    their checksum, and holds its replies on every other connection until the reader has
+    closed the connection of that corrupt reply (it has the chunk checked by then, and the
+    peer marked suspect)."""
+
+    def __init__(self, host: str, secret: bytes, chunks: dict[bytes, bytes],
+                 first: bytes) -> None:
+        self.chunks, self.first = chunks, first
+        self.dropped = threading.Event()
+        super().__init__(host, secret)
+
+    def speak(self, conn: socket.socket) -> None:
+        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+        recv_exact(conn, tlen)
+        if op == wire.OP_SUBSCRIBE:
+            conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
+                wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
+                + wire.encode_stream(wire.SYNCED))
+            while not self.closed:
+                time.sleep(0.2)
+                conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+            return
+        while True:
+            data = self.chunks[key]
+            checksum = checksums.compute(checksums.XXH3, [data])
+            if key == self.first:
+                data = bytes([data[0] ^ 0xFF]) + data[1:]
+            else:
+                self.dropped.wait(HoldingFirstPeer.HOLD)
+            conn.sendall(wire.encode_reply(wire.OK, rid, kind=checksums.XXH3, size=len(data),
+                                           checksum=checksum) + data)
+            try:
+                op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+            except ConnectionError:
+                if key == self.first:
+                    self.dropped.set()
+                raise
+            recv_exact(conn, tlen)
+
+
+def test_chunks_of_a_batch_that_land_after_its_first_failed_its_checksum_are_dropped(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    chunks = {os.urandom(16): os.urandom(32 * KiB) for _ in range(6)}
+    keys = list(chunks)
+    peer = CorruptFirstPeer(net.host, secret.read_bytes().strip(), chunks, keys[0])
+    with ExitStack() as stack:
+        stack.callback(peer.close)
+        agent = stack.enter_context(peer_agent(
+            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
+            extra={"connections": 2, "addresses": [f"{net.host}:{peer.port}"]}))
+        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        seen_as(client, keys, ["peer"] * len(keys))
+        assert client.get(keys[0]) is None  # a miss: no shared tier behind
+        # The other five, on the second connection, came in only once the peer was
+        # suspect: each is dropped (a read error), none lands (without the check they
+        # landed, verified against the checksums the suspect peer sent with them).
+        wait_until(lambda: metric(agent, "kvpool_peer_requests_total", direction="read",
+                                  result="error") == 5, "the rest of the batch dropped")
+        assert peer.dropped.is_set()
+        assert metric(agent, "kvpool_peer_requests_total", direction="read", result="ok") == 0
+        assert metric(agent, "kvpool_peer_requests_total", direction="read",
+                      result="corrupt") == 1
+        assert client.stats()["tiers"]["dram"]["chunks"] == 0

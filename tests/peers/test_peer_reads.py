@@ -179,7 +179,8 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         finally:
             os.close(fd)
         # (Its LOOKUP alone last: the read takes no chunk after it along, which would go
-        # on a connection of its own at the same time, docs/cross-node.md#reads-in-batches.)
+        # on a connection of its own at the same time and could land before this one is
+        # found corrupt, docs/cross-node.md#reads-in-batches.)
         assert cb.lookup_tiers([key]) == ["peer"]
         assert cb.get(key) is None
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="corrupt") == 1

@@ -645,8 +645,14 @@ class PeerLink:
                 pays, owed = owed, None
                 result = receive(sock, rid, w.target, w.deadline, wake=pays)
                 done += 1
+                suspect = isinstance(result, Fetched) and time.monotonic() < self.suspect_until
+                if suspect:
+                    # The peer served a corrupt chunk on another connection meanwhile (a
+                    # client's first chunk goes alone, the rest of its batch on a second
+                    # connection): nothing more from it lands, this chunk included.
+                    result = FAILED
                 owed = self._settle(w, result, defer=done < len(batch))
-                if result == CORRUPT:
+                if result == CORRUPT or suspect:
                     # A suspect peer is read from no more, the rest of this batch included
                     # (the connection goes: its replies are not waited for).
                     for rest in batch[done:]:
