@@ -272,10 +272,7 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
         _device_read_window(conn, copies, keys, start, target, sizes, meanwhile)
         return
     groups = read_groups(len(keys))
-
-    def acquires(group: tuple[int, int]) -> list[p.Request]:
-        return [p.Acquire(conn.rid(), k, copies.dma) for k in keys[group[0] : group[1]]]
-    conn.post(acquires(groups[0]))
+    conn.post(_acquires(conn, keys, groups[0], dma=False))
     unread = groups[0][1] - groups[0][0]
     """Replies to ACQUIREs sent and not read yet."""
     releases: list[p.Request] = []
@@ -298,7 +295,7 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
                     if isinstance(reply, p.AcquireReply):
                         granted.append(p.Release(conn.rid(), reply.lease))
                 if n + 1 < len(groups):
-                    conn.post(acquires(groups[n + 1]), casts=releases)
+                    conn.post(_acquires(conn, keys, groups[n + 1], dma=False), casts=releases)
                     unread += groups[n + 1][1] - groups[n + 1][0]
                     releases = []
                 releases += granted
@@ -308,14 +305,7 @@ def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], s
             finally:
                 group.settle()
     finally:
-        releases += granted
-        if unread:  # a failure with ACQUIREs unanswered: end their leases too
-            try:
-                releases += [p.Release(conn.rid(), r.lease) for r in conn.replies(unread)
-                             if isinstance(r, p.AcquireReply)]
-            except (OSError, p.ProtocolError):
-                conn.close()  # the agent ends a closed connection's leases itself
-        conn.cast(*releases)
+        _end_window(conn, releases + granted, unread)
 
 
 def _device_read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
@@ -329,10 +319,7 @@ def _device_read_window(conn: WindowConnection, copies: Copies, keys: Sequence[b
     copies of a group need not have completed before the next group's are queued. Every
     lease is RELEASEd after that fence."""
     groups = read_groups(len(keys))
-
-    def acquires(group: tuple[int, int]) -> list[p.Request]:
-        return [p.Acquire(conn.rid(), k, True) for k in keys[group[0] : group[1]]]
-    conn.post(acquires(groups[0]))
+    conn.post(_acquires(conn, keys, groups[0], dma=True))
     unread = groups[0][1] - groups[0][0]
     """Replies to ACQUIREs sent and not read yet."""
     releases: list[p.Request] = []
@@ -352,7 +339,7 @@ def _device_read_window(conn: WindowConnection, copies: Copies, keys: Sequence[b
                     if isinstance(reply, p.AcquireReply):
                         releases.append(p.Release(conn.rid(), reply.lease))
                 if n + 1 < len(groups):
-                    conn.post(acquires(groups[n + 1]))
+                    conn.post(_acquires(conn, keys, groups[n + 1], dma=True))
                     unread += groups[n + 1][1] - groups[n + 1][0]
                 window.start(replies)
                 copies.queue()
@@ -360,14 +347,27 @@ def _device_read_window(conn: WindowConnection, copies: Copies, keys: Sequence[b
         finally:
             window.settle()
     finally:
-        if unread:  # a failure with ACQUIREs unanswered: end their leases too
-            try:
-                releases += [p.Release(conn.rid(), r.lease) for r in conn.replies(unread)
-                             if isinstance(r, p.AcquireReply)]
-            except (OSError, p.ProtocolError):
-                conn.close()  # the agent ends a closed connection's leases itself
-        conn.cast(*releases)
+        _end_window(conn, releases, unread)
 
+
+
+def _acquires(conn: WindowConnection, keys: Sequence[bytes], group: tuple[int, int],
+              dma: bool) -> list[p.Request]:
+    """The ACQUIREs of a read window's group of keys (`dma`: the copies are a device's)."""
+    return [p.Acquire(conn.rid(), k, dma) for k in keys[group[0] : group[1]]]
+
+
+def _end_window(conn: WindowConnection, releases: list[p.Request], unread: int) -> None:
+    """A read window's RELEASEs, once no copy may still use their pages; after a failure
+    with `unread` ACQUIREs not answered yet, their leases' too."""
+    if unread:
+        try:
+            releases = releases + [p.Release(conn.rid(), r.lease)
+                                   for r in conn.replies(unread)
+                                   if isinstance(r, p.AcquireReply)]
+        except (OSError, p.ProtocolError):
+            conn.close()  # the agent ends a closed connection's leases itself
+    conn.cast(*releases)
 
 READ_GROUP_FIRST = 4
 """Keys in a pipelined read window's first group (its round trip is the one no copy hides)."""
