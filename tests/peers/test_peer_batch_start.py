@@ -15,7 +15,6 @@ import errno
 import os
 import socket
 import threading
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
 
 from ..agent.test_nvme import settle
 from .conftest import metric, wait_until
-from .nodes import Network, peer_agent
+from .nodes import Network, peer_agent, served_by
 from .test_peer_reads import nvme_file, seen_as
 from .test_peer_security import authenticated
 
@@ -117,12 +116,7 @@ class HoldingFirstPeer(ScriptedPeer):
         op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
         recv_exact(conn, tlen)
         if op == wire.OP_SUBSCRIBE:
-            conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
-                wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
-                + wire.encode_stream(wire.SYNCED))
-            while not self.closed:
-                time.sleep(0.2)
-                conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+            self.stream_inventory(conn, {k: len(d) for k, d in self.chunks.items()})
             return
         with self.cond:
             mine: list[bytes] = []
@@ -148,11 +142,7 @@ def test_a_clients_first_fetch_goes_alone_before_the_rest_of_its_batch(
     keys = list(chunks)
     peer = HoldingFirstPeer(net.host, secret.read_bytes().strip(), chunks, keys[0])
     with ExitStack() as stack:
-        stack.callback(peer.close)
-        agent = stack.enter_context(peer_agent(
-            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
-            extra={"connections": 2, "addresses": [f"{net.host}:{peer.port}"]}))
-        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        _, client = served_by(stack, net, tmp_path / "node1", secret, peer, connections=2)
         seen_as(client, keys, ["peer"] * len(keys))
         assert client.get(keys[0]) == chunks[keys[0]]
         # The first FETCH went alone on one connection; the other five, sent while the
@@ -179,12 +169,7 @@ class CorruptFirstPeer(ScriptedPeer):
         op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
         recv_exact(conn, tlen)
         if op == wire.OP_SUBSCRIBE:
-            conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
-                wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
-                + wire.encode_stream(wire.SYNCED))
-            while not self.closed:
-                time.sleep(0.2)
-                conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+            self.stream_inventory(conn, {k: len(d) for k, d in self.chunks.items()})
             return
         while True:
             data = self.chunks[key]
@@ -210,11 +195,7 @@ def test_chunks_of_a_batch_that_land_after_its_first_failed_its_checksum_are_dro
     keys = list(chunks)
     peer = CorruptFirstPeer(net.host, secret.read_bytes().strip(), chunks, keys[0])
     with ExitStack() as stack:
-        stack.callback(peer.close)
-        agent = stack.enter_context(peer_agent(
-            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
-            extra={"connections": 2, "addresses": [f"{net.host}:{peer.port}"]}))
-        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        agent, client = served_by(stack, net, tmp_path / "node1", secret, peer, connections=2)
         seen_as(client, keys, ["peer"] * len(keys))
         assert client.get(keys[0]) is None  # a miss: no shared tier behind
         # The other five, on the second connection, came in only once the peer was

@@ -18,7 +18,7 @@ from kvpool.bench.local import LocalAgent
 from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
 
 from .conftest import metric, wait_until
-from .nodes import Network, peer_agent
+from .nodes import Network, served_by
 from .test_peer_reads import seen_as, start
 from .test_peer_security import authenticated
 
@@ -81,12 +81,7 @@ class HoldingPeer(ScriptedPeer):
         while True:
             first = self._request(conn)
             if first[0] == wire.OP_SUBSCRIBE:
-                conn.sendall(wire.encode_stream(wire.BEGIN) + wire.encode_stream(
-                    wire.ADD, "", [(k, len(d)) for k, d in self.chunks.items()])
-                    + wire.encode_stream(wire.SYNCED))
-                while not self.closed:
-                    time.sleep(0.2)
-                    conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+                self.stream_inventory(conn, {k: len(d) for k, d in self.chunks.items()})
                 return
             pending = [first]
             conn.settimeout(5)
@@ -119,11 +114,7 @@ def test_a_batch_goes_out_in_one_write_and_its_replies_are_read_in_order(
     keys = list(chunks)
     peer = HoldingPeer(net.host, secret.read_bytes().strip(), chunks, batch=len(keys))
     with ExitStack() as stack:
-        stack.callback(peer.close)
-        agent = stack.enter_context(peer_agent(
-            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
-            extra={"connections": 1, "addresses": [f"{net.host}:{peer.port}"]}))
-        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        agent, client = served_by(stack, net, tmp_path / "node1", secret, peer, connections=1)
         seen_as(client, keys, ["peer"] * len(keys))
         assert client.get(keys[0]) == chunks[keys[0]]
         # Every FETCH of the batch was in before the peer's first reply.
@@ -142,11 +133,7 @@ def test_a_windows_pushes_go_out_in_one_batch_and_a_batch_of_offers_is_read_in_o
     pushed = {os.urandom(16): os.urandom(32 << 10) for _ in range(6)}
     peer = HoldingPeer(net.host, secret.read_bytes().strip(), pushed, batch=len(pushed))
     with ExitStack() as stack:
-        stack.callback(peer.close)
-        agent = stack.enter_context(peer_agent(
-            net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
-            extra={"addresses": [f"{net.host}:{peer.port}"]}))
-        client = stack.enter_context(KVPoolClient(agent.socket_path))
+        agent, client = served_by(stack, net, tmp_path / "node1", secret, peer)
         wait_until(lambda: metric(agent, "kvpool_peer_up") == 1, "the scripted peer followed")
         # The agent as the sender: every offer of the window was in before the receiver's
         # first answer (one worker offering a chunk at a time got its answer after the
@@ -182,11 +169,7 @@ def _run_served_by_a_scripted_peer(stack: ExitStack, net: Network, tmp_path: Pat
     whose only peer is a scripted one holding `chunks` and answering each FETCH at once;
     the client's LOOKUP of the run has found them all in the peer tier."""
     peer = HoldingPeer(net.host, secret.read_bytes().strip(), chunks, batch=1)
-    stack.callback(peer.close)
-    agent = stack.enter_context(peer_agent(
-        net, 1, tmp_path / "node1", secret, nvme=False, prefetch=False,
-        extra={"addresses": [f"{net.host}:{peer.port}"]}))
-    client = stack.enter_context(KVPoolClient(agent.socket_path))
+    agent, client = served_by(stack, net, tmp_path / "node1", secret, peer)
     seen_as(client, list(chunks), ["peer"] * len(chunks))
     return agent, client
 

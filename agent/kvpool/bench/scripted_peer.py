@@ -10,6 +10,8 @@ import contextlib
 import os
 import socket
 import threading
+import time
+from collections.abc import Mapping
 
 from kvpool.agent.peers import auth, wire
 
@@ -46,6 +48,16 @@ class ScriptedPeer:
     def speak(self, conn: socket.socket) -> None:
         """What the peer does on an accepted, authenticated connection."""
         raise NotImplementedError
+
+    def stream_inventory(self, conn: socket.socket, sizes: Mapping[bytes, int]) -> None:
+        """The answer to a SUBSCRIBE: an inventory of the keys of `sizes` (key: chunk
+        bytes), then a heartbeat every 0.2 s until `close`."""
+        conn.sendall(wire.encode_stream(wire.BEGIN)
+                     + wire.encode_stream(wire.ADD, "", list(sizes.items()))
+                     + wire.encode_stream(wire.SYNCED))
+        while not self.closed:
+            time.sleep(0.2)
+            conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
 
     def _accept(self) -> None:
         while not self.closed:
