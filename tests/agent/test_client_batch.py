@@ -90,13 +90,12 @@ def test_lookup_of_a_prefix_longer_than_one_lookup_takes(tmp_path) -> None:
             == p.MAX_LOOKUP_KEYS + 2
 
 
-def test_read_windows_of_cpu_copies_go_in_growing_groups_and_device_copies_in_one() -> None:
+def test_read_windows_go_in_growing_groups() -> None:
     assert read_groups(4) == [(0, 4)]
     assert read_groups(17) == [(0, 17)]  # 13 keys after the first 4: no group of their own
     assert read_groups(18) == [(0, 4), (4, 18)]
     assert read_groups(63) == [(0, 4), (4, 63)]
     assert read_groups(128) == [(0, 4), (4, 20), (20, 128)]
-    assert read_groups(63, pipelined=False) == [(0, 63)]
     for n in range(1, 300):
         groups = read_groups(n)
         assert groups[0][0] == 0 and groups[-1][1] == n

@@ -31,6 +31,7 @@ import xxhash
 
 from . import checksums
 from . import protocol as p
+from .chunkblocks import blocks
 
 ENV_COPY_THREADS = "KVPOOL_COPY_THREADS"
 MAX_THREADS = 4
@@ -39,9 +40,6 @@ MAX_THREADS = 4
 MIN_BYTES = 256 << 10
 """Chunks smaller than this are copied by the caller: a job's hand-off (~10-30 µs) would
 cost more than it saves."""
-BLOCK = 1 << 20
-"""Bytes copied before they are hashed (in L2 when the hash reads them back), as
-`transport.COPY_BLOCK`."""
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
@@ -124,14 +122,10 @@ def _copy(base: int, extents: list[tuple[int, int]], dst: memoryview, held: ctyp
     to = ctypes.addressof(held)
     h = xxhash.xxh3_64(check.meta) if check is not None and \
         check.checksum_kind == checksums.XXH3 else None
-    pos = 0
-    for offset, nbytes in extents:
-        for skip in range(0, nbytes, BLOCK):
-            step = min(BLOCK, nbytes - skip)
-            ctypes.memmove(to + pos + skip, base + offset + skip, step)
-            if h is not None:
-                h.update(dst[pos + skip : pos + skip + step])
-        pos += nbytes
+    for offset, pos, step in blocks(extents):
+        ctypes.memmove(to + pos, base + offset, step)
+        if h is not None:
+            h.update(dst[pos : pos + step])
     if check is None:
         return True
     if h is not None:

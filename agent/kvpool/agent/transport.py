@@ -26,6 +26,7 @@ import xxhash
 
 from . import checksums, copythreads
 from . import protocol as p
+from .chunkblocks import blocks
 from .hostcopy import HostRanges, HostReads, address_of, scatter
 from .lookupindex import IndexReader
 
@@ -53,10 +54,6 @@ TELL_AHEAD = 16
 the agent is behind this client, which stops telling it until it catches up."""
 TELL_BATCH = 8
 """Told requests sent in one write when no call takes them along sooner."""
-COPY_BLOCK = 1 << 20
-"""Bytes a put copies into the arena before hashing them: small enough that the block
-is still in L2 when the checksum reads it back, large enough that the per-block
-Python overhead (~1 µs) is noise. 0.5-2 MiB measured alike here; 4 MiB was slower."""
 
 _HELLO_RECV = 64 * 1024
 _READ_AHEAD = 64 * 1024
@@ -104,21 +101,11 @@ def copy_and_checksum(arena: memoryview, extents: Sequence[tuple[int, int]], src
     one-shot digest of meta then data).
     """
     h = xxhash.xxh3_64(meta)
-    for offset, pos, step in _blocks(extents):
+    for offset, pos, step in blocks(extents):
         block = src[pos : pos + step]
         arena[offset : offset + step] = block
         h.update(block)
     return int(h.intdigest())
-
-
-def _blocks(extents: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
-    """(arena offset, offset in the chunk, length) of each block of at most COPY_BLOCK
-    bytes of a chunk laid out in `extents`, in chunk order."""
-    pos = 0
-    for offset, nbytes in extents:
-        for skip in range(0, nbytes, COPY_BLOCK):
-            yield offset + skip, pos + skip, min(COPY_BLOCK, nbytes - skip)
-        pos += nbytes
 
 
 def copy_out(arena: memoryview, extents: Sequence[tuple[int, int]], dst: memoryview,
@@ -138,7 +125,7 @@ def copy_out(arena: memoryview, extents: Sequence[tuple[int, int]], dst: memoryv
         return check is None or p.checksum(dst[: check.size], check.meta,
                                            check.checksum_kind) == check.checksum
     h = xxhash.xxh3_64(check.meta)
-    for offset, pos, step in _blocks(extents):
+    for offset, pos, step in blocks(extents):
         block = dst[pos : pos + step]
         block[:] = arena[offset : offset + step]
         h.update(block)
@@ -350,7 +337,6 @@ def _device_read_window(conn: WindowConnection, copies: Copies, keys: Sequence[b
         _end_window(conn, releases, unread)
 
 
-
 def _acquires(conn: WindowConnection, keys: Sequence[bytes], group: tuple[int, int],
               dma: bool) -> list[p.Request]:
     """The ACQUIREs of a read window's group of keys (`dma`: the copies are a device's)."""
@@ -369,6 +355,7 @@ def _end_window(conn: WindowConnection, releases: list[p.Request], unread: int) 
             conn.close()  # the agent ends a closed connection's leases itself
     conn.cast(*releases)
 
+
 READ_GROUP_FIRST = 4
 """Keys in a pipelined read window's first group (its round trip is the one no copy hides)."""
 READ_GROUP_GROWTH = 4
@@ -380,9 +367,9 @@ window of 63 keys is 2 groups (4 and 59: 26.0 ms against 29.1 ms for 5 groups do
 from 2), one of 7 keys one group (docs/benchmarks.md, "vLLM's time to first token")."""
 
 
-def read_groups(n: int, pipelined: bool = True) -> list[tuple[int, int]]:
+def read_groups(n: int) -> list[tuple[int, int]]:
     """The [lo, hi) key ranges of a read window of `n` keys, in order."""
-    if not pipelined or n <= READ_GROUP_FIRST:
+    if n <= READ_GROUP_FIRST:
         return [(0, n)]
     groups, lo, size = [], 0, READ_GROUP_FIRST
     while lo < n:
