@@ -937,9 +937,7 @@ class ChunkStore:
         the node that will read it, where it is pushed (`hand_off`), stored now or not."""
         key, meta, lease = self._close_write(lease_id, kind, key, meta, owner)
         if self.contains(key):
-            # Another client stored the same key first: keep theirs.
-            self.dram.free(lease.extents)
-            self.hand_off(key, to)
+            self._keep_theirs(key, lease, to)
             return False
         chunk = self._insert(key, lease.extents, lease.size, checksum_ & (2**64 - 1), meta,
                              lease.tenant, kind=kind)
@@ -974,9 +972,7 @@ class ChunkStore:
             if key in keys:
                 again.append((i, key, meta, lease))
             elif self.contains(key):
-                # Another client stored the same key first: keep theirs.
-                self.dram.free(lease.extents)
-                self.hand_off(key, c.to)
+                self._keep_theirs(key, lease, c.to)
             else:
                 keys.add(key)
                 ready.append((i, key, meta, lease))
@@ -995,13 +991,18 @@ class ChunkStore:
             self._commit_visible(commits[i], key, meta, lease, journaled, storing, i, results)
         for i, key, meta, lease in again:
             if self.contains(key):
-                self.dram.free(lease.extents)
-                self.hand_off(key, commits[i].to)
+                self._keep_theirs(key, lease, commits[i].to)
             else:
                 self._commit_visible(commits[i], key, meta, lease, False, storing, i, results)
         if any(r is True for r in results):
             self._check_watermark()
         return results
+
+    def _keep_theirs(self, key: bytes, lease: WriteLease, to: str) -> None:
+        """A closed write whose key another client stored first: theirs is kept (this
+        one's pages freed), and handed off `to` a node as this COMMIT asked."""
+        self.dram.free(lease.extents)
+        self.hand_off(key, to)
 
     def _close_write(self, lease_id: int, kind: int, key: bytes, meta: bytes,
                      owner: int) -> tuple[bytes, bytes, WriteLease]:
