@@ -22,7 +22,7 @@ from kvpool.agent import checksums
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.peers import wire
 from kvpool.bench.local import LocalAgent
-from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
+from kvpool.bench.scripted_peer import ScriptedPeer, chunk_reply, next_request, recv_exact
 
 from ..agent.test_nvme import settle
 from .conftest import metric, wait_until
@@ -113,8 +113,7 @@ class HoldingFirstPeer(ScriptedPeer):
         super().__init__(host, secret)
 
     def speak(self, conn: socket.socket) -> None:
-        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-        recv_exact(conn, tlen)
+        op, rid, key = next_request(conn)
         if op == wire.OP_SUBSCRIBE:
             self.stream_inventory(conn, {k: len(d) for k, d in self.chunks.items()})
             return
@@ -128,12 +127,8 @@ class HoldingFirstPeer(ScriptedPeer):
                 self.cond.notify_all()
                 if key == self.first:
                     self.cond.wait_for(lambda: self.seen >= set(self.chunks), self.HOLD)
-            data = self.chunks[key]
-            conn.sendall(wire.encode_reply(
-                wire.OK, rid, kind=checksums.XXH3, size=len(data),
-                checksum=checksums.compute(checksums.XXH3, [data])) + data)
-            op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-            recv_exact(conn, tlen)
+            conn.sendall(chunk_reply(rid, self.chunks[key]))
+            op, rid, key = next_request(conn)
 
 
 def test_a_clients_first_fetch_goes_alone_before_the_rest_of_its_batch(
@@ -166,8 +161,7 @@ class CorruptFirstPeer(ScriptedPeer):
         super().__init__(host, secret)
 
     def speak(self, conn: socket.socket) -> None:
-        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-        recv_exact(conn, tlen)
+        op, rid, key = next_request(conn)
         if op == wire.OP_SUBSCRIBE:
             self.stream_inventory(conn, {k: len(d) for k, d in self.chunks.items()})
             return
@@ -178,15 +172,13 @@ class CorruptFirstPeer(ScriptedPeer):
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             else:
                 self.dropped.wait(HoldingFirstPeer.HOLD)
-            conn.sendall(wire.encode_reply(wire.OK, rid, kind=checksums.XXH3, size=len(data),
-                                           checksum=checksum) + data)
+            conn.sendall(chunk_reply(rid, data, checksum))
             try:
-                op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+                op, rid, key = next_request(conn)
             except ConnectionError:
                 if key == self.first:
                     self.dropped.set()
                 raise
-            recv_exact(conn, tlen)
 
 
 def test_chunks_of_a_batch_that_land_after_its_first_failed_its_checksum_are_dropped(

@@ -11,11 +11,10 @@ import time
 from contextlib import ExitStack, suppress
 from pathlib import Path
 
-from kvpool.agent import checksums
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.peers import wire
 from kvpool.bench.local import LocalAgent
-from kvpool.bench.scripted_peer import ScriptedPeer, recv_exact
+from kvpool.bench.scripted_peer import ScriptedPeer, chunk_reply, next_request, recv_exact
 
 from .conftest import metric, wait_until
 from .nodes import Network, served_by
@@ -94,15 +93,11 @@ class HoldingPeer(ScriptedPeer):
                 if op == wire.OP_PUSH:
                     conn.sendall(wire.encode_push_reply(wire.PUSH_HELD, rid))
                     continue
-                data = self.chunks[key]
-                conn.sendall(wire.encode_reply(
-                    wire.OK, rid, kind=checksums.XXH3, size=len(data),
-                    checksum=checksums.compute(checksums.XXH3, [data])) + data)
+                conn.sendall(chunk_reply(rid, self.chunks[key]))
 
     @staticmethod
     def _request(conn: socket.socket) -> tuple[int, int, bytes]:
-        op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-        recv_exact(conn, tlen)
+        op, rid, key = next_request(conn)
         if op == wire.OP_PUSH:
             recv_exact(conn, wire.PUSH.size)
         return op, rid, key

@@ -64,7 +64,7 @@ from kvpool.agent.peers import wire
 from .certs import make_ca
 from .control import sample
 from .netns import PEER_PORT, Network, Node, peer_agent
-from .scripted_peer import ScriptedPeer, recv_exact
+from .scripted_peer import ScriptedPeer, next_request
 from .stats import MiB, percentile
 
 TLS_PORT = PEER_PORT + 1
@@ -121,8 +121,7 @@ class InventoryPeer(ScriptedPeer):
 
     def speak(self, conn: socket.socket) -> None:
         while not self.closed:
-            op, rid, tlen, _ = wire.request_head(recv_exact(conn, wire.REQUEST.size))
-            recv_exact(conn, tlen)
+            op, rid, _ = next_request(conn)
             if op == wire.OP_SUBSCRIBE:
                 self._stream(conn)
                 return

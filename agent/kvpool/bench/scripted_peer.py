@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+from kvpool.agent import checksums
 from kvpool.agent.peers import auth, wire
 
 
@@ -26,6 +27,22 @@ def recv_exact(conn: socket.socket, n: int) -> bytes:
             raise ConnectionError("closed")
         got += k
     return bytes(buf)
+
+
+def next_request(conn: socket.socket) -> tuple[int, int, bytes]:
+    """The next request on a peer connection, read up to its body: (op, rid, key)."""
+    op, rid, tlen, key = wire.request_head(recv_exact(conn, wire.REQUEST.size))
+    recv_exact(conn, tlen)
+    return op, rid, key
+
+
+def chunk_reply(rid: int, data: bytes, checksum: int | None = None) -> bytes:
+    """A FETCH's reply carrying `data` as an XXH3 chunk (`checksum`, when given, in place
+    of its own: a chunk whose bytes fail it)."""
+    if checksum is None:
+        checksum = checksums.compute(checksums.XXH3, [data])
+    return wire.encode_reply(wire.OK, rid, kind=checksums.XXH3, size=len(data),
+                             checksum=checksum) + data
 
 
 class ScriptedPeer:
