@@ -15,8 +15,9 @@ import pytest
 
 from kvpool.agent import checksums
 from kvpool.agent import protocol as p
+from kvpool.agent.chunkblocks import COPY_BLOCK
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.transport import COPY_BLOCK, copy_and_checksum, copy_out
+from kvpool.agent.transport import copy_and_checksum, copy_out
 from kvpool.bench.local import LocalAgent
 
 

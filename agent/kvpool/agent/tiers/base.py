@@ -34,7 +34,7 @@ _HEADER = struct.Struct("<4sHH16sQQQIHH")
 HEADER_BYTES = _HEADER.size
 COPY_BLOCK = 1 << 20
 """Bytes `read_chunk_file` reads before hashing them: small enough to be still in the CPU
-cache when the checksum reads them (as `transport.COPY_BLOCK` for a put)."""
+cache when the checksum reads them (as `chunkblocks.COPY_BLOCK` for a put)."""
 MAX_TENANT_NAME_BYTES = 0xFFFF
 """The header's tenant length field is 16 bits."""
 
