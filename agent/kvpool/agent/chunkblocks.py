@@ -1,6 +1,7 @@
 """A chunk's bytes in blocks: the unit a copy into or out of the arena hashes while it is
 still in the CPU's cache (`transport.copy_and_checksum`, `transport.copy_out`, the copy
-threads' jobs in `copythreads`)."""
+threads' jobs in `copythreads`, a peer's chunk received in `peers.links`, a chunk file
+read in `tiers.base.read_chunk_file`)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ bounded by what is left of the read's deadline.
 
 Into the arena without this process ever touching its mapping (a client may shrink the
 file under the agent: a page past the end touched here would be SIGBUS): `recv_into` one
-bounded buffer per worker thread (`COPY_BLOCK`), checksummed there while in cache, then
-`Arena.write_run` (the kernel's copy into the mapping, process_vm_writev: a page past a
+buffer of a copy block per worker thread (`chunkblocks`), checksummed there while in cache,
+then `Arena.write_run` (the kernel's copy into the mapping, process_vm_writev: a page past a
 shrunk file is EFAULT, not SIGBUS; pwrite where that is not allowed). One pass: no
 read-back to verify, never a `bytes` of the chunk. (Splicing socket to pipe to arena
 file moved the bytes without entering this process, but its read-back for the checksum
@@ -47,6 +47,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from .. import checksums
+from ..chunkblocks import COPY_BLOCK, blocks
 from . import auth, recvkernel, wire
 from .directory import PeerDirectory
 from .metrics import PeerMetrics
@@ -64,8 +65,6 @@ RETRY_MIN, RETRY_MAX = 0.2, 2.0
 """Seconds between attempts to reach a peer, doubling."""
 SUSPECT_SECONDS = 30.0
 """A peer that served bytes failing their checksum is not read from for this long."""
-COPY_BLOCK = 1 << 20
-"""Bytes of the one buffer a worker thread receives chunks through."""
 MAX_BATCH = 32
 """Most reads one batch (one connection's write of FETCHes) takes."""
 MAX_BATCH_BYTES = 32 << 20
@@ -88,8 +87,8 @@ _buffers = threading.local()
 
 
 def _buffer() -> memoryview:
-    """This worker thread's COPY_BLOCK buffer (made once: a fresh one per read would zero a
-    MiB each time)."""
+    """This worker thread's buffer of one copy block (`COPY_BLOCK`), that chunks are
+    received through (made once: a fresh one per read would zero a MiB each time)."""
     buf: memoryview | None = getattr(_buffers, "buf", None)
     if buf is None:
         buf = _buffers.buf = memoryview(bytearray(COPY_BLOCK))
@@ -888,14 +887,11 @@ def _received(sock: socket.socket, target: ArenaTarget, extents: list[tuple[int,
     does with it."""
     buf = _buffer()
     fill = _recv_into if isinstance(sock, ssl.SSLSocket) else _recv_all
-    for offset, n in extents:
-        done = 0
-        while done < n:
-            m = min(n - done, len(buf))
-            fill(sock, buf[:m], deadline)
-            yield buf[:m]
-            target.write(offset + done, buf[:m])
-            done += m
+    for at, _, m in blocks(extents):
+        piece = buf[:m]
+        fill(sock, piece, deadline)
+        yield piece
+        target.write(at, piece)
 
 
 _TIMEVAL = struct.Struct("@ll")

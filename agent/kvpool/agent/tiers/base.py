@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import xxhash
 
 from .. import checksums
+from ..chunkblocks import COPY_BLOCK
 from ..config import TierName
 
 MAGIC = b"KVPC"
@@ -32,9 +33,6 @@ FORMAT_VERSION = 1
 # flags holds the checksum kind (0, XXH3, in every blob written before kinds existed)
 _HEADER = struct.Struct("<4sHH16sQQQIHH")
 HEADER_BYTES = _HEADER.size
-COPY_BLOCK = 1 << 20
-"""Bytes `read_chunk_file` reads before hashing them: small enough to be still in the CPU
-cache when the checksum reads them (as `chunkblocks.COPY_BLOCK` for a put)."""
 MAX_TENANT_NAME_BYTES = 0xFFFF
 """The header's tenant length field is 16 bits."""
 
@@ -138,12 +136,13 @@ def read_chunk_file(f: io.FileIO, expect_key: bytes | None = None,
     """A verified record read from a chunk file open at its start, in one pass; raises
     IntegrityError on any mismatch, as `decode` does for a whole blob.
 
-    The chunk bytes go into one buffer sized from the header, `block` bytes at a time,
-    and an XXH3 chunk hashes each block right after reading it, while it is still in
-    the CPU cache: reading the whole file and then hashing it read the chunk from
-    memory twice (the streaming digest of meta then data equals `checksums.xxh3`); a
-    WSUM chunk is summed block by block the same way (`checksums.Wsum`). (numpy is
-    imported here, not at start: only an agent with an NVMe tier needs it.)
+    The chunk bytes go into one buffer sized from the header, `block` bytes at a time (a
+    copy block, `chunkblocks.COPY_BLOCK`, unless told), and an XXH3 chunk hashes each
+    block right after reading it, while it is still in the CPU cache: reading the whole
+    file and then hashing it read the chunk from memory twice (the streaming digest of
+    meta then data equals `checksums.xxh3`); a WSUM chunk is summed block by block the
+    same way (`checksums.Wsum`). (numpy is imported here, not at start: only an agent
+    with an NVMe tier needs it.)
     """
     head = f.read(HEADER_BYTES)
     head += f.read(max(0, header_length(head) - len(head)))
