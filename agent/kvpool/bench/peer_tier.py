@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -150,7 +150,8 @@ def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def _in(node: Node, *cmd: str) -> list[str]:
+def in_node(node: Node, *cmd: str) -> list[str]:
+    """The command line that runs `cmd` in the node's namespace."""
     return ["ip", "netns", "exec", node.ns, *cmd]
 
 
@@ -159,9 +160,11 @@ def congestion_control(net: Network, name: str) -> str:
     their namespaces say it is now."""
     said = set()
     for node in net.nodes:
-        subprocess.run(_in(node, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={name}"),
+        subprocess.run(in_node(node, "sysctl", "-qw",
+                               f"net.ipv4.tcp_congestion_control={name}"),
                        check=True, capture_output=True)
-        said.add(subprocess.run(_in(node, "sysctl", "-n", "net.ipv4.tcp_congestion_control"),
+        said.add(subprocess.run(in_node(node, "sysctl", "-n",
+                                        "net.ipv4.tcp_congestion_control"),
                                 check=True, capture_output=True, text=True).stdout.strip())
     return ",".join(sorted(said))
 
@@ -169,18 +172,33 @@ def congestion_control(net: Network, name: str) -> str:
 def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float:
     """Seconds node's namespace takes to receive `count` chunks of `size` bytes from the
     raw sender."""
-    out = subprocess.run(_in(node, sys.executable, "-m", "kvpool.bench.rawtcp", "recv",
-                             sender[0], str(sender[1]), str(size), str(count)),
+    out = subprocess.run(in_node(node, sys.executable, "-m", "kvpool.bench.rawtcp", "recv",
+                                 sender[0], str(sender[1]), str(size), str(count)),
                          capture_output=True, text=True, timeout=300, check=True)
     return float(out.stdout.split()[-1])
 
 
+class RoundWatch(Protocol):
+    """What a driver of `peer_reads` sees of each round (the warm-up round too): `begin`
+    just before the round's clock starts, `copy(i)` when the client has chunk i's reply in
+    a window and asks for its buffer (it copies the chunk next), `end` once the round's
+    reads are done, before any check."""
+
+    def begin(self) -> None: ...
+
+    def copy(self, i: int) -> None: ...
+
+    def end(self) -> None: ...
+
+
 def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int,
-               reps: int, many: bool = False) -> tuple[list[float], int]:
+               reps: int, many: bool = False,
+               watch: RoundWatch | None = None) -> tuple[list[float], int]:
     """Seconds per round of reading `count` chunks of `size` bytes stored on the holder
     through the reader's agent (each round reads them from the peer again: the reader
     deletes its copies between rounds), and the bytes read and found equal to what was
-    stored (every read is compared; a wrong byte stops the bench)."""
+    stored (every read is compared; a wrong byte stops the bench). `watch`: told of each
+    round (`benchmarks/peer_window.py`)."""
     rng = random.Random(size * 2 + many)
     keys = [rng.randbytes(16) for _ in range(count)]
     data = [rng.randbytes(size) for _ in range(count)]
@@ -190,14 +208,24 @@ def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int
     bufs = [bytearray(size) for _ in range(count)]
     _wait(lambda: reader.lookup_tiers(keys) == ["peer"] * count, "announcement of the chunks")
     times, verified = [], 0
+
+    def target(i: int, n: int, meta: bytes) -> bytearray:
+        if watch is not None:
+            watch.copy(i)
+        return bufs[i]
+
     for _ in range(reps + 1):  # the first round warms the connections up
+        if watch is not None:
+            watch.begin()
         start = time.perf_counter()
         found = reader.lookup_tiers(keys)  # as an engine asks before it reads
         if many:  # one window of ACQUIREs, as an engine's connector loads a prefix
-            got = reader.get_many_into(keys, lambda i, n, meta: bufs[i])
+            got = reader.get_many_into(keys, target)
         else:
             got = [reader.get_into(k, b) for k, b in zip(keys, bufs, strict=True)]
         times.append(time.perf_counter() - start)
+        if watch is not None:
+            watch.end()
         if found != ["peer"] * count:
             raise RuntimeError(f"peer bench: LOOKUP found {found}")
         if got != [size] * count:
@@ -326,8 +354,8 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
                                              f"{net.host}:{fake.port}"],
                                "handoffShare": HANDOFF_SHARE})) for i in range(2)]
         holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
-        sender = subprocess.Popen(_in(net.nodes[0], sys.executable, "-m", "kvpool.bench.rawtcp",
-                                      "send", net.nodes[0].addr),
+        sender = subprocess.Popen(in_node(net.nodes[0], sys.executable, "-m",
+                                          "kvpool.bench.rawtcp", "send", net.nodes[0].addr),
                                   stdout=subprocess.PIPE, text=True)
         stack.callback(sender.wait, 30)
         stack.callback(sender.kill)
