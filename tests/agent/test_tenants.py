@@ -174,6 +174,15 @@ def test_the_socket_decides_the_tenant_not_the_client(agent: TenantAgent) -> Non
     assert isinstance(reply, p.ErrorReply)
     assert reply.code == p.ErrorCode.TENANT_MISMATCH
     assert "team-a" in reply.message and "team-b" in reply.message
+    assert "no tenant space" not in reply.message  # team-b has one, on another socket
+
+    # A tenant the agent has no space of is said to be missing, not just another's.
+    reply, fds = hello(agent.socket_of("team-a"), "team-c")
+    assert not fds
+    assert isinstance(reply, p.ErrorReply)
+    assert reply.code == p.ErrorCode.TENANT_MISMATCH
+    assert reply.message.startswith("no tenant space 'team-c' on this agent"), reply.message
+    assert "team-a, team-b" in reply.message
 
     # A client that names no tenant gets the socket's, and says so at HELLO.
     with KVPoolClient(agent.socket_of("team-b"), tenant="") as b:

@@ -85,7 +85,8 @@ class ErrorCode(IntEnum):
     INTERNAL = 13
     """An unexpected failure inside the agent; the message says what."""
     TENANT_MISMATCH = 14
-    """HELLO named a tenant other than the one this socket serves (pools with tenants)."""
+    """HELLO named a tenant other than the one this socket serves (pools with tenants); the
+    message says whether the agent has a space of that tenant at all."""
     TOO_MANY_CONNECTIONS = 15
     """The socket's space holds the most connections allowed (closes the connection)."""
 

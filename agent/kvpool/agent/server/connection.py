@@ -453,6 +453,17 @@ class Connection:
         self.dispatcher.metrics.op_error(op, code)
         self.reply(p.encode(p.ErrorReply(rid=rid, code=int(code), message=message)))
 
+    def _mismatch(self, claimed: str) -> str:
+        """Why a HELLO claiming another tenant than the socket's is refused: a tenant this
+        agent has no space of (a name the pool does not have, or mistyped) is said to be
+        missing, not just another tenant's."""
+        served = f"this socket serves tenant {self.space.tenant!r}"
+        tenants = self.dispatcher.tenants
+        if claimed not in tenants:
+            return (f"no tenant space {claimed!r} on this agent (its tenants: "
+                    f"{', '.join(tenants)}); {served}")
+        return f"{served}, the client claims {claimed!r}"
+
     async def _hello(self, req: p.Hello) -> None:
         if req.version != p.PROTOCOL_VERSION:
             raise OpError(p.ErrorCode.VERSION_MISMATCH,
@@ -465,9 +476,7 @@ class Connection:
         if space.isolated:
             # The socket, not the client, says whose connection this is.
             if req.tenant and req.tenant != space.tenant:
-                raise OpError(p.ErrorCode.TENANT_MISMATCH,
-                              f"this socket serves tenant {space.tenant!r}, "
-                              f"the client claims {req.tenant!r}")
+                raise OpError(p.ErrorCode.TENANT_MISMATCH, self._mismatch(req.tenant))
         else:
             self.tenant = req.tenant  # one space: the claim only picks quotas and priority
         if req.block_size < 0 or req.chunk_tokens < 0:

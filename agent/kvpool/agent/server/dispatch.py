@@ -29,6 +29,8 @@ class Dispatcher:
                  clients: Callable[[Space], int]) -> None:
         self.metrics = metrics
         self.max_frame_bytes = config.max_chunk_bytes + config.max_meta_bytes + 4096
+        self.tenants = tuple(t.name for t in config.tenants)
+        """The tenants the agent has a space of (none: a pool without tenants)."""
         self.frame_timeout = config.frame_timeout
         """Longest a client may take to send the rest of a frame it started."""
         self.send_timeout = config.send_timeout
