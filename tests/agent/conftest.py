@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +44,31 @@ def agent(tmp_path: Path) -> Iterator[LocalAgent]:
 def client(agent: LocalAgent) -> Iterator[KVPoolClient]:
     with KVPoolClient(agent.socket_path) as c:
         yield c
+
+
+JOURNAL_LIMIT = 2 << 20
+"""Bytes `journal_capped` lets its agent's files grow to: its arena's size."""
+
+
+@contextlib.contextmanager
+def journal_capped(workdir: Path) -> Iterator[LocalAgent]:
+    """An agent (2 MiB arena, metadata up to 16 KiB) whose commit journal cannot grow past
+    `JOURNAL_LIMIT`: RLIMIT_FSIZE, which the agent inherits, stands in for a full tmpfs.
+    Chunks of one page with 16,000 bytes of metadata fill the journal long before the
+    arena. A restart (`start`) runs without the limit."""
+    config = workdir / "agent.yaml"
+    config.write_text("maxMetaBytes: 16384\n")
+    agent = LocalAgent("--no-lock", "--config", str(config), workdir=workdir, dram="2Mi")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (JOURNAL_LIMIT, hard))
+    try:
+        agent.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    try:
+        yield agent
+    finally:
+        agent.stop()
 
 
 def used_bytes(client: KVPoolClient) -> int:

@@ -8,7 +8,6 @@ not grow, a PUT answered with an error had stored its chunk anyway.
 from __future__ import annotations
 
 import os
-import resource
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from kvpool.agent.journal import (
 )
 from kvpool.bench.local import LocalAgent
 
-from .conftest import RawConn
+from .conftest import RawConn, journal_capped
 
 PAGE = 4096
 
@@ -96,22 +95,9 @@ def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(
     """`in-windows`: `put_many`, whose window's COMMITs the agent journals in one write;
     where that write does not fit, each chunk is journaled alone, stored where it fits and
     refused where not. Every chunk acknowledged survives a SIGKILL right after the
-    replies."""
-    # RLIMIT_FSIZE stands in for a full tmpfs: the agent (it inherits the limit) can write
-    # no file past 2 MiB, the arena's size. Chunks of one page with 16,000 bytes of meta
-    # fill the journal's 2 MiB long before the arena.
-    config = tmp_path / "agent.yaml"
-    config.write_text("maxMetaBytes: 16384\n")
-    agent = LocalAgent("--no-lock", "--config", str(config), workdir=tmp_path, dram="2Mi")
-    limit = 2 << 20
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        agent.start()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    replies. (`journal_capped`: the journal fills up long before the arena.)"""
     meta = b"m" * 16_000
-    try:
+    with journal_capped(tmp_path) as agent:
         stored, refused = [], []
         with KVPoolClient(agent.socket_path) as c:
             results = c.put_many([key_of(i) for i in range(300)],  # windows of 128
@@ -138,8 +124,6 @@ def test_a_chunk_the_journal_cannot_record_is_refused_and_never_stored(
         with KVPoolClient(agent.socket_path) as c:
             assert c.stats()["tiers"]["dram"]["chunks"] == len(stored)
             assert all(c.get(key_of(i), verify=True) == data_of(i) for i in stored)
-    finally:
-        agent.stop()
 
 
 def test_pending_shared_deletes_are_replayed_and_kept_by_every_rewrite(tmp_path: Path) -> None:
