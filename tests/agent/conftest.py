@@ -7,6 +7,7 @@ import resource
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -38,6 +39,21 @@ settings.register_profile(
 def agent(tmp_path: Path) -> Iterator[LocalAgent]:
     with LocalAgent("--no-lock", workdir=tmp_path, dram="32Mi") as a:
         yield a
+
+
+def module_agent(name: str = "agent") -> Any:
+    """A fixture `name` (assign it to that name in the test module): one agent (32 MiB of
+    DRAM) for all the module's tests, each with its own keys and every lease released;
+    an agent's start is most of what such a test costs."""
+
+    @pytest.fixture(scope="module", name=name)
+    def started(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+        workdir = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+        with LocalAgent("--no-lock", workdir=workdir, dram="32Mi") as a:
+            yield a
+
+    return started
 
 
 @pytest.fixture

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from kvpool.agent import checksums
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
-from .conftest import JOURNAL_LIMIT, RawConn, journal_capped
+from .conftest import JOURNAL_LIMIT, RawConn, journal_capped, module_agent
 
 SIZE = 64 * 1024
 PAGE = 4096
@@ -27,11 +24,7 @@ ROOM = 2000
 metadata, not for one of 2 * ROOM."""
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
-    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("commit-batches"),
-                    dram="32Mi") as a:
-        yield a
+agent = module_agent()
 
 
 def _leases(raw: RawConn, keys: list[bytes]) -> list[int]:

@@ -19,17 +19,13 @@ from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
+from .conftest import module_agent
+
 KiB = 1 << 10
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
-    """One agent for the module's tests (each its own keys, every lease released): an
-    agent's start is most of what a test here costs."""
-    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("copythreads"),
-                    dram="32Mi") as a:
-        yield a
+agent = module_agent()
 
 
 @pytest.fixture

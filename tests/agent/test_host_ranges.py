@@ -22,6 +22,7 @@ from kvpool.agent.client import KVPoolClient
 from kvpool.agent.hostcopy import HostRanges
 from kvpool.bench.local import LocalAgent
 
+from .conftest import module_agent
 from .test_tensors import chunk_segments, keys_for, kv_cache, packed
 
 
@@ -125,12 +126,7 @@ def test_plan_of_one_extent_is_a_piece_per_range_up_to_the_chunks_end() -> None:
         hostcopy.plan(0, [(0, 8)], [(0, 16)], 16, out)
 
 
-@pytest.fixture(scope="module")
-def shared_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
-    """One agent for the module's reads (each test its own keys): an agent start each
-    would cost CI more than the tests do."""
-    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("agent"), dram="32Mi") as a:
-        yield a
+shared_agent = module_agent("shared_agent")
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from kvpool.agent.tiers.nvme import NvmeTier
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
-from .conftest import scrape
+from .conftest import module_agent, scrape
 
 CHUNK = 64 << 10
 META = b"layout-7"
@@ -50,13 +50,8 @@ def _index(client: KVPoolClient) -> IndexReader:
     return t.index
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
-    """One agent for the tests that need no arena of their own (each its own keys): an
-    agent start is most of what a test here costs."""
-    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("leasefree"),
-                    dram="32Mi") as a:
-        yield a
+shared = module_agent("shared")
+"""For the tests that need no arena of their own."""
 
 
 @pytest.fixture

@@ -5,26 +5,19 @@ it is never visible, never handed to another client, and gone with its connectio
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-
-import pytest
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
-from .conftest import RawConn, scrape, used_bytes, wait_until
+from .conftest import RawConn, module_agent, scrape, used_bytes, wait_until
 
 CHUNK = 1 << 20
 PAGE_CHUNK = 64 * 1024
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
-    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("put-ahead"),
-                    dram="32Mi") as a:
-        yield a
+agent = module_agent()
 
 
 def _key(name: str) -> bytes:
