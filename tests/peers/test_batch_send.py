@@ -92,45 +92,43 @@ def test_each_head_leaves_with_its_chunks_first_bytes_in_one_segment(tmp_path: P
     asyncio.run(main())
 
 
-def test_a_reader_that_stops_taking_bytes_ends_the_batch_with_a_timeout(
-        tmp_path: Path) -> None:
+def _sent_unread(tmp_path: Path, replies: int, timeout: float,
+                 reset: bool = False) -> tuple[int, sendkernel.Batch]:
+    """What a batch of `replies` replies of CHUNK bytes each ends with, sent to a reader
+    that never reads (`reset`: that has closed the connection with a reset), and the batch."""
     path = tmp_path / "chunk"
     path.write_bytes(os.urandom(CHUNK))
 
-    async def main() -> None:
-        async with served(path) as (writer, _reader, fd):
+    async def main() -> tuple[int, sendkernel.Batch]:
+        async with served(path) as (writer, reader, fd):
             sender = _sender(writer)
             batch = sendkernel.Batch()
-            for _ in range(3):
+            for _ in range(replies):
                 batch.add(b"HEAD", fd, [(0, CHUNK)])
-            # The reader never reads: the first reply stops part way.
-            assert await sender.send(batch, 0.2) == sendkernel.TIMEOUT
-            assert (batch.done, batch.partial) == (0, True)
+            if reset:  # a zero linger: the close sends a reset, not a FIN
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                reader.close()
+            code = await sender.send(batch, timeout)
             sender.close()
+            return code, batch
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
+
+def test_a_reader_that_stops_taking_bytes_ends_the_batch_with_a_timeout(
+        tmp_path: Path) -> None:
+    code, batch = _sent_unread(tmp_path, 3, 0.2)
+    assert code == sendkernel.TIMEOUT
+    assert (batch.done, batch.partial) == (0, True)  # the first reply stopped part way
 
 
 def test_a_reader_that_resets_the_connection_ends_the_batch_with_its_errno(
         tmp_path: Path) -> None:
-    path = tmp_path / "chunk"
-    path.write_bytes(os.urandom(CHUNK))
+    code, batch = _sent_unread(tmp_path, 1, 5.0, reset=True)
+    assert code == sendkernel.ERRNO
+    assert batch.errno in (errno.ECONNRESET, errno.EPIPE)
+    assert batch.done == 0
 
-    async def main() -> None:
-        async with served(path) as (writer, reader, fd):
-            sender = _sender(writer)
-            batch = sendkernel.Batch()
-            batch.add(b"HEAD", fd, [(0, CHUNK)])
-            # A zero linger: the close sends a reset, not a FIN.
-            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            reader.close()
-            assert await sender.send(batch, 5.0) == sendkernel.ERRNO
-            assert batch.errno in (errno.ECONNRESET, errno.EPIPE)
-            assert batch.done == 0
-            sender.close()
-
-    asyncio.run(main())
 
 def test_a_reset_stops_a_batch_waiting_for_room_and_aborts_the_transport_after_it(
         tmp_path: Path) -> None:
