@@ -448,8 +448,9 @@ def test_a_client_without_arguments_connects_to_the_socket_in_the_environment(
     monkeypatch.delenv("KVPOOL_SOCKET")
     # No agent serves the default here: the client tries it (an OSError), where it used to
     # refuse to start without a socket (a ValueError).
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as missing:
         KVPoolClient(reconnect_timeout=0)
+    assert f"no kvpool agent listens on {default_socket()}" in str(missing.value)
 
 
 def test_stats_prints_sizes_for_people_and_no_python_structures(
