@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from kvpool.agent import checksums
 from kvpool.agent.peers import auth, wire
@@ -75,6 +75,19 @@ class ScriptedPeer:
         while not self.closed:
             time.sleep(0.2)
             conn.sendall(wire.encode_stream(wire.HEARTBEAT, sent_at=time.time()))
+
+    def fetches(self, conn: socket.socket, chunks: Mapping[bytes, bytes]
+                ) -> Iterator[tuple[int, bytes]]:
+        """The requests of a connection that FETCHes, (rid, key) one after the other until
+        it closes (ConnectionError); a connection that SUBSCRIBEs instead is answered with
+        an inventory of `chunks` (`stream_inventory`), and gives none."""
+        op, rid, key = next_request(conn)
+        if op == wire.OP_SUBSCRIBE:
+            self.stream_inventory(conn, {k: len(d) for k, d in chunks.items()})
+            return
+        while True:
+            yield rid, key
+            op, rid, key = next_request(conn)
 
     def _accept(self) -> None:
         while not self.closed:

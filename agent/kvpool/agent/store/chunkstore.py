@@ -99,6 +99,13 @@ RECENT_LOOKUPS = 1 << 16
 half as many, the last ones told: `RecentLookups`)."""
 RECENT_PEER_PROMPTS = 256
 """Recent LOOKUPs that counted peer chunks whose keys are kept, to know what follows a key."""
+AHEAD_LEAD = 4 << 20
+"""Bytes of a batch of peer reads still to land when the batch after it is sent
+(`ChunkStore._fetch_peer`): enough for its FETCHes to reach the holder and its first reply
+to start while these land, so the link carries the next batch's bytes right after."""
+STRIPE_MIN = 4
+"""Reads of one peer in a batch from which they go on two connections, every second one
+on the second (where two are spare)."""
 COMPILE_FROM = 16
 """A LOOKUP of this many keys has LOOKUP's compiled loops made (`probekernel`, once per
 process, on a thread): below it a LOOKUP costs little key by key."""
@@ -456,7 +463,9 @@ class ChunkStore:
         return reads
 
     def _read_ahead(self, head: PeerRead) -> None:
-        """The first chunk of a batch of a run of peer chunks landed: the next batch of
+        """The chunk of a batch of a run of peer chunks that sends the next (`_chain_at`:
+        its first, or, in a batch of more than `AHEAD_LEAD` bytes, the last one with that
+        much after it) landed: the next batch of
         that run (the keys after the batch's last in the LOOKUP that found them,
         `_peer_following`) is read now, before the client reaches it, so that the
         connections do not idle while the client takes this batch's chunks (without it
@@ -468,8 +477,11 @@ class ChunkStore:
         chunks no client asked for yet, and where room runs out the chain stops, until a
         client's read of a chunk not in yet starts it again. (On the landing, not on a
         client's ask: a client reads a landed chunk lease-free, without the agent hearing
-        of it; and the batch after goes out a chunk's transfer after the first, not
-        sharing the link with it.)"""
+        of it. Near the batch's end, not at its first chunk: sent at the first chunk, a
+        batch of 32 MiB shared the link with the batch after it from the start, each
+        at half its speed, and the later batch's chunks, all in at the end, were
+        copied by the client after the round's last landing, docs/benchmarks.md, "A 1
+        MiB window's batches in order".)"""
         last, head.then = head.then, None
         assert last is not None
         following = self._peer_following(last, whole=True)
@@ -520,7 +532,12 @@ class ChunkStore:
         reserved, where the peer has a connection spare for them besides (the rest go
         together on it as soon as they are reserved): the client's first chunk is on its
         way while the agent reserves the batch and the holder takes the batch's sources,
-        instead of after both (docs/benchmarks.md, "A 1 MiB window's start")."""
+        instead of after both (docs/benchmarks.md, "A 1 MiB window's start").
+
+        A peer's reads of a batch, `STRIPE_MIN` or more, go every second one on a second
+        connection where the peer has two spare: the two connections' chunks land in the
+        batch's order (not the first half before the second), each connection received
+        on a thread of its own."""
         assert self.peer is not None
         peer = self.peer
         mark = self.deletes.mark()
@@ -538,13 +555,21 @@ class ChunkStore:
             for i, _ in items:
                 started[i] = True
 
+        chain = reads[0]
+        if chain.then is not None:
+            # The batch after this one goes out once this batch's last AHEAD_LEAD bytes
+            # are what is left to land, not at its first chunk: its bytes then follow
+            # this batch's on the link instead of sharing it from the start.
+            chain = reads[_chain_at([got[1] if (got := peer.holder(k)) else 0
+                                     for k in keys])]
+            reads[0].then, chain.then = None, reads[0].then
         try:
             for i, key in enumerate(keys):
                 got = peer.holder(key)
                 if got is None:
                     continue
                 if ahead and d.used_bytes + got[1] > limit:
-                    reads[0].then = None
+                    chain.then = None
                     break
                 try:
                     extents = await self._room(got[1])  # NVMe holders announce file sizes
@@ -556,7 +581,12 @@ class ChunkStore:
                     send(got[0], items, alone=True)
                     items.clear()
             for link, items in by_link.items():
-                if items:
+                if len(items) >= STRIPE_MIN and link.spare() >= 2:
+                    # Every second read on a second connection: both connections' chunks
+                    # land in the batch's order, each connection's on its own thread.
+                    send(link, items[0::2], alone=True)
+                    send(link, items[1::2], alone=False)
+                elif items:
                     send(link, items, alone=False)
         finally:
             for i, key in enumerate(keys):
@@ -1663,6 +1693,18 @@ class ChunkStore:
                           f"this connection holds {MAX_LEASES_PER_CLIENT} leases; release some")
 
 
+def _chain_at(sizes: list[int]) -> int:
+    """The read of a batch of chunks of `sizes` whose landing sends the batch after it:
+    the last one with at least `AHEAD_LEAD` bytes after it in the batch (the first where
+    none has)."""
+    after = 0
+    for i in range(len(sizes) - 1, 0, -1):
+        after += sizes[i]
+        if after >= AHEAD_LEAD:
+            return i - 1
+    return 0
+
+
 class PeerRead:
     """A key's read from a peer under way. Each asker waits on a future of its own: one
     that goes away (a client's disconnect cancels its wait) leaves the others theirs, with
@@ -1673,7 +1715,8 @@ class PeerRead:
     def __init__(self) -> None:
         self.waiters: list[asyncio.Future[DramChunk | None]] = []
         self.then: bytes | None = None
-        """On a batch's first read: the batch's last key, until this chunk's landing
+        """On the read of a batch whose landing sends the batch after it (`_chain_at`: its
+        first, or one nearer its end): the batch's last key, until this chunk's landing
         sends the batch after it (`ChunkStore._read_ahead`)."""
 
     def wait(self) -> asyncio.Future[DramChunk | None]:
