@@ -1,5 +1,5 @@
 """Peer reads in one window, timed from the inside: the peer part's two agents on two network
-namespaces (`kvpool.bench.peer_tier`: `Network`, `peer_agent`, `peer_reads`, `raw_tcp`;
+namespaces (`kvpool.bench.peer_tier`: `Network`, `peer_agent`, `peer_reads`, `raw_tcp_cpu`;
 root and iproute2), rounds of one `get_many_into` window of 64 chunks of 1 MiB and 16 of
 16 MiB, each against raw TCP over the same links in the same run.
 
@@ -9,8 +9,10 @@ the first chunk's and the last one's, medians with the 10th-90th percentile; eac
 process's CPU (user + system) per GB and per round, its minor page faults and context
 switches per round; each thread's share of the rounds' wall time it was busy (`c` the
 client, this process; `r` the reading agent; `h` the holder; `*` a process's main
-thread), the busiest first. Only the timed rounds count (not the warm-up round, the puts,
-the checks or the deletes between rounds).
+thread), the busiest first; the reading agent's threads but its event loop (those that
+receive FETCH replies) in CPU s/GB against the raw receiver's thread. Only the timed
+rounds count (not the warm-up round, the puts, the checks or the deletes between rounds).
+`--connections N` sets both agents' `peers.connections`.
 
 `--tree DIR` (repeatable) runs the agents from another checkout's sources (its `agent/`
 and `operator/` on their PYTHONPATH; the client is always this process's): the trees take
@@ -45,7 +47,7 @@ from kvpool.bench.peer_tier import (
     congestion_control,
     in_node,
     peer_reads,
-    raw_tcp,
+    raw_tcp_cpu,
 )
 from kvpool.bench.stats import MiB, percentile
 
@@ -104,10 +106,11 @@ def _ms(xs: list[float]) -> dict[str, float]:
             "p90": round(percentile(xs, 90) * 1e3, 2)}
 
 
-def _summary(watch: Watch, times: list[float], raw: list[float], size: int,
+def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]], size: int,
              count: int) -> dict[str, Any]:
     rounds = watch.rounds[1:]  # the first is the warm-up round
     total = size * count
+    raw = [t for t, _ in raw_cpu]
     gbps, raw_gbps = total / percentile(times, 50) / 1e9, total / percentile(raw, 50) / 1e9
     wall = sum(r["wall"] for r in rounds)
     gb = total * len(rounds) / 1e9
@@ -121,6 +124,10 @@ def _summary(watch: Watch, times: list[float], raw: list[float], size: int,
     for r in rounds:
         for k, v in r["threads"].items():
             busy[k] = busy.get(k, 0.0) + v
+    # The reading agent's threads but its event loop: mostly those receiving FETCH replies,
+    # against the raw receiver's one thread (what a byte costs each to take in).
+    workers = sum(v for (tag, tid), v in busy.items()
+                  if tag == "r" and tid != watch.procs["r"].pid)
     threads = []
     for (tag, tid), cpu in sorted(busy.items(), key=lambda kv: -kv[1])[:10]:
         main = tid == watch.procs[tag].pid
@@ -129,7 +136,10 @@ def _summary(watch: Watch, times: list[float], raw: list[float], size: int,
     out: dict[str, Any] = {
         "chunks": count, "rounds": len(rounds), "window_gbps": round(gbps, 3),
         "raw_tcp_gbps": round(raw_gbps, 3), "vs_raw": round(gbps / raw_gbps, 3),
-        "round_ms": _ms(times), "raw_ms": _ms(raw), "process": procs, "threads": threads}
+        "round_ms": _ms(times), "raw_ms": _ms(raw), "process": procs, "threads": threads,
+        "reader_workers_cpu_s_per_gb": round(workers / gb, 3),
+        "raw_receiver_cpu_s_per_gb": round(sum(c for _, c in raw_cpu) / (total * len(raw) / 1e9),
+                                           3)}
     if copies:
         out["first_copy_ms"] = _ms([c[0] for c in copies])
         out["last_copy_ms"] = _ms([c[-1] for c in copies])
@@ -159,14 +169,16 @@ def _agents_from(tree: Path | None):  # type: ignore[no-untyped-def]
 
 
 def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: tuple[str, int],
-             rounds: dict[int, int], raw_reps: int, sizes: list[int]) -> dict[str, Any]:
+             rounds: dict[int, int], raw_reps: int, sizes: list[int],
+             peers: dict[str, Any]) -> dict[str, Any]:
     dram = max(s * MiB * SIZES[s] for s in sizes) * 2 + 16 * MiB
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         with _agents_from(tree):
             agents = [stack.enter_context(peer_agent(
                 net, i, tmp / f"node{i}", secret, nvme=False, dram=str(dram), prefetch=False,
-                named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}"]}))
+                named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}"],
+                                   **peers}))
                 for i in range(2)]
         holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
         procs = {"c": psutil.Process(),
@@ -174,7 +186,7 @@ def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: t
                  "h": psutil.Process(agents[0].proc.pid)}  # type: ignore[union-attr]
         for s in sizes:
             size, count = s * MiB, SIZES[s]
-            raw = [raw_tcp(raw_at, net.nodes[1], size, count) for _ in range(raw_reps)]
+            raw = [raw_tcp_cpu(raw_at, net.nodes[1], size, count) for _ in range(raw_reps)]
             watch = Watch(procs)
             times, verified = peer_reads(holder, reader, size, count, rounds[s], many=True,
                                          watch=watch)
@@ -201,6 +213,8 @@ def main() -> None:
     ap.add_argument("--large-rounds", type=int, default=8, help="timed 16 MiB windows a turn")
     ap.add_argument("--raw-reps", type=int, default=5, help="raw TCP transfers a size a turn")
     ap.add_argument("--sizes", default="1,16", help="chunk MiB to read: 1, 16 or both")
+    ap.add_argument("--connections", type=int,
+                    help="both agents' peers.connections (default: the agents' own)")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -229,7 +243,9 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 sub = tmp / f"turn{pair}-{n}"
                 got = one_turn(net, sub, secret, tree, raw_at,
-                               {1: args.rounds, 16: args.large_rounds}, args.raw_reps, sizes)
+                               {1: args.rounds, 16: args.large_rounds}, args.raw_reps, sizes,
+                               {} if args.connections is None
+                               else {"connections": args.connections})
                 turns.append({"tree": str(tree or here), "pair": pair,
                               "load": [round(load, 2), round(os.getloadavg()[0], 2)], **got})
     summary: dict[str, Any] = {}

@@ -172,10 +172,17 @@ def congestion_control(net: Network, name: str) -> str:
 def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float:
     """Seconds node's namespace takes to receive `count` chunks of `size` bytes from the
     raw sender."""
+    return raw_tcp_cpu(sender, node, size, count)[0]
+
+
+def raw_tcp_cpu(sender: tuple[str, int], node: Node, size: int,
+                count: int) -> tuple[float, float]:
+    """`raw_tcp`'s seconds, and the CPU seconds the receiving thread spent meanwhile."""
     out = subprocess.run(in_node(node, sys.executable, "-m", "kvpool.bench.rawtcp", "recv",
                                  sender[0], str(sender[1]), str(size), str(count)),
                          capture_output=True, text=True, timeout=300, check=True)
-    return float(out.stdout.split()[-1])
+    seconds, cpu = out.stdout.split()[-2:]
+    return float(seconds), float(cpu)
 
 
 class RoundWatch(Protocol):

@@ -5,7 +5,8 @@ nothing but the kernel's TCP in the way.
 it streams what each connection asks for from one buffer in memory (`sendall`).
 `python -m kvpool.bench.rawtcp recv HOST PORT SIZE COUNT` asks for COUNT chunks of SIZE
 bytes and receives each with `recv_into` into a buffer of its own (what a reader that
-keeps the chunks must do); it prints the seconds from the request to the last byte.
+keeps the chunks must do); it prints the seconds from the request to the last byte, then
+the CPU seconds (user + system) its receiving thread spent meanwhile.
 Both sockets take the kernel's default buffer sizes, as the agents' do.
 """
 
@@ -42,8 +43,9 @@ def send(host: str) -> None:
         threading.Thread(target=_serve, args=(conn,), daemon=True).start()
 
 
-def receive(host: str, port: int, size: int, count: int) -> float:
-    """Seconds to receive `count` chunks of `size` bytes, each into its own buffer."""
+def receive(host: str, port: int, size: int, count: int) -> tuple[float, float]:
+    """Seconds to receive `count` chunks of `size` bytes, each into its own buffer, and the
+    CPU seconds the receiving thread spent meanwhile."""
     bufs = [memoryview(bytearray(size)) for _ in range(count)]
     for b in bufs:  # touched first: the agents' arena pages are resident too
         b[::4096] = b"\x01" * len(b[::4096])
@@ -51,11 +53,11 @@ def receive(host: str, port: int, size: int, count: int) -> float:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(ASK.pack(size, 1))  # a warm-up chunk: the connection's window opens
         _fill(s, bufs[0])
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         s.sendall(ASK.pack(size, count))
         for b in bufs:
             _fill(s, b)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - cpu
 
 
 def _fill(s: socket.socket, view: memoryview) -> None:
@@ -83,7 +85,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["send"] and len(argv) == 2:
         send(argv[1])
     elif argv[:1] == ["recv"] and len(argv) == 5:
-        print(receive(argv[1], int(argv[2]), int(argv[3]), int(argv[4])), flush=True)
+        print(*receive(argv[1], int(argv[2]), int(argv[3]), int(argv[4])), flush=True)
     else:
         sys.exit("usage: python -m kvpool.bench.rawtcp send HOST | recv HOST PORT SIZE COUNT")
 
