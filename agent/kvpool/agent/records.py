@@ -1,5 +1,6 @@
-"""Framed records of the agent's append-only files: the commit journal (`journal.py`) and
-the KV-event identities file (`events.remembered`).
+"""Framed records of the agent's append-only files: the commit journal (`journal.py`), the
+KV-event identities file (`events.remembered`) and the peer DELETEs waiting
+(`peers.deletelog`).
 
 A record is its kind (a byte), its payload's length and CRC32 (little-endian u32s), then
 the payload. An agent killed mid-append leaves a torn last record: its length or CRC does
@@ -13,6 +14,9 @@ import zlib
 from collections.abc import Iterator
 
 _HEAD = struct.Struct("<BII")  # kind, payload length, crc32 of payload
+HEAD_BYTES = _HEAD.size
+"""Bytes of a record before its payload: a reader adds them up to find where a torn tail
+starts."""
 
 
 def frame(kind: int, payload: bytes) -> bytes:

@@ -1,0 +1,97 @@
+"""The file of the peer DELETEs waiting for their peers (`peers.deletelog`): what is read
+back is what waited, through rewrites; a torn or damaged tail is ignored (logged), never a
+crash or a DELETE nobody made."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.agent.peers import deletelog
+from kvpool.agent.peers.deletelog import DeleteLog, Item, read
+
+B, C = "10.0.0.2:9410", "10.0.0.3:9410"
+
+
+def _item(i: int, tenant: str = "") -> Item:
+    return tenant, i.to_bytes(16, "big")
+
+
+def test_the_file_reads_back_what_waits_and_ignores_a_torn_or_damaged_tail(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "state" / "peer-deletes"
+    dlog, saved = DeleteLog.open(path)
+    assert saved == {} and path.exists()
+    dlog.wait(_item(1), [B, C])
+    dlog.wait(_item(2, "t"), [B, C])
+    dlog.gone(B, [_item(1)])
+    dlog.wait_each(C, [_item(2, "t")], until=1234.5)  # refused by C
+    dlog.wait(_item(3), [C])
+    dlog.close()
+    want = {B: {_item(2, "t"): 0.0}, C: {_item(1): 0.0, _item(2, "t"): 1234.5, _item(3): 0.0}}
+    assert read(path) == want
+    assert list(read(path)[C]) == [_item(1), _item(2, "t"), _item(3)]  # oldest first
+
+    # A kill mid-append: every cut of the last record is ignored, logged, and what came
+    # before it is read.
+    dlog, _ = DeleteLog.open(path)  # (rewritten)
+    whole = path.read_bytes()
+    dlog.wait(_item(4), [B])
+    dlog.close()
+    grown = path.read_bytes()
+    assert read(path)[B] == {_item(2, "t"): 0.0, _item(4): 0.0}
+    caplog.set_level(logging.WARNING, "kvpool.agent.peers.deletelog")
+    for cut in range(len(whole) + 1, len(grown)):
+        path.write_bytes(grown[:cut])
+        caplog.clear()
+        assert read(path) == want
+        assert "torn or damaged" in caplog.text
+
+    # A start cuts the torn tail off, so what it appends after is read back.
+    dlog, saved = DeleteLog.open(path)
+    assert saved == want
+    dlog.wait(_item(5), [B])
+    dlog.close()
+    assert read(path)[B] == {_item(2, "t"): 0.0, _item(5): 0.0}
+
+    # A damaged byte inside a record: the records from there on are ignored, logged.
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    caplog.clear()
+    assert read(path)[B] == {_item(2, "t"): 0.0}
+    assert "torn or damaged" in caplog.text
+    # Bytes that are no record at all.
+    path.write_bytes(b"\xff" * 100)
+    assert read(path) == {}
+
+
+def test_the_file_is_rewritten_from_what_waits_and_stays_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deletelog, "COMPACT_FLOOR", 16)
+    path = tmp_path / "peer-deletes"
+    dlog, _ = DeleteLog.open(path)
+    waiting: dict[str, dict[Item, float]] = {B: {}, C: {}}
+
+    def live() -> Iterator[tuple[str, Item, float]]:
+        for name, q in waiting.items():
+            for item, until in q.items():
+                yield name, item, until
+    dlog.live = live
+    for i in range(300):  # B answers each; C, unreachable, keeps every 30th
+        item = _item(i)
+        waiting[B][item] = waiting[C][item] = 0.0
+        dlog.wait(item, [B, C])
+        del waiting[B][item]
+        dlog.gone(B, [item])
+        if i % 30:
+            del waiting[C][item]
+            dlog.gone(C, [item])
+    dlog.close()
+    assert dlog.rewrites > 10
+    assert read(path) == {C: waiting[C]}
+    assert path.stat().st_size < 1000  # 10 waiting, not 900 records
+
