@@ -10,7 +10,16 @@ from kvpool.bench.local import LocalAgent
 from kvpool.bench.netns import PEER_PORT, Network, Node, in_ns, ip, peer_agent
 from kvpool.bench.scripted_peer import ScriptedPeer
 
-__all__ = ["PEER_PORT", "Network", "Node", "in_ns", "ip", "peer_agent", "served_by"]
+__all__ = ["PEER_PORT", "Network", "Node", "block", "in_ns", "ip", "peer_agent", "served_by"]
+
+
+def block(node: Node, to: Node, add: bool) -> None:
+    """Block (or let through again) `node`'s TCP connections to `to`'s peer port, in
+    `node`'s namespace: `to` still reaches `node`, and `node` still answers it."""
+    if add:
+        ip("-n", node.ns, "route", "add", "blackhole", f"{to.addr}/32", "table", "100")
+    ip("-n", node.ns, "rule", "add" if add else "del", "ipproto", "tcp", "dport",
+       str(PEER_PORT), "to", f"{to.addr}/32", "table", "100")
 
 
 def served_by(stack: ExitStack, net: Network, workdir: Path, secret: Path,

@@ -19,23 +19,14 @@ from kvpool.agent.peers.links import PeerLink
 from kvpool.agent.peers.metrics import PeerMetrics
 
 from .conftest import metric, wait_until
-from .nodes import PEER_PORT, Network, Node, ip, peer_agent
+from .nodes import PEER_PORT, Network, block, peer_agent
 from .test_peer_reads import seen_as
-
-
-def _block(node: Node, to: Node, add: bool) -> None:
-    """Block (or let through again) `node`'s TCP connections to `to`'s peer port, in
-    `node`'s namespace: `to` still reaches `node`, and `node` still answers it."""
-    if add:
-        ip("-n", node.ns, "route", "add", "blackhole", f"{to.addr}/32", "table", "100")
-    ip("-n", node.ns, "rule", "add" if add else "del", "ipproto", "tcp", "dport",
-       str(PEER_PORT), "to", f"{to.addr}/32", "table", "100")
 
 
 def test_a_delete_refused_by_a_peer_that_did_not_follow_the_deleter_reaches_it_once_it_does(
         net: Network, tmp_path: Path, secret: Path) -> None:
     a_node, b_node = net.nodes[0], net.nodes[1]
-    _block(b_node, a_node, True)  # node 1 never follows node 0: it cannot connect to it
+    block(b_node, a_node, True)  # node 1 never follows node 0: it cannot connect to it
     with ExitStack() as stack:
         a, b = (stack.enter_context(peer_agent(net, i, tmp_path / f"node{i}", secret,
                                                nvme=False, prefetch=False))
@@ -51,7 +42,7 @@ def test_a_delete_refused_by_a_peer_that_did_not_follow_the_deleter_reaches_it_o
         assert metric(a, "kvpool_peer_deletes_total", direction="sent", result="refused") >= 1
         assert cb.lookup_tiers([key]) == ["dram"]
         # Node 1 reaches node 0 again: it follows it, and takes the DELETE it refused.
-        _block(b_node, a_node, False)
+        block(b_node, a_node, False)
         wait_until(lambda: cb.lookup_tiers([key]) in ([], ["none"]),
                    "node 1 to take the DELETE it refused")
         assert cb.get(key) is None
@@ -81,7 +72,7 @@ def test_a_peer_back_from_a_restart_that_refuses_a_delete_is_never_read_for_the_
         ca.delete(key)  # waits for node 1 to be back
         # Node 1 restarts warm (its copy is back) and cannot reach node 0: node 0 follows
         # it again, its DELETE sent first and refused, and lists none of it.
-        _block(b_node, a_node, True)
+        block(b_node, a_node, True)
         b.start()
         wait_until(lambda: metric(a, "kvpool_peer_up", peer=b_peer) == 1, "node 1 back")
         assert metric(b, "kvpool_peer_deletes_total", direction="received",
@@ -89,7 +80,7 @@ def test_a_peer_back_from_a_restart_that_refuses_a_delete_is_never_read_for_the_
         assert ca.lookup_tiers([key]) in ([], ["none"]) and ca.get(key) is None
         with KVPoolClient(b.socket_path) as cb:
             assert cb.lookup_tiers([key]) == ["dram"]
-            _block(b_node, a_node, False)
+            block(b_node, a_node, False)
             wait_until(lambda: cb.lookup_tiers([key]) in ([], ["none"]),
                        "node 1 to take the DELETE it refused")
         assert ca.lookup_tiers([key]) in ([], ["none"])
