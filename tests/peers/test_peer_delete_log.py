@@ -1,17 +1,23 @@
 """The file of the peer DELETEs waiting for their peers (`peers.deletelog`): what is read
 back is what waited, through rewrites; a torn or damaged tail is ignored (logged), never a
-crash or a DELETE nobody made."""
+crash or a DELETE nobody made; and a link records on it what it does with its DELETEs."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from kvpool.agent.peers import deletelog
+from kvpool.agent.peers import deletelog, links
 from kvpool.agent.peers.deletelog import DeleteLog, Item, read
+from kvpool.agent.peers.links import PeerLink
+from kvpool.agent.peers.metrics import PeerMetrics
+
+from .nodes import PEER_PORT
 
 B, C = "10.0.0.2:9410", "10.0.0.3:9410"
 
@@ -95,3 +101,52 @@ def test_the_file_is_rewritten_from_what_waits_and_stays_bounded(
     assert read(path) == {C: waiting[C]}
     assert path.stat().st_size < 1000  # 10 waiting, not 900 records
 
+
+def test_a_link_keeps_its_file_as_its_deletes_go_are_refused_and_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "peer-deletes"
+    dlog, _ = DeleteLog.open(path)
+    link = PeerLink(0, "192.0.2.1", PEER_PORT, secret=bytes(32), agent_id=bytes(16),
+                    connections=1, tls=None, directories={},
+                    metrics=PeerMetrics(CollectorRegistry(), "p"))
+    link.log = dlog
+    name = link.name
+
+    def queue(*items: Item) -> None:  # as the network does
+        for item in items:
+            link.queue_delete(*item)
+            dlog.wait(item, [name])
+
+    def on_file() -> dict[Item, float]:
+        return dict(read(path).get(name, {}))
+
+    queue(_item(1), _item(2), _item(3))
+    batch = link.take_deletes()
+    # Rewritten while the batch is on its way: it is still on file.
+    dlog.live = lambda: ((name, item, 0.0) for item in (*link.taken, *link.deletes))
+    dlog.rewrite(list(dlog.live()))
+    assert on_file() == dict.fromkeys(batch, 0.0)
+    # 1 deleted there, 2 refused, 3 not delivered.
+    link.answered(batch, [_item(3)], [_item(2)], link.follows)
+    assert not link.taken and list(link.refused) == [_item(2)]
+    got = on_file()
+    assert set(got) == {_item(2), _item(3)} and got[_item(3)] == 0.0
+    assert time.time() + links.REFUSED_KEEP - 5 < got[_item(2)] <= time.time() + links.REFUSED_KEEP
+    # The peer subscribes: the refused one waits until delivered again.
+    link.followed()
+    assert on_file() == {_item(3): 0.0, _item(2): 0.0}
+    link.answered(link.take_deletes(), [], [], link.follows)
+    assert on_file() == {}
+    # A refused one past its time, and the oldest past the bound: dropped, off the file.
+    queue(_item(4))
+    link.hold_refused(link.take_deletes(), link.follows)
+    link.expire_refused(time.monotonic() + links.REFUSED_KEEP)
+    assert not link.refused and on_file() == {}
+    monkeypatch.setattr(links, "MAX_PENDING_DELETES", 2)
+    queue(_item(5), _item(6), _item(7))
+    assert on_file() == {_item(6): 0.0, _item(7): 0.0}
+    link.hold_refused(link.take_deletes(), link.follows)
+    queue(_item(8))
+    link.hold_refused(link.take_deletes(), link.follows)
+    assert list(link.refused) == [_item(7), _item(8)] and set(on_file()) == set(link.refused)
+    dlog.close()

@@ -151,6 +151,10 @@ class StartFiles:
         for space in space_files(config):
             files += [space.socket, space.arena, space.journal, space.lock]
             dirs += [space.socket.parent, space.arena.parent]
+        deletes = config.peer_deletes_path()
+        if config.peers.enabled and deletes is not None:
+            files.append(deletes)
+            dirs.append(deletes.parent)
         for _, cfg in config.spaces():
             files += [*cfg.stores_paths(), cfg.identities_path()]
             if cfg.tiers.nvme is not None:

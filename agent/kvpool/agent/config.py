@@ -27,6 +27,7 @@ from .constants import (
     NVME_STORES_RECORD,
     PAGE_BYTES,
     SOCKET_PATH_MAX,
+    STATE_PEER_DELETES,
     STATE_STORES_RECORD,
 )
 from .constants import TIER_ORDER as TIER_ORDER
@@ -576,8 +577,9 @@ class AgentConfig(Model):
     state_dir: Path | None = Field(
         None,
         description="Directory, on disk, for what the agent must remember across a reboot "
-        "of the node (the arena's tmpfs forgets): a copy of the record of the `file://` "
-        "shared stores it has used. Made if missing; one agent's own. Unset: none.",
+        "of the node (the arena's tmpfs forgets) or a restart: a copy of the record of the "
+        "`file://` shared stores it has used, and the peer DELETEs waiting for their peers. "
+        "Made if missing; one agent's own. Unset: none (those DELETEs wait in memory only).",
     )
     node_name: str | None = Field(None, description="Kubernetes node (for labels and logs).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -672,6 +674,11 @@ class AgentConfig(Model):
         if self.state_dir is not None:
             paths.append(self.state_dir / STATE_STORES_RECORD)
         return paths
+
+    def peer_deletes_path(self) -> Path | None:
+        """The peer DELETEs waiting for their peers (`peers.deletelog`), in the state
+        directory, on disk; None without one: they wait in the agent's memory only."""
+        return None if self.state_dir is None else self.state_dir / STATE_PEER_DELETES
 
     def spaces(self) -> list[tuple[str, AgentConfig]]:
         """(tenant, config) of every space the agent serves: one per tenant, or the pool's.

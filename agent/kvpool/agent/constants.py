@@ -29,6 +29,10 @@ restart (`events.remembered`; a file, like `NVME_STORES_RECORD`)."""
 STATE_STORES_RECORD: Final = "shared-stores.json"
 """In the agent's state directory (`stateDir`): its copy of the same record."""
 
+STATE_PEER_DELETES: Final = "peer-deletes"
+"""In the agent's state directory: the peer DELETEs waiting for their peers
+(`peers.deletelog`), sent by the agent after a restart."""
+
 # -- tiers
 
 TierName = Literal["dram", "nvme", "shared"]

@@ -97,14 +97,16 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
                tenants: list[str] | None = None, extra: dict[str, object] | None = None,
                arena: Path | None = None, prefetch: bool = True,
                events: dict[str, object] | None = None, named: bool = False,
-               lru: bool = False, shared_tier: dict[str, object] | None = None) -> LocalAgent:
+               lru: bool = False, shared_tier: dict[str, object] | None = None,
+               state: bool = False) -> LocalAgent:
     """An agent on node `i` of `net`, its peers the network's other nodes. Its peer reads
     time out after `timeout`: by default long, so that a loaded machine never turns a read
     the test expects into a timeout. `named`: its node name is `node<i>` (what hand-off
     hints name; otherwise the host's name, the same for every namespace). `lru`: DRAM
     evicts the least recently used chunk first (not the default's S3-FIFO, which keeps
     chunks that were read). `shared_tier`: its `tiers.shared` section as given (an S3
-    store, say), in place of `shared`'s directory."""
+    store, say), in place of `shared`'s directory. `state`: a state directory
+    (`stateDir`), `state` in `workdir`."""
     node = net.nodes[i]
     workdir.mkdir(parents=True, exist_ok=True)
     cfg: dict[str, object] = {
@@ -128,6 +130,8 @@ def peer_agent(net: Network, i: int, workdir: Path, secret: Path, *, timeout: st
         cfg["events"] = events
     if named:
         cfg["nodeName"] = f"node{i}"
+    if state:
+        cfg["stateDir"] = str(workdir / "state")
     policy: dict[str, object] = {}
     if not prefetch:  # a LOOKUP loads nothing ahead: only the test's reads read
         policy["prefetch"] = {"enabled": False}

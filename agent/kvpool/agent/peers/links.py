@@ -41,7 +41,7 @@ import ssl
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from .. import checksums
 from ..chunkblocks import COPY_BLOCK, blocks
 from . import auth, recvkernel, wire
+from .deletelog import DeleteLog, Item
 from .directory import PeerDirectory
 from .metrics import PeerMetrics
 from .settle import Settler, Target
@@ -230,10 +231,17 @@ class PeerLink:
         refuses it. Its subscription (`followed`) sends them again; past `REFUSED_KEEP`
         they are dropped (counted, logged)."""
         self.follows = 0
-        self.refused_dropped = False
-        """A drop of a refused DELETE was logged (once until the peer takes one)."""
         """Subscriptions of the peer to this agent seen (`followed`): a refusal answered to
         a DELETE sent before the last one is sent again at once, not held."""
+        self.refused_dropped = False
+        """A drop of a refused DELETE was logged (once until the peer takes one)."""
+        self.taken: Counter[Item] = Counter()
+        """DELETEs out of `deletes` in a batch on its way to the peer (a rewrite of `log`
+        keeps them)."""
+        self.log: DeleteLog | None = None
+        """Where the DELETEs waiting for the peer are kept on file (`deletelog`: a restart
+        sends them), None where the agent has no state directory. `queue_delete`'s caller
+        records the DELETEs it queues; the link records what else changes."""
 
     @property
     def readable(self) -> bool:
@@ -330,7 +338,7 @@ class PeerLink:
         self.deletes[(tenant, key)] = None
         self.deletes.move_to_end((tenant, key))
         if len(self.deletes) > MAX_PENDING_DELETES:
-            self.deletes.popitem(last=False)
+            self._gone([self.deletes.popitem(last=False)[0]])
             self.m.deleted(self.name, "sent", "dropped")
             if not self.failing:
                 log.warning("peer %s: more than %d deletes wait for it: the oldest dropped",
@@ -341,10 +349,40 @@ class PeerLink:
         batch: list[tuple[str, bytes]] = []
         while self.deletes and len(batch) < MAX_DELETE_BATCH:
             batch.append(self.deletes.popitem(last=False)[0])
+        self.taken.update(batch)
         return batch
+
+    def _untake(self, batch: list[Item]) -> None:
+        """`batch`'s DELETEs are back from their way to the peer."""
+        self.taken.subtract(batch)
+        for item in batch:
+            if self.taken[item] <= 0:
+                del self.taken[item]
+
+    def _gone(self, items: list[Item]) -> None:
+        if self.log is not None:
+            self.log.gone(self.name, items)
+
+    def delivered(self, items: list[Item]) -> None:
+        """DELETEs the peer answered (deleted, or held no copy): they wait no more."""
+        self._untake(items)
+        self._gone(items)
+
+    def answered(self, batch: list[Item], left: list[Item], refused: list[Item],
+                 follows: int) -> None:
+        """A batch sent while the peer's subscriptions seen were `follows`: its last `left`
+        not delivered (first in line again), `refused` ones held (`hold_refused`), the
+        others delivered."""
+        refusing = set(refused)
+        self.delivered([i for i in batch[: len(batch) - len(left)] if i not in refusing])
+        if refused:
+            self.hold_refused(refused, follows)
+        if left:
+            self.requeue(left)
 
     def requeue(self, batch: list[tuple[str, bytes]]) -> None:
         """DELETEs not delivered: first in line again (a newer one of a key stays)."""
+        self._untake(batch)
         for item in reversed(batch):
             if item not in self.deletes:
                 self.deletes[item] = None
@@ -363,16 +401,20 @@ class PeerLink:
         if self.follows != follows:
             self.requeue(batch)
             return True
+        self._untake(batch)
         until = time.monotonic() + REFUSED_KEEP
+        held = []
         for item in batch:
             if item in self.deletes:
                 continue  # made again meanwhile: it goes with the queue
             self.refused[item] = until
             self.refused.move_to_end(item)
-            if len(self.refused) > MAX_PENDING_DELETES:
-                self.refused.popitem(last=False)
-                self._drop_refused(f"more than {MAX_PENDING_DELETES} refused deletes wait "
-                                   "for it to follow this agent: the oldest dropped")
+            held.append(item)
+        if self.log is not None:  # (on file with the wall-clock time it is dropped at)
+            self.log.wait_each(self.name, held, time.time() + REFUSED_KEEP)
+        while len(self.refused) > MAX_PENDING_DELETES:
+            self._drop_refused(f"more than {MAX_PENDING_DELETES} refused deletes wait "
+                               "for it to follow this agent: the oldest dropped")
         return False
 
     def followed(self) -> bool:
@@ -382,16 +424,19 @@ class PeerLink:
         held = list(self.refused)
         self.refused.clear()
         self.requeue(held)
+        if self.log is not None:  # no longer dropped at a time: until delivered
+            self.log.wait_each(self.name, held)
         return bool(held)
 
     def expire_refused(self, now: float) -> None:
         """Drop the refused DELETEs that waited `REFUSED_KEEP` for the peer to follow."""
         while self.refused and next(iter(self.refused.values())) <= now:
-            self.refused.popitem(last=False)
             self._drop_refused(f"deletes it refused did not go for {REFUSED_KEEP:g} s (it "
                                "does not follow this agent): dropped")
 
     def _drop_refused(self, why: str) -> None:
+        """Drop the oldest refused DELETE (counted, logged once)."""
+        self._gone([self.refused.popitem(last=False)[0]])
         self.m.deleted(self.name, "sent", "dropped")
         if not self.refused_dropped:  # once until it takes a DELETE again
             self.refused_dropped = True
@@ -404,6 +449,7 @@ class PeerLink:
         batch = self.take_deletes()
         follows = self.follows
         refused: list[tuple[str, bytes]] = []
+        delivered: list[Item] = []
         try:
             rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
             writer.write(b"".join(wire.encode_request(wire.OP_DELETE, rid, key, tenant)
@@ -417,12 +463,14 @@ class PeerLink:
                 if self._count_delete(status):
                     refused.append(batch[0])
                 else:
+                    delivered.append(batch[0])
                     self.refused_dropped = False
                 batch = batch[1:]
         except BaseException:
             self.requeue(batch)
             raise
         finally:  # (queued again where the peer subscribed meanwhile: `run` sends them)
+            self.delivered(delivered)
             if refused:
                 self.hold_refused(refused, follows)
 

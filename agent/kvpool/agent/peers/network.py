@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -32,8 +34,16 @@ from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..lookupindex import PeerIndex
 from ..metrics import Sample
 from . import auth, wire
+from .deletelog import DeleteLog, Item, Waiting
 from .directory import NO_PEER, PeerDirectory
-from .links import MAX_BATCH_BYTES, PUSH_TIMEOUT, ArenaTarget, Fetched, PeerLink
+from .links import (
+    MAX_BATCH_BYTES,
+    MAX_PENDING_DELETES,
+    PUSH_TIMEOUT,
+    ArenaTarget,
+    Fetched,
+    PeerLink,
+)
 from .metrics import PeerMetrics
 from .server import Holdings, PeerServer
 
@@ -75,7 +85,7 @@ def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | No
 
 class PeerNetwork:
     def __init__(self, cfg: Peers, spaces: dict[str, Holdings], registry: CollectorRegistry,
-                 pool: str, node: str = "") -> None:
+                 pool: str, node: str = "", deletes_file: Path | None = None) -> None:
         assert cfg.secret_file is not None  # the config requires it when enabled
         self.cfg = cfg
         self.advertise = None if cfg.advertise is None else expand_env(cfg.advertise,
@@ -109,6 +119,18 @@ class PeerNetwork:
         """Set when DELETEs were queued for peers."""
         self._published: list[PeerIndex] = []
         """The spaces' peer tables (`publish`): each link's `readable` is written to each."""
+        self.delete_log: DeleteLog | None = None
+        """The DELETEs waiting for peers, on file (`deletes_file`, in the state directory):
+        None without one, where they wait in memory only."""
+        self._saved: dict[str, Waiting] = {}
+        """DELETEs the file said wait for peers not linked yet, by peer name: each link
+        takes its own as it is made; those of a peer no longer listed are dropped."""
+        if deletes_file is not None:
+            try:
+                self.delete_log, self._saved = DeleteLog.open(deletes_file)
+            except OSError as e:
+                raise ConfigError(f"stateDir: the peer deletes file {deletes_file}: {e}") from e
+            self.delete_log.live = self._waiting
 
     def publish(self, tenant: str, index: PeerIndex) -> None:
         """Mirror `tenant`'s directory and every peer's state into `index` (the peer table
@@ -136,6 +158,8 @@ class PeerNetwork:
         loop = asyncio.get_running_loop()
         if self.cfg.discovery is not None:
             self._tasks.append(loop.create_task(self._discover()))
+        else:
+            self._drop_unlisted()
         self._pushes = asyncio.Queue(PUSH_QUEUE)
         self._tasks += [loop.create_task(self._push_worker()) for _ in range(PUSH_WORKERS)]
         self._tasks.append(loop.create_task(self._delete_worker()))
@@ -157,13 +181,71 @@ class PeerNetwork:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the agent stops
                 loop.call_soon_threadsafe(self._publish_link, link)
         link.on_change = changed
+        link.log = self.delete_log
+        saved = self._saved.pop(link.name, None)
+        if saved:
+            self._reload(link, saved)
         self._publish_link(link)
         link.task = loop.create_task(link.run())
+
+    def _reload(self, link: PeerLink, saved: Waiting) -> None:
+        """Queue the DELETEs the file said wait for `link`'s peer (a new link's: its queue is
+        empty): sent when it is reachable, before its inventory is taken. One it refused
+        whose `REFUSED_KEEP` ran out meanwhile is dropped, and past `MAX_PENDING_DELETES`
+        the oldest (counted); the others go as if new (one refused again waits
+        `REFUSED_KEEP` from that refusal)."""
+        now = time.time()
+        expired = [item for item, until in saved.items() if until and until <= now]
+        for item in expired:
+            del saved[item]
+        over = list(itertools.islice(saved, max(0, len(saved) - MAX_PENDING_DELETES)))
+        for item in over:
+            del saved[item]
+        for item in saved:  # queued before the drops are written: a rewrite keeps them
+            link.queue_delete(*item)
+        dropped = expired + over
+        for _ in dropped:
+            self.m.deleted(link.name, "sent", "dropped")
+        if self.delete_log is not None:
+            self.delete_log.gone(link.name, dropped)
+        log.info("peer %s: %d deletes waiting for it since before the restart, sent when it "
+                 "is reachable%s", link.name, len(saved),
+                 f" ({len(dropped)} dropped: refused past their time, or past the bound)"
+                 if dropped else "")
+        self._deletes.set()
+
+    def _drop_unlisted(self) -> None:
+        """Drop the DELETEs the file said wait for peers this agent does not have (its
+        config or discovery no longer names them), as the DELETEs waiting for a peer go
+        when it stops being listed: counted."""
+        for name, saved in self._saved.items():
+            for _ in saved:
+                self.m.deleted(name, "sent", "dropped")
+            if self.delete_log is not None:
+                self.delete_log.gone(name, list(saved))
+            log.warning("peer %s is no longer a peer: the %d deletes that waited for it "
+                        "are dropped", name, len(saved))
+        self._saved.clear()
+
+    def _waiting(self) -> Iterator[tuple[str, Item, float]]:
+        """(peer name, DELETE, until) of every DELETE waiting for a peer now (`until`: the
+        wall-clock time a refused one is dropped at, else 0), for the file's rewrite."""
+        wall, now = time.time(), time.monotonic()
+        for name, saved in self._saved.items():
+            for item, until in saved.items():
+                yield name, item, until
+        for link in self.links.values():
+            for item in (*link.taken, *link.deletes):
+                yield link.name, item, 0.0
+            for item, until in link.refused.items():
+                yield link.name, item, wall + (until - now)
 
     def _unlink(self, key: tuple[str, int]) -> None:
         link = self.links.pop(key)
         self.by_index[link.index] = None
         link.close()
+        if self.delete_log is not None:  # they go with the link, as in memory
+            self.delete_log.gone(link.name, [*link.deletes, *link.refused])
         for d in self.directories.values():
             d.drop_peer(link.index)
 
@@ -181,6 +263,8 @@ class PeerNetwork:
                 found = {(str(i[4][0]), self.cfg.port) for i in infos}
                 for key in found - self.links.keys():
                     self._link(*key)
+                if self._saved:  # (the first answer: the peers it does not list are gone)
+                    self._drop_unlisted()
                 for key in set(self.links) - found - static:
                     log.info("peer %s:%d no longer listed by %s", *key, self.cfg.discovery)
                     self._unlink(key)
@@ -321,10 +405,14 @@ class PeerNetwork:
             by = None if sender is None else self.link_of(sender)
             # The sender's own ADDs are not held off: it took the DELETE before sending it.
             d.forget(key, NO_PEER if by is None else by.index)
+        waiting = []
         for link in self.links.values():
             if link.is_self or link.closed or (link.synced and not here):
                 continue  # (a peer this agent follows got it from the deleting node)
             link.queue_delete(tenant, key)
+            waiting.append(link.name)
+        if self.delete_log is not None and waiting:
+            self.delete_log.wait((tenant, key), waiting)  # one write for every peer
         self._deletes.set()
 
     def _followed_by(self, peer_id: bytes) -> None:
@@ -354,12 +442,10 @@ class PeerNetwork:
                             time.monotonic() + DELETE_TIMEOUT)
                     except RuntimeError:  # the executor is shut down: the agent stops
                         return
-                    if refused:
-                        link.hold_refused(refused, follows)
+                    link.answered(batch, left, refused, follows)
                     if left:
                         for _ in left:
                             self.m.deleted(link.name, "sent", "error")
-                        link.requeue(left)
                         break
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
@@ -406,3 +492,5 @@ class PeerNetwork:
             link.close()
         with contextlib.suppress(Exception):
             self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.delete_log is not None:
+            self.delete_log.close()

@@ -123,7 +123,8 @@ class Agent:
         # The name push hints reach this agent by: the node's, as the DaemonSet gives it.
         node = self.config.node_name or os.environ.get(ENV_NODE_NAME) or socket.gethostname()
         network = PeerNetwork(self.config.peers, {s.tenant: s.store for s in self.spaces},
-                              self.metrics.registry, self.config.pool, node)
+                              self.metrics.registry, self.config.pool, node,
+                              self.config.peer_deletes_path())
         for space in self.spaces:
             space.store.attach_peer(PeerTier(network, space.tenant))
             if space.index.peers is not None:  # each tenant space publishes its own
