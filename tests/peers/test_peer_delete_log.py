@@ -1,9 +1,11 @@
 """The file of the peer DELETEs waiting for their peers (`peers.deletelog`): what is read
 back is what waited, through rewrites; a torn or damaged tail is ignored (logged), never a
-crash or a DELETE nobody made; and a link records on it what it does with its DELETEs."""
+crash or a DELETE nobody made; a link records on it what it does with its DELETEs; and a
+starting agent's peer network queues them again."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -12,10 +14,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvpool.agent.config import Peers
 from kvpool.agent.peers import deletelog, links
 from kvpool.agent.peers.deletelog import DeleteLog, Item, read
 from kvpool.agent.peers.links import PeerLink
 from kvpool.agent.peers.metrics import PeerMetrics
+from kvpool.agent.peers.network import PeerNetwork
+from kvpool.bench.local import free_port
 
 from .nodes import PEER_PORT
 
@@ -150,3 +155,36 @@ def test_a_link_keeps_its_file_as_its_deletes_go_are_refused_and_dropped(
     link.hold_refused(link.take_deletes(), link.follows)
     assert list(link.refused) == [_item(7), _item(8)] and set(on_file()) == set(link.refused)
     dlog.close()
+
+
+def test_a_starting_network_queues_each_peers_deletes_again_and_drops_what_it_may_not_keep(
+        tmp_path: Path, secret: Path) -> None:
+    path = tmp_path / "peer-deletes"
+    peer, unlisted = f"127.0.0.1:{free_port()}", "192.0.2.9:9410"
+    later = time.time() + 300
+    dlog, _ = DeleteLog.open(path)
+    dlog.wait(_item(1), [peer, unlisted])
+    dlog.wait_each(peer, [_item(2)], until=time.time() - 1)  # refused; its time ran out
+    dlog.wait_each(peer, [_item(3)], until=later)  # refused; time left
+    dlog.close()
+    cfg = Peers.model_validate({"enabled": True, "port": free_port(), "address": "127.0.0.1",
+                                "secretFile": str(secret), "addresses": [peer]})
+    registry = CollectorRegistry()
+
+    async def started() -> list[Item]:
+        network = PeerNetwork(cfg, {}, registry, "p", deletes_file=path)
+        await network.start()
+        try:
+            return list(network.links[("127.0.0.1", int(peer.rpartition(":")[2]))].deletes)
+        finally:
+            await network.close()
+
+    def dropped(name: str) -> float:
+        return registry.get_sample_value("kvpool_peer_deletes_total", {
+            "pool": "p", "peer": name, "direction": "sent", "result": "dropped"}) or 0
+
+    # The peer's are queued again, to go before its inventory; the refused one past its
+    # time, and those of a peer the agent no longer has, are dropped (counted), on file too.
+    assert asyncio.run(started()) == [_item(1), _item(3)]
+    assert dropped(peer) == 1 and dropped(unlisted) == 1
+    assert read(path) == {peer: {_item(1): 0.0, _item(3): later}}
