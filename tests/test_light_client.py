@@ -27,7 +27,7 @@ LIGHT_KVPOOL_MODULES = {
     "kvpool.agent.wsumkernel", "kvpool.agent.constants", "kvpool.agent.lookupindex",
     "kvpool.agent.hostcopy", "kvpool.agent.jit", "kvpool.agent.lookupkernel",
     "kvpool.agent.leasefree", "kvpool.agent.leasekernel", "kvpool.agent.copythreads",
-    "kvpool.agent.chunkblocks",
+    "kvpool.agent.chunkblocks", "kvpool.agent.putwindows",
 }
 """Every kvpool module the client may pull in (the server side, the operator, the tools
 and the pydantic config model are none of them)."""

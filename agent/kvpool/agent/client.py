@@ -45,6 +45,7 @@ from .constants import (
 )
 from .hostcopy import BlockTargets, HostTargets
 from .protocol import EngineBlocks
+from .putwindows import PutCall
 from .transport import (
     Buffer,
     BufferCopies,
@@ -432,7 +433,7 @@ class KVPoolClient:
                     for j, i in enumerate(left):
                         sizes[i] = rest[j]
                 return sizes
-        step = self._batch_step()
+        step = self._live().window(self.batch_window, self._max_leases())
         tensors = stream is not None or "torch" in sys.modules
         for start in range(0, len(keys), step):
             window = keys[start : start + step]
@@ -530,8 +531,10 @@ class KVPoolClient:
         """Store each buffer under its key (with its metadata); one result per key.
 
         Zero-copy: the ALLOCs of a window go out in one write, the bytes are copied
-        into the arena, then the COMMITs go out in one write: two round trips. A chunk
-        the agent refuses (no space, too large) fails alone. Inline mode puts key by key.
+        into the arena, then the COMMITs go out in one write, with the ALLOCs of a window
+        ahead: the agent's round trips overlap the copies (`kvpool.agent.putwindows`). A
+        chunk the agent refuses (no space, too large) fails alone. Inline mode puts key
+        by key.
 
         A chunk may instead be a torch tensor or a list of tensor segments (its bytes
         are theirs in order), on a GPU or the CPU: copied on `stream` straight into the
@@ -556,15 +559,27 @@ class KVPoolClient:
         if tensor_results is not None:
             return tensor_results
         views = [as_bytes_view(d) for d in data]
-        results: list[PutResult] = [False] * len(keys)
-        step = self._batch_step()
-        for start in range(0, len(keys), step):
-            end = start + step
-            self._retrying(partial(_put_window, keys[start:end], views[start:end],
-                                   metas[start:end], start, results,
-                                   blocks[start:end] if blocks is not None else None,
-                                   to or ""))
-        return results
+        call = PutCall(keys, [v.nbytes for v in views], metas, [False] * len(keys), blocks,
+                       to or "")
+        self._put_windows(call, lambda t: t.put_windows(call, views, self.batch_window,
+                                                        self._max_leases()))
+        return call.results
+
+    def _put_windows(self, call: PutCall, put: Callable[[Transport], None]) -> None:
+        """`put(transport)` puts the call's windows from `call.done` on. After a dropped
+        connection, reconnect and go on from the first window not done (its chunks
+        committed before the drop are found stored: False); a window that fails twice
+        raises, as any call retried once."""
+        failed_at = -1
+        while True:
+            try:
+                put(self._live())
+                return
+            except (ConnectionError, TimeoutError, OSError) as e:
+                if isinstance(e, AgentUnavailable) or call.done == failed_at:
+                    raise
+                failed_at = call.done
+                self._reconnect()
 
     # -- tensors (kvpool.agent.gpu, imported only here)
 
@@ -592,28 +607,17 @@ class KVPoolClient:
             raise TypeError("put_many takes buffers or tensors in one call, not both")
         chunks = [gpu.parts_of(d, f"the chunk of key {i}") for i, d in enumerate(data)]
         gpu.device_of(chunks)
-        results: list[PutResult] = [False] * len(keys)
-        step = self._batch_step()
-        for start in range(0, len(keys), step):
-            end = start + step
-            self._retrying(partial(self._tensor_put_window, keys[start:end], chunks[start:end],
-                                   metas[start:end], start, results, stream,
-                                   blocks[start:end] if blocks is not None else None, to))
-        return results
+        call = PutCall(keys, gpu.chunk_sizes(chunks), metas, [False] * len(keys), blocks, to)
 
-    def _tensor_put_window(self, keys: Sequence[bytes], chunks: Sequence[list[Any]],
-                           metas: Sequence[bytes], start: int, results: list[PutResult],
-                           stream: object, blocks: Sequence[EngineBlocks | None] | None,
-                           to: str, t: Transport) -> None:
-        from . import gpu
-
-        if isinstance(t, ZeroCopyTransport):
-            self._device(t).put_window(t.conn, keys, chunks, metas, start, results, stream,
-                                       blocks, to)
-        else:  # inline: the bytes travel in the frame, from the host
-            views = [memoryview(gpu.chunk_bytes(c, f"the chunk of key {start + i}"))
-                     for i, c in enumerate(chunks)]
-            t.put_window(keys, views, metas, start, results, blocks, to)
+        def put(t: Transport) -> None:
+            if isinstance(t, ZeroCopyTransport):
+                t.write_windows(call, self._device(t).write_copies(chunks, metas, stream),
+                                self.batch_window, self._max_leases())
+            else:  # inline: the bytes travel in the frame, from the host, a chunk at a time
+                t.put_windows(call, gpu.HostChunks(chunks), self.batch_window,
+                              self._max_leases())
+        self._put_windows(call, put)
+        return call.results
 
     def _tensor_get_window(self, keys: Sequence[bytes], start: int, target: ReadTarget,
                            sizes: list[int], verify: bool | None, stream: object,
@@ -640,9 +644,8 @@ class KVPoolClient:
             if sizes[i]:
                 gpu.scatter(bytes(buf), out, f"the destination of key {i}")
 
-    def _batch_step(self) -> int:
-        limit = self.hello.max_leases if self.hello is not None else self.batch_window
-        return self._live().window(self.batch_window, limit)
+    def _max_leases(self) -> int:
+        return self.hello.max_leases if self.hello is not None else self.batch_window
 
     def delete(self, key: bytes, *, local: bool = False) -> bool:
         """Delete the chunk from the pool: this node's tiers, the shared tier and, with
@@ -707,8 +710,3 @@ def _get_window(keys: Sequence[bytes], start: int, target: ReadTarget, sizes: li
                 verify: bool, meanwhile: Meanwhile, t: Transport) -> None:
     t.get_window(keys, start, target, sizes, verify, meanwhile)
 
-
-def _put_window(keys: Sequence[bytes], views: Sequence[memoryview], metas: Sequence[bytes],
-                start: int, results: list[PutResult],
-                blocks: Sequence[EngineBlocks | None] | None, to: str, t: Transport) -> None:
-    t.put_window(keys, views, metas, start, results, blocks, to)

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ import torch
 from . import checksums, cudacopy, tensorsums
 from . import protocol as p
 from .cudacopy import CopyPlan
+from .putwindows import CopiesOf
 from .transport import (
     Check,
     Copies,
@@ -46,7 +47,6 @@ from .transport import (
     Meanwhile,
     WindowConnection,
     read_window,
-    write_window,
 )
 
 Segments = list[torch.Tensor]
@@ -202,6 +202,33 @@ def plan_copies(extents: Sequence[tuple[int, int]], segment_bytes: Sequence[int]
     flat: array.array[int] = array.array("q")
     cudacopy.plan_flat(extents, segment_bytes, size, 0, flat)
     return [Piece(*flat[k : k + cudacopy.PIECE]) for k in range(0, len(flat), cudacopy.PIECE)]
+
+
+def chunk_sizes(chunks: Sequence[Segments]) -> list[int]:
+    """Each chunk's bytes (its segments')."""
+    return [sum(s.nbytes for s in segs) for segs in chunks]
+
+
+class HostChunks(Sequence[memoryview]):
+    """Chunks' bytes on the host, each made as it is asked for (inline mode puts them a
+    chunk at a time: a call's tensors are never all on the host at once)."""
+
+    def __init__(self, chunks: Sequence[Segments]) -> None:
+        self.chunks = chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @overload
+    def __getitem__(self, i: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[memoryview]: ...
+
+    def __getitem__(self, i: int | slice) -> memoryview | Sequence[memoryview]:
+        if isinstance(i, slice):
+            return HostChunks(self.chunks[i])
+        return memoryview(chunk_bytes(self.chunks[i], f"the chunk of key {i}"))
 
 
 def device_of(chunks: Sequence[Segments]) -> torch.device | None:
@@ -421,21 +448,18 @@ class DeviceArena:
             else:
                 part.copy_(arena, non_blocking=True)
 
-    # -- batch windows: the client's window loops (`transport.write_window` and
-    # `read_window`) with tensor copies as their copy step
+    # -- batch windows: the client's window loops (`putwindows.write_windows` and
+    # `transport.read_window`) with tensor copies as their copy step
 
-    def put_window(self, conn: WindowConnection, keys: Sequence[bytes],
-                   chunks: Sequence[Segments], metas: Sequence[bytes], start: int,
-                   results: list[Any], stream: object,
-                   blocks: Sequence[p.EngineBlocks | None] | None = None,
-                   to: str = "") -> None:
-        """Put a window of chunks from tensors: their copies into the leases go to
-        `stream` and their WSUMs beside it, the window COMMITs once they completed
-        (handed off `to` a node, when named)."""
+    def write_copies(self, chunks: Sequence[Segments], metas: Sequence[bytes],
+                     stream: object) -> CopiesOf:
+        """The copy step of a put's windows of chunks from tensors: their copies into the
+        leases go to `stream` and their WSUMs beside it; each window COMMITs once its own
+        copies completed."""
         device = device_of(chunks)  # one device, checked before any ALLOC
-        copies = _TensorCopies(self, stream, chunks=chunks, metas=metas,
-                               dma=device is not None and device.type == "cuda")
-        write_window(conn, copies, keys, copies.sizes, metas, start, results, blocks, to)
+        dma = device is not None and device.type == "cuda"
+        return lambda lo, hi: _TensorCopies(self, stream, chunks=chunks[lo:hi],
+                                            metas=metas[lo:hi], dma=dma)
 
     def get_window(self, conn: WindowConnection, keys: Sequence[bytes], start: int,
                    target: ReadTarget, sizes: list[int], verify: bool | None, stream: object,
@@ -491,7 +515,7 @@ class _TensorCopies(Copies):
         self.arena = arena
         self.chunks = chunks
         self.metas = metas
-        self.sizes = [sum(s.nbytes for s in segs) for segs in chunks]
+        self.sizes = chunk_sizes(chunks)
         self.buffers = buffers
         self.verify = verify
         self._stream = stream

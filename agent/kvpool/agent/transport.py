@@ -29,6 +29,7 @@ from . import protocol as p
 from .chunkblocks import blocks
 from .hostcopy import HostRanges, HostReads, address_of, scatter
 from .lookupindex import IndexReader
+from .putwindows import CopiesOf, PutCall, write_windows
 
 Buffer = Any
 """Anything exporting the buffer protocol: bytes, bytearray, memoryview, numpy arrays."""
@@ -141,8 +142,8 @@ Check = Callable[[], bool]
 class Copies(ABC):
     """The copy step of a batch window: how chunk bytes move between the window's lease
     extents and the caller's buffers or tensors. The window around it (the requests, the
-    replies, the per-key results, when leases end) is one loop, `write_window` and
-    `read_window`, whatever moves the bytes."""
+    replies, the per-key results, when leases end) is one loop, `putwindows.write_windows`
+    and `read_window`, whatever moves the bytes."""
 
     dma = False
     """The copies run on a device and may outlive this process's connection (a GPU's
@@ -190,53 +191,6 @@ class WindowConnection(Protocol):
     def cast(self, *reqs: p.Request) -> None: ...
 
     def close(self) -> None: ...
-
-
-def write_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes],
-                 sizes: Sequence[int], metas: Sequence[bytes], start: int,
-                 results: list[PutResult],
-                 blocks: Sequence[p.EngineBlocks | None] | None = None, to: str = "") -> None:
-    """ALLOC the window's chunks (one write), copy each into its lease, wait for the
-    copies, then COMMIT them (one write): a write is committed only after its copies
-    completed, and ABORTed, on failure, only once no copy may still write its pages.
-    `to`: the node every chunk is handed off to (COMMIT's hint)."""
-    replies = conn.exchange([p.Alloc(conn.rid(), k, n, m, copies.dma, to)
-                             for k, n, m in zip(keys, sizes, metas, strict=True)])
-    leases = [r.lease for r in replies if isinstance(r, p.AllocReply) and not r.exists]
-    written: list[tuple[int, p.AllocReply]] = []
-    digests: list[Digest] = []
-    fenced = False
-    try:
-        for i, reply in enumerate(replies):
-            if isinstance(reply, p.ErrorReply):
-                results[start + i] = p.ProtocolError(reply.code, reply.message)
-                continue
-            assert isinstance(reply, p.AllocReply)
-            if reply.exists:
-                results[start + i] = False
-                continue
-            written.append((i, reply))  # before its copies: settled on failure
-            digests.append(copies.write(i, reply))
-        copies.fence()
-        fenced = True
-        commits: list[tuple[int, p.Commit | p.Put]] = []
-        for (i, reply), digest in zip(written, digests, strict=True):
-            checksum, kind = digest()
-            commits.append((i, p.with_blocks(p.Commit(conn.rid(), reply.lease, checksum, kind,
-                                                      to=to),
-                                             blocks[i] if blocks is not None else None)))
-    except BaseException:
-        if written and not fenced:
-            copies.settle()
-        conn.cast(*[p.Abort(conn.rid(), lease) for lease in leases])
-        raise
-    done = conn.exchange([c for _, c in commits])
-    for (i, _), reply in zip(commits, done, strict=True):
-        if isinstance(reply, p.ErrorReply):
-            results[start + i] = p.ProtocolError(reply.code, reply.message)
-        else:  # False: another client committed the key first (its copy is kept)
-            assert isinstance(reply, p.CommitReply)
-            results[start + i] = reply.stored
 
 
 def read_window(conn: WindowConnection, copies: Copies, keys: Sequence[bytes], start: int,
@@ -723,10 +677,10 @@ class Transport(ABC):
                    sizes: list[int], verify: bool, meanwhile: Meanwhile = None) -> None: ...
 
     @abstractmethod
-    def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                   metas: Sequence[bytes], start: int, results: list[PutResult],
-                   blocks: Sequence[p.EngineBlocks | None] | None = None,
-                   to: str = "") -> None: ...
+    def put_windows(self, call: PutCall, views: Sequence[memoryview], batch_window: int,
+                    max_leases: int) -> None:
+        """Put the call's chunks (`views`, a buffer a key) from `call.done` on, a window
+        (`window()` keys) at a time; `call.done` says how far it got if it fails."""
 
     def close(self) -> None:
         self.conn.close()
@@ -781,16 +735,16 @@ class InlineTransport(Transport):
                     dst[: len(got[0])] = got[0]
                 sizes[start + i] = len(got[0])
 
-    def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                   metas: Sequence[bytes], start: int, results: list[PutResult],
-                   blocks: Sequence[p.EngineBlocks | None] | None = None,
-                   to: str = "") -> None:
-        for i, (key, view, meta) in enumerate(zip(keys, views, metas, strict=True)):
+    def put_windows(self, call: PutCall, views: Sequence[memoryview], batch_window: int,
+                    max_leases: int) -> None:
+        for i in range(call.done, len(call.keys)):
             try:
-                results[start + i] = self.put(key, view, meta,
-                                              blocks[i] if blocks is not None else None, to)
+                call.results[i] = self.put(call.keys[i], views[i], call.metas[i],
+                                           call.blocks[i] if call.blocks is not None else None,
+                                           call.to)
             except p.ProtocolError as e:
-                results[start + i] = e
+                call.results[i] = e
+            call.done = i + 1
 
 
 class ZeroCopyTransport(Transport):
@@ -922,16 +876,22 @@ class ZeroCopyTransport(Transport):
         read_window(self.conn, BufferCopies(self.arena, verify=verify, base=self.base), keys,
                     start, target, sizes, meanwhile)
 
-    def put_window(self, keys: Sequence[bytes], views: Sequence[memoryview],
-                   metas: Sequence[bytes], start: int, results: list[PutResult],
-                   blocks: Sequence[p.EngineBlocks | None] | None = None,
-                   to: str = "") -> None:
-        # Spares count against the connection's uncommitted bytes: a window gets the
-        # budget it had without put-ahead.
+    def put_windows(self, call: PutCall, views: Sequence[memoryview], batch_window: int,
+                    max_leases: int) -> None:
+        self.write_windows(call, lambda lo, hi: BufferCopies(self.arena, views[lo:hi],
+                                                             call.metas[lo:hi]),
+                           batch_window, max_leases)
+
+    def write_windows(self, call: PutCall, copies_of: CopiesOf, batch_window: int,
+                      max_leases: int) -> None:
+        """`put_windows` with the copy step `copies_of` gives each window (buffers' or
+        tensors': `kvpool.agent.gpu`), pipelined (`kvpool.agent.putwindows`)."""
+        # Spares count against the connection's uncommitted bytes: the windows get the
+        # budget they had without put-ahead.
         self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease, _ in self.spares.values()])
         self.spares.clear()
-        write_window(self.conn, BufferCopies(self.arena, views, metas), keys,
-                     [v.nbytes for v in views], metas, start, results, blocks, to)
+        write_windows(self.conn, call, copies_of, self.window(batch_window, max_leases),
+                      self.arena.nbytes, max_leases)
 
 
 def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,

@@ -1,0 +1,201 @@
+"""A `put_many`'s windows pipelined through a real agent (`kvpool.agent.putwindows`): the
+next window's ALLOCs are at the agent while this window is copied, each window's COMMITs
+go only after its own fence, results stay per key and in order, and a failure leaves the
+windows before it stored and no lease open.
+
+CPU tensors with a stream of the test's own stand in for a GPU's (as in test_tensors.py):
+its fence is where a test looks at the agent, or fails, at a known point of the call."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+import pytest
+import torch
+
+from kvpool.agent import protocol as p
+from kvpool.agent.client import KVPoolClient
+from kvpool.bench.local import LocalAgent
+
+from .conftest import wait_until
+
+WINDOW = 4
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    with LocalAgent("--no-lock", workdir=tmp_path_factory.mktemp("put-windows"),
+                    dram="32Mi") as a:
+        yield a
+
+
+@pytest.fixture
+def observer(agent: LocalAgent) -> Iterator[KVPoolClient]:
+    with KVPoolClient(agent.socket_path) as c:
+        yield c
+
+
+class FenceStream:
+    """A copy stream whose fences call `at_fence(n)` (n: 0 for the call's first window)
+    when waited on, before the window's COMMITs can go; `fail_at` makes recording the
+    fence of that window fail (a device error after its copies were issued)."""
+
+    def __init__(self, at_fence: Callable[[int], None], fail_at: int = -1) -> None:
+        self.at_fence = at_fence
+        self.fail_at = fail_at
+        self.fences = 0
+        self.waits: list[int] = []
+
+    def issue(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def record(self) -> FenceStream:
+        if self.fences == self.fail_at:
+            self.fail_at = -1
+            raise RuntimeError("the device could not record the event")
+        return self
+
+    def wait(self) -> None:
+        self.waits.append(self.fences)
+        self.at_fence(self.fences)
+        self.fences += 1
+
+
+def chunks(n: int, size: int = 4096) -> list[torch.Tensor]:
+    return [torch.full((size,), i, dtype=torch.uint8) for i in range(n)]
+
+
+def fresh_keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+def write_leases(c: KVPoolClient) -> int:
+    held: int = c.stats()["leases"]["write"]
+    return held
+
+
+def leases_reaching(c: KVPoolClient, n: int, timeout: float = 10.0) -> int:
+    """The agent's write leases once they are `n` (the agent answers requests already
+    sent), or as many as it holds after `timeout`: a count to assert on afterwards, where
+    an assertion would be swallowed (a failed window's settle suppresses its stream's
+    errors)."""
+    deadline = time.monotonic() + timeout
+    while (held := write_leases(c)) != n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return held
+
+
+def test_the_next_windows_allocs_reach_the_agent_before_this_windows_commits_go(
+        agent: LocalAgent, observer: KVPoolClient) -> None:
+    """At each window's fence (its COMMITs not sent yet, so not answered) the agent holds
+    the leases of the next window too: its ALLOCs went out before this window's copies."""
+    keys, data = fresh_keys(3 * WINDOW), chunks(3 * WINDOW)
+
+    def at_fence(n: int) -> None:
+        held = 2 * WINDOW if n < 2 else WINDOW  # the last window has none after it
+        assert leases_reaching(observer, held) == held
+        assert observer.lookup(keys) == n * WINDOW  # only the windows before are stored
+
+    stream = FenceStream(at_fence)
+    with KVPoolClient(agent.socket_path, batch_window=WINDOW) as c:
+        assert c.put_many(keys, data, stream=stream) == [True] * len(keys)
+    assert stream.waits == [0, 1, 2]
+    assert observer.lookup(keys) == len(keys)
+    assert write_leases(observer) == 0
+
+
+def test_a_window_that_fails_while_the_one_before_commits_leaves_that_one_stored_and_no_lease(
+        agent: LocalAgent, observer: KVPoolClient) -> None:
+    """Window 1's fence fails with window 0's COMMITs and window 2's ALLOCs in flight: the
+    error reaches the caller once window 1's copies were waited for with every lease still
+    open, window 0 is stored, windows 1 and 2 are ABORTed, and the connection goes on."""
+    keys, data = fresh_keys(3 * WINDOW), chunks(3 * WINDOW)
+    settled: list[int] = []
+
+    def at_fence(n: int) -> None:
+        if n == 1:  # the failed fence's settle: nothing ABORTed while copies may run
+            settled.append(leases_reaching(observer, 2 * WINDOW))
+
+    stream = FenceStream(at_fence, fail_at=1)
+    with KVPoolClient(agent.socket_path, batch_window=WINDOW) as c:
+        with pytest.raises(RuntimeError, match="could not record"):
+            c.put_many(keys, data, stream=stream)
+        assert stream.waits == [0, 1]
+        assert settled == [2 * WINDOW]  # windows 1 and 2 open then
+        wait_until(lambda: write_leases(observer) == 0, what="the ABORTs")
+        assert [observer.lookup([k]) for k in keys] == [1] * WINDOW + [0] * 2 * WINDOW
+        # The replies owed were all read: the same connection puts the rest.
+        assert c.put_many(keys, data) == [False] * WINDOW + [True] * 2 * WINDOW
+        out = [torch.empty_like(t) for t in data]
+        assert c.get_many_into(keys, lambda i, n, m: out[i]) == [4096] * len(keys)
+        assert all(torch.equal(a, b) for a, b in zip(data, out, strict=True))
+    assert write_leases(observer) == 0
+
+
+def test_results_stay_per_key_and_in_order_across_windows(
+        agent: LocalAgent, observer: KVPoolClient) -> None:
+    """Refused chunks and keys stored before, in several windows: each key's own result."""
+    keys = fresh_keys(11)
+    with KVPoolClient(agent.socket_path, batch_window=WINDOW) as c:
+        assert c.hello is not None
+        assert c.put_many([keys[2], keys[9]], [b"old" * 10, b"old" * 10]) == [True, True]
+        too_big = bytes(c.hello.max_chunk_bytes + 1)
+        data = [bytes([i]) * (100 + i) for i in range(11)]
+        data[5] = data[8] = too_big
+        results = c.put_many(keys, data)
+        expected: list[object] = [True] * 11
+        expected[2] = expected[9] = False
+        for i, r in enumerate(results):
+            if i in (5, 8):
+                assert isinstance(r, p.ProtocolError) and r.code == p.ErrorCode.BAD_ARGUMENT
+            else:
+                assert r is expected[i], (i, r)
+        for i, k in enumerate(keys):
+            if i in (2, 9):
+                assert c.get(k) == b"old" * 10
+            elif i not in (5, 8):
+                assert c.get(k) == data[i]
+    assert write_leases(observer) == 0
+
+
+def test_windows_too_large_to_hold_leases_together_go_one_after_the_other(
+        agent: LocalAgent, observer: KVPoolClient) -> None:
+    """Two windows of 10 MiB take more than the agent lets one connection hold uncommitted
+    (half its 32 MiB): the next window's ALLOCs wait for this window's COMMITs, and every
+    chunk is stored (none refused for room the window before still held)."""
+    keys, data = fresh_keys(3 * WINDOW), chunks(3 * WINDOW, size=(5 << 20) // 2)
+
+    def at_fence(n: int) -> None:
+        assert write_leases(observer) == WINDOW
+
+    stream = FenceStream(at_fence)
+    with KVPoolClient(agent.socket_path, batch_window=WINDOW) as c:
+        assert c.put_many(keys, data, stream=stream) == [True] * len(keys)
+    assert stream.waits == [0, 1, 2]
+    assert write_leases(observer) == 0
+
+
+def test_a_put_whose_agent_restarts_mid_call_goes_on_from_the_first_window_not_done(
+        agent: LocalAgent, observer: KVPoolClient) -> None:
+    """The agent dies at window 1's fence, after it committed window 0 and granted window
+    2's leases (window 0's COMMIT replies not read yet): the client reconnects, puts from
+    window 0 again (found stored: False, nothing lost) and every chunk is stored."""
+    keys, data = fresh_keys(3 * WINDOW), chunks(3 * WINDOW)
+
+    def at_fence(n: int) -> None:
+        if n == 1:
+            assert leases_reaching(observer, 2 * WINDOW) == 2 * WINDOW
+            agent.kill()
+            agent.start()
+
+    stream = FenceStream(at_fence)
+    with KVPoolClient(agent.socket_path, batch_window=WINDOW, reconnect_timeout=60) as c:
+        assert c.put_many(keys, data, stream=stream) == [False] * WINDOW + [True] * 2 * WINDOW
+        out = [torch.empty_like(t) for t in data]
+        assert c.get_many_into(keys, lambda i, n, m: out[i]) == [4096] * len(keys)
+        assert all(torch.equal(a, b) for a, b in zip(data, out, strict=True))
+    assert write_leases(observer) == 0
