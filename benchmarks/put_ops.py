@@ -78,7 +78,9 @@ def main() -> None:
     else:
         data = [os.urandom(a.chunk) for _ in range(a.chunks)]
         out = [bytearray(a.chunk) for _ in range(a.chunks)]
-    dram = f"{max(64, 3 * a.chunks * a.chunk // MiB)}Mi"
+    # Four rounds' bytes: two windows of a put fit the quarter of the arena in which the
+    # next window's ALLOCs go out before this window's COMMITs (putwindows.AHEAD_SHARE).
+    dram = f"{max(64, 4 * a.chunks * a.chunk // MiB)}Mi"
     puts: list[float] = []
     gets: list[float] = []
     spy: subprocess.Popen[bytes] | None = None
