@@ -9,7 +9,11 @@ its fence is where a test looks at the agent, or fails, at a known point of the 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import mmap
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -19,6 +23,8 @@ import torch
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.putwindows import PutCall
+from kvpool.agent.transport import Connection, ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
 from .conftest import wait_until
@@ -199,3 +205,84 @@ def test_a_put_whose_agent_restarts_mid_call_goes_on_from_the_first_window_not_d
         assert c.get_many_into(keys, lambda i, n, m: out[i]) == [4096] * len(keys)
         assert all(torch.equal(a, b) for a, b in zip(data, out, strict=True))
     assert write_leases(observer) == 0
+
+
+class ScriptedAgent(threading.Thread):
+    """The agent's side of a socket, scripted: ALLOCs granted one after the other in the
+    arena, COMMITs stored but for the keys in `refuse` (BAD_ARGUMENT, as an agent answers
+    one it cannot take, the lease left open), ABORTs answered; each request logged as it
+    arrives, in order (op, key or lease)."""
+
+    def __init__(self, sock: socket.socket, refuse: set[bytes]) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.refuse = sock, refuse
+        self.log: list[tuple[str, object]] = []
+        self.leases: dict[int, tuple[bytes, int]] = {}
+        """Lease -> (key, arena offset)."""
+
+    def run(self) -> None:
+        buf, ids, offset = b"", itertools.count(1), 0
+        while data := self.sock.recv(1 << 16):
+            buf += data
+            out = []
+            while len(buf) >= 4 and len(buf) >= 4 + p.HEADER.unpack_from(buf)[0]:
+                n = p.HEADER.unpack_from(buf)[0]
+                req, buf = p.request_decoder.decode(buf[4 : 4 + n]), buf[4 + n :]
+                reply: p.Reply
+                if isinstance(req, p.Alloc):
+                    lease = next(ids)
+                    self.leases[lease] = (req.key, offset)
+                    self.log.append(("alloc", req.key))
+                    reply = p.AllocReply(req.rid, lease, [(offset, req.size)])
+                    offset += -(-req.size // 4096) * 4096
+                elif isinstance(req, p.Commit):
+                    key = self.leases[req.lease][0]
+                    self.log.append(("commit", key))
+                    reply = p.ErrorReply(req.rid, p.ErrorCode.BAD_ARGUMENT, "refused") \
+                        if key in self.refuse else p.CommitReply(req.rid)
+                else:
+                    assert isinstance(req, p.Abort), req
+                    self.log.append(("abort", req.lease))
+                    reply = p.AbortReply(req.rid)
+                out.append(p.encode(reply))
+            self.sock.sendall(b"".join(out))
+
+
+def test_a_refused_commit_is_aborted_once_no_reply_is_owed_and_the_connection_stays_in_step(
+        ) -> None:
+    """Against a scripted agent, on the client's own connection: window 1's ALLOCs arrive
+    before window 0's COMMITs; a refused COMMIT is that key's result alone, and its lease
+    is ABORTed after every other request of the call (a cast sent while replies are owed
+    would have its reply read in their place); the next call's replies are its own."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, 1 << 20)
+    keys = [bytes([k]) * 16 for k in range(6)]
+    agent = ScriptedAgent(theirs, refuse={keys[3]})
+    agent.start()
+    t = ZeroCopyTransport(Connection(ours, itertools.count(1)), fd, 1 << 20)
+    try:
+        data = [memoryview(bytes([k]) * (100 + k)) for k in range(6)]
+        call = PutCall(keys, [d.nbytes for d in data], [b""] * 6, [False] * 6)
+        t.put_windows(call, data, batch_window=2, max_leases=64)
+        assert call.done == 6
+        assert [r is True for r in call.results] == [True, True, True, False, True, True]
+        assert isinstance(call.results[3], p.ProtocolError)
+        assert call.results[3].code == p.ErrorCode.BAD_ARGUMENT
+        ops = [op for op, _ in agent.log]
+        assert ops.index("commit") > 3  # windows 0 and 1's ALLOCs came first
+        refused = next(lease for lease, (k, _) in agent.leases.items() if k == keys[3])
+        assert agent.log[-1] == ("abort", refused) and ops.count("abort") == 1
+        arena = mmap.mmap(fd, 1 << 20)
+        for key, at in agent.leases.values():
+            assert arena[at : at + 100 + key[0]] == bytes(data[key[0]])  # copied into it
+        arena.close()
+
+        more = [os.urandom(16) for _ in range(3)]
+        again = PutCall(more, [10] * 3, [b""] * 3, [False] * 3)
+        t.put_windows(again, [memoryview(b"x" * 10)] * 3, batch_window=2, max_leases=64)
+        assert again.results == [True] * 3
+    finally:
+        t.close()
+        theirs.close()
+        os.close(fd)
