@@ -12,7 +12,10 @@ client, this process; `r` the reading agent; `h` the holder; `*` a process's mai
 thread), the busiest first; the reading agent's threads but its event loop (those that
 receive FETCH replies) in CPU s/GB against the raw receiver's thread. Only the timed
 rounds count (not the warm-up round, the puts, the checks or the deletes between rounds).
-`--connections N` sets both agents' `peers.connections`.
+`--connections N` sets both agents' `peers.connections`. Raw TCP twice, taking turns: sent
+by `sendall` (the bench's baseline, `raw_tcp_gbps`, `vs_raw`) and by `sendfile` from a
+shared-memory file as the holder sends (`raw_sendfile_gbps`, `vs_raw_sendfile`; the
+receiver's CPU per GB beside each; `--no-sendfile` leaves it out).
 
 `--tree DIR` (repeatable) runs the agents from another checkout's sources (its `agent/`
 and `operator/` on their PYTHONPATH; the client is always this process's): the trees take
@@ -106,8 +109,13 @@ def _ms(xs: list[float]) -> dict[str, float]:
             "p90": round(percentile(xs, 90) * 1e3, 2)}
 
 
-def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]], size: int,
-             count: int) -> dict[str, Any]:
+def _per_gb(raw_cpu: list[tuple[float, float]], total: int) -> float:
+    """The raw receiver's CPU seconds per GB over its transfers."""
+    return round(sum(c for _, c in raw_cpu) / (total * len(raw_cpu) / 1e9), 3)
+
+
+def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]],
+             by_file: list[tuple[float, float]], size: int, count: int) -> dict[str, Any]:
     rounds = watch.rounds[1:]  # the first is the warm-up round
     total = size * count
     raw = [t for t, _ in raw_cpu]
@@ -138,8 +146,12 @@ def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]
         "raw_tcp_gbps": round(raw_gbps, 3), "vs_raw": round(gbps / raw_gbps, 3),
         "round_ms": _ms(times), "raw_ms": _ms(raw), "process": procs, "threads": threads,
         "reader_workers_cpu_s_per_gb": round(workers / gb, 3),
-        "raw_receiver_cpu_s_per_gb": round(sum(c for _, c in raw_cpu) / (total * len(raw) / 1e9),
-                                           3)}
+        "raw_receiver_cpu_s_per_gb": _per_gb(raw_cpu, total)}
+    if by_file:
+        file_gbps = total / percentile([t for t, _ in by_file], 50) / 1e9
+        out |= {"raw_sendfile_gbps": round(file_gbps, 3),
+                "vs_raw_sendfile": round(gbps / file_gbps, 3),
+                "raw_sendfile_receiver_cpu_s_per_gb": _per_gb(by_file, total)}
     if copies:
         out["first_copy_ms"] = _ms([c[0] for c in copies])
         out["last_copy_ms"] = _ms([c[-1] for c in copies])
@@ -170,7 +182,7 @@ def _agents_from(tree: Path | None):  # type: ignore[no-untyped-def]
 
 def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: tuple[str, int],
              rounds: dict[int, int], raw_reps: int, sizes: list[int],
-             peers: dict[str, Any]) -> dict[str, Any]:
+             peers: dict[str, Any], sendfile: bool) -> dict[str, Any]:
     dram = max(s * MiB * SIZES[s] for s in sizes) * 2 + 16 * MiB
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -186,11 +198,15 @@ def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: t
                  "h": psutil.Process(agents[0].proc.pid)}  # type: ignore[union-attr]
         for s in sizes:
             size, count = s * MiB, SIZES[s]
-            raw = [raw_tcp_cpu(raw_at, net.nodes[1], size, count) for _ in range(raw_reps)]
+            raw, by_file = [], []
+            for _ in range(raw_reps):  # the two ways taking turns
+                raw.append(raw_tcp_cpu(raw_at, net.nodes[1], size, count))
+                if sendfile:
+                    by_file.append(raw_tcp_cpu(raw_at, net.nodes[1], size, count, True))
             watch = Watch(procs)
             times, verified = peer_reads(holder, reader, size, count, rounds[s], many=True,
                                          watch=watch)
-            out[f"{s}MiB"] = {**_summary(watch, times, raw, size, count),
+            out[f"{s}MiB"] = {**_summary(watch, times, raw, by_file, size, count),
                               "bytes_verified": verified}
     return out
 
@@ -213,6 +229,8 @@ def main() -> None:
     ap.add_argument("--large-rounds", type=int, default=8, help="timed 16 MiB windows a turn")
     ap.add_argument("--raw-reps", type=int, default=5, help="raw TCP transfers a size a turn")
     ap.add_argument("--sizes", default="1,16", help="chunk MiB to read: 1, 16 or both")
+    ap.add_argument("--no-sendfile", action="store_true",
+                    help="leave out raw TCP sent by sendfile from a shared-memory file")
     ap.add_argument("--connections", type=int,
                     help="both agents' peers.connections (default: the agents' own)")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
@@ -245,7 +263,8 @@ def main() -> None:
                 got = one_turn(net, sub, secret, tree, raw_at,
                                {1: args.rounds, 16: args.large_rounds}, args.raw_reps, sizes,
                                {} if args.connections is None
-                               else {"connections": args.connections})
+                               else {"connections": args.connections},
+                               not args.no_sendfile)
                 turns.append({"tree": str(tree or here), "pair": pair,
                               "load": [round(load, 2), round(os.getloadavg()[0], 2)], **got})
     summary: dict[str, Any] = {}
@@ -254,7 +273,11 @@ def main() -> None:
         mine = [t for t in turns if t["tree"] == name]
         summary[name] = {
             f"{s}MiB": {k: round(percentile([t[f"{s}MiB"][k] for t in mine], 50), 3)
-                        for k in ("vs_raw", "window_gbps", "raw_tcp_gbps")}
+                        for k in ("vs_raw", "window_gbps", "raw_tcp_gbps", "vs_raw_sendfile",
+                                  "raw_sendfile_gbps", "reader_workers_cpu_s_per_gb",
+                                  "raw_receiver_cpu_s_per_gb",
+                                  "raw_sendfile_receiver_cpu_s_per_gb")
+                        if k in mine[0][f"{s}MiB"]}
             | {"first_copy_ms": round(percentile(
                 [t[f"{s}MiB"]["first_copy_ms"]["p50"] for t in mine], 50), 2)}
             for s in sizes}

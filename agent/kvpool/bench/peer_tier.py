@@ -175,11 +175,14 @@ def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float
     return raw_tcp_cpu(sender, node, size, count)[0]
 
 
-def raw_tcp_cpu(sender: tuple[str, int], node: Node, size: int,
-                count: int) -> tuple[float, float]:
-    """`raw_tcp`'s seconds, and the CPU seconds the receiving thread spent meanwhile."""
+def raw_tcp_cpu(sender: tuple[str, int], node: Node, size: int, count: int,
+                sendfile: bool = False) -> tuple[float, float]:
+    """`raw_tcp`'s seconds, and the CPU seconds the receiving thread spent meanwhile;
+    `sendfile`: the sender sends by `sendfile` from a shared-memory file, as a holding
+    agent does (`rawtcp`)."""
     out = subprocess.run(in_node(node, sys.executable, "-m", "kvpool.bench.rawtcp", "recv",
-                                 sender[0], str(sender[1]), str(size), str(count)),
+                                 sender[0], str(sender[1]), str(size), str(count),
+                                 *(["sendfile"] if sendfile else [])),
                          capture_output=True, text=True, timeout=300, check=True)
     seconds, cpu = out.stdout.split()[-2:]
     return float(seconds), float(cpu)
