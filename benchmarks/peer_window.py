@@ -170,7 +170,10 @@ def _agents_from(tree: Path | None):  # type: ignore[no-untyped-def]
         yield
         return
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = f"{tree / 'agent'}:{tree / 'operator'}"
+    # The tree's sources first; what the path held after them (where the dependencies may
+    # be installed outside the environment, e.g. a --target directory).
+    os.environ["PYTHONPATH"] = ":".join(
+        [str(tree.resolve() / "agent"), str(tree.resolve() / "operator"), *filter(None, [old])])
     try:
         yield
     finally:
