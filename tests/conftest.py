@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .integrations.engines import Reference, write_models
+from .integrations.engines import Reference, write_models, zygote
 
 ALONE_MARK = "pytest.mark.alone"
 """What `tests/run` looks for to find the files of the tests it runs one at a time: it
@@ -69,6 +69,7 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     per test run: every vLLM engine module (tests/integrations, tests/peers) serves the same
     one, and writing it costs an import of transformers in the vLLM environment."""
     model = tmp_path_factory.mktemp("vllm-model") / "model"
+    zygote()  # its imports beside the model's writing: the engines come from it
     write_models((model, 0))
     return model
 

@@ -1,19 +1,27 @@
 """vLLM engine processes for the engine tests, and the no-connector reference they share.
 
 Each engine is a fresh process (`vllm_engine.py`, or `lmcache_vllm_engine.py` for LMCache's
-connector) in the vLLM test environment (tests/install-vllm), as a vLLM pod would be. An
-engine start costs ~15-35 s of the machine's two cores, so the modules reuse engines across
-scenarios, start independent ones at once, and share one reference engine (no connector at
-all) for the whole session: `Reference` answers any prompt on the test model once.
+connector) in the vLLM test environment (tests/install-vllm), as a vLLM pod would be: forked
+from the run's `Zygote`, which imported vLLM once (~11 s of CPU that each engine paid
+again), it builds its engine, connector and KV cache itself. An engine start still costs
+~2-5 s of CPU, so the modules reuse engines across scenarios, start independent ones at
+once, and share one reference engine (no connector at all) for the whole session:
+`Reference` answers any prompt on the test model once.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
+import socket
 import subprocess
+import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TextIO
 
 import pytest
 
@@ -26,6 +34,7 @@ from kvpool.bench.vllm_ttft import CONNECTOR, prompt
 from . import vllm_engine
 
 HARNESS = Path(vllm_engine.__file__)
+ZYGOTE = HARNESS.with_name("zygote.py")
 START_TIMEOUT = 300
 KVPOOL_CONNECTOR = CONNECTOR
 """What docs/integrations.md tells a user to pass as --kv-transfer-config."""
@@ -52,13 +61,117 @@ def write_models(*dirs_and_seeds: tuple[Path, int]) -> None:
         assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
 
 
+class Zygote:
+    """The driver's side of `zygote.py`: a process of the vLLM environment that imported
+    vLLM once and forks each engine from there (an engine's start then costs ~2 s of CPU
+    where it cost ~14). Started by the first test run that asks (`zygote()`), kept for the
+    run: every engine module's engines come from it."""
+
+    def __init__(self) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (kept for the run: its output)
+        self.proc = subprocess.Popen([str(vllm_python()), str(ZYGOTE), str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        theirs.close()
+        self.lock = threading.Lock()
+        self.ready = False
+        self.exits: dict[int, int] = {}
+
+    def _next(self, timeout: float | None) -> dict[str, Any] | None:
+        """The zygote's next message; None if none came within `timeout`."""
+        self.sock.settimeout(timeout)
+        try:
+            msg = self.sock.recv(1 << 16)
+        except TimeoutError:
+            return None
+        if not msg:
+            code = self.proc.wait()
+            self.log.seek(0)
+            raise RuntimeError(f"the vLLM zygote ended ({code}):\n{self.log.read()[-8000:]}")
+        reply: dict[str, Any] = json.loads(msg)
+        if "exit" in reply:
+            self.exits[reply["exit"]] = reply["code"]
+        return reply
+
+    def spawn(self, args: list[str], env: dict[str, str], cwd: Path, stderr: TextIO,
+              netns: str | None = None) -> ForkedEngine:
+        """`args` (vLLM's python, a script and its arguments) forked from the zygote, in
+        network namespace `netns` if given (on another node)."""
+        with self.lock:
+            while not self.ready:  # its imports
+                self.ready = bool((self._next(300) or {}).get("ready"))
+            stdin_r, stdin_w = os.pipe()
+            stdout_r, stdout_w = os.pipe()
+            request = {"argv": args[1:], "env": env, "cwd": str(cwd), "netns": netns}
+            socket.send_fds(self.sock, [json.dumps(request).encode()],
+                            [stdin_r, stdout_w, stderr.fileno()])
+            os.close(stdin_r)
+            os.close(stdout_w)
+            while "pid" not in (reply := self._next(60) or {}):
+                pass
+            return ForkedEngine(self, reply["pid"], os.fdopen(stdin_w, "w"),
+                                os.fdopen(stdout_r))
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        """`pid`'s exit code once it has ended, waiting up to `timeout` (0: not at all)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.exits:
+                left = None if end is None else max(0.001, end - time.monotonic())
+                if self._next(left) is None:
+                    break
+            return self.exits.get(pid)
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote ends when it sees its end closed
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+class ForkedEngine:
+    """An engine forked by the zygote, as `EngineProcess` uses a `subprocess.Popen`."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin: IO[str], stdout: IO[str]) -> None:
+        self.zygote, self.pid, self.stdin, self.stdout = zygote, pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.returncode(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.returncode(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout or 0)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+_zygote: Zygote | None = None
+
+
+def zygote() -> Zygote:
+    """The run's zygote, started now if it is not yet (its imports go on meanwhile)."""
+    global _zygote
+    if _zygote is None:
+        _zygote = Zygote()
+        atexit.register(_zygote.close)
+    return _zygote
+
+
 class Engine(EngineProcess):
     """A vLLM engine process answering the harness's JSON commands."""
 
     def __init__(self, name: str, model: Path, agent: LocalAgent | None, workdir: Path,
                  tenant: str = "team-a", connector: dict[str, Any] | None = KVPOOL_CONNECTOR,
                  chunk_tokens: int = 64, harness: Path = HARNESS,
-                 llm_args: dict[str, Any] | None = None, prefix: tuple[str, ...] = (),
+                 llm_args: dict[str, Any] | None = None, netns: str | None = None,
                  **env_extra: str) -> None:
         env = dict(os.environ, KVPOOL_TENANT=tenant, KVPOOL_CHUNK_TOKENS=str(chunk_tokens),
                    POD_NAME=f"vllm-{name}", **env_extra)
@@ -66,12 +179,17 @@ class Engine(EngineProcess):
             env[vllm_engine.ENV_LLM_ARGS] = json.dumps(llm_args)
         if agent is not None:
             env["KVPOOL_SOCKET"] = str(agent.socket_path)
-        # `prefix`: run it under this command (e.g. `ip netns exec NS`: on another node)
-        args = [*prefix, str(vllm_python()), str(harness), "serve", str(model)]
+        self.netns = netns  # on another node: in its network namespace
+        args = [str(vllm_python()), str(harness), "serve", str(model)]
         if connector is not None:
             args.append(json.dumps(connector))
         super().__init__(name, args, env, workdir)
         self.started: dict[str, Any] = {}
+
+    def spawn(self, args: list[str], env: dict[str, str], workdir: Path,
+              log: TextIO) -> Any:
+        """Forked from the run's zygote: vLLM imported already."""
+        return zygote().spawn(args, env, workdir, log, self.netns)
 
     def ready(self) -> dict[str, Any]:
         if not self.started:

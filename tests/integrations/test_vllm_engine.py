@@ -1,12 +1,12 @@
 """kvpool's vLLM connector, run by vLLM's own engine (its CPU build) against a real agent.
 
 Each engine is a fresh process (`vllm_engine.py`) in the vLLM test environment
-(tests/install-vllm), as a vLLM pod would be; nothing but the agent connects them. Engine
-starts are what these tests cost (~15-35 s each), so one module runs every scenario on few
-engines, started in two waves: engine A that stores, beside engines D (another model) and E
-(another KV-cache dtype) that ask only once A is done; then engines B (same tenant) and C
-(another tenant) at once. The no-connector reference engine is the run's
-(tests/conftest.py).
+(tests/install-vllm), as a vLLM pod would be (forked from the run's zygote, `engines.py`);
+nothing but the agent connects them. Engine starts are what these tests cost, so one module
+runs every scenario on few engines, started in two waves: engine A that stores, beside
+engines D (another model) and E (another KV-cache dtype) that ask only once A is done; then
+engines B (same tenant) and C (another tenant) at once. The no-connector reference engine
+is the run's (tests/conftest.py).
 """
 
 from __future__ import annotations

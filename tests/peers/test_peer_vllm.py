@@ -97,13 +97,12 @@ def pd(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path,
     try:
         with peer_agent(net, 0, work / "node1", secret, nvme=False, named=True) as node1, \
                 peer_agent(net, 1, work / "node2", secret, nvme=False, named=True) as node2:
-            in_ns = [("ip", "netns", "exec", n.ns) for n in net.nodes]
-            # The engine processes start at once (each ~20-35 s alone), beside the
-            # reference if no module before started it.
+            # The engine processes start at once, each in its node's network namespace,
+            # beside the reference if no module before started it.
             prefill = Engine("prefill", model, node1, work, tenant="", connector=PREFILL,
-                             prefix=in_ns[0])
+                             netns=net.nodes[0].ns)
             decode = Engine("decode", model, node2, work, tenant="", connector=DECODE,
-                            prefix=in_ns[1])
+                            netns=net.nodes[1].ns)
             engines += [prefill, decode]
             reference = {json.dumps(p): vllm_reference(p) for p in (HANDED, KILLED, OWN, PUSHED)}
             for e in engines:

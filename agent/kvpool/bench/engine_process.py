@@ -13,7 +13,21 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import IO, Any, NoReturn, Protocol, TextIO
+
+
+class EngineProc(Protocol):
+    """What `EngineProcess` uses of its process (`subprocess.Popen`'s)."""
+
+    returncode: Any
+    stdin: IO[str] | None
+    stdout: IO[str] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
 
 
 class EngineExited(RuntimeError):
@@ -25,8 +39,14 @@ class EngineProcess:
         self.name = name
         self.log_path = workdir / f"vllm-{name}.log"
         with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=env, cwd=workdir)
+            self.proc = self.spawn(args, env, workdir, log)
+
+    def spawn(self, args: list[str], env: dict[str, str], workdir: Path,
+              log: TextIO) -> EngineProc:
+        """The engine's process: a pipe to its stdin and one from its stdout, its stderr
+        the log (the engine tests' harness may start it another way)."""
+        return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, text=True, env=env, cwd=workdir)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
