@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,8 +47,8 @@ from kvpool.bench.netns import PEER_PORT, Network, peer_agent
 from kvpool.bench.peer_tier import (
     CONGESTION_CONTROL,
     congestion_control,
-    in_node,
     peer_reads,
+    raw_sender,
     raw_tcp_cpu,
 )
 from kvpool.bench.stats import MiB, percentile
@@ -252,13 +251,7 @@ def main() -> None:
         tmp = Path(tmpdir)
         secret = tmp / "secret"
         secret.write_bytes(os.urandom(32).hex().encode())
-        sender = subprocess.Popen(in_node(net.nodes[0], sys.executable, "-m",
-                                      "kvpool.bench.rawtcp", "send", net.nodes[0].addr),
-                                  stdout=subprocess.PIPE, text=True)
-        stack.callback(sender.wait, 30)
-        stack.callback(sender.kill)
-        assert sender.stdout is not None
-        raw_at = (net.nodes[0].addr, int(sender.stdout.readline()))
+        raw_at = raw_sender(net.nodes[0], stack)
         for pair in range(args.pairs):
             for n, tree in enumerate(trees):
                 load = os.getloadavg()[0]

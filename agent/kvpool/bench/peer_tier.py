@@ -169,6 +169,18 @@ def congestion_control(net: Network, name: str) -> str:
     return ",".join(sorted(said))
 
 
+def raw_sender(node: Node, stack: contextlib.ExitStack) -> tuple[str, int]:
+    """Start the raw TCP baseline's sender in `node`'s namespace, ended with `stack`; the
+    address it listens on."""
+    sender = subprocess.Popen(in_node(node, sys.executable, "-m", "kvpool.bench.rawtcp",
+                                      "send", node.addr),
+                              stdout=subprocess.PIPE, text=True)
+    stack.callback(sender.wait, 30)
+    stack.callback(sender.kill)
+    assert sender.stdout is not None
+    return node.addr, int(sender.stdout.readline())
+
+
 def raw_tcp(sender: tuple[str, int], node: Node, size: int, count: int) -> float:
     """Seconds node's namespace takes to receive `count` chunks of `size` bytes from the
     raw sender."""
@@ -364,13 +376,7 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
                                              f"{net.host}:{fake.port}"],
                                "handoffShare": HANDOFF_SHARE})) for i in range(2)]
         holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
-        sender = subprocess.Popen(in_node(net.nodes[0], sys.executable, "-m",
-                                          "kvpool.bench.rawtcp", "send", net.nodes[0].addr),
-                                  stdout=subprocess.PIPE, text=True)
-        stack.callback(sender.wait, 30)
-        stack.callback(sender.kill)
-        assert sender.stdout is not None
-        raw_at = (net.nodes[0].addr, int(sender.stdout.readline()))
+        raw_at = raw_sender(net.nodes[0], stack)
 
         result["sizes"] = {}
         for size, count in sizes.items():
