@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .integrations.engines import Reference, write_models, zygote
+from .integrations.engines import Reference, write_models
 
 ALONE_MARK = "pytest.mark.alone"
 """What `tests/run` looks for to find the files of the tests it runs one at a time: it
@@ -67,9 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vLLM engine tests' model (`tests/integrations/vllm_engine.py model`), written once
     per test run: every vLLM engine module (tests/integrations, tests/peers) serves the same
-    one, and writing it costs an import of transformers in the vLLM environment."""
+    one, and writing it is a process of the vLLM environment."""
     model = tmp_path_factory.mktemp("vllm-model") / "model"
-    zygote()  # its imports beside the model's writing: the engines come from it
     write_models((model, 0))
     return model
 
