@@ -286,3 +286,43 @@ def test_a_refused_commit_is_aborted_once_no_reply_is_owed_and_the_connection_st
         t.close()
         theirs.close()
         os.close(fd)
+
+
+class TimeoutsCounted(socket.socket):
+    """A client socket that counts the reads that timed out."""
+
+    timeouts = 0
+
+    def recv_into(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        try:
+            return super().recv_into(*args, **kwargs)
+        except TimeoutError:
+            self.timeouts += 1
+            raise
+
+
+def test_an_agent_that_stops_answering_costs_a_put_one_timeout_then_its_connection() -> None:
+    """An agent that takes the ALLOCs and never answers (stopped, hung): the put fails after
+    one read timed out, its connection closed (the agent ends a closed connection's leases
+    itself), not after a second timeout spent reading the replies owed, which a stream
+    left mid-frame by a timeout could not give in step anyway."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = TimeoutsCounted(fileno=ours.detach())
+    sock.settimeout(0.2)
+    fd = os.memfd_create("arena")
+    os.ftruncate(fd, 1 << 20)
+    conn = Connection(sock, itertools.count(1))
+    t = ZeroCopyTransport(conn, fd, 1 << 20)
+    try:
+        keys = [bytes([k]) * 16 for k in range(4)]
+        data = [memoryview(b"x" * 100)] * 4
+        call = PutCall(keys, [100] * 4, [b""] * 4, [False] * 4)
+        with pytest.raises(TimeoutError):
+            t.put_windows(call, data, batch_window=2, max_leases=64)
+        assert sock.timeouts == 1
+        assert conn.closed
+        assert call.done == 0
+    finally:
+        t.close()
+        theirs.close()
+        os.close(fd)

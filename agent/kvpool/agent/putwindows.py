@@ -20,7 +20,9 @@ Failure of any kind (an exception mid-window, a copy or a fence that fails, a dr
 connection) ends every lease not committed by ABORT, only once no copy that started may
 still write its pages (`Copies.settle`) and once every reply owed has been read: the
 COMMITs' replies then say what was stored (those windows are done, `PutCall.done`), the
-ALLOCs' which leases were granted. A dropped connection ends them at the agent instead.
+ALLOCs' which leases were granted. A connection that failed itself (dropped, or a reply
+not in within the timeout) is closed at once instead, which ends them at the agent: a
+stalled agent costs the call one timeout, not one per reply owed.
 A refused COMMIT (its chunk's result the error) leaves its lease to an ABORT as well, sent
 when no reply is owed any more: `Connection` reads a cast's reply before the next call's,
 which holds only while a cast follows every reply posted before it.
@@ -121,8 +123,8 @@ class _Puts:
                 self._post(reqs)
             while self.owed:
                 self._read_commits()
-        except BaseException:
-            self._fail()
+        except BaseException as e:
+            self._fail(broken=isinstance(e, OSError))
             raise
         self.conn.cast(*[p.Abort(self.conn.rid(), lease) for lease in self.refused])
 
@@ -209,13 +211,19 @@ class _Puts:
                 self.call.results[i] = reply.stored
         self.call.done = self.windows[group.window][1]
 
-    def _fail(self) -> None:
+    def _fail(self, broken: bool) -> None:
         """Settle the copies that started, read every reply owed (what was committed, what
         was granted), then ABORT every lease not committed; if the connection fails meanwhile,
-        close it (the agent ends a closed connection's leases itself)."""
+        close it (the agent ends a closed connection's leases itself). `broken`: the call
+        failed on the connection itself (a timeout, a reset): it is closed at once, since
+        an agent that did not answer in time would cost the caller another timeout per
+        reply owed, and a read that timed out may have left the stream mid-frame."""
         if self.copies is not None:
             self.copies.settle()
             self.copies = None
+        if broken:
+            self.conn.close()
+            return
         try:
             while self.owed:
                 group = self.owed[0]
