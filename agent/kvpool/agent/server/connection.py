@@ -38,6 +38,19 @@ already buffered; past this they go out (a batch of inline GETs must not pile up
 MAX_COMMIT_BATCH = 1024
 """COMMITs handled as one batch at most (`Connection._commits`)."""
 _COMMIT = int(p.Op.COMMIT)
+_OPS = {int(op): op for op in p.Op}
+"""An op byte's `Op` (a dict's look-up: `Op(byte)` runs the enum's constructor, twice a
+chunk read)."""
+_REQUEST_OPS: dict[type, p.Op] = {}
+"""A decoded request's type's `Op`, filled as types come."""
+
+
+def _op_of_request(req: object) -> p.Op:
+    kind = type(req)
+    op = _REQUEST_OPS.get(kind)
+    if op is None:
+        op = _REQUEST_OPS[kind] = p.Op(kind.__struct_config__.tag)  # type: ignore[attr-defined]
+    return op
 
 
 def _op_of(body: bytes | bytearray) -> int:
@@ -180,7 +193,7 @@ class Connection:
                     req = p.request_decoder.decode(view[begin : begin + length])
             except msgspec.MsgspecError:
                 return False  # (the task answers it: BAD_FRAME)
-            op = p.Op(buf[begin + 1])
+            op = _OPS[buf[begin + 1]]
             try:
                 reply = handler(self, req)
                 if reply is None:
@@ -425,7 +438,7 @@ class Connection:
             metrics.op_error(0, p.ErrorCode.BAD_FRAME)
             await self.send_error(0, p.ErrorCode.BAD_FRAME, f"undecodable frame: {e}")
             raise Closed("undecodable frame") from e
-        op = p.Op(type(req).__struct_config__.tag)
+        op = _op_of_request(req)
         try:
             if not self.hello and op is not p.Op.HELLO:
                 raise OpError(p.ErrorCode.HELLO_REQUIRED, "send HELLO first")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Sequence
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -71,8 +71,8 @@ class Dispatcher:
     async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
         """The reply to one request (an `OpError` for what the client did wrong)."""
         reply = self.handlers[op](conn, req)
-        if inspect.isawaitable(reply):
-            reply = await reply
+        if isinstance(reply, CoroutineType):  # an `async def` handler's (`isawaitable`
+            reply = await reply                # asks an ABC of every reply that is not)
         return reply
 
     def stats(self, space: Space) -> dict[str, Any]:

@@ -547,8 +547,9 @@ class ChunkStore:
         limit = int(self.policy.tiers.dram.high_watermark * d.capacity_bytes)
 
         def send(link: PeerLink, items: list[tuple[int, Extents]], alone: bool) -> None:
-            peer.fetch_many(link, [(keys[i], self.dram.fetch_target(extents))
-                                   for i, extents in items],
+            targets = self.dram.fetch_targets([extents for _, extents in items])
+            peer.fetch_many(link, [(keys[i], target)
+                                   for (i, _), target in zip(items, targets, strict=True)],
                             then=[functools.partial(self._landed, keys[i], extents,
                                                     reads[i], mark)
                                   for i, extents in items], alone=alone)

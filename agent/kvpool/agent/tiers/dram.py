@@ -211,10 +211,17 @@ class DramTier:
     def fetch_target(self, extents: Extents) -> ArenaTarget:
         """Where a peer read puts a chunk: `extents`, written by `Arena.write_run`, the
         file's size restored first (a pwrite past a shrunk end would grow a sparse file)."""
+        return self.fetch_targets([extents])[0]
+
+    def fetch_targets(self, runs: list[Extents]) -> list[ArenaTarget]:
+        """`fetch_target` of each of a batch's chunks, the file's size checked once for
+        them all (an `fstat`, and the GIL let go, per batch, not per chunk: the targets
+        are made in one turn of the loop, before any of their reads starts)."""
         arena = self.arena
         arena.restore_size()
-        return ArenaTarget(arena.fd, extents, arena.write_run, arena.mapped_base,
-                           arena.guard_counts(), arena.repair)
+        guard = arena.guard_counts()
+        return [ArenaTarget(arena.fd, extents, arena.write_run, arena.mapped_base, guard,
+                            arena.repair) for extents in runs]
 
     # -- pins
 
