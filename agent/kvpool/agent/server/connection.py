@@ -12,7 +12,8 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -173,7 +174,6 @@ class Connection:
         if not self.hello or self.out:
             return False
         quick = self.dispatcher.quick
-        metrics = self.dispatcher.metrics
         limit = self.dispatcher.max_frame_bytes
         buf = self.buf
         while (pending := self.end - self.start) > 0:
@@ -193,21 +193,30 @@ class Connection:
                     req = p.request_decoder.decode(view[begin : begin + length])
             except msgspec.MsgspecError:
                 return False  # (the task answers it: BAD_FRAME)
-            op = _OPS[buf[begin + 1]]
-            try:
-                reply = handler(self, req)
-                if reply is None:
-                    return False  # not now: the task answers it (nothing was done)
-                self.reply(p.encode(reply))
-                metrics.ops_ok[op].inc()
-            except Exception as e:
-                self._reply_error(op, req.rid, e)
-            metrics.latency[op].observe(time.perf_counter() - started)
+            if not self._answer_now(handler, buf[begin + 1], req, started):
+                return False  # not now: the task answers it (nothing was done)
             self.start = begin + length
             if self.out_bytes >= COALESCE_BYTES and not self._send_now():
                 return False
         self.start = self.end = 0
         return self._send_now()
+
+    def _answer_now(self, handler: Callable[[Connection, Any], Any], op_code: int, req: Any,
+                    started: float) -> bool:
+        """Answer a request of an op `Dispatcher.quick` names with its reply queued, counted
+        as the task counts one; False where its handler says not now (nothing done)."""
+        metrics = self.dispatcher.metrics
+        op = _OPS[op_code]
+        try:
+            reply = handler(self, req)
+            if reply is None:
+                return False
+            self.reply(p.encode(reply))
+            metrics.ops_ok[op].inc()
+        except Exception as e:
+            self._reply_error(op, req.rid, e)
+        metrics.latency[op].observe(time.perf_counter() - started)
+        return True
 
     def _send_now(self) -> bool:
         """Send the held replies from the loop's callback; False where the socket did not
@@ -378,13 +387,29 @@ class Connection:
         """Handle a frame; a COMMIT followed by more COMMITs already whole in the buffer (a
         put window's, which the client sends in one write) is handled with them, as one
         batch (`_commits`)."""
-        if self.hello and _op_of(body) == _COMMIT:
+        if not self.hello:
+            await self._handle(body)
+            return
+        code = _op_of(body)
+        if code == _COMMIT:
             bodies = [body]
             while len(bodies) < MAX_COMMIT_BATCH \
                     and (more := self.buffered_frame(_COMMIT)) is not None:
                 bodies.append(more)
             if len(bodies) > 1:
                 await self._commits(bodies)
+                return
+        elif (handler := self.dispatcher.quick.get(code)) is not None:
+            # A RELEASE, or an ACQUIRE of a chunk in DRAM, that came while the task was
+            # busy (a window's, behind an ACQUIRE that waited for its chunk to land):
+            # answered as `_quick` answers one, without the two coroutines and the checks
+            # of `_handle`'s way; one it does not answer now takes that way.
+            started = time.perf_counter()
+            try:
+                req = p.request_decoder.decode(body)
+            except msgspec.MsgspecError:
+                req = None  # (`_handle` answers it: BAD_FRAME)
+            if req is not None and self._answer_now(handler, code, req, started):
                 return
         await self._handle(body)
 
