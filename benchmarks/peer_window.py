@@ -10,8 +10,11 @@ process's CPU (user + system) per GB and per round, its minor page faults and co
 switches per round; each thread's share of the rounds' wall time it was busy (`c` the
 client, this process; `r` the reading agent; `h` the holder; `*` a process's main
 thread), the busiest first; the reading agent's threads but its event loop (those that
-receive FETCH replies) in CPU s/GB against the raw receiver's thread. Only the timed
-rounds count (not the warm-up round, the puts, the checks or the deletes between rounds).
+receive FETCH replies) in CPU s/GB against the raw receiver's thread; its event loop (its
+main thread) alone as a busy share, CPU s/GB and µs a chunk (`reader_loop_*`). A thread's
+CPU is the scheduler's nanoseconds where /proc has them (`schedstat`), else clock ticks.
+Only the timed rounds count (not the warm-up round, the puts, the checks or the deletes
+between rounds).
 `--connections N` sets both agents' `peers.connections`. Raw TCP twice, taking turns: sent
 by `sendall` (the bench's baseline, `raw_tcp_gbps`, `vs_raw`) and by `sendfile` from a
 shared-memory file as the holder sends (`raw_sendfile_gbps`, `vs_raw_sendfile`; the
@@ -63,6 +66,17 @@ def _faults(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
+def _thread_cpu(pid: int, tid: int, ticks: float) -> float:
+    """A thread's CPU seconds so far: the scheduler's nanoseconds (/proc/PID/task/TID/
+    schedstat, its first field) where the kernel keeps them, else `ticks` (psutil's user +
+    system time, in clock ticks of 10 ms: a thread busy 13 ms a round reads 10 or 20)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return ticks
+
+
 class Watch:
     """`peer_tier.RoundWatch`: per round, when each chunk's copy starts, and the CPU of
     every thread of the three processes over the round."""
@@ -80,7 +94,7 @@ class Watch:
         procs: dict[str, tuple[float, int, int]] = {}
         for tag, p in self.procs.items():
             for t in p.threads():
-                threads[(tag, t.id)] = t.user_time + t.system_time
+                threads[(tag, t.id)] = _thread_cpu(p.pid, t.id, t.user_time + t.system_time)
             c, ctx = p.cpu_times(), p.num_ctx_switches()
             procs[tag] = (c.user + c.system, _faults(p.pid), ctx.voluntary + ctx.involuntary)
         return threads, procs
@@ -135,6 +149,8 @@ def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]
     # against the raw receiver's one thread (what a byte costs each to take in).
     workers = sum(v for (tag, tid), v in busy.items()
                   if tag == "r" and tid != watch.procs["r"].pid)
+    # The reading agent's event loop (its main thread): the busiest thread at 1 MiB chunks.
+    loop = busy.get(("r", watch.procs["r"].pid), 0.0)
     threads = []
     for (tag, tid), cpu in sorted(busy.items(), key=lambda kv: -kv[1])[:10]:
         main = tid == watch.procs[tag].pid
@@ -145,6 +161,9 @@ def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]
         "raw_tcp_gbps": round(raw_gbps, 3), "vs_raw": round(gbps / raw_gbps, 3),
         "round_ms": _ms(times), "raw_ms": _ms(raw), "process": procs, "threads": threads,
         "reader_workers_cpu_s_per_gb": round(workers / gb, 3),
+        "reader_loop_busy": round(loop / wall, 3),
+        "reader_loop_cpu_s_per_gb": round(loop / gb, 3),
+        "reader_loop_us_per_chunk": round(loop / (count * len(rounds)) * 1e6, 1),
         "raw_receiver_cpu_s_per_gb": _per_gb(raw_cpu, total)}
     if by_file:
         file_gbps = total / percentile([t for t, _ in by_file], 50) / 1e9
@@ -271,6 +290,8 @@ def main() -> None:
             f"{s}MiB": {k: round(percentile([t[f"{s}MiB"][k] for t in mine], 50), 3)
                         for k in ("vs_raw", "window_gbps", "raw_tcp_gbps", "vs_raw_sendfile",
                                   "raw_sendfile_gbps", "reader_workers_cpu_s_per_gb",
+                                  "reader_loop_busy", "reader_loop_cpu_s_per_gb",
+                                  "reader_loop_us_per_chunk",
                                   "raw_receiver_cpu_s_per_gb",
                                   "raw_sendfile_receiver_cpu_s_per_gb")
                         if k in mine[0][f"{s}MiB"]}
