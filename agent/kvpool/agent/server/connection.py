@@ -411,6 +411,8 @@ class Connection:
                 req = None  # (`_handle` answers it: BAD_FRAME)
             if req is not None and self._answer_now(handler, code, req, started):
                 return
+            await self._handle(body, req)
+            return
         await self._handle(body)
 
     async def _commits(self, bodies: list[bytes]) -> None:
@@ -445,11 +447,12 @@ class Connection:
         if len(reqs) < len(bodies):
             await self._handle(bodies[len(reqs)])  # its error reply, and Closed
 
-    async def _handle(self, body: bytes) -> None:
+    async def _handle(self, body: bytes, decoded: Any = None) -> None:
+        """Answer a request (`decoded`: its body decoded already)."""
         metrics = self.dispatcher.metrics
         started = time.perf_counter()
         try:
-            req = p.request_decoder.decode(body)
+            req = p.request_decoder.decode(body) if decoded is None else decoded
         except msgspec.ValidationError as e:
             tag = p.peek_tag(body)
             if tag is not None and tag not in p.Op._value2member_map_:
