@@ -3,15 +3,13 @@ the first token of a kvpool hit against a recompute; and, without that environme
 error line saying how to get it.
 
 No timing thresholds (figures depend on the machine; docs/benchmarks.md discusses them):
-the shape of the result, and that engine B's hit was one (tokens came from the pool). The
-bench's vLLM processes are forked from the test run's zygote (`forked_vllm_python`).
+the shape of the result, and that engine B's hit was one (tokens came from the pool).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +18,6 @@ import pytest
 
 from kvpool.bench.needs import vllm_python
 from kvpool.bench.vllm_ttft import QUICK_TOKENS
-
-from ..integrations import forked_python
-from ..integrations.engines import zygote
 
 ROW = {"recompute_ttft_s", "hit_ttft_s", "speedup", "hit_tokens", "prompt_tokens", "lookup_s",
        "load_s", "rest_s", "loaded_mib", "copy_s", "overhead_of_load", "best_load_s",
@@ -39,26 +34,13 @@ def bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, **env}, stdin=subprocess.DEVNULL)
 
 
-def forked_vllm_python(tmp_path: Path) -> dict[str, str]:
-    """The environment that gives the bench a `python` of the vLLM environment whose
-    processes (its engines, its model's writing) are forked from the test run's zygote,
-    vLLM imported already (`tests/integrations/forked_python.py`): each engine start costs
-    ~2-5 s of CPU where it cost ~14, and the bench drives them as it would any."""
-    python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
-                      f"{shlex.quote(forked_python.__file__)} \"$@\"\n")
-    python.chmod(0o755)
-    return {"KVPOOL_VLLM_PYTHON": str(python), forked_python.ENV_ZYGOTE: str(zygote().path)}
-
-
 @pytest.mark.alone  # three vLLM engines, each a process that takes a core or more
 @pytest.mark.timeout(900)
-def test_quick_vllm_part_times_a_hit_against_a_recompute_with_its_breakdown(
-        tmp_path: Path) -> None:
+def test_quick_vllm_part_times_a_hit_against_a_recompute_with_its_breakdown() -> None:
     if not vllm_python().exists():
         pytest.fail(f"no vLLM environment at {vllm_python()}: run tests/install "
                     "(tests/install-vllm)")
-    run = bench("--quick", "--json", "--part", "vllm", **forked_vllm_python(tmp_path))
+    run = bench("--quick", "--json", "--part", "vllm")
     assert run.returncode == 0, run.stderr[-5000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) == {"meta", "vllm"}

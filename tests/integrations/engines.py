@@ -31,7 +31,6 @@ from kvpool.bench.engine_process import EngineProcess
 from kvpool.bench.local import LocalAgent
 from kvpool.bench.vllm_ttft import CONNECTOR, prompt
 
-from ..support import wait_until
 from . import vllm_engine
 
 HARNESS = Path(vllm_engine.__file__)
@@ -69,55 +68,32 @@ def write_models(*dirs_and_seeds: tuple[Path, int]) -> None:
 
 class Zygote:
     """The driver's side of `zygote.py`: a process of the vLLM environment that imported
-    vLLM once and forks each engine from there (an engine's start then costs ~2-5 s of CPU
-    where it cost ~14). Started by the first test that asks (`zygote()`), kept for the
-    run: every engine module's engines come from it, and the vLLM part of the bench's
-    (`forked_python.py`, at `path`)."""
+    vLLM once and forks each engine from there (an engine's start then costs ~2 s of CPU
+    where it cost ~14). Started by the first test run that asks (`zygote()`), kept for the
+    run: every engine module's engines come from it."""
 
     def __init__(self) -> None:
-        self.dir = tempfile.TemporaryDirectory(prefix="kvpool-zygote-")
-        self.path = Path(self.dir.name) / "zygote.sock"
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (kept for the run: its output)
-        self.proc = subprocess.Popen([str(vllm_python()), str(ZYGOTE), str(self.path)],
-                                     stdin=subprocess.PIPE, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        self.sock: socket.socket | None = None
+        self.proc = subprocess.Popen([str(vllm_python()), str(ZYGOTE), str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        theirs.close()
         self.lock = threading.Lock()
+        self.ready = False
         self.exits: dict[int, int] = {}
-
-    def _connect(self) -> socket.socket:
-        """This process's connection, once the zygote listens and has imported vLLM."""
-        if self.sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            wait_until(lambda: self._try(sock), "the vLLM zygote to listen")
-            self.sock = sock
-            assert self._next(300) == {"ready": True}  # its imports
-        return self.sock
-
-    def _try(self, sock: socket.socket) -> bool:
-        if self.proc.poll() is not None:
-            raise self._ended()
-        try:
-            sock.connect(str(self.path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            return False
-        return True
-
-    def _ended(self) -> RuntimeError:
-        code = self.proc.wait()
-        self.log.seek(0)
-        return RuntimeError(f"the vLLM zygote ended ({code}):\n{self.log.read()[-8000:]}")
 
     def _next(self, timeout: float | None) -> dict[str, Any] | None:
         """The zygote's next message; None if none came within `timeout`."""
-        assert self.sock is not None
         self.sock.settimeout(timeout)
         try:
             msg = self.sock.recv(1 << 16)
         except TimeoutError:
             return None
         if not msg:
-            raise self._ended()
+            code = self.proc.wait()
+            self.log.seek(0)
+            raise RuntimeError(f"the vLLM zygote ended ({code}):\n{self.log.read()[-8000:]}")
         reply: dict[str, Any] = json.loads(msg)
         if "exit" in reply:
             self.exits[reply["exit"]] = reply["code"]
@@ -128,11 +104,12 @@ class Zygote:
         """`args` (vLLM's python, a script and its arguments) forked from the zygote, in
         network namespace `netns` if given (on another node)."""
         with self.lock:
-            sock = self._connect()
+            while not self.ready:  # its imports
+                self.ready = bool((self._next(300) or {}).get("ready"))
             stdin_r, stdin_w = os.pipe()
             stdout_r, stdout_w = os.pipe()
             request = {"argv": args[1:], "env": env, "cwd": str(cwd), "netns": netns}
-            socket.send_fds(sock, [json.dumps(request).encode()],
+            socket.send_fds(self.sock, [json.dumps(request).encode()],
                             [stdin_r, stdout_w, stderr.fileno()])
             os.close(stdin_r)
             os.close(stdout_w)
@@ -152,13 +129,9 @@ class Zygote:
             return self.exits.get(pid)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()  # the zygote ends at its stdin's end
+        self.sock.close()  # the zygote ends when it sees its end closed
         self.proc.wait(timeout=60)
         self.log.close()
-        self.dir.cleanup()
 
 
 class ForkedEngine:

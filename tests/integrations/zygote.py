@@ -1,32 +1,28 @@
 """Engine processes forked from one that imported vLLM already (run in the vLLM environment).
 
-    python zygote.py SOCKET
+    python zygote.py FD
 
 An engine start costs ~14 s of CPU, ~11 of them importing vLLM, torch and transformers:
-the engine tests start a dozen. This process listens on the unix socket SOCKET
-(SOCK_SEQPACKET: one message a datagram), imports them once, says {"ready": true} to each
-connection, then forks one process per request, as vLLM forks its own workers after
-importing everything: each child runs the request's arguments (`vllm_engine.py serve ...`,
-or `-m kvpool.bench.vllm_engine ...`) as `python ARGS` would, with the request's
-environment, working directory and stdin, stdout and stderr (three descriptors sent with
-it), and builds its engine, connector and KV cache itself, sharing nothing with the
-others. The drivers' side is `engines.Zygote` (and `forked_python.py`, a `python` for
-`kvpool bench --part vllm`).
+the engine tests start a dozen. This process imports them once, says {"ready": true} on
+the socket FD (a SOCK_SEQPACKET, one message a datagram), then forks one process per
+request, as vLLM forks its own workers after importing everything: each child runs the
+request's script (`vllm_engine.py serve ...`) as `python SCRIPT ARGS` would, with the
+request's environment, working directory and stdin, stdout and stderr (three descriptors
+sent with it), and builds its engine, connector and KV cache itself, sharing nothing with
+the others. The driver's side is `engines.Zygote`.
 
-- request: {"argv": [ARGS...], "env": {...}, "cwd": DIR, "netns": NAME or null}
+- request: {"argv": [SCRIPT, ARGS...], "env": {...}, "cwd": DIR, "netns": NAME or null}
   with three descriptors (NAME: the child enters that network namespace, as under
   `ip netns exec NAME`); reply {"pid": PID}
-- when a child ends, to the connection that asked for it: {"exit": PID, "code": CODE} (a
-  negative CODE is the signal that killed it, as `subprocess` says)
-- its stdin closed (the test run that started it is done): this process ends (its children
-  live on).
+- when a child ends: {"exit": PID, "code": CODE} (a negative CODE is the signal that
+  killed it, as `subprocess` says)
+- the driver's end closed: this process ends (its children live on).
 
 Nothing of kvpool is imported here: every child imports its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -64,16 +60,11 @@ def child(argv: list[str], env: dict[str, str], cwd: str, netns: str | None,
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as python puts a script's
     code = 0
     try:
-        if argv[0] == "-m":  # as `python -m MODULE ARGS`: the working directory first
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:  # as `python SCRIPT ARGS`: the script's folder first
-            sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")  # the harness ends with os._exit
+        runpy.run_path(argv[0], run_name="__main__")  # the harness ends with os._exit
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -86,31 +77,20 @@ def child(argv: list[str], env: dict[str, str], cwd: str, netns: str | None,
     os._exit(code)
 
 
-def serve(listener: socket.socket) -> None:
+def serve(sock: socket.socket) -> None:
     woken_r, woken_w = os.pipe()
     os.set_blocking(woken_w, False)
     signal.set_wakeup_fd(woken_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector
     sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
+    sel.register(sock, selectors.EVENT_READ)
     sel.register(woken_r, selectors.EVENT_READ)
-    sel.register(sys.stdin, selectors.EVENT_READ)
-    asked: dict[int, socket.socket] = {}
-    """Each child's connection (that its end is said to)."""
 
-    def say(conn: socket.socket, obj: dict[str, Any]) -> None:
-        with contextlib.suppress(OSError):  # that driver may be gone
-            conn.send(json.dumps(obj).encode())
+    def say(obj: dict[str, Any]) -> None:
+        sock.send(json.dumps(obj).encode())
 
     while True:
         for key, _ in sel.select():
-            if key.fileobj is sys.stdin:
-                return  # at its end: the test run is done
-            if key.fileobj is listener:
-                conn, _ = listener.accept()
-                sel.register(conn, selectors.EVENT_READ)
-                say(conn, {"ready": True})
-                continue
             if key.fileobj is woken_r:
                 os.read(woken_r, 4096)
                 while True:
@@ -120,17 +100,11 @@ def serve(listener: socket.socket) -> None:
                         break
                     if pid == 0:
                         break
-                    if pid in asked:
-                        say(asked.pop(pid), {"exit": pid, "code": os.waitstatus_to_exitcode(
-                            status)})
+                    say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
                 continue
-            conn = key.fileobj
-            assert isinstance(conn, socket.socket)
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            if not msg:  # that driver is done
-                sel.unregister(conn)
-                conn.close()
-                continue
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+            if not msg:
+                return  # the driver is gone
             req = json.loads(msg)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -138,23 +112,18 @@ def serve(listener: socket.socket) -> None:
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for k in list(sel.get_map().values()):
-                    if isinstance(k.fileobj, socket.socket):
-                        k.fileobj.close()
                 sel.close()
+                sock.close()
                 os.close(woken_r)
                 os.close(woken_w)
                 child(req["argv"], req["env"], req["cwd"], req.get("netns"), fds)
             for fd in fds:
                 os.close(fd)
-            asked[pid] = conn
-            say(conn, {"pid": pid})
+            say({"pid": pid})
 
 
 def main() -> None:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(sys.argv[1])  # first: drivers may connect while the imports go on
-    listener.listen(16)
+    sock = socket.socket(fileno=int(sys.argv[1]))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub at import
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -169,7 +138,8 @@ def main() -> None:
     # would walk it (and copy its pages) again.
     gc.collect()
     gc.freeze()
-    serve(listener)
+    sock.send(b'{"ready": true}')
+    serve(sock)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter tear-down of the frozen heap
