@@ -272,6 +272,10 @@ def test_a_refused_commit_is_aborted_once_no_reply_is_owed_and_the_connection_st
         ops = [op for op, _ in agent.log]
         assert ops.index("commit") > 3  # windows 0 and 1's ALLOCs came first
         refused = next(lease for lease, (k, _) in agent.leases.items() if k == keys[3])
+        # The ABORT is a cast: sent before the call returns, taken by the agent's thread
+        # whenever it runs.
+        wait_until(lambda: agent.log[-1][0] == "abort", "the refused lease's ABORT")
+        ops = [op for op, _ in agent.log]
         assert agent.log[-1] == ("abort", refused) and ops.count("abort") == 1
         arena = mmap.mmap(fd, 1 << 20)
         for key, at in agent.leases.values():
