@@ -904,10 +904,8 @@ def connect(path: str, mode: Mode, hello: p.Hello, timeout: float,
         try:
             sock.connect(path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
-            # The kernel's message names no path: say which socket, and what it means.
-            raise type(e)(e.errno, f"no kvpool agent listens on {path}: {e.strerror} (is "
-                          "the agent running on this node, and is this the socket of "
-                          "the client's tenant?)") from None
+            # The kernel's error names no path: the socket's, as open() names its file.
+            raise type(e)(e.errno, e.strerror, path) from None
         # An agent refusing the connection (over its space's share) answers and closes
         # without reading HELLO: its reply is still there to read, and says why.
         with contextlib.suppress(BrokenPipeError):
