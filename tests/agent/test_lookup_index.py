@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvpool.agent import lookupkernel
 from kvpool.agent import protocol as p
-from kvpool.agent.client import KVPoolClient
+from kvpool.agent.client import AgentUnavailable, KVPoolClient
 from kvpool.agent.constants import PEER_TIER_CODE
 from kvpool.agent.lookupindex import Entries, IndexReader, SharedIndex
 from kvpool.agent.transport import ZeroCopyTransport
@@ -102,6 +102,24 @@ def test_local_lookup_is_on_by_the_environment_and_answers_while_the_agent_canno
     with KVPoolClient(small_agent.socket_path) as remote:
         assert remote.lookup([key]) == 1
     assert scrape(small_agent)[LOOKUPS] == before + 3
+
+
+def test_a_local_lookup_is_not_answered_from_the_tables_of_an_agent_that_died(
+        tmp_path: Path) -> None:
+    """SIGKILL: the dead agent's tables stay mapped in the client, but its end of the socket
+    is closed, so the next lookup goes to the socket (and finds no agent) instead of
+    counting chunks nobody serves: an engine recomputes instead of planning a load."""
+    key = b"dead-agent-local"
+    agent = LocalAgent("--no-lock", workdir=tmp_path, dram=ARENA).start()
+    try:
+        with KVPoolClient(agent.socket_path, local_lookup=True, reconnect_timeout=0.2) as c:
+            assert c.put(key, bytes(CHUNK))
+            assert c.lookup([key]) == 1
+            agent.kill()
+            with pytest.raises(AgentUnavailable):
+                c.lookup([key])
+    finally:
+        agent.stop()
 
 
 def test_a_local_lookup_keeps_its_chunks_in_the_eviction_order_as_an_asked_one_does(

@@ -291,8 +291,12 @@ class KVPoolClient:
     def _local_lookup(self, window: Sequence[bytes], always: bool = False) -> bytes | None:
         """The window's answer from the shared-memory tables, or None: ask the socket."""
         t = self._transport
+        # An agent that is gone (its end of the socket closed) answers nothing from its
+        # tables, which stay mapped but no longer change: the socket says it is gone (the
+        # lookup then goes there, and reconnects or fails as any call does). A stopped
+        # agent's tables still answer.
         if not (self.local_lookup or always) or not isinstance(t, ZeroCopyTransport) \
-                or t.index is None or t.conn.closed:
+                or t.index is None or t.conn.hung_up():
             return None
         codes = t.index.answer(window)
         if codes is None:

@@ -523,7 +523,8 @@ class Connection:
         while self._unanswered and sock is not None and self._readable.poll(0):
             data = sock.recv(1 << 16)  # readable: returns at once
             if not data:
-                return  # the agent closed: the next call finds out
+                self.close()  # the agent closed: the next call reconnects
+                return
             self._early += data
             while self._unanswered and len(self._early) >= p.HEADER.size:
                 whole = p.HEADER.size + p.HEADER.unpack_from(self._early)[0]
@@ -531,6 +532,26 @@ class Connection:
                     break
                 del self._early[:whole]
                 self._unanswered -= 1
+
+    def hung_up(self) -> bool:
+        """Whether the agent closed this connection (it died or restarted), found without
+        waiting: the owed replies already in are taken on the way. Nothing owed, the socket
+        can be readable only at its end."""
+        try:
+            self._collect()
+            sock = self.sock
+            if sock is None:
+                return True
+            if self._unanswered or not self._readable.poll(0):
+                return False
+            if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return False  # bytes nobody asked for: the next call's read says what
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # reset: as closed
+        self.close()
+        return True
 
     def tell(self, req: p.Request, now: bool = False) -> None:
         """Let the agent know `req` without waiting for it: it goes with the next call (or
