@@ -204,10 +204,7 @@ class PeerNetwork:
         for item in saved:  # queued before the drops are written: a rewrite keeps them
             link.queue_delete(*item)
         dropped = expired + over
-        for _ in dropped:
-            self.m.deleted(link.name, "sent", "dropped")
-        if self.delete_log is not None:
-            self.delete_log.gone(link.name, dropped)
+        self._drop_saved(link.name, dropped)
         log.info("peer %s: %d deletes waiting for it since before the restart, sent when it "
                  "is reachable%s", link.name, len(saved),
                  f" ({len(dropped)} dropped: refused past their time, or past the bound)"
@@ -219,13 +216,17 @@ class PeerNetwork:
         config or discovery no longer names them), as the DELETEs waiting for a peer go
         when it stops being listed: counted."""
         for name, saved in self._saved.items():
-            for _ in saved:
-                self.m.deleted(name, "sent", "dropped")
-            if self.delete_log is not None:
-                self.delete_log.gone(name, list(saved))
+            self._drop_saved(name, list(saved))
             log.warning("peer %s is no longer a peer: the %d deletes that waited for it "
                         "are dropped", name, len(saved))
         self._saved.clear()
+
+    def _drop_saved(self, name: str, items: list[Item]) -> None:
+        """Drop DELETEs the file said wait for peer `name`: counted, and off the file."""
+        for _ in items:
+            self.m.deleted(name, "sent", "dropped")
+        if self.delete_log is not None:
+            self.delete_log.gone(name, items)
 
     def _waiting(self) -> Iterator[tuple[str, Item, float]]:
         """(peer name, DELETE, until) of every DELETE waiting for a peer now (`until`: the
