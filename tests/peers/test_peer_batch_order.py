@@ -7,6 +7,7 @@ striped over two connections: test_peer_batch_start.py)."""
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 from contextlib import ExitStack
@@ -25,7 +26,12 @@ class WatchingPeer(ScriptedPeer):
     """A peer that announces `chunks`, answers each FETCH in order on its connection and
     writes down (under a lock) each FETCH read and each reply sent, in the order they
     happen; it holds its reply to `held` until it has seen a FETCH of one of `wanted`, or
-    `HOLD` seconds passed."""
+    `HOLD` seconds passed.
+
+    Each connection's FETCHes are read (and written down) by a thread of their own as
+    they arrive, not between replies: a connection busy sending its replies would
+    otherwise write down FETCHes the agent sent long before, after those it sent since
+    on another connection."""
 
     HOLD = 1.0
 
@@ -37,16 +43,30 @@ class WatchingPeer(ScriptedPeer):
         super().__init__(host, secret)
 
     def speak(self, conn: socket.socket) -> None:
-        for rid, key in self.fetches(conn, self.chunks):
-            with self.cond:
-                self.events.append(("fetch", key))
-                self.cond.notify_all()
-                if key == self.held:
+        read: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(conn, read), daemon=True).start()
+        while (fetch := read.get()) is not None:
+            rid, key = fetch
+            if key == self.held:
+                with self.cond:
                     self.cond.wait_for(lambda: any(
                         e == "fetch" and k in self.wanted for e, k in self.events), self.HOLD)
             conn.sendall(chunk_reply(rid, self.chunks[key]))
             with self.cond:
                 self.events.append(("reply", key))
+
+    def _read(self, conn: socket.socket, read: queue.SimpleQueue[tuple[int, bytes] | None]
+              ) -> None:
+        try:
+            for rid, key in self.fetches(conn, self.chunks):
+                with self.cond:
+                    self.events.append(("fetch", key))
+                    self.cond.notify_all()
+                read.put((rid, key))
+        except OSError:
+            pass  # the connection closed (ConnectionError is one)
+        finally:
+            read.put(None)
 
 
 def test_the_batch_after_goes_out_once_the_last_bytes_of_the_batch_are_left_to_land(
