@@ -23,6 +23,7 @@ from ..store import MAX_LEASES_PER_CLIENT, OpError
 from .dispatch import commit_many
 
 if TYPE_CHECKING:
+    from ..store.chunkstore import PeerRead
     from .dispatch import Dispatcher
     from .space import Space
 
@@ -39,6 +40,7 @@ already buffered; past this they go out (a batch of inline GETs must not pile up
 MAX_COMMIT_BATCH = 1024
 """COMMITs handled as one batch at most (`Connection._commits`)."""
 _COMMIT = int(p.Op.COMMIT)
+_ACQUIRE = int(p.Op.ACQUIRE)
 _OPS = {int(op): op for op in p.Op}
 """An op byte's `Op` (a dict's look-up: `Op(byte)` runs the enum's constructor, twice a
 chunk read)."""
@@ -62,6 +64,19 @@ def _op_of(body: bytes | bytearray) -> int:
 
 class Closed(Exception):
     """The connection must close (EOF, timeout, or a frame we cannot recover from)."""
+
+
+class _Held:
+    """An ACQUIRE of a chunk a peer read is bringing, held until the chunk lands
+    (`Connection._hold`); `left` once its landing could not answer it (the read failed, or
+    the chunk went again at once): the task answers it then, the slow way."""
+
+    __slots__ = ("code", "handler", "left", "req", "started")
+
+    def __init__(self, handler: Callable[[Connection, Any], Any], code: int, req: Any,
+                 started: float) -> None:
+        self.handler, self.code, self.req, self.started = handler, code, req, started
+        self.left = False
 
 
 class Connection:
@@ -98,6 +113,9 @@ class Connection:
         self.error: OSError | None = None
         self.need = 0
         """Bytes from self.start that `_fill` waits for (0: nobody waits)."""
+        self.held: _Held | None = None
+        """An ACQUIRE waiting for its chunk's landing from a peer, the frames after it
+        left in the buffer until it is answered (`_hold`)."""
         self.waiter: asyncio.Future[None] | None = None
 
     def ended(self) -> None:
@@ -158,6 +176,8 @@ class Connection:
             self._pause()
         self.end += n
         if self.waiter is not None and not self.waiter.done():
+            if n and self.held is not None:
+                return  # behind the held ACQUIRE: its landing answers them (`_landed_held`)
             if n and self.need == 1 and self._quick():
                 return  # every frame that came is answered: the task waits on
             self.waiter.set_result(None)
@@ -170,7 +190,9 @@ class Connection:
         a future per frame: two frames per chunk an engine reads). True when every byte
         that came was so answered; False at the first frame that is not whole, not such an
         op or not answerable now (a chunk to read from below): it is left in the buffer,
-        with the replies before it held in order, for the task to answer."""
+        with the replies before it held in order, for the task to answer. An ACQUIRE of a
+        chunk a peer read is bringing is held for its landing instead (`_hold`), the
+        replies before it sent: True, the task not woken."""
         if not self.hello or self.out:
             return False
         quick = self.dispatcher.quick
@@ -193,8 +215,14 @@ class Connection:
                     req = p.request_decoder.decode(view[begin : begin + length])
             except msgspec.MsgspecError:
                 return False  # (the task answers it: BAD_FRAME)
-            if not self._answer_now(handler, buf[begin + 1], req, started):
-                return False  # not now: the task answers it (nothing was done)
+            code = buf[begin + 1]
+            if not self._answer_now(handler, code, req, started):
+                read = self.store.landing(req.key) if code == _ACQUIRE else None
+                if read is None or not self._send_now():
+                    return False  # not now: the task answers it (nothing was done)
+                self.start = begin + length
+                self._hold(read, handler, code, req, started)
+                return True
             self.start = begin + length
             if self.out_bytes >= COALESCE_BYTES and not self._send_now():
                 return False
@@ -217,6 +245,42 @@ class Connection:
             self._reply_error(op, req.rid, e)
         metrics.latency[op].observe(time.perf_counter() - started)
         return True
+
+    def _hold(self, read: PeerRead, handler: Callable[[Connection, Any], Any], code: int,
+              req: Any, started: float) -> None:
+        """Hold an ACQUIRE of a chunk a peer read is bringing until the read settles, then
+        answer it and the frames that came after it from the loop's callback
+        (`_landed_held`), as `_quick` answers frames: a window of peer chunks is answered
+        without the task waking for each (a future, the task's step and five coroutines
+        resumed a chunk, the reading agent's loop's dearest callback at 1 MiB chunks)."""
+        self.held = _Held(handler, code, req, started)
+        read.call_when_settled(self._landed_held)
+
+    def _landed_held(self) -> None:
+        """The held ACQUIRE's read settled: its reply queued, and, with the task waiting
+        for a frame, sent with the replies of the frames that came meanwhile (`_quick`,
+        which may hold the next); the task is woken only for what it must answer."""
+        held = self.held
+        if held is None or held.left:
+            return
+        if self.eof:  # gone: no lease for it (the task ends the connection, `_fill`)
+            self._wake()
+            return
+        if not self._answer_now(held.handler, held.code, held.req, held.started):
+            held.left = True  # the read failed, or the chunk went: a read from below, a miss
+            self._wake()
+            return
+        self.held = None
+        if self.waiter is None or self.waiter.done() or self.need != 1:
+            return  # the task is on its way: it sends the reply with those after it
+        if not self._send_now() or (self.end > self.start and not self._quick()):
+            self._wake()
+        elif not self.reading:  # (paused when the buffer filled behind the held ACQUIRE)
+            self._resume()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def _send_now(self) -> bool:
         """Send the held replies from the loop's callback; False where the socket did not
@@ -241,8 +305,16 @@ class Connection:
 
     async def _fill(self, need: int, timeout: float | None) -> None:
         """Wait until `need` bytes are buffered from self.start, each wait for more bytes
-        at most `timeout`."""
-        while self.end - self.start < need:
+        at most `timeout`; and, between frames, while an ACQUIRE is held (`_hold`):
+        returns with it held once the task must answer it (`_Held.left`). A client gone
+        meanwhile ends the connection at once, its leases with it, not once the held
+        chunk's read settles (up to `peers.timeout` later)."""
+        while self.end - self.start < need or self.held is not None:
+            if self.held is not None:
+                if self.eof:
+                    raise Closed("peer closed while an ACQUIRE waited for its chunk")
+                if self.held.left:
+                    return
             if self.eof:
                 if self.error is not None:
                     raise Closed(f"receive failed: {self.error}")
@@ -253,7 +325,7 @@ class Connection:
             # sock_recv_into tried first), not at the loop's next poll: behind 8 clients'
             # work a turn of the loop is long (their ACQUIREs' p50 took 7x longer).
             self._readable()
-            if self.end - self.start >= need or self.eof:
+            if (self.end - self.start >= need and self.held is None) or self.eof:
                 self.need = 0
                 continue
             if self.out:  # replies `_quick` answered and the socket did not take
@@ -272,13 +344,17 @@ class Connection:
                 self.waiter = None
                 self.need = 0
 
-    async def read_frame(self) -> bytes:
+    async def read_frame(self) -> bytes | None:
+        """The next frame's body; None where an ACQUIRE held for its chunk's landing is
+        the task's to answer (`_Held.left`)."""
         if self.end == self.start:
             self.start = self.end = 0
             if len(self.buf) > RECEIVE_BUFFER:  # a large frame is done with: give it back
                 self.buf = bytearray(RECEIVE_BUFFER)
                 self.dispatcher.memory_released = True
         await self._fill(1, None)  # idle between frames: no limit
+        if self.held is not None:
+            return None
         # inside a frame: the frame timeout
         await self._fill(p.HEADER.size, self.dispatcher.frame_timeout)
         (length,) = p.HEADER.unpack_from(self.buf, self.start)
@@ -372,11 +448,17 @@ class Connection:
     async def _serve(self) -> None:
         while True:
             # No frame outlives its handling: an idle connection holds none of its bytes.
-            await self._handle_next(await self.read_frame())
+            body = await self.read_frame()
+            if body is None:  # a held ACQUIRE its chunk's landing did not answer
+                held, self.held = self.held, None
+                assert held is not None
+                await self._handle(b"", held.req)
+            else:
+                await self._handle_next(body)
             # A pipelined batch (a window of ACQUIREs, RELEASEs cast ahead of a call) is
             # often already whole in the buffer: its replies go out in one send, not one
             # each (a send per reply was ~18% of the loop's time under batches).
-            while self.out_bytes < COALESCE_BYTES:
+            while self.held is None and self.out_bytes < COALESCE_BYTES:
                 body = self.buffered_frame()
                 if body is None:  # (an empty body is a frame too: a malformed one)
                     break
@@ -410,6 +492,11 @@ class Connection:
             except msgspec.MsgspecError:
                 req = None  # (`_handle` answers it: BAD_FRAME)
             if req is not None and self._answer_now(handler, code, req, started):
+                return
+            read = self.store.landing(req.key) if req is not None and code == _ACQUIRE \
+                else None
+            if read is not None:  # answered as it lands, the frames after it left buffered
+                self._hold(read, handler, code, req, started)
                 return
             await self._handle(body, req)
             return

@@ -895,6 +895,11 @@ class ChunkStore:
         return key in self._fetching or self._below(key) or (
             self.peer is not None and self.peer.holder(key) is not None)
 
+    def landing(self, key: bytes) -> PeerRead | None:
+        """The peer read of `key` under way, if one is: a connection holds an ACQUIRE of
+        the key until it settles (`Connection._hold`) instead of waiting in a task."""
+        return self._fetching.get(key)
+
     def _below(self, key: bytes) -> bool:
         """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
         return self.nvme is not None and self.nvme.holds(key)
@@ -1711,10 +1716,14 @@ class PeerRead:
     that goes away (a client's disconnect cancels its wait) leaves the others theirs, with
     no `shield` (two more hand-offs through the loop) around a shared one."""
 
-    __slots__ = ("then", "waiters")
+    __slots__ = ("calls", "settled", "then", "waiters")
 
     def __init__(self) -> None:
         self.waiters: list[asyncio.Future[DramChunk | None]] = []
+        self.calls: list[Callable[[], None]] = []
+        """Called (each in a turn of the loop of its own) once the read settles: a
+        connection's ACQUIRE held for the chunk (`Connection._hold`)."""
+        self.settled = False
         self.then: bytes | None = None
         """On the read of a batch whose landing sends the batch after it (`_chain_at`: its
         first, or one nearer its end): the batch's last key, until this chunk's landing
@@ -1725,11 +1734,25 @@ class PeerRead:
         self.waiters.append(fut)
         return fut
 
+    def call_when_settled(self, call: Callable[[], None]) -> None:
+        if self.settled:
+            asyncio.get_running_loop().call_soon(call)
+        else:
+            self.calls.append(call)
+
     def settle(self, chunk: DramChunk | None) -> None:
+        self.settled = True
         waiters, self.waiters = self.waiters, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(chunk)
+        if self.calls:
+            # Not called here: a landing settles its reads in turn, and what a call does
+            # (a connection's replies, the requests after them) waits for the landing's end.
+            calls, self.calls = self.calls, []
+            loop = asyncio.get_running_loop()
+            for call in calls:
+                loop.call_soon(call)
 
 
 def open_nvme_source(path: str, key: bytes) -> ChunkSource | None:
