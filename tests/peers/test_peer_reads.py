@@ -210,3 +210,22 @@ def test_a_stopped_peer_costs_a_read_its_timeout_then_a_miss(
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="timeout") == 1
         # The peer answers again: a fresh connection reads it.
         wait_until(lambda: cb.get(key) == data, "a read from the resumed peer")
+
+
+def test_a_node_with_live_links_stops_without_an_error_in_its_log(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """The stop waits for the peer tier's tasks to end before the tables they write close:
+    a link's task, cancelled, dropped its peer's entries after, and the agent logged its
+    failure (a released memory's ValueError, a callback's traceback) at every stop."""
+    with ExitStack() as stack:
+        (a, ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False)
+        key, data = os.urandom(16), os.urandom(MiB)
+        assert ca.put(key, data)
+        wait_until(lambda: cb.lookup_tiers([key]) == ["peer"], "the chunk in node 1's directory")
+        assert cb.get(key) == data
+    for agent in (a, b):
+        assert agent.proc is not None and agent.proc.returncode == 0, agent.log()
+        log = agent.log()
+        assert "kvpool agent stopped" in log
+        for sign in ("Traceback", "Exception in callback", "never retrieved", '"ERROR"'):
+            assert sign not in log, log

@@ -63,6 +63,8 @@ DELETE_RETRY = 1.0
 (one unreachable gets them when its link is back, before its inventory)."""
 DELETE_TIMEOUT = 5.0
 """Seconds a batch of DELETEs to a peer may take."""
+CLOSE_WAIT = 5.0
+"""Seconds the stop waits for the peer tier's tasks to end once cancelled."""
 MAX_LOGGED = 1024
 """Hint names and peers remembered as failing (each logged once until a push works)."""
 
@@ -112,6 +114,7 @@ class PeerNetwork:
         self.by_index: list[PeerLink | None] = []
         self.pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvpool-peer")
         self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False
         self._pushes: asyncio.Queue[tuple[str, bytes, int, str]] | None = None
         self._failing: set[str] = set()
         """Push targets whose failure was logged (once, until a push to them works)."""
@@ -144,6 +147,8 @@ class PeerNetwork:
     def _publish_link(self, link: PeerLink) -> None:
         """Write `link`'s `readable` to every peer table; at the end of a suspect period,
         again (nothing else tells of it)."""
+        if self.closed:  # (a suspect period's end, or a worker's mark, after the stop)
+            return
         readable = link.readable
         for index in self._published:
             index.set_readable(link.index, readable)
@@ -486,11 +491,19 @@ class PeerNetwork:
                          {"peer": link.name}, link.lag)
 
     async def close(self) -> None:
+        """Stop serving and reading; returns once the tasks have ended (a link's task
+        drops its peer's entries as it ends: before the spaces' tables close, not after,
+        where it failed on their released memory, logged at every stop)."""
+        self.closed = True
         await self.server.close()
         for t in self._tasks:
             t.cancel()
         for link in list(self.links.values()):
             link.close()
+        ending = [t for t in [*self._tasks, *(link.task for link in self.links.values())]
+                  if t is not None and not t.done()]
+        if ending:
+            await asyncio.wait(ending, timeout=CLOSE_WAIT)
         with contextlib.suppress(Exception):
             self.pool.shutdown(wait=False, cancel_futures=True)
         if self.delete_log is not None:
