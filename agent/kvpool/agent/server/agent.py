@@ -311,8 +311,8 @@ class Agent:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
         listeners = [(space, self._bind(space)) for space in self.spaces]
-        runner = await serve_http(self.config.metrics_addr, self.metrics.registry,
-                                  self.serving)
+        endpoint = await serve_http(self.config.metrics_addr, self.metrics.registry,
+                                    self.serving)
         if self.peers is not None:
             await self.peers.start()
         # Only now can a client connect: one that can finds the whole agent up (its
@@ -330,7 +330,7 @@ class Agent:
         labeler = NodeLabeler.from_config(self.config)
         self.ready = self.started = True
         labeler.start()
-        metrics = ", ".join(f"http://{bound_address(a)}/metrics" for a in runner.addresses)
+        metrics = ", ".join(f"http://{bound_address(a)}/metrics" for a in endpoint.addresses)
         for space in self.spaces:
             log.info("kvpool agent serving pool %s%s on %s: %s; metrics %s",
                      self.config.pool, f" tenant {space.tenant}" if space.isolated else "",
@@ -349,7 +349,7 @@ class Agent:
                     space.config.socket_path.unlink()
             for conn in list(self.connections.values()):
                 conn.close()
-            await runner.cleanup()
+            await endpoint.close()
             if self.peers is not None:
                 await self.peers.close()
             for space in self.spaces:
