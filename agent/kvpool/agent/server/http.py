@@ -20,8 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 MAX_HEAD = 16 * 1024
 """Bytes of a request's line and headers at most."""
-IDLE_TIMEOUT = 30.0
-"""Seconds a connection may take to send a request's head (idle between requests included)."""
+IDLE_TIMEOUT = 120.0
+"""Seconds a connection may take to send a request's head (idle between requests included):
+longer than a scrape interval (the chart's is 30 s), so that a scraper's kept connection is
+not closed just as it sends its next request."""
 TEXT = "text/plain; charset=utf-8"
 
 
