@@ -51,18 +51,17 @@ class HttpEndpoint:
     def answer(self, method: bytes, target: bytes) -> tuple[HTTPStatus, str, bytes]:
         """(status, content type, body) of a request."""
         path = target.partition(b"?")[0]
-        if path == b"/metrics":
-            found = (HTTPStatus.OK, CONTENT_TYPE_LATEST, generate_latest(self.registry))
-        elif path == b"/healthz":
-            found = (HTTPStatus.OK, TEXT, b"ok\n")
-        elif path == b"/readyz":
-            found = ((HTTPStatus.OK, TEXT, b"ready\n") if self.ready()
-                     else (HTTPStatus.SERVICE_UNAVAILABLE, TEXT, b"not ready\n"))
-        else:
+        if path not in (b"/metrics", b"/healthz", b"/readyz"):
             return HTTPStatus.NOT_FOUND, TEXT, b"not found: /metrics, /healthz, /readyz\n"
         if method not in (b"GET", b"HEAD"):
             return HTTPStatus.METHOD_NOT_ALLOWED, TEXT, b"GET or HEAD\n"
-        return found
+        if path == b"/metrics":  # (collected for a HEAD too: its Content-Length)
+            return HTTPStatus.OK, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if path == b"/healthz":
+            return HTTPStatus.OK, TEXT, b"ok\n"
+        if self.ready():
+            return HTTPStatus.OK, TEXT, b"ready\n"
+        return HTTPStatus.SERVICE_UNAVAILABLE, TEXT, b"not ready\n"
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writers.add(writer)
