@@ -71,11 +71,10 @@ class _Held:
     (`Connection._hold`); `left` once its landing could not answer it (the read failed, or
     the chunk went again at once): the task answers it then, the slow way."""
 
-    __slots__ = ("code", "handler", "left", "req", "started")
+    __slots__ = ("left", "req", "started")
 
-    def __init__(self, handler: Callable[[Connection, Any], Any], code: int, req: Any,
-                 started: float) -> None:
-        self.handler, self.code, self.req, self.started = handler, code, req, started
+    def __init__(self, req: p.Acquire, started: float) -> None:
+        self.req, self.started = req, started
         self.left = False
 
 
@@ -221,7 +220,7 @@ class Connection:
                 if read is None or not self._send_now():
                     return False  # not now: the task answers it (nothing was done)
                 self.start = begin + length
-                self._hold(read, handler, code, req, started)
+                self._hold(read, req, started)
                 return True
             self.start = begin + length
             if self.out_bytes >= COALESCE_BYTES and not self._send_now():
@@ -246,14 +245,13 @@ class Connection:
         metrics.latency[op].observe(time.perf_counter() - started)
         return True
 
-    def _hold(self, read: PeerRead, handler: Callable[[Connection, Any], Any], code: int,
-              req: Any, started: float) -> None:
+    def _hold(self, read: PeerRead, req: p.Acquire, started: float) -> None:
         """Hold an ACQUIRE of a chunk a peer read is bringing until the read settles, then
         answer it and the frames that came after it from the loop's callback
         (`_landed_held`), as `_quick` answers frames: a window of peer chunks is answered
         without the task waking for each (a future, the task's step and five coroutines
         resumed a chunk, the reading agent's loop's dearest callback at 1 MiB chunks)."""
-        self.held = _Held(handler, code, req, started)
+        self.held = _Held(req, started)
         read.call_when_settled(self._landed_held)
 
     def _landed_held(self) -> None:
@@ -266,7 +264,8 @@ class Connection:
         if self.eof:  # gone: no lease for it (the task ends the connection, `_fill`)
             self._wake()
             return
-        if not self._answer_now(held.handler, held.code, held.req, held.started):
+        if not self._answer_now(self.dispatcher.quick[_ACQUIRE], _ACQUIRE, held.req,
+                                held.started):
             held.left = True  # the read failed, or the chunk went: a read from below, a miss
             self._wake()
             return
@@ -496,7 +495,7 @@ class Connection:
             read = self.store.landing(req.key) if req is not None and code == _ACQUIRE \
                 else None
             if read is not None:  # answered as it lands, the frames after it left buffered
-                self._hold(read, handler, code, req, started)
+                self._hold(read, req, started)
                 return
             await self._handle(body, req)
             return

@@ -896,8 +896,9 @@ class ChunkStore:
             self.peer is not None and self.peer.holder(key) is not None)
 
     def landing(self, key: bytes) -> PeerRead | None:
-        """The peer read of `key` under way, if one is: a connection holds an ACQUIRE of
-        the key until it settles (`Connection._hold`) instead of waiting in a task."""
+        """The peer read of `key` under way, if one is (a read leaves `_fetching` as it
+        settles, `_read_over`): a connection holds an ACQUIRE of the key until it settles
+        (`Connection._hold`) instead of waiting in a task."""
         return self._fetching.get(key)
 
     def _below(self, key: bytes) -> bool:
@@ -1716,14 +1717,14 @@ class PeerRead:
     that goes away (a client's disconnect cancels its wait) leaves the others theirs, with
     no `shield` (two more hand-offs through the loop) around a shared one."""
 
-    __slots__ = ("calls", "settled", "then", "waiters")
+    __slots__ = ("calls", "then", "waiters")
 
     def __init__(self) -> None:
         self.waiters: list[asyncio.Future[DramChunk | None]] = []
         self.calls: list[Callable[[], None]] = []
         """Called (each in a turn of the loop of its own) once the read settles: a
-        connection's ACQUIRE held for the chunk (`Connection._hold`)."""
-        self.settled = False
+        connection's ACQUIRE held for the chunk (`Connection._hold`, which finds the read
+        by `ChunkStore.landing`: never one settled already)."""
         self.then: bytes | None = None
         """On the read of a batch whose landing sends the batch after it (`_chain_at`: its
         first, or one nearer its end): the batch's last key, until this chunk's landing
@@ -1735,13 +1736,9 @@ class PeerRead:
         return fut
 
     def call_when_settled(self, call: Callable[[], None]) -> None:
-        if self.settled:
-            asyncio.get_running_loop().call_soon(call)
-        else:
-            self.calls.append(call)
+        self.calls.append(call)
 
     def settle(self, chunk: DramChunk | None) -> None:
-        self.settled = True
         waiters, self.waiters = self.waiters, []
         for fut in waiters:
             if not fut.done():
