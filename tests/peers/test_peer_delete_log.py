@@ -188,3 +188,44 @@ def test_a_starting_network_queues_each_peers_deletes_again_and_drops_what_it_ma
     assert asyncio.run(started()) == [_item(1), _item(3)]
     assert dropped(peer) == 1 and dropped(unlisted) == 1
     assert read(path) == {peer: {_item(1): 0.0, _item(3): later}}
+
+
+def test_a_peers_node_is_on_file_and_a_start_keeps_its_deletes_for_that_node(
+        tmp_path: Path, secret: Path) -> None:
+    """A PEER record names the peer's node once its stream said it: a starting agent that
+    no longer has that address parks the peer's DELETEs for its node (`awaynodes`) instead
+    of dropping them; another name's, whose node the file does not say, are dropped."""
+    path = tmp_path / "peer-deletes"
+    moved, unknown = "192.0.2.7:9410", "192.0.2.9:9410"
+    dlog, _ = DeleteLog.open(path)
+    dlog.wait(_item(1), [moved, unknown])
+    dlog.set_node(moved, "node7")  # said after its DELETEs were on file: a record again
+    dlog.wait_each(moved, [_item(2)])
+    dlog.close()
+    saved, nodes = deletelog.read_nodes(path)
+    assert nodes == {moved: "node7"}
+    assert list(saved[moved]) == [_item(1), _item(2)]
+    dlog, _ = DeleteLog.open(path)  # rewritten: the node stays on file
+    dlog.close()
+    assert deletelog.read_nodes(path)[1] == {moved: "node7"}
+
+    cfg = Peers.model_validate({"enabled": True, "port": free_port(), "address": "127.0.0.1",
+                                "secretFile": str(secret), "addresses": []})
+    registry = CollectorRegistry()
+
+    async def started() -> dict[str, list[Item]]:
+        network = PeerNetwork(cfg, {}, registry, "p", node="node0", deletes_file=path)
+        await network.start()
+        try:
+            return {node: [i for q in away.waiting.values() for i in q]
+                    for node, away in network.away.nodes.items()}
+        finally:
+            await network.close()
+
+    def dropped(name: str) -> float:
+        return registry.get_sample_value("kvpool_peer_deletes_total", {
+            "pool": "p", "peer": name, "direction": "sent", "result": "dropped"}) or 0
+
+    assert asyncio.run(started()) == {"node7": [_item(1), _item(2)]}
+    assert dropped(moved) == 0 and dropped(unknown) == 1
+    assert read(path) == {moved: {_item(1): 0.0, _item(2): 0.0}}  # still on file, for node7

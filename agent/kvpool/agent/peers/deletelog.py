@@ -9,7 +9,10 @@ back: what waited for a peer is sent to it when it is reachable, before its inve
 
 The file is framed records (`records`):
 
-- PEER (id, name): a peer, by its link's name (`host:port`), for the records after it;
+- PEER (id, name, node): a peer, by its link's name (`host:port`), for the records after
+  it, and its node's name where its inventory stream said it (empty where not yet, or from
+  an agent older than the field): a PEER record of an id seen before names its node anew
+  (a restart parks what waited for a peer no longer listed by that node, `awaynodes`);
 - WAIT (tenant, key, peer ids, until): the DELETE of `key` in `tenant`'s space waits for
   those peers; `until` is 0 (until delivered), or for a DELETE a peer refused the
   wall-clock time it is dropped at (`REFUSED_KEEP` after the refusal);
@@ -59,6 +62,7 @@ Waiting = OrderedDict[Item, float]
 class _Peer(msgspec.Struct, array_like=True):
     id: int
     name: str
+    node: str = ""
 
 
 class _Wait(msgspec.Struct, array_like=True):
@@ -82,11 +86,17 @@ _dec_gone = msgspec.msgpack.Decoder(_Gone)
 def read(path: Path) -> dict[str, Waiting]:
     """What the file says waits, per peer name; what follows a torn or damaged record is
     left out (logged)."""
+    return read_nodes(path)[0]
+
+
+def read_nodes(path: Path) -> tuple[dict[str, Waiting], dict[str, str]]:
+    """`read`'s answer, and the node of each peer name whose node the file says."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return {}
+        return {}, {}
     names: dict[int, str] = {}
+    nodes: dict[str, str] = {}
     waiting: dict[str, Waiting] = {}
     end = 0
     for kind, payload in whole_records(data):
@@ -94,6 +104,8 @@ def read(path: Path) -> dict[str, Waiting]:
             if kind == PEER:
                 peer = _dec_peer.decode(payload)
                 names[peer.id] = peer.name
+                if peer.node:
+                    nodes[peer.name] = peer.node
             elif kind == WAIT:
                 wait = _dec_wait.decode(payload)
                 item = (wait.tenant, wait.key)
@@ -114,7 +126,7 @@ def read(path: Path) -> dict[str, Waiting]:
     if end < len(data):
         log.warning("peer deletes %s: its last %d bytes are torn or damaged (the agent "
                     "was killed while writing them): ignored", path, len(data) - end)
-    return {name: q for name, q in waiting.items() if q}
+    return {name: q for name, q in waiting.items() if q}, nodes
 
 
 class DeleteLog:
@@ -128,6 +140,8 @@ class DeleteLog:
         peer network)."""
         self.ids: dict[str, int] = {}
         """The peers the file names since its last rewrite, by their ids there."""
+        self.nodes: dict[str, str] = {}
+        """Each peer name's node, where known (`set_node`, or the file at the start)."""
         self.fd = -1
         self.size = 0
         self.entries = 0
@@ -142,9 +156,10 @@ class DeleteLog:
     def open(cls, path: Path) -> tuple[DeleteLog, dict[str, Waiting]]:
         """The file at `path` (its directory made where missing), rewritten from what it
         says waits (a torn tail cut off), and what that is. Raises OSError."""
-        saved = read(path)
+        saved, nodes = read_nodes(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         opened = cls(path)
+        opened.nodes = {name: node for name, node in nodes.items() if name in saved}
         opened.rewrite([(name, item, until) for name, q in saved.items()
                         for item, until in q.items()])
         return opened, saved
@@ -178,11 +193,21 @@ class DeleteLog:
             return
         self._write([frame(GONE, _enc.encode(_Gone(self.ids[peer], items)))], len(items))
 
+    def set_node(self, peer: str, node: str) -> None:
+        """`peer`'s node is `node` (its inventory stream said so): on file with its
+        DELETEs from now on."""
+        if self.nodes.get(peer) == node:
+            return
+        self.nodes[peer] = node
+        if peer in self.ids:  # its PEER record again, with the node
+            self._write([frame(PEER, _enc.encode(_Peer(self.ids[peer], peer, node)))], 0)
+
     def _id(self, name: str, records: list[bytes]) -> int:
         got = self.ids.get(name)
         if got is None:
             got = self.ids[name] = len(self.ids)
-            records.append(frame(PEER, _enc.encode(_Peer(got, name))))
+            records.append(frame(PEER, _enc.encode(_Peer(got, name,
+                                                         self.nodes.get(name, "")))))
         return got
 
     def _write(self, records: list[bytes], entries: int) -> None:
@@ -228,7 +253,8 @@ class DeleteLog:
             got = ids.get(name)
             if got is None:
                 got = ids[name] = len(ids)
-                records.append(frame(PEER, _enc.encode(_Peer(got, name))))
+                records.append(frame(PEER, _enc.encode(_Peer(got, name,
+                                                             self.nodes.get(name, "")))))
             records.append(frame(WAIT, _enc.encode(_Wait(tenant, key, [got], until))))
         # Synced before the rename: a power loss must not find the new name over blocks
         # never written, which would lose every DELETE waiting, not only the last ones.

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from .. import checksums
 from ..chunkblocks import COPY_BLOCK, blocks
 from . import auth, recvkernel, wire
-from .deletelog import DeleteLog, Item
+from .deletelog import DeleteLog, Item, Waiting
 from .directory import PeerDirectory
 from .metrics import PeerMetrics
 from .settle import Settler, Target
@@ -206,6 +206,16 @@ class PeerLink:
         self.node = ""
         """The peer's node name, as its inventory stream says it (what push hints name);
         kept when the stream ends: a node that goes down is still known by its name."""
+        self.on_node: Callable[[PeerLink], None] | None = None
+        """Called as the peer's stream first names its node (or another one), before the
+        inventory's held ADDs are listed: the DELETEs waiting for that node go to this
+        link (`PeerNetwork`, `awaynodes`)."""
+        self.away: Counter[Item] = Counter()
+        """The DELETEs waiting for nodes away (`AwayNodes.items`): until its node is known,
+        the peer may be one of them, so its inventory's ADDs of these keys are held
+        (`_held`), not listed, and listed at SYNCED unless a DELETE then waits for them."""
+        self._held: list[tuple[str, bytes, int]] = []
+        """ADDs of the inventory held until the node is known: (tenant, key, size)."""
         self.peer_id = b""
         """The peer's agent id, from the last handshake with it (who a push offer is from)."""
         self.connections = connections
@@ -306,6 +316,7 @@ class PeerLink:
         fail the next batch taken on it: a push batch is not retried)."""
         self.synced = False
         self.last_heard = 0.0
+        self._held = []  # (an inventory cut short: the next one says it again)
         for d in self.directories.values():
             d.drop_peer(self.index)
         with self._lock:
@@ -539,23 +550,51 @@ class PeerLink:
             self.m.resyncs.labels(self.m.pool, self.name).inc()
         elif msg == wire.ADD and d is not None:
             waiting = bool(self.refused or self.deletes)
+            away = self.away if self.away and not self.node else None
             for key, size in wire.records(body):
                 if waiting and ((tenant, key) in self.refused or (tenant, key) in self.deletes):
                     continue  # a copy the peer is to delete (a DELETE it refused, or not
                     # sent yet): never listed, so never read (its REMOVE follows the DELETE)
+                if away is not None and (tenant, key) in away:
+                    self._held.append((tenant, key, size))  # (an away node's, maybe)
+                    continue
                 d.add(key, self.index, size)
         elif msg == wire.REMOVE and d is not None:
             for key, _ in wire.records(body):
                 d.remove(key, self.index)
         elif msg == wire.SYNCED:
-            if tenant:  # its node name (an older agent sends none)
+            if tenant and tenant != self.node:  # its node name (an older agent sends none)
                 self.node = tenant
+                if self.log is not None:
+                    self.log.set_node(self.name, tenant)
+                if self.on_node is not None:
+                    self.on_node(self)
+            self._list_held()
             self.synced = True
             self.failing = False
             log.info("peer %s: inventory received", self.name)
         for held in self.directories.values():
             if held.holding:  # ADDs held off after a DELETE, listed as their holdoffs end
                 held.release()
+
+    def _list_held(self) -> None:
+        """List the inventory's held ADDs but those a DELETE now waits for (an away
+        node's, this peer's node: `on_node` queued them)."""
+        held, self._held = self._held, []
+        for tenant, key, size in held:
+            d = self.directories.get(tenant)
+            if d is not None and (tenant, key) not in self.deletes \
+                    and (tenant, key) not in self.refused:
+                d.add(key, self.index, size)
+
+    def waiting(self) -> Waiting:
+        """Every DELETE waiting for the peer (queued, on their way, refused), oldest first
+        by kind, each with the wall-clock time it is dropped at (a refused one's) or 0."""
+        out: Waiting = OrderedDict((item, 0.0) for item in (*self.taken, *self.deletes))
+        wall, now = time.time(), time.monotonic()
+        for item, until in self.refused.items():
+            out[item] = wall + (until - now)
+        return out
 
     # -- reads: queued on the event loop, sent in batches by worker threads
 

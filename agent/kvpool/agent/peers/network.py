@@ -34,6 +34,7 @@ from ..config import ConfigError, Peers, expand_env, parse_host_port
 from ..lookupindex import PeerIndex
 from ..metrics import Sample
 from . import auth, wire
+from .awaynodes import NODE_KEEP, AwayNodes
 from .deletelog import DeleteLog, Item, Waiting
 from .directory import NO_PEER, PeerDirectory
 from .links import (
@@ -127,7 +128,10 @@ class PeerNetwork:
         None without one, where they wait in memory only."""
         self._saved: dict[str, Waiting] = {}
         """DELETEs the file said wait for peers not linked yet, by peer name: each link
-        takes its own as it is made; those of a peer no longer listed are dropped."""
+        takes its own as it is made; those of a peer no longer listed wait for its node
+        (`away`) where the file names it, else are dropped."""
+        self.away = AwayNodes(MAX_PENDING_DELETES)
+        """The DELETEs waiting for nodes whose links went (`awaynodes`), by node name."""
         if deletes_file is not None:
             try:
                 self.delete_log, self._saved = DeleteLog.open(deletes_file)
@@ -187,18 +191,22 @@ class PeerNetwork:
                 loop.call_soon_threadsafe(self._publish_link, link)
         link.on_change = changed
         link.log = self.delete_log
+        link.away = self.away.items
+        link.on_node = self._node_known
         saved = self._saved.pop(link.name, None)
         if saved:
-            self._reload(link, saved)
+            self._hand(link, link.name, saved, "since before the restart")
         self._publish_link(link)
         link.task = loop.create_task(link.run())
 
-    def _reload(self, link: PeerLink, saved: Waiting) -> None:
-        """Queue the DELETEs the file said wait for `link`'s peer (a new link's: its queue is
-        empty): sent when it is reachable, before its inventory is taken. One it refused
-        whose `REFUSED_KEEP` ran out meanwhile is dropped, and past `MAX_PENDING_DELETES`
-        the oldest (counted); the others go as if new (one refused again waits
-        `REFUSED_KEEP` from that refusal)."""
+    def _hand(self, link: PeerLink, name: str, saved: Waiting, since: str) -> None:
+        """Queue DELETEs that waited for `link`'s peer under the name `name` (the file's,
+        or an away node's: `link`'s own name, or the one its node had before), sent when
+        it is reachable, before its inventory is taken (a link following it already: at
+        once, its copies unlisted meanwhile). One it refused whose `REFUSED_KEEP` ran out
+        meanwhile is dropped, and past `MAX_PENDING_DELETES` the oldest (counted); the
+        others go as if new (one refused again waits `REFUSED_KEEP` from that refusal).
+        `since`: when they began to wait, for the log."""
         now = time.time()
         expired = [item for item, until in saved.items() if until and until <= now]
         for item in expired:
@@ -206,21 +214,61 @@ class PeerNetwork:
         over = list(itertools.islice(saved, max(0, len(saved) - MAX_PENDING_DELETES)))
         for item in over:
             del saved[item]
-        for item in saved:  # queued before the drops are written: a rewrite keeps them
-            link.queue_delete(*item)
+        for tenant, key in saved:  # queued before the drops are written: a rewrite keeps them
+            link.queue_delete(tenant, key)
+            d = self.directories.get(tenant)
+            if d is not None:
+                d.remove(key, link.index)
+        if self.delete_log is not None and name != link.name:  # on file under its name now
+            self.delete_log.wait_each(link.name, list(saved))
+            self.delete_log.gone(name, list(saved))
         dropped = expired + over
-        self._drop_saved(link.name, dropped)
-        log.info("peer %s: %d deletes waiting for it since before the restart, sent when it "
-                 "is reachable%s", link.name, len(saved),
+        self._drop_saved(name, dropped)
+        log.info("peer %s: %d deletes waiting for it %s, sent when it is reachable%s",
+                 link.name, len(saved), since,
                  f" ({len(dropped)} dropped: refused past their time, or past the bound)"
                  if dropped else "")
         self._deletes.set()
 
+    def _names_a_node(self, node: str) -> bool:
+        """Whether a peer's node name tells its node (and so its agent) apart: not where
+        it is this agent's own (agents run by hand on one host, without `nodeName`, all
+        say the host's name)."""
+        return bool(node) and node != self.node
+
+    def _node_known(self, link: PeerLink) -> None:
+        """`link`'s peer said its node: the DELETEs waiting for that node while it was away
+        go to it (`awaynodes`)."""
+        if not self._names_a_node(link.node):
+            return
+        for name, saved in self.away.take(link.node).items():
+            self._hand(link, name, saved, f"since its node {link.node} was at {name}")
+
+    def _park(self, node: str, name: str, waiting: Waiting) -> None:
+        """The link `name` to `node` went: what waited for it waits for the node (at once
+        for a link that follows the node at another address already)."""
+        same = [link for link in self.links.values()
+                if link.node == node and not link.closed and not link.is_self]
+        if len(same) == 1:  # (two would be two agents saying one node: neither is it)
+            if waiting:
+                self._hand(same[0], name, waiting, f"since its node {node} was at {name}")
+            return
+        for old, item in self.away.park(node, name, waiting, time.time()):
+            self._drop_saved(old, [item])
+        log.info("peer %s (node %s) went: %d deletes wait for the node at any address, up "
+                 "to %g s", name, node, len(waiting), NODE_KEEP)
+
     def _drop_unlisted(self) -> None:
-        """Drop the DELETEs the file said wait for peers this agent does not have (its
-        config or discovery no longer names them), as the DELETEs waiting for a peer go
-        when it stops being listed: counted."""
+        """The DELETEs the file said wait for peers this agent does not have (its config or
+        discovery no longer names them): those of a peer whose node the file names wait
+        for that node (`_park`), as when a running agent's link goes; the others are
+        dropped, counted."""
+        nodes = {} if self.delete_log is None else self.delete_log.nodes
         for name, saved in self._saved.items():
+            node = nodes.get(name, "")
+            if self._names_a_node(node):
+                self._park(node, name, saved)
+                continue
             self._drop_saved(name, list(saved))
             log.warning("peer %s is no longer a peer: the %d deletes that waited for it "
                         "are dropped", name, len(saved))
@@ -245,12 +293,15 @@ class PeerNetwork:
                 yield link.name, item, 0.0
             for item, until in link.refused.items():
                 yield link.name, item, wall + (until - now)
+        yield from self.away.entries()
 
     def _unlink(self, key: tuple[str, int]) -> None:
         link = self.links.pop(key)
         self.by_index[link.index] = None
         link.close()
-        if self.delete_log is not None:  # they go with the link, as in memory
+        if self._names_a_node(link.node) and not link.is_self:  # (back at another address?)
+            self._park(link.node, link.name, link.waiting())
+        elif self.delete_log is not None:  # they go with the link, as in memory
             self.delete_log.gone(link.name, [*link.deletes, *link.refused])
         for d in self.directories.values():
             d.drop_peer(link.index)
@@ -417,6 +468,11 @@ class PeerNetwork:
                 continue  # (a peer this agent follows got it from the deleting node)
             link.queue_delete(tenant, key)
             waiting.append(link.name)
+        if self.away.nodes:  # and every node away (`awaynodes`)
+            names, dropped = self.away.add((tenant, key))
+            waiting += names
+            for name, item in dropped:
+                self._drop_saved(name, [item])
         if self.delete_log is not None and waiting:
             self.delete_log.wait((tenant, key), waiting)  # one write for every peer
         self._deletes.set()
@@ -436,6 +492,11 @@ class PeerNetwork:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._deletes.wait(), DELETE_RETRY)
             self._deletes.clear()
+            for name, saved in self.away.expire(time.time()).items():
+                self._drop_saved(name, list(saved))
+                log.warning("peer %s: its node did not come back within %g s: the %d "
+                            "deletes that waited for it are dropped", name, NODE_KEEP,
+                            len(saved))
             now = time.monotonic()
             for link in list(self.links.values()):
                 link.expire_refused(now)
