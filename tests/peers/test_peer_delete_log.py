@@ -229,3 +229,50 @@ def test_a_peers_node_is_on_file_and_a_start_keeps_its_deletes_for_that_node(
     assert asyncio.run(started()) == {"node7": [_item(1), _item(2)]}
     assert dropped(moved) == 0 and dropped(unknown) == 1
     assert read(path) == {moved: {_item(1): 0.0, _item(2): 0.0}}  # still on file, for node7
+
+
+def test_a_link_that_goes_hands_its_deletes_to_its_nodes_other_link_or_parks_them(
+        tmp_path: Path, secret: Path) -> None:
+    """A link whose node another link follows already (its new address listed before the
+    old one goes) hands its DELETEs to that link at once; with no such link they wait for
+    the node, with every DELETE made meanwhile, until a link names it: on file under each
+    link's name in turn."""
+    path = tmp_path / "peer-deletes"
+    old, new, later = (f"127.0.0.1:{free_port()}" for _ in range(3))  # (nobody listens)
+    cfg = Peers.model_validate({"enabled": True, "port": free_port(), "address": "127.0.0.1",
+                                "secretFile": str(secret), "addresses": [old, new]})
+
+    def key(name: str) -> tuple[str, int]:
+        host, _, port = name.rpartition(":")
+        return host, int(port)
+
+    async def run() -> None:
+        network = PeerNetwork(cfg, {}, CollectorRegistry(), "p", node="node0",
+                              deletes_file=path)
+        await network.start()
+        try:
+            a, b = network.links[key(old)], network.links[key(new)]
+            a.node = b.node = "node7"
+            a.queue_delete(*_item(1))
+            assert network.delete_log is not None
+            network.delete_log.wait(_item(1), [old])
+            network._unlink(key(old))  # node7 is followed at `new` already
+            assert list(b.deletes) == [_item(1)] and not network.away.nodes
+            assert read(path) == {new: {_item(1): 0.0}}
+
+            network._unlink(key(new))  # node7 away, nobody follows it
+            network.delete("", _item(2)[1], here=True)
+            assert {n: list(q) for n, q in network.away.nodes["node7"].waiting.items()} == {
+                new: [_item(1), _item(2)]}
+            assert read(path) == {new: {_item(1): 0.0, _item(2): 0.0}}
+
+            network._link(*key(later))  # node7 back: its stream names it
+            c = network.links[key(later)]
+            c.node = "node7"
+            network._node_known(c)
+            assert list(c.deletes) == [_item(1), _item(2)] and not network.away.nodes
+            assert read(path) == {later: {_item(1): 0.0, _item(2): 0.0}}
+        finally:
+            await network.close()
+
+    asyncio.run(run())
