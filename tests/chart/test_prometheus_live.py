@@ -501,6 +501,10 @@ def test_load_shows_reads_from_the_peer(loaded: Prometheus) -> None:
     for direction in ("sent", "received"):
         _wait(lambda d=direction: taken(d) > 0, 45, f"peer DELETEs {direction} and taken")
     assert samples(deletes, "result").get("dropped", 0) == 0
+    # A series per peer followed, with its node's name, of the DELETEs held for it.
+    (waiting,) = by_title["Peer DELETEs waiting"]
+    assert set(samples(waiting, "peer")) == set(samples(followed, "peer")) != set()
+    assert "" not in samples(waiting, "peer_node")
 
 
 def test_load_shows_handoffs_pushed_pinned_and_read(loaded: Prometheus) -> None:

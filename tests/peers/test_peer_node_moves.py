@@ -59,9 +59,15 @@ def test_deletes_wait_for_a_node_and_reach_it_at_its_new_address(
         # address, for its node; one made after that waits for the node too.
         c.kill(signal.SIGKILL)
         ca.delete(k1)
+
+        def waiting(peer: str) -> float:
+            return metric(a, "kvpool_peer_deletes_waiting", peer=f"{peer}:{PEER_PORT}",
+                          peer_node="node1")
+        assert waiting(c_node.addr) == 1
         listed(a_node.addr)
         wait_until(lambda: "no longer listed" in a.log(), "the link to node 1 to go")
         ca.delete(k2)
+        assert waiting(c_node.addr) == 2  # (node 1 away: under its last address)
 
         # Its pod made again: the same node, another address.
         # (The old address first: deleting a subnet's primary address takes the others.)
@@ -87,6 +93,7 @@ def test_deletes_wait_for_a_node_and_reach_it_at_its_new_address(
         wait_until(lambda: metric(a, "kvpool_peer_deletes_total", direction="sent",
                                   result="ok") == 2, "node 0 to count both DELETEs taken")
         assert metric(a, "kvpool_peer_deletes_total", result="dropped") == 0
+        assert waiting(moved.addr) == 0 and waiting(c_node.addr) == 0
         assert "deletes waiting for it since its node node1 was at" in a.log()
 
 

@@ -507,6 +507,23 @@ ROWS: tuple[Row, ...] = (
                 width=6,
             ),
             Panel(
+                "Peer DELETEs waiting",
+                "DELETEs each agent holds for a peer not reached yet (unreachable, or not "
+                "following the sender), or for a node away: its address no longer listed, "
+                "they wait for it at any address for an hour (peer_node: the peer's node). "
+                "Above zero for long: a node keeps deleted chunks (alert "
+                "KVPoolPeerDeletesDropped once they are dropped).",
+                (
+                    _q(
+                        "sum by (pool, node, peer, peer_node) "
+                        f"(kvpool_peer_deletes_waiting{{{SEL}}})",
+                        "{{node}} -> {{peer_node}} {{peer}}",
+                    ),
+                ),
+                unit="none",
+                width=6,
+            ),
+            Panel(
                 "Peer directory",
                 "Remote chunks each agent's directory says its peers hold (what LOOKUP can "
                 "count as tier peer).",

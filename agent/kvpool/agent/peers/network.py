@@ -86,6 +86,10 @@ def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | No
     return server, client
 
 
+_WAITING_DOC = ("DELETEs waiting for a peer (queued, on their way, refused), or for a node "
+                "away (under its last address)")
+
+
 class PeerNetwork:
     def __init__(self, cfg: Peers, spaces: dict[str, Holdings], registry: CollectorRegistry,
                  pool: str, node: str = "", deletes_file: Path | None = None) -> None:
@@ -550,6 +554,13 @@ class PeerNetwork:
             yield Sample("kvpool_peer_directory_lag_seconds", "Seconds between a peer's last "
                          "inventory message being sent and its arrival here",
                          {"peer": link.name}, link.lag)
+            yield Sample("kvpool_peer_deletes_waiting", _WAITING_DOC,
+                         {"peer": link.name, "peer_node": link.node},
+                         len(link.deletes) + len(link.taken) + len(link.refused))
+        for node, away in self.away.nodes.items():  # (each under its last address)
+            yield Sample("kvpool_peer_deletes_waiting", _WAITING_DOC,
+                         {"peer": next(reversed(away.waiting)), "peer_node": node},
+                         sum(len(q) for q in away.waiting.values()))
 
     async def close(self) -> None:
         """Stop serving and reading; returns once the tasks have ended (a link's task
