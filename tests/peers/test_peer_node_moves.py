@@ -20,6 +20,9 @@ from .nodes import PEER_PORT, Network, ip, peer_agent
 from .test_peer_reads import seen_as
 
 GONE = ([], ["none"])
+DISCOVERY_WAIT = 60.0
+"""Seconds a wait on discovery may take: it resolves every 10 s (`DISCOVERY_INTERVAL`),
+and a loaded machine stretches a start and a subscription."""
 NAME = "kvpool-peers.test"
 """What the deleting node's discovery resolves (its namespace's hosts file, which
 `ip netns exec` mounts over /etc/hosts): the agents' addresses, as a headless Service
@@ -65,7 +68,8 @@ def test_deletes_wait_for_a_node_and_reach_it_at_its_new_address(
                           peer_node="node1")
         assert waiting(c_node.addr) == 1
         listed(a_node.addr)
-        wait_until(lambda: "no longer listed" in a.log(), "the link to node 1 to go")
+        wait_until(lambda: "no longer listed" in a.log(), "the link to node 1 to go",
+                   DISCOVERY_WAIT)
         ca.delete(k2)
         assert waiting(c_node.addr) == 2  # (node 1 away: under its last address)
 
@@ -83,7 +87,7 @@ def test_deletes_wait_for_a_node_and_reach_it_at_its_new_address(
 
         for k in (k1, k2):
             wait_until(lambda k=k: cc2.lookup_tiers([k]) in GONE,
-                       "node 1 at its new address to take the DELETEs")
+                       "node 1 at its new address to take the DELETEs", DISCOVERY_WAIT)
         # What it holds besides is listed and read as before; the deleted keys nowhere.
         seen_as(ca, [kept], ["peer"])
         assert ca.lookup_tiers([k1]) in GONE and ca.lookup_tiers([k2]) in GONE
@@ -124,5 +128,6 @@ def test_a_peer_the_pool_lists_no_more_under_an_unknown_node_still_drops_its_del
         c.kill(signal.SIGKILL)
         ca.delete(key)
         hosts.write_text(f"{a_node.addr} {NAME}\n")
-        wait_until(lambda: "no longer listed" in a.log(), "the link to node 1 to go")
+        wait_until(lambda: "no longer listed" in a.log(), "the link to node 1 to go",
+                   DISCOVERY_WAIT)
         assert "went:" not in a.log()
