@@ -23,7 +23,6 @@ def _says_alone(path: Path) -> bool:
 LONGEST_FIRST = (
     "bench/test_bench_smoke.py",  # the quick bench run, one set-up of over a minute
     "agent/test_cli.py",
-    "peers/test_peer_node_moves.py",  # three waits on discovery's re-resolve (~35 s)
     "peers/test_peer_partition.py",  # one test waiting on a partition (~13 s)
     "operator/test_op_faults.py",
     "chart/test_prometheus_live.py",

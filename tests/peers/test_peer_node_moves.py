@@ -2,18 +2,28 @@
 node) still gets the DELETEs that waited for it, and those made while it was away
 (docs/cross-node.md#delete, "A node at a new address"): they wait for its node, by the name
 its inventory stream says, not for the address that went; its copies of those keys are
-never listed meanwhile, and the rest of its inventory is."""
+never listed meanwhile, and the rest of its inventory is. Discovery looks for it again
+sooner while the pool is changing."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
 import signal
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
 
 from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import Peers
+from kvpool.agent.peers import network
+from kvpool.agent.peers.network import PeerNetwork
+from kvpool.bench.local import free_port
 
 from .conftest import metric, wait_until
 from .nodes import PEER_PORT, Network, ip, peer_agent
@@ -21,8 +31,8 @@ from .test_peer_reads import seen_as
 
 GONE = ([], ["none"])
 DISCOVERY_WAIT = 60.0
-"""Seconds a wait on discovery may take: it resolves every 10 s (`DISCOVERY_INTERVAL`),
-and a loaded machine stretches a start and a subscription."""
+"""Seconds a wait on discovery may take (a guard against a hang: it resolves every 2 s
+while a peer is unreachable or a node away, every 10 s otherwise)."""
 NAME = "kvpool-peers.test"
 """What the deleting node's discovery resolves (its namespace's hosts file, which
 `ip netns exec` mounts over /etc/hosts): the agents' addresses, as a headless Service
@@ -131,3 +141,39 @@ def test_a_peer_the_pool_lists_no_more_under_an_unknown_node_still_drops_its_del
         wait_until(lambda: "no longer listed" in a.log(), "the link to node 1 to go",
                    DISCOVERY_WAIT)
         assert "went:" not in a.log()
+
+
+def test_discovery_looks_again_sooner_while_a_peer_is_unreachable(
+        monkeypatch: pytest.MonkeyPatch, secret: Path) -> None:
+    """While a peer is unreachable (or a node away), discovery resolves its name every
+    `DISCOVERY_RETRY`, not once a `DISCOVERY_INTERVAL`: a pod made again is found at its
+    new address in seconds. (The interval made an hour here: at it, one resolve only.)"""
+    monkeypatch.setattr(network, "DISCOVERY_INTERVAL", 3600.0)
+    monkeypatch.setattr(network, "DISCOVERY_RETRY", 0.01)
+    cfg = Peers.model_validate({
+        "enabled": True, "port": free_port(), "address": "127.0.0.1",
+        "secretFile": str(secret), "discovery": "localhost",
+        "addresses": [f"127.0.0.1:{free_port()}"]})  # (nobody listens: unreachable)
+
+    async def resolves() -> int:
+        loop = asyncio.get_running_loop()
+        asked = 0
+        resolve = loop.getaddrinfo
+
+        async def counted(*args: Any, **kw: Any) -> Any:
+            nonlocal asked
+            asked += 1
+            return await resolve(*args, **kw)
+        loop.getaddrinfo = counted  # type: ignore[method-assign]
+        peers = PeerNetwork(cfg, {}, CollectorRegistry(), "p", node="node0")
+        await peers.start()
+        try:
+            for _ in range(3000):  # (bounded: 30 s)
+                if asked >= 3:
+                    break
+                await asyncio.sleep(0.01)
+            return asked
+        finally:
+            await peers.close()
+
+    assert asyncio.run(resolves()) >= 3

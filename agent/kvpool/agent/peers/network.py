@@ -1,10 +1,12 @@
 """The peer tier of one agent: its server, its links to the other agents of the pool, and
 the directory of each tenant space, kept current from the links' subscriptions.
 
-Peers are the static `peers.addresses` and whatever `peers.discovery` resolves to,
-re-resolved every `DISCOVERY_INTERVAL` (a headless Service lists every agent, this one
-included: a link that reaches this agent's own server finds out at the handshake, by the
-agent id, and stops). A peer the name stops listing is dropped with its entries.
+Peers are the static `peers.addresses` and whatever `peers.discovery` resolves to (a
+headless Service lists every agent, this one included: a link that reaches this agent's
+own server finds out at the handshake, by the agent id, and stops), re-resolved every
+`DISCOVERY_INTERVAL`, or every `DISCOVERY_RETRY` while a peer is unreachable or a node is
+away (a pod made again comes back at another address: found in seconds, not at the next
+full interval). A peer the name stops listing is dropped with its entries.
 
 Hand-offs: a chunk a client put with a hint naming another node is queued here
 (`push`, bounded: a full queue drops the push, never the put) and offered to that node's
@@ -51,6 +53,9 @@ from .server import Holdings, PeerServer
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL = 10.0
+DISCOVERY_RETRY = 2.0
+"""Seconds between resolves of `peers.discovery` while a peer is unreachable or a node is
+away (`awaynodes`): one query every two seconds of each agent while the pool is changing."""
 FETCH_THREADS = 16
 """Worker threads receiving chunks from peers, for all peers together (each sends one
 link's batches; a link has at most `peers.connections` of them at once)."""
@@ -331,7 +336,12 @@ class PeerNetwork:
                     self._unlink(key)
             except OSError as e:
                 log.warning("peer discovery: %s does not resolve: %s", self.cfg.discovery, e)
-            await asyncio.sleep(DISCOVERY_INTERVAL)
+            waited = 0.0
+            while waited < DISCOVERY_INTERVAL:
+                await asyncio.sleep(DISCOVERY_RETRY)
+                waited += DISCOVERY_RETRY
+                if self.away.nodes or any(link.unreachable for link in self.links.values()):
+                    break  # (the pool is changing: its new addresses are looked for sooner)
 
     # -- reads
 
