@@ -276,3 +276,38 @@ def test_a_link_that_goes_hands_its_deletes_to_its_nodes_other_link_or_parks_the
             await network.close()
 
     asyncio.run(run())
+
+
+def test_a_start_keeps_a_named_peers_deletes_for_its_node_even_at_a_listed_address(
+        tmp_path: Path, secret: Path) -> None:
+    """The file's DELETEs of a peer whose node it names wait for that node even where the
+    address is still listed: the link there takes them once its stream names that node,
+    not before (the address may be another node's pod by now)."""
+    path = tmp_path / "peer-deletes"
+    there = f"127.0.0.1:{free_port()}"  # (nobody listens)
+    dlog, _ = DeleteLog.open(path)
+    dlog.set_node(there, "node7")
+    dlog.wait_each(there, [_item(1), _item(2)])
+    dlog.close()
+    cfg = Peers.model_validate({"enabled": True, "port": free_port(), "address": "127.0.0.1",
+                                "secretFile": str(secret), "addresses": [there]})
+    host, _, port = there.rpartition(":")
+
+    async def run() -> None:
+        network = PeerNetwork(cfg, {}, CollectorRegistry(), "p", node="node0",
+                              deletes_file=path)
+        await network.start()
+        try:
+            link = network.links[(host, int(port))]
+            assert not link.deletes and list(network.away.nodes) == ["node7"]
+            link.node = "node8"  # another node's pod at that address now: not its
+            network._node_known(link)
+            assert not link.deletes and list(network.away.nodes) == ["node7"]
+            link.node = "node7"
+            network._node_known(link)
+            assert list(link.deletes) == [_item(1), _item(2)] and not network.away.nodes
+            assert read(path) == {there: {_item(1): 0.0, _item(2): 0.0}}
+        finally:
+            await network.close()
+
+    asyncio.run(run())

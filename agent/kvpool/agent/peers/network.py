@@ -203,7 +203,12 @@ class PeerNetwork:
         link.away = self.away.items
         link.on_node = self._node_known
         saved = self._saved.pop(link.name, None)
-        if saved:
+        node = "" if self.delete_log is None else self.delete_log.nodes.get(link.name, "")
+        if saved and self._names_a_node(node):
+            # They wait for that node, which this address may no longer be (an address
+            # reused by another node's pod): taken once the link's stream names it.
+            self._park(node, link.name, saved, went=False)
+        elif saved:
             self._hand(link, link.name, saved, "since before the restart")
         self._publish_link(link)
         link.task = loop.create_task(link.run())
@@ -251,11 +256,13 @@ class PeerNetwork:
         if not self._names_a_node(link.node):
             return
         for name, saved in self.away.take(link.node).items():
-            self._hand(link, name, saved, f"since its node {link.node} was at {name}")
+            self._hand(link, name, saved, f"for its node {link.node}" if name == link.name
+                       else f"since its node {link.node} was at {name}")
 
-    def _park(self, node: str, name: str, waiting: Waiting) -> None:
-        """The link `name` to `node` went: what waited for it waits for the node (at once
-        for a link that follows the node at another address already)."""
+    def _park(self, node: str, name: str, waiting: Waiting, went: bool = True) -> None:
+        """What waited for the link `name` to `node` waits for the node: the link went
+        (`went`), or the file said so at the start (given at once to a link that follows
+        the node already)."""
         same = [link for link in self.links.values()
                 if link.node == node and not link.closed and not link.is_self]
         if len(same) == 1:  # (two would be two agents saying one node: neither is it)
@@ -264,8 +271,9 @@ class PeerNetwork:
             return
         for old, item in self.away.park(node, name, waiting, time.time()):
             self._drop_saved(old, [item])
-        log.info("peer %s (node %s) went: %d deletes wait for the node at any address, up "
-                 "to %g s", name, node, len(waiting), NODE_KEEP)
+        log.info("peer %s (node %s) %s: %d deletes wait for the node at any address, up "
+                 "to %g s", name, node, "went" if went else "since before the restart",
+                 len(waiting), NODE_KEEP)
 
     def _drop_unlisted(self) -> None:
         """The DELETEs the file said wait for peers this agent does not have (its config or
