@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvpool.agent.config import Peers
-from kvpool.agent.peers import deletelog, links
+from kvpool.agent.peers import awaynodes, deletelog, links
 from kvpool.agent.peers.deletelog import DeleteLog, Item, read
 from kvpool.agent.peers.links import PeerLink
 from kvpool.agent.peers.metrics import PeerMetrics
@@ -307,6 +307,14 @@ def test_a_start_keeps_a_named_peers_deletes_for_its_node_even_at_a_listed_addre
             network._node_known(link)
             assert list(link.deletes) == [_item(1), _item(2)] and not network.away.nodes
             assert read(path) == {there: {_item(1): 0.0, _item(2): 0.0}}
+            # Parked again, and no link names the node within the hour: they go to the
+            # link at the address they were last at, listed still (as unnamed peers').
+            network._unlink((host, int(port)))
+            network._link(host, int(port))
+            link = network.links[(host, int(port))]
+            assert not link.deletes and list(network.away.nodes) == ["node7"]
+            network._expire_away(time.time() + awaynodes.NODE_KEEP + 1)
+            assert list(link.deletes) == [_item(1), _item(2)] and not network.away.nodes
         finally:
             await network.close()
 

@@ -275,6 +275,20 @@ class PeerNetwork:
                  "to %g s", name, node, "went" if went else "since before the restart",
                  len(waiting), NODE_KEEP)
 
+    def _expire_away(self, now: float) -> None:
+        """The nodes away for `NODE_KEEP` (wall clock `now`): their DELETEs go to the link
+        at the address they were last at where it is listed still (no link named the node
+        meanwhile: that address is taken to be it, as before nodes were named), else they
+        are dropped, counted."""
+        for name, saved in self.away.expire(now).items():
+            link = next((x for x in self.links.values() if x.name == name), None)
+            if link is not None and not link.closed:
+                self._hand(link, name, saved, f"for {NODE_KEEP:g} s at its listed address")
+                continue
+            self._drop_saved(name, list(saved))
+            log.warning("peer %s: its node did not come back within %g s: the %d deletes "
+                        "that waited for it are dropped", name, NODE_KEEP, len(saved))
+
     def _drop_unlisted(self) -> None:
         """The DELETEs the file said wait for peers this agent does not have (its config or
         discovery no longer names them): those of a peer whose node the file names wait
@@ -514,11 +528,7 @@ class PeerNetwork:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._deletes.wait(), DELETE_RETRY)
             self._deletes.clear()
-            for name, saved in self.away.expire(time.time()).items():
-                self._drop_saved(name, list(saved))
-                log.warning("peer %s: its node did not come back within %g s: the %d "
-                            "deletes that waited for it are dropped", name, NODE_KEEP,
-                            len(saved))
+            self._expire_away(time.time())
             now = time.monotonic()
             for link in list(self.links.values()):
                 link.expire_refused(now)
