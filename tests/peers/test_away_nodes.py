@@ -46,5 +46,5 @@ def test_a_node_away_past_its_time_leaves_with_its_deletes_and_the_bound_drops_t
     assert away.park("n2", "b:1", OrderedDict(), now=NODE_KEEP) == []  # nothing waited yet
     assert away.add(_item(5)) == (["a:2", "b:1"], [("a:1", _item(2))])
     assert away.expire(NODE_KEEP + 4.0) == {}  # n1 went last at 5
-    assert away.expire(NODE_KEEP + 5.0) == {"a:2": _waiting(3, 4, 5)}
+    assert away.expire(NODE_KEEP + 5.0) == {"n1": {"a:2": _waiting(3, 4, 5)}}
     assert list(away.nodes) == ["n2"] and away.items == {_item(5): 1}

@@ -315,6 +315,15 @@ def test_a_start_keeps_a_named_peers_deletes_for_its_node_even_at_a_listed_addre
             assert not link.deletes and list(network.away.nodes) == ["node7"]
             network._expire_away(time.time() + awaynodes.NODE_KEEP + 1)
             assert list(link.deletes) == [_item(1), _item(2)] and not network.away.nodes
+            # Unless the link there names another node: then they are dropped.
+            link.node = "node7"
+            network._unlink((host, int(port)))
+            network._link(host, int(port))
+            link = network.links[(host, int(port))]
+            link.node = "node8"
+            network._expire_away(time.time() + awaynodes.NODE_KEEP + 1)
+            assert not link.deletes and not network.away.nodes
+            assert read(path) == {}
         finally:
             await network.close()
 

@@ -91,13 +91,11 @@ class AwayNodes:
         self.items += Counter()  # (drops the items no away node waits with any more)
         return {name: mine for name, mine in away.waiting.items() if mine}
 
-    def expire(self, now: float) -> dict[str, Waiting]:
-        """The nodes away for `NODE_KEEP` leave with their DELETEs: these, by name."""
+    def expire(self, now: float) -> dict[str, dict[str, Waiting]]:
+        """The nodes away for `NODE_KEEP` leave with their DELETEs: these, by node, then by
+        the name they are on file under."""
         gone = [node for node, away in self.nodes.items() if away.until <= now]
-        out: dict[str, Waiting] = {}
-        for node in gone:
-            out.update(self.take(node))
-        return out
+        return {node: self.take(node) for node in gone}
 
     def entries(self) -> Iterator[tuple[str, Item, float]]:
         """(name, DELETE, until) of each away node's DELETE, for the file's rewrite."""

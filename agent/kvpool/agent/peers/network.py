@@ -277,17 +277,19 @@ class PeerNetwork:
 
     def _expire_away(self, now: float) -> None:
         """The nodes away for `NODE_KEEP` (wall clock `now`): their DELETEs go to the link
-        at the address they were last at where it is listed still (no link named the node
-        meanwhile: that address is taken to be it, as before nodes were named), else they
-        are dropped, counted."""
-        for name, saved in self.away.expire(now).items():
-            link = next((x for x in self.links.values() if x.name == name), None)
-            if link is not None and not link.closed:
-                self._hand(link, name, saved, f"for {NODE_KEEP:g} s at its listed address")
-                continue
-            self._drop_saved(name, list(saved))
-            log.warning("peer %s: its node did not come back within %g s: the %d deletes "
-                        "that waited for it are dropped", name, NODE_KEEP, len(saved))
+        at the address they were last at where it is listed still and names no other node
+        (no link named this one meanwhile: that address is taken to be it, as before nodes
+        were named), else they are dropped, counted."""
+        for node, by_name in self.away.expire(now).items():
+            for name, saved in by_name.items():
+                link = next((x for x in self.links.values() if x.name == name), None)
+                if link is not None and not link.closed and link.node in ("", node):
+                    self._hand(link, name, saved, f"for {NODE_KEEP:g} s at its listed address")
+                    continue
+                self._drop_saved(name, list(saved))
+                log.warning("peer %s: its node %s did not come back within %g s: the %d "
+                            "deletes that waited for it are dropped", name, node, NODE_KEEP,
+                            len(saved))
 
     def _drop_unlisted(self) -> None:
         """The DELETEs the file said wait for peers this agent does not have (its config or
