@@ -16,6 +16,7 @@ from pathlib import Path
 from kvpool.agent.config import AgentConfig
 from kvpool.bench.local import LocalAgent, free_port
 
+from ..support import wait_until
 from .test_cli import kvpool, left_in_shm
 
 
@@ -32,6 +33,9 @@ def test_start_names_every_tier_and_the_bound_metrics_port_and_stop_says_what_is
                        str(tmp_path / "nvme"), "--nvme", "32Mi", "--shared", store.as_uri(),
                        workdir=tmp_path, dram="16Mi").start()
     try:
+        # (Its socket answers from `listen`, a moment before the line is written.)
+        wait_until(lambda: any(m.startswith("kvpool agent serving") for m in messages(agent)),
+                   "the agent's serving line")
         serving = next(m for m in messages(agent) if m.startswith("kvpool agent serving"))
         assert (f"on {agent.socket_path}: DRAM 16.0 MiB at {agent.arena_path}; NVMe 32.0 MiB "
                 f"at {tmp_path / 'nvme'}; shared {store.as_uri()}; metrics ") in serving
