@@ -87,8 +87,8 @@ class AwayNodes:
         if away is None:
             return {}
         for mine in away.waiting.values():
-            self.items.subtract(mine.keys())
-        self.items += Counter()  # (drops the items no away node waits with any more)
+            for item in mine:
+                self._release(item)
         return {name: mine for name, mine in away.waiting.items() if mine}
 
     def expire(self, now: float) -> dict[str, dict[str, Waiting]]:
@@ -111,9 +111,13 @@ class AwayNodes:
         for name, mine in away.waiting.items():
             while left > 0 and mine:
                 item, _ = mine.popitem(last=False)
-                self.items[item] -= 1
-                if self.items[item] <= 0:
-                    del self.items[item]
+                self._release(item)
                 dropped.append((name, item))
                 left -= 1
         return dropped
+
+    def _release(self, item: Item) -> None:
+        """One away node waits for `item` no more (`items` counts those that still do)."""
+        self.items[item] -= 1
+        if self.items[item] <= 0:
+            del self.items[item]

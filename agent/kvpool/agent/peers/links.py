@@ -552,7 +552,7 @@ class PeerLink:
             waiting = bool(self.refused or self.deletes)
             away = self.away if self.away and not self.node else None
             for key, size in wire.records(body):
-                if waiting and ((tenant, key) in self.refused or (tenant, key) in self.deletes):
+                if waiting and self._deleting((tenant, key)):
                     continue  # a copy the peer is to delete (a DELETE it refused, or not
                     # sent yet): never listed, so never read (its REMOVE follows the DELETE)
                 if away is not None and (tenant, key) in away:
@@ -583,9 +583,13 @@ class PeerLink:
         held, self._held = self._held, []
         for tenant, key, size in held:
             d = self.directories.get(tenant)
-            if d is not None and (tenant, key) not in self.deletes \
-                    and (tenant, key) not in self.refused:
+            if d is not None and not self._deleting((tenant, key)):
                 d.add(key, self.index, size)
+
+    def _deleting(self, item: Item) -> bool:
+        """A DELETE of `item` waits for the peer (queued, or refused): its copy is never
+        listed."""
+        return item in self.deletes or item in self.refused
 
     def waiting(self) -> Waiting:
         """Every DELETE waiting for the peer (queued, on their way, refused), oldest first

@@ -317,15 +317,12 @@ class PeerNetwork:
     def _waiting(self) -> Iterator[tuple[str, Item, float]]:
         """(peer name, DELETE, until) of every DELETE waiting for a peer now (`until`: the
         wall-clock time a refused one is dropped at, else 0), for the file's rewrite."""
-        wall, now = time.time(), time.monotonic()
         for name, saved in self._saved.items():
             for item, until in saved.items():
                 yield name, item, until
         for link in self.links.values():
-            for item in (*link.taken, *link.deletes):
-                yield link.name, item, 0.0
-            for item, until in link.refused.items():
-                yield link.name, item, wall + (until - now)
+            for item, until in link.waiting().items():
+                yield link.name, item, until
         yield from self.away.entries()
 
     def _unlink(self, key: tuple[str, int]) -> None:
