@@ -45,10 +45,10 @@ from typing import Any
 
 import psutil
 
-from kvpool.agent.client import KVPoolClient
 from kvpool.bench.netns import PEER_PORT, Network, peer_agent
 from kvpool.bench.peer_tier import (
     CONGESTION_CONTROL,
+    clients,
     congestion_control,
     peer_reads,
     raw_sender,
@@ -213,7 +213,7 @@ def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: t
                 named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}"],
                                    **peers}))
                 for i in range(2)]
-        holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
+        holder, reader = clients(stack, agents)
         procs = {"c": psutil.Process(),
                  "r": psutil.Process(agents[1].proc.pid),  # type: ignore[union-attr]
                  "h": psutil.Process(agents[0].proc.pid)}  # type: ignore[union-attr]

@@ -81,7 +81,7 @@ REPLY_OF: dict[p.Op, type[p.Reply]] = {
     p.Op.COMMIT: p.CommitReply, p.Op.ABORT: p.AbortReply, p.Op.ACQUIRE: p.AcquireReply,
     p.Op.RELEASE: p.ReleaseReply, p.Op.PUT: p.PutReply, p.Op.GET: p.GetReply,
     p.Op.DELETE: p.DeleteReply, p.Op.PIN: p.PinReply, p.Op.UNPIN: p.UnpinReply,
-    p.Op.STATS: p.StatsReply, p.Op.READ: p.ReadReply,
+    p.Op.STATS: p.StatsReply, p.Op.READ: p.ReadReply, p.Op.WAIT: p.WaitReply,
 }
 E = p.ErrorCode
 STATE_ERRORS: dict[p.Op, set[p.ErrorCode]] = {
@@ -94,7 +94,7 @@ STATE_ERRORS: dict[p.Op, set[p.ErrorCode]] = {
     p.Op.ACQUIRE: {E.NOT_FOUND, E.TOO_MANY_LEASES, E.NO_SPACE},
     p.Op.RELEASE: {E.UNKNOWN_LEASE}, p.Op.PUT: {E.NO_SPACE}, p.Op.GET: {E.NOT_FOUND},
     p.Op.DELETE: set(), p.Op.PIN: {E.NOT_FOUND}, p.Op.UNPIN: set(), p.Op.STATS: set(),
-    p.Op.READ: set(),
+    p.Op.READ: set(), p.Op.WAIT: set(),
 }
 CLOSING = {E.BAD_FRAME, E.FRAME_TOO_LARGE, E.UNKNOWN_OP}
 """The errors after which docs/protocol.md says the connection is closed."""
@@ -290,7 +290,7 @@ def argument_error(req: p.Request, limits: p.HelloReply) -> p.ErrorCode | None:
     match req:
         case p.Hello():
             return E.VERSION_MISMATCH if req.version != p.PROTOCOL_VERSION else None
-        case p.Lookup() | p.Read():
+        case p.Lookup() | p.Read() | p.Wait():
             if len(req.keys) > p.MAX_LOOKUP_KEYS:
                 return E.BAD_ARGUMENT
             return E.BAD_KEY if any(bad(k) for k in req.keys) else None
@@ -546,6 +546,7 @@ FIELDS: dict[p.Op, list[tuple[str, st.SearchStrategy[Any], int]]] = {
     p.Op.UNPIN: [("bytes", keys, 1)],
     p.Op.STATS: [],
     p.Op.READ: [("keys", lookup_keys, 1)],
+    p.Op.WAIT: [("keys", lookup_keys, 1)],
 }
 msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(I64_MIN, U64) | st.floats() | st.text(max_size=8)
@@ -651,7 +652,7 @@ def test_every_op_with_fuzzed_arguments(
 
 
 @pytest.mark.parametrize("message", [
-    [200, 1], [255, 1], [-1, 1], [0, 1], [15, 1], [U64, 1, b"k" * 16], [2**40], [99],
+    [200, 1], [255, 1], [-1, 1], [0, 1], [16, 1], [U64, 1, b"k" * 16], [2**40], [99],
 ])
 def test_any_integer_tag_that_names_no_op_is_unknown_op(harness: Harness, message: list[Any],
                                                         ) -> None:

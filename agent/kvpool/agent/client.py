@@ -40,7 +40,9 @@ from .constants import (
     ENV_PUT_AHEAD,
     ENV_SOCKET,
     ENV_TENANT,
+    KEY_BYTES,
     PEER_TIER_CODE,
+    TIER_CODES,
     TIER_NAMES,
 )
 from .hostcopy import BlockTargets, HostTargets
@@ -67,6 +69,11 @@ __all__ = ["BATCH_WINDOW", "AgentUnavailable", "Buffer", "EngineBlocks", "KVPool
            "PutResult", "ReadTarget"]
 
 T = TypeVar("T")
+DRAM_CODE = TIER_CODES["dram"]
+WAIT_KEYS = 16
+"""Keys a WAIT names at most: the first of those a window still waits for. Peer reads
+land about in the window's order, so the first few are the ones to hear of; a WAIT of all
+of them would cost the agent a look at every one each time a few landed."""
 
 BATCH_WINDOW = 128
 """Requests a batch call keeps in flight: bounds queued replies and leases held at once."""
@@ -470,6 +477,8 @@ class KVPoolClient:
             left, remembered, done = leasefree.read_window(
                 t.index, t.arena, t.base, self._metas, keys, start, target, sizes)
             self._told_reads(t, done)
+            if left and self.hello is not None and self.hello.peers:
+                left = self._read_landing(t, keys, start, target, sizes, left, remembered)
             if not left:
                 return
         if len(left) == len(keys) and not remembered:
@@ -486,6 +495,50 @@ class KVPoolClient:
         if got is not sizes:
             for j, i in enumerate(left):
                 sizes[start + i] = got[j]
+
+    def _read_landing(self, t: ZeroCopyTransport, keys: Sequence[bytes], start: int,
+                      target: ReadTarget, sizes: list[int], left: list[int],
+                      remembered: leasefree.Remembered) -> list[int]:
+        """Of the window's keys `left` (not read without a lease), those a peer read is
+        bringing into DRAM read without a lease as they land: a WAIT answers once some
+        have (docs/protocol.md, "Waiting for peer chunks"), they are read, and the rest
+        waited for again. Returns the keys left for ACQUIRE: those no peer read brings
+        (NVMe, the shared tier, a miss), whose read failed, or whose lease-free read did
+        not pass, and those whose destination is not host memory (`remembered`).
+
+        The agent then answers one WAIT per few chunks landed where it answered an
+        ACQUIRE and a RELEASE per chunk: at 1 MiB chunks its event loop's work per chunk
+        is what bounds a window's speed (docs/benchmarks.md)."""
+        assert t.index is not None
+        rest: list[int] = []
+        coming: list[int] = []
+        for i in left:
+            (rest if i in remembered or len(keys[i]) != KEY_BYTES else coming).append(i)
+        while coming:
+            asked = coming[:WAIT_KEYS]
+            reply = t.conn.call(p.Wait(t.conn.rid(), [keys[i] for i in asked]))
+            assert isinstance(reply, p.WaitReply)
+            landed: list[int] = []
+            still: list[int] = []
+            for i, code in zip(asked, reply.tiers, strict=False):
+                (landed if code == DRAM_CODE else still if code == PEER_TIER_CODE
+                 else rest).append(i)
+            rest += asked[len(reply.tiers):]  # (an agent that answered too few: ACQUIREd)
+            if not landed:  # (never from an agent that keeps to WAIT's answer)
+                rest += still + coming[len(asked):]
+                break
+            got = [0] * len(landed)
+            failed, leased, done = leasefree.read_window(
+                t.index, t.arena, t.base, self._metas, [keys[i] for i in landed], 0,
+                leasefree.socket_target(target, start, landed, {}, self._metas), got)
+            self._told_reads(t, done)
+            for j, i in enumerate(landed):
+                sizes[start + i] = got[j]
+            rest += (landed[j] for j in failed)
+            remembered.update((landed[j], dest) for j, dest in leased.items())
+            coming = still + coming[len(asked):]
+        rest.sort()
+        return rest
 
     def read_blocks(self, keys: Sequence[bytes], target: BlockTargets,
                     then: Callable[[], object]) -> list[int] | None:

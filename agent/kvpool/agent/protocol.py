@@ -52,6 +52,7 @@ class Op(IntEnum):
     UNPIN = 12
     STATS = 13
     READ = 14
+    WAIT = 15
 
 
 class ErrorCode(IntEnum):
@@ -232,9 +233,17 @@ class Read(Request, tag=int(Op.READ)):
     keys: list[bytes]
 
 
+class Wait(Request, tag=int(Op.WAIT)):
+    """Keys a peer read may be bringing into DRAM (docs/protocol.md, "Waiting for peer
+    chunks"): answered once one of them is in DRAM or none is on its way, so a client
+    reads them without a lease as they land instead of holding an ACQUIRE for each."""
+
+    keys: list[bytes]
+
+
 AnyRequest = (
     Hello | Lookup | Alloc | Commit | Abort | Acquire | Release | Put | Get | Delete | Pin
-    | Unpin | Stats | Read
+    | Unpin | Stats | Read | Wait
 )
 
 # --------------------------------------------------------------------------- replies
@@ -263,6 +272,8 @@ class HelloReply(Reply, tag=int(Op.HELLO)):
     max_leases: int
     tenant: str = ""
     """The connection's tenant: the socket's in a pool with tenants, else the one claimed."""
+    peers: bool = False
+    """The agent reads chunks from peers (and answers WAIT); older agents omit it."""
 
 
 class LookupReply(Reply, tag=int(Op.LOOKUP)):
@@ -340,10 +351,16 @@ class ReadReply(Reply, tag=int(Op.READ)):
     pass
 
 
+class WaitReply(Reply, tag=int(Op.WAIT)):
+    tiers: bytes
+    """One byte per key asked: 2 in DRAM now, 5 a peer read of it still under way, 0
+    neither (read it through ACQUIRE: it may be in NVMe, the shared tier, or nowhere)."""
+
+
 AnyReply = (
     ErrorReply | HelloReply | LookupReply | AllocReply | CommitReply | AbortReply | AcquireReply
     | ReleaseReply | PutReply | GetReply | DeleteReply | PinReply | UnpinReply | StatsReply
-    | ReadReply
+    | ReadReply | WaitReply
 )
 
 T = TypeVar("T")

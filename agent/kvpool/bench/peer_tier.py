@@ -7,10 +7,12 @@ same run.
   `KVPoolClient.get_into` of each in turn on node 1 (its agent fetches the chunk from node
   0's into its arena, with the peer chunks that follow it in the LOOKUP in the same
   pipelined batch, verifies each, and the client copies it out); and the same with one
-  `get_many_into` of the round's keys (one window of ACQUIREs, as an engine's connector
-  loads a prefix); against a raw TCP stream of the same bytes from node 0's namespace to
-  node 1's (`rawtcp`). Every chunk read is
-  compared with what was stored: a wrong byte stops the bench.
+  `get_many_into` of the round's keys (one window, as an engine's connector loads a
+  prefix); against a raw TCP stream of the same bytes from node 0's namespace to node
+  1's (`rawtcp`). Node 1's client reads as the vLLM connector does (`reading_client`):
+  without a lease, the peer chunks waited for with WAIT as they land; `KVPOOL_LEASE_FREE=0`
+  reads them through ACQUIREs instead. Every chunk read is compared with what was stored:
+  a wrong byte stops the bench.
 - lookup: a 128-key LOOKUP on node 1 whose keys are all remote, with 10^6 remote entries
   in its directory (10^5 with --quick), over the socket and from shared memory (a client
   with `local_lookup`: the agent's peer table, no round trip), against the same LOOKUP of
@@ -58,11 +60,13 @@ from typing import Any, Protocol
 import psutil
 
 from kvpool.agent import lookupkernel
-from kvpool.agent.client import KVPoolClient
+from kvpool.agent.client import KVPoolClient, env_flag
+from kvpool.agent.constants import ENV_LEASE_FREE
 from kvpool.agent.peers import wire
 
 from .certs import make_ca
 from .control import sample
+from .local import LocalAgent
 from .netns import PEER_PORT, Network, Node, peer_agent
 from .scripted_peer import ScriptedPeer, next_request
 from .stats import MiB, percentile
@@ -211,6 +215,17 @@ class RoundWatch(Protocol):
     def copy(self, i: int) -> None: ...
 
     def end(self) -> None: ...
+
+
+def clients(stack: contextlib.ExitStack, agents: list[LocalAgent]
+            ) -> tuple[KVPoolClient, KVPoolClient]:
+    """Clients of node 0's agent (the holder's) and node 1's (the reader's). The reader's
+    reads DRAM chunks without a lease, as the vLLM connector does (and so waits for peer
+    chunks with WAIT, docs/protocol.md), unless `$KVPOOL_LEASE_FREE` says no."""
+    holder, reader = agents
+    return (stack.enter_context(KVPoolClient(holder.socket_path)),
+            stack.enter_context(KVPoolClient(
+                reader.socket_path, lease_free=env_flag(ENV_LEASE_FREE, True))))
 
 
 def peer_reads(holder: KVPoolClient, reader: KVPoolClient, size: int, count: int,
@@ -375,7 +390,7 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
             named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}",
                                              f"{net.host}:{fake.port}"],
                                "handoffShare": HANDOFF_SHARE})) for i in range(2)]
-        holder, reader = (stack.enter_context(KVPoolClient(a.socket_path)) for a in agents)
+        holder, reader = clients(stack, agents)
         raw_at = raw_sender(net.nodes[0], stack)
 
         result["sizes"] = {}
@@ -402,8 +417,7 @@ def run_peer(quick: bool, reps: int) -> dict[str, Any]:
             net, i, tmp / f"tls{i}", secret, nvme=False, dram=str(dram), prefetch=False,
             extra={"port": TLS_PORT, "addresses": [f"{net.nodes[1 - i].addr}:{TLS_PORT}"],
                    "tls": tls})) for i in range(2)]
-        tls_holder, tls_reader = (stack.enter_context(KVPoolClient(a.socket_path))
-                                  for a in secured)
+        tls_holder, tls_reader = clients(stack, secured)
         size, count = 16 * MiB, sizes[16 * MiB]
         over_tls, verified = peer_reads(tls_holder, tls_reader, size, count, reps, many=True)
         tls_gbps = size * count / percentile(over_tls, 50) / 1e9

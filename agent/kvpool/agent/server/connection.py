@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -40,7 +41,6 @@ already buffered; past this they go out (a batch of inline GETs must not pile up
 MAX_COMMIT_BATCH = 1024
 """COMMITs handled as one batch at most (`Connection._commits`)."""
 _COMMIT = int(p.Op.COMMIT)
-_ACQUIRE = int(p.Op.ACQUIRE)
 _OPS = {int(op): op for op in p.Op}
 """An op byte's `Op` (a dict's look-up: `Op(byte)` runs the enum's constructor, twice a
 chunk read)."""
@@ -67,14 +67,16 @@ class Closed(Exception):
 
 
 class _Held:
-    """An ACQUIRE of a chunk a peer read is bringing, held until the chunk lands
-    (`Connection._hold`); `left` once its landing could not answer it (the read failed, or
-    the chunk went again at once): the task answers it then, the slow way."""
+    """A request a peer read under way keeps from an answer now (an ACQUIRE of the chunk
+    it brings, a WAIT with no key landed yet), held until the read settles
+    (`Connection._hold`); `left` once no read it waits for is left and still it could not
+    be answered (an ACQUIRE's read failed, or the chunk went again at once): the task
+    answers it then, the slow way."""
 
-    __slots__ = ("left", "req", "started")
+    __slots__ = ("code", "left", "req", "started")
 
-    def __init__(self, req: p.Acquire, started: float) -> None:
-        self.req, self.started = req, started
+    def __init__(self, code: int, req: Any, started: float) -> None:
+        self.code, self.req, self.started = code, req, started
         self.left = False
 
 
@@ -113,8 +115,8 @@ class Connection:
         self.need = 0
         """Bytes from self.start that `_fill` waits for (0: nobody waits)."""
         self.held: _Held | None = None
-        """An ACQUIRE waiting for its chunk's landing from a peer, the frames after it
-        left in the buffer until it is answered (`_hold`)."""
+        """A request waiting for a landing from a peer (an ACQUIRE, a WAIT), the frames
+        after it left in the buffer until it is answered (`_hold`)."""
         self.waiter: asyncio.Future[None] | None = None
 
     def ended(self) -> None:
@@ -176,7 +178,7 @@ class Connection:
         self.end += n
         if self.waiter is not None and not self.waiter.done():
             if n and self.held is not None:
-                return  # behind the held ACQUIRE: its landing answers them (`_landed_held`)
+                return  # behind the held request: its landing answers them (`_landed_held`)
             if n and self.need == 1 and self._quick():
                 return  # every frame that came is answered: the task waits on
             self.waiter.set_result(None)
@@ -190,8 +192,9 @@ class Connection:
         that came was so answered; False at the first frame that is not whole, not such an
         op or not answerable now (a chunk to read from below): it is left in the buffer,
         with the replies before it held in order, for the task to answer. An ACQUIRE of a
-        chunk a peer read is bringing is held for its landing instead (`_hold`), the
-        replies before it sent: True, the task not woken."""
+        chunk a peer read is bringing, or a WAIT none of whose keys has landed yet, is
+        held for the landing instead (`_hold`), the replies before it sent: True, the task
+        not woken."""
         if not self.hello or self.out:
             return False
         quick = self.dispatcher.quick
@@ -216,11 +219,11 @@ class Connection:
                 return False  # (the task answers it: BAD_FRAME)
             code = buf[begin + 1]
             if not self._answer_now(handler, code, req, started):
-                read = self.store.landing(req.key) if code == _ACQUIRE else None
+                read = self._awaited(code, req)
                 if read is None or not self._send_now():
                     return False  # not now: the task answers it (nothing was done)
                 self.start = begin + length
-                self._hold(read, req, started)
+                self._hold(read, code, req, started)
                 return True
             self.start = begin + length
             if self.out_bytes >= COALESCE_BYTES and not self._send_now():
@@ -245,27 +248,38 @@ class Connection:
         metrics.latency[op].observe(time.perf_counter() - started)
         return True
 
-    def _hold(self, read: PeerRead, req: p.Acquire, started: float) -> None:
-        """Hold an ACQUIRE of a chunk a peer read is bringing until the read settles, then
-        answer it and the frames that came after it from the loop's callback
+    def _awaited(self, code: int, req: Any) -> PeerRead | None:
+        """The peer read under way whose settling may answer a quick request that could
+        not be answered now (`Dispatcher.awaited`), or None."""
+        awaited = self.dispatcher.awaited.get(code)
+        return None if awaited is None else awaited(self, req)
+
+    def _hold(self, read: PeerRead, code: int, req: Any, started: float) -> None:
+        """Hold a request a peer read keeps from an answer now (`_awaited`) until the read
+        settles, then answer it and the frames that came after it from the loop's callback
         (`_landed_held`), as `_quick` answers frames: a window of peer chunks is answered
         without the task waking for each (a future, the task's step and five coroutines
         resumed a chunk, the reading agent's loop's dearest callback at 1 MiB chunks)."""
-        self.held = _Held(req, started)
-        read.call_when_settled(self._landed_held)
+        held = self.held = _Held(code, req, started)
+        read.call_when_settled(functools.partial(self._landed_held, held))
 
-    def _landed_held(self) -> None:
-        """The held ACQUIRE's read settled: its reply queued, and, with the task waiting
-        for a frame, sent with the replies of the frames that came meanwhile (`_quick`,
-        which may hold the next); the task is woken only for what it must answer."""
-        held = self.held
-        if held is None or held.left:
+    def _landed_held(self, held: _Held) -> None:
+        """A read the held request waits for settled: its reply queued, and, with the task
+        waiting for a frame, sent with the replies of the frames that came meanwhile
+        (`_quick`, which may hold the next); the task is woken only for what it must
+        answer. Still not answerable (a WAIT whose landed read failed), it waits for the
+        next read it names."""
+        if self.held is not held or held.left:
             return
         if self.eof:  # gone: no lease for it (the task ends the connection, `_fill`)
             self._wake()
             return
-        if not self._answer_now(self.dispatcher.quick[_ACQUIRE], _ACQUIRE, held.req,
+        if not self._answer_now(self.dispatcher.quick[held.code], held.code, held.req,
                                 held.started):
+            read = self._awaited(held.code, held.req)
+            if read is not None:
+                read.call_when_settled(functools.partial(self._landed_held, held))
+                return
             held.left = True  # the read failed, or the chunk went: a read from below, a miss
             self._wake()
             return
@@ -274,7 +288,7 @@ class Connection:
             return  # the task is on its way: it sends the reply with those after it
         if not self._send_now() or (self.end > self.start and not self._quick()):
             self._wake()
-        elif not self.reading:  # (paused when the buffer filled behind the held ACQUIRE)
+        elif not self.reading:  # (paused when the buffer filled behind the held request)
             self._resume()
 
     def _wake(self) -> None:
@@ -304,14 +318,14 @@ class Connection:
 
     async def _fill(self, need: int, timeout: float | None) -> None:
         """Wait until `need` bytes are buffered from self.start, each wait for more bytes
-        at most `timeout`; and, between frames, while an ACQUIRE is held (`_hold`):
+        at most `timeout`; and, between frames, while a request is held (`_hold`):
         returns with it held once the task must answer it (`_Held.left`). A client gone
         meanwhile ends the connection at once, its leases with it, not once the held
         chunk's read settles (up to `peers.timeout` later)."""
         while self.end - self.start < need or self.held is not None:
             if self.held is not None:
                 if self.eof:
-                    raise Closed("peer closed while an ACQUIRE waited for its chunk")
+                    raise Closed("peer closed while a request waited for a peer's chunk")
                 if self.held.left:
                     return
             if self.eof:
@@ -344,7 +358,7 @@ class Connection:
                 self.need = 0
 
     async def read_frame(self) -> bytes | None:
-        """The next frame's body; None where an ACQUIRE held for its chunk's landing is
+        """The next frame's body; None where a request held for a landing (`_hold`) is
         the task's to answer (`_Held.left`)."""
         if self.end == self.start:
             self.start = self.end = 0
@@ -448,7 +462,7 @@ class Connection:
         while True:
             # No frame outlives its handling: an idle connection holds none of its bytes.
             body = await self.read_frame()
-            if body is None:  # a held ACQUIRE its chunk's landing did not answer
+            if body is None:  # a held request its landing did not answer
                 held, self.held = self.held, None
                 assert held is not None
                 await self._handle(b"", held.req)
@@ -492,10 +506,9 @@ class Connection:
                 req = None  # (`_handle` answers it: BAD_FRAME)
             if req is not None and self._answer_now(handler, code, req, started):
                 return
-            read = self.store.landing(req.key) if req is not None and code == _ACQUIRE \
-                else None
+            read = None if req is None else self._awaited(code, req)
             if read is not None:  # answered as it lands, the frames after it left buffered
-                self._hold(read, req, started)
+                self._hold(read, code, req, started)
                 return
             await self._handle(body, req)
             return
@@ -619,6 +632,7 @@ class Connection:
             arena_bytes=space.arena.size, max_chunk_bytes=cfg.max_chunk_bytes,
             max_meta_bytes=cfg.max_meta_bytes, max_frame_bytes=self.dispatcher.max_frame_bytes,
             max_leases=MAX_LEASES_PER_CLIENT, tenant=self.tenant,
+            peers=self.store.peer is not None,
         ))
         # The arena fd rides on the reply (SCM_RIGHTS); the reply is small and
         # the connection fresh, so one sendmsg carries it whole.

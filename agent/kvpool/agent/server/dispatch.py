@@ -16,6 +16,7 @@ from ..metrics import AgentMetrics
 from ..store import WAIT, CommitRequest, OpError, Storing, snapshot
 
 if TYPE_CHECKING:
+    from ..store.chunkstore import PeerRead
     from .connection import Connection
     from .space import Space
 
@@ -58,15 +59,25 @@ class Dispatcher:
             p.Op.UNPIN: _unpin,
             p.Op.STATS: lambda c, r: p.StatsReply(r.rid, self.stats(c.space)),
             p.Op.READ: _read,
+            p.Op.WAIT: _wait,
         }
         self.quick: dict[int, Callable[[Connection, Any], Any]] = {
             int(p.Op.ACQUIRE): _acquire_now,
             int(p.Op.RELEASE): _release,
             int(p.Op.ALLOC): _alloc_now,
+            int(p.Op.WAIT): _wait_now,
+            int(p.Op.READ): _read,
         }
         """Ops a connection may answer as their frames arrive, without waking its task
         (`Connection._quick`): each answers now, or says None (not now: the task answers
         it, with no effect had)."""
+        self.awaited: dict[int, Callable[[Connection, Any], PeerRead | None]] = {
+            int(p.Op.ACQUIRE): lambda c, r: c.store.landing(r.key),
+            int(p.Op.WAIT): lambda c, r: c.store.landed(r.keys)[1],
+        }
+        """Of the quick ops, those a peer read under way keeps from an answer now: the read
+        whose settling may let it answer (the connection holds the request until then,
+        `Connection._hold`, instead of waking its task to wait)."""
 
     async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
         """The reply to one request (an `OpError` for what the client did wrong)."""
@@ -245,6 +256,24 @@ def _acquire_now(c: Connection, r: p.Acquire) -> p.AcquireReply | None:
         return None
     return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
                           g.checksum_kind)
+
+
+def _wait_now(c: Connection, r: p.Wait) -> p.WaitReply | None:
+    """WAIT answered now: a key in DRAM, or none on its way; None while only reads under
+    way could change the answer (the reads it started are under way then, and not
+    started again when it is answered: `ChunkStore.landed`)."""
+    codes, first = c.store.landed(r.keys)
+    return None if first is not None and 2 not in codes else p.WaitReply(r.rid, codes)
+
+
+async def _wait(c: Connection, r: p.Wait) -> p.WaitReply:
+    if c.out:  # the replies before it go now, not after the landing it waits for
+        await c.flush()
+    while True:
+        codes, first = c.store.landed(r.keys)
+        if first is None or 2 in codes:
+            return p.WaitReply(r.rid, codes)
+        await first.wait()  # (each read settles within `peers.timeout`)
 
 
 def _read(c: Connection, r: p.Read) -> p.ReadReply:

@@ -901,6 +901,39 @@ class ChunkStore:
         (`Connection._hold`) instead of waiting in a task."""
         return self._fetching.get(key)
 
+    def landed(self, keys: list[bytes]) -> tuple[bytes, PeerRead | None]:
+        """WAIT's answer for `keys`: a code per key (2 in DRAM, 5 a peer read brings it, 0
+        neither: read it through ACQUIRE) and the read under way of the first key a peer
+        read brings (None: no key is coming). Where no read of them is under way, the
+        first key a peer holds is read now with those after it in its LOOKUP, in one
+        batch, as an ACQUIRE of it would (`_from_peer`): the batches after it follow as
+        its chunks land (`_read_ahead`), or at the next WAIT that finds none under way.
+        (Asked again, nothing new starts: the reads are under way.)"""
+        if len(keys) > MAX_LOOKUP_KEYS:
+            raise OpError(ErrorCode.BAD_ARGUMENT,
+                          f"WAIT takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
+        codes = bytearray(len(keys))
+        first: PeerRead | None = None
+        unread: bytes | None = None
+        """The first key a peer holds whose read has not started."""
+        dram, fetching, peer = self.dram, self._fetching, self.peer
+        for i, key in enumerate(keys):
+            check_key(key)
+            if key in dram:
+                codes[i] = 2
+            elif (read := fetching.get(key)) is not None:
+                codes[i] = 5
+                if first is None:
+                    first = read
+            elif peer is not None and peer.holder(key) is not None and not self._below(key):
+                codes[i] = 5
+                if unread is None:
+                    unread = key
+        if first is None and unread is not None:
+            first = self._start_peer_batch([unread, *self._peer_following(unread)],
+                                           chained=True)[0]
+        return bytes(codes), first
+
     def _below(self, key: bytes) -> bool:
         """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
         return self.nvme is not None and self.nvme.holds(key)
