@@ -523,10 +523,13 @@ class KVPoolClient:
             for i, code in zip(asked, reply.tiers, strict=False):
                 (landed if code == DRAM_CODE else still if code == PEER_TIER_CODE
                  else rest).append(i)
-            rest += asked[len(reply.tiers):]  # (an agent that answered too few: ACQUIREd)
-            if not landed:  # (never from an agent that keeps to WAIT's answer)
-                rest += still + coming[len(asked):]
-                break
+            still += asked[len(reply.tiers):]  # (past the first key coming: not looked at)
+            coming = still + coming[len(asked):]
+            if not landed:
+                if still or len(reply.tiers) > len(asked):  # (never from an agent that
+                    rest += coming                          # keeps to WAIT's answer)
+                    break
+                continue  # none of these is coming
             got = [0] * len(landed)
             failed, leased, done = leasefree.read_window(
                 t.index, t.arena, t.base, self._metas, [keys[i] for i in landed], 0,
@@ -536,7 +539,6 @@ class KVPoolClient:
                 sizes[start + i] = got[j]
             rest += (landed[j] for j in failed)
             remembered.update((landed[j], dest) for j, dest in leased.items())
-            coming = still + coming[len(asked):]
         rest.sort()
         return rest
 

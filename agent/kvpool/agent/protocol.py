@@ -235,8 +235,9 @@ class Read(Request, tag=int(Op.READ)):
 
 class Wait(Request, tag=int(Op.WAIT)):
     """Keys a peer read may be bringing into DRAM (docs/protocol.md, "Waiting for peer
-    chunks"): answered once one of them is in DRAM or none is on its way, so a client
-    reads them without a lease as they land instead of holding an ACQUIRE for each."""
+    chunks"): answered once one of them before the first still coming is in DRAM, or none
+    is coming, so a client reads them without a lease as they land instead of holding an
+    ACQUIRE for each."""
 
     keys: list[bytes]
 
@@ -353,8 +354,9 @@ class ReadReply(Reply, tag=int(Op.READ)):
 
 class WaitReply(Reply, tag=int(Op.WAIT)):
     tiers: bytes
-    """One byte per key asked: 2 in DRAM now, 5 a peer read of it still under way, 0
-    neither (read it through ACQUIRE: it may be in NVMe, the shared tier, or nowhere)."""
+    """A byte per key asked, in order, up to the first a peer read brings: 2 in DRAM now,
+    0 not coming (read it through ACQUIRE: it may be in NVMe, the shared tier, or nowhere),
+    then 5 for that first key coming (it and those after it: WAIT again)."""
 
 
 AnyReply = (

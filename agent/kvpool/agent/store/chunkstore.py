@@ -902,37 +902,36 @@ class ChunkStore:
         return self._fetching.get(key)
 
     def landed(self, keys: list[bytes]) -> tuple[bytes, PeerRead | None]:
-        """WAIT's answer for `keys`: a code per key (2 in DRAM, 5 a peer read brings it, 0
-        neither: read it through ACQUIRE) and the read under way of the first key a peer
-        read brings (None: no key is coming). Where no read of them is under way, the
-        first key a peer holds is read now with those after it in its LOOKUP, in one
-        batch, as an ACQUIRE of it would (`_from_peer`): the batches after it follow as
-        its chunks land (`_read_ahead`), or at the next WAIT that finds none under way.
-        (Asked again, nothing new starts: the reads are under way.)"""
+        """WAIT's answer for `keys`, in their order up to the first a peer read brings: a
+        code per key (2 in DRAM, 0 not coming: read it through ACQUIRE), then 5 for that
+        key, whose read under way is returned (None: no key is coming, and every key has
+        its code). A key a peer holds whose read has not started is read now, with those
+        after it in its LOOKUP, in one batch, as an ACQUIRE of it would (`_from_peer`):
+        the batches after it follow as its chunks land (`_read_ahead`). Asked again,
+        nothing new starts: the reads are under way. (Up to the first key coming: peer
+        chunks land about in order, so a window's WAIT looks at the keys landed since
+        the last, not at every key still to come.)"""
         if len(keys) > MAX_LOOKUP_KEYS:
             raise OpError(ErrorCode.BAD_ARGUMENT,
                           f"WAIT takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
-        codes = bytearray(len(keys))
-        first: PeerRead | None = None
-        unread: bytes | None = None
-        """The first key a peer holds whose read has not started."""
-        dram, fetching, peer = self.dram, self._fetching, self.peer
-        for i, key in enumerate(keys):
+        for key in keys:
             check_key(key)
+        codes = bytearray()
+        dram, fetching, peer = self.dram, self._fetching, self.peer
+        for key in keys:
             if key in dram:
-                codes[i] = 2
-            elif (read := fetching.get(key)) is not None:
-                codes[i] = 5
-                if first is None:
-                    first = read
-            elif peer is not None and peer.holder(key) is not None and not self._below(key):
-                codes[i] = 5
-                if unread is None:
-                    unread = key
-        if first is None and unread is not None:
-            first = self._start_peer_batch([unread, *self._peer_following(unread)],
-                                           chained=True)[0]
-        return bytes(codes), first
+                codes.append(2)
+                continue
+            read = fetching.get(key)
+            if read is None and peer is not None and peer.holder(key) is not None \
+                    and not self._below(key):
+                read = self._start_peer_batch([key, *self._peer_following(key)],
+                                              chained=True)[0]
+            if read is not None:
+                codes.append(5)
+                return bytes(codes), read
+            codes.append(0)
+        return bytes(codes), None
 
     def _below(self, key: bytes) -> bool:
         """Held by a local tier below DRAM (the shared tier is not asked: it may be slow)."""
