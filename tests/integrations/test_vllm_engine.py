@@ -104,7 +104,11 @@ def run(tmp_path_factory: pytest.TempPathFactory, vllm_model: Path, vllm_other_m
             stored = {json.dumps(p): a.generate(p) for p in STORED_BY_A}
             assert a("drain")["drained"]
             after_a = stats(agent)
+            # What vLLM leaves in its temp directory (its distributed-init file) is in the
+            # engine's own, which goes with it: not in the machine's /tmp for good.
+            assert list(a.scratch.glob("vllm_dist_*")), list(a.scratch.iterdir())
             a.quit()
+            assert not a.scratch.exists()
             # Second wave: B, C, and an engine that must not start.
             start("b")
             start("c", tenant="team-b")

@@ -60,6 +60,9 @@ def child(argv: list[str], env: dict[str, str], cwd: str, netns: str | None,
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None  # (the zygote's, which vLLM's imports asked for: this one's $TMPDIR)
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as python puts a script's
     code = 0

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, NoReturn, Protocol, TextIO
@@ -38,6 +41,13 @@ class EngineProcess:
     def __init__(self, name: str, args: list[str], env: dict[str, str], workdir: Path) -> None:
         self.name = name
         self.log_path = workdir / f"vllm-{name}.log"
+        # The files an engine leaves in its temp directory (vLLM's distributed-init file,
+        # LMCache's IPC sockets: a few each start, never removed) go in one of its own,
+        # removed with this object, not in the machine's /tmp for good. Short: a socket's
+        # path has at most 107 bytes (LMCache shortens its names past that, not the dir).
+        self.scratch = Path(tempfile.mkdtemp(prefix="kvpool-engine-"))
+        self._scratch = weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
+        env = {**env, "TMPDIR": str(self.scratch), "VLLM_RPC_BASE_PATH": str(self.scratch)}
         with self.log_path.open("w") as log:
             self.proc = self.spawn(args, env, workdir, log)
 
@@ -81,6 +91,7 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._scratch()  # (its temp directory; with the object otherwise)
 
 
 # -- the engine's side
