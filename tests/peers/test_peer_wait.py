@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from kvpool.agent import protocol as p
 from kvpool.agent.client import KVPoolClient
@@ -71,6 +72,32 @@ def test_a_wait_whose_chunk_fails_its_checksum_answers_it_as_not_coming(
         assert waited(raw.reply(), 1) == [NOT_COMING]  # a miss, never its bytes
         assert client.get(k0) is None
         assert isinstance(raw.call(p.Wait(2, [])), p.WaitReply)  # the connection goes on
+
+
+def test_a_wait_for_a_stopped_peer_is_answered_after_one_timeout_with_nothing_coming(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """The peer never answers: the WAIT's reads time out once (`peers.timeout`) and it is
+    answered with no key coming; the reads it saw fail are not made again for it (each
+    would cost another timeout), and the keys are misses after, never wrong bytes."""
+    with ExitStack() as stack:
+        peer, keys, client, raw = scene(stack, net, tmp_path, secret, gated=4, timeout="1s")
+        asked: list[bytes] = []
+        fetches = peer.fetches
+
+        def counted(conn: Any, chunks: Any) -> Any:
+            for rid, key in fetches(conn, chunks):
+                asked.append(key)
+                yield rid, key
+        peer.fetches = counted  # type: ignore[method-assign]
+        assert waited(raw.call(p.Wait(1, keys)), 1) == [NOT_COMING] * 4
+        # Each key asked of the peer once at most (the batch the WAIT started; the
+        # peer reads a connection's next FETCH only once it answered the one before).
+        assert asked and set(asked) <= set(keys) and len(asked) == len(set(asked))
+        # A new WAIT reads them again, as a new ACQUIRE would; still not coming.
+        assert waited(raw.call(p.Wait(2, keys)), 2) == [NOT_COMING] * 4
+        assert client.stats()["leases"]["read"] == 0
+        for gate in peer.gates.values():
+            gate.set()  # (the peer's threads end)
 
 
 def test_a_lease_free_client_reads_a_window_of_peer_chunks_through_waits_without_a_lease(

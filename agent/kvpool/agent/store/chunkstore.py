@@ -901,16 +901,18 @@ class ChunkStore:
         (`Connection._hold`) instead of waiting in a task."""
         return self._fetching.get(key)
 
-    def landed(self, keys: list[bytes]) -> tuple[bytes, PeerRead | None]:
+    def landed(self, keys: list[bytes], start: bool = True) -> tuple[bytes, PeerRead | None]:
         """WAIT's answer for `keys`, in their order up to the first a peer read brings: a
         code per key (2 in DRAM, 0 not coming: read it through ACQUIRE), then 5 for that
         key, whose read under way is returned (None: no key is coming, and every key has
-        its code). A key a peer holds whose read has not started is read now, with those
-        after it in its LOOKUP, in one batch, as an ACQUIRE of it would (`_from_peer`):
-        the batches after it follow as its chunks land (`_read_ahead`). Asked again,
-        nothing new starts: the reads are under way. (Up to the first key coming: peer
-        chunks land about in order, so a window's WAIT looks at the keys landed since
-        the last, not at every key still to come.)"""
+        its code). With `start` (the WAIT just came), a key a peer holds whose read has
+        not started is read now, with those after it in its LOOKUP, in one batch, as an
+        ACQUIRE of it would (`_from_peer`): the batches after it follow as its chunks land
+        (`_read_ahead`). Without (a WAIT held for a read that settled), such a key is not
+        coming: a read that failed is not made again for the WAIT that saw it fail (a
+        slow peer costs a WAIT one `peers.timeout`, not one per read it starts again).
+        (Up to the first key coming: peer chunks land about in order, so a window's WAIT
+        looks at the keys landed since the last, not at every key still to come.)"""
         if len(keys) > MAX_LOOKUP_KEYS:
             raise OpError(ErrorCode.BAD_ARGUMENT,
                           f"WAIT takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
@@ -923,7 +925,7 @@ class ChunkStore:
                 codes.append(2)
                 continue
             read = fetching.get(key)
-            if read is None and peer is not None and peer.holder(key) is not None \
+            if read is None and start and peer is not None and peer.holder(key) is not None \
                     and not self._below(key):
                 read = self._start_peer_batch([key, *self._peer_following(key)],
                                               chained=True)[0]
