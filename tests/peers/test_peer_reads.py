@@ -11,6 +11,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvpool.agent.client import KVPoolClient
 from kvpool.bench.local import LocalAgent
 
@@ -210,6 +212,39 @@ def test_a_stopped_peer_costs_a_read_its_timeout_then_a_miss(
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="timeout") == 1
         # The peer answers again: a fresh connection reads it.
         wait_until(lambda: cb.get(key) == data, "a read from the resumed peer")
+
+
+@pytest.mark.parametrize("lease_free", [False, True])
+def test_a_stopped_peer_costs_a_window_one_timeout_then_its_reads_are_misses_at_once(
+        net: Network, tmp_path: Path, secret: Path, lease_free: bool) -> None:
+    """A read that timed out marks its peer slow for `SLOW_SECONDS`: the window's other
+    reads of it go on at once (the shared tier, then a miss) instead of each starting a
+    batch of the rest that waits `peers.timeout` again (a window of 8 keys took 33
+    timeouts). A lease-free client waits with WAIT first, an ACQUIREs client reads under
+    leases: one batch's reads time out either way."""
+    with ExitStack() as stack:
+        (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False,
+                                    timeout="500ms", prefetch=False)
+        reader = stack.enter_context(KVPoolClient(b.socket_path, lease_free=lease_free))
+        keys = [os.urandom(16) for _ in range(8)]
+        data = [os.urandom(MiB) for _ in keys]
+        ca.put_many(keys, data)
+        seen_as(cb, keys, ["peer"] * len(keys))
+        assert a.proc is not None
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            assert reader.get_many_into(keys, lambda i, n, meta: bytearray(n)) == [0] * 8
+            assert cb.lookup_tiers(keys) == []  # slow: not counted meanwhile
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        timeouts = metric(b, "kvpool_peer_requests_total", direction="read", result="timeout")
+        assert timeouts == len(keys)  # the one batch of the first read, nothing after it
+        assert "not read from for" in b.log()
+        # Once the slow period is over the peer is read again, with its bytes.
+        out = [bytearray(MiB) for _ in keys]
+        wait_until(lambda: reader.get_many_into(keys, lambda i, n, meta: out[i]) == [MiB] * 8,
+                   "the resumed peer read again")
+        assert out == data
 
 
 def test_a_node_with_live_links_stops_without_an_error_in_its_log(

@@ -66,6 +66,10 @@ RETRY_MIN, RETRY_MAX = 0.2, 2.0
 """Seconds between attempts to reach a peer, doubling."""
 SUSPECT_SECONDS = 30.0
 """A peer that served bytes failing their checksum is not read from for this long."""
+SLOW_SECONDS = 5.0
+"""A peer whose read timed out is not read from for this long: the reads after it (the
+rest of a window, the next prompt's) go to the shared tier or miss at once, where each
+waited `peers.timeout` for the same peer."""
 MAX_BATCH = 32
 """Most reads one batch (one connection's write of FETCHes) takes."""
 MAX_BATCH_BYTES = 32 << 20
@@ -200,9 +204,12 @@ class PeerLink:
         self.lag = 0.0
         """Seconds between the last stream message's sending and its arrival."""
         self.suspect_until = 0.0
+        self.slow_until = 0.0
+        """Not read from before these (monotonic): bytes that failed their checksum,
+        a read that timed out."""
         self.on_change: Callable[[], None] | None = None
         """Called (from any thread) when `readable` may have changed, but for the end of
-        a suspect period (whoever publishes it times that)."""
+        a suspect or slow period (whoever publishes it times that, `unreadable_until`)."""
         self.node = ""
         """The peer's node name, as its inventory stream says it (what push hints name);
         kept when the stream ends: a node that goes down is still known by its name."""
@@ -255,7 +262,12 @@ class PeerLink:
 
     @property
     def readable(self) -> bool:
-        return not self.closed and not self.is_self and time.monotonic() >= self.suspect_until
+        return not self.closed and not self.is_self \
+            and time.monotonic() >= self.unreadable_until
+
+    @property
+    def unreadable_until(self) -> float:
+        return max(self.suspect_until, self.slow_until)
 
     def mark_suspect(self) -> None:
         self.suspect_until = time.monotonic() + SUSPECT_SECONDS
@@ -263,6 +275,15 @@ class PeerLink:
         self.m.suspect.labels(self.m.pool, self.name).inc()
         log.error("peer %s served a chunk that failed its checksum: not read from for %g s",
                   self.name, SUSPECT_SECONDS)
+
+    def mark_slow(self) -> None:
+        """A read timed out (a worker thread): no read of this peer for `SLOW_SECONDS`."""
+        was = self.readable
+        self.slow_until = time.monotonic() + SLOW_SECONDS
+        self._changed()
+        if was:
+            log.warning("peer %s: a read took longer than peers.timeout: not read from for "
+                        "%g s", self.name, SLOW_SECONDS)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -706,6 +727,8 @@ class PeerLink:
             self.m.read(self.name, result, seconds)
             if result == CORRUPT:
                 self.mark_suspect()
+            elif result == TIMEOUT:
+                self.mark_slow()
         return want.settler if want.settler.settle(want.done, result, defer=defer) else None
 
     def _batch(self, batch: list[_Want]) -> None:

@@ -158,14 +158,14 @@ class PeerNetwork:
                 index.set_readable(link.index, link.readable)
 
     def _publish_link(self, link: PeerLink) -> None:
-        """Write `link`'s `readable` to every peer table; at the end of a suspect period,
-        again (nothing else tells of it)."""
+        """Write `link`'s `readable` to every peer table; at the end of a suspect or slow
+        period, again (nothing else tells of it)."""
         if self.closed:  # (a suspect period's end, or a worker's mark, after the stop)
             return
         readable = link.readable
         for index in self._published:
             index.set_readable(link.index, readable)
-        left = link.suspect_until - time.monotonic()
+        left = link.unreadable_until - time.monotonic()
         if left > 0 and not link.closed:
             asyncio.get_running_loop().call_later(left, self._publish_link, link)
 
