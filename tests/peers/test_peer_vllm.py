@@ -161,6 +161,11 @@ def test_the_decode_engine_loads_every_chunk_from_the_prefill_node_through_the_p
     # ...because its LOOKUP found them in the peer tier.
     assert metric(pd.node2, "kvpool_tier_hits_total", tier="peer") >= 8
     assert stats(pd.node2)["tiers"]["peer"]["hits"] >= 8
+    # The connector reads without a lease: it waited for the chunks to land (WAIT) and
+    # read them from the arena, with no ACQUIRE (docs/protocol.md, "Waiting for peer
+    # chunks").
+    assert metric(pd.node2, "kvpool_ops_total", op="wait", result="ok") >= 1
+    assert metric(pd.node2, "kvpool_ops_total", op="acquire") == 0
     # They are node 2's now: a second decode of the prompt reads them locally.
     again = pd.decode.generate(HANDED)
     assert again["external_prefix_cache_hits"] == 8 * CHUNK
