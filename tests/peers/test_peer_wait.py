@@ -17,10 +17,24 @@ from kvpool.agent.client import KVPoolClient
 
 from .conftest import metric, wait_until
 from .nodes import Network
-from .test_peer_held_acquire import scene
+from .test_peer_held_acquire import GatedPeer, scene
 from .test_peer_reads import seen_as, start
 
 DRAM, PEER, NOT_COMING = 2, 5, 0
+
+
+def fetched(peer: GatedPeer) -> list[bytes]:
+    """The keys `peer` is asked for from now on, in the order its connections read them
+    (each reads its next FETCH once it answered the one before)."""
+    asked: list[bytes] = []
+    fetches = peer.fetches
+
+    def counted(conn: Any, chunks: Any) -> Any:
+        for rid, key in fetches(conn, chunks):
+            asked.append(key)
+            yield rid, key
+    peer.fetches = counted  # type: ignore[method-assign]
+    return asked
 
 
 def waited(reply: p.Reply, rid: int) -> list[int]:
@@ -61,6 +75,27 @@ def test_a_wait_is_answered_once_a_chunk_lands_and_the_requests_after_it_in_orde
         assert client.stats()["leases"]["read"] == 0
 
 
+def test_a_wait_reads_the_keys_after_its_first_in_its_batch_where_no_lookup_names_them(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    """Keys asked in an order no LOOKUP gave (here the LOOKUP's, reversed): the batch a
+    WAIT starts takes the keys after its first from the WAIT itself, not that key alone
+    (each WAIT would then wait for one chunk's read: a round trip a chunk)."""
+    with ExitStack() as stack:
+        peer, keys, client, raw = scene(stack, net, tmp_path, secret, gated=4)
+        asked = fetched(peer)
+        backwards = keys[::-1]
+        raw.send(p.encode(p.Wait(1, backwards)))
+        # The batch's first read goes alone on one connection, the rest together on a
+        # second: the peer is asked for the first two keys before it answers any.
+        wait_until(lambda: len(asked) >= 2, "the batch's reads at the peer")
+        assert asked[:2] == backwards[:2] or asked[:2] == backwards[1::-1]
+        for gate in peer.gates.values():
+            gate.set()
+        assert waited(raw.reply(), 1)[0] == DRAM
+        wait_until(lambda: client.lookup_tiers(keys) == ["dram"] * 4, "the batch landed")
+        assert sorted(asked) == sorted(keys)  # one batch: each key asked for once
+
+
 def test_a_wait_whose_chunk_fails_its_checksum_answers_it_as_not_coming(
         net: Network, tmp_path: Path, secret: Path) -> None:
     with ExitStack() as stack:
@@ -81,14 +116,7 @@ def test_a_wait_for_a_stopped_peer_is_answered_after_one_timeout_with_nothing_co
     would cost another timeout), and the keys are misses after, never wrong bytes."""
     with ExitStack() as stack:
         peer, keys, client, raw = scene(stack, net, tmp_path, secret, gated=4, timeout="1s")
-        asked: list[bytes] = []
-        fetches = peer.fetches
-
-        def counted(conn: Any, chunks: Any) -> Any:
-            for rid, key in fetches(conn, chunks):
-                asked.append(key)
-                yield rid, key
-        peer.fetches = counted  # type: ignore[method-assign]
+        asked = fetched(peer)
         assert waited(raw.call(p.Wait(1, keys)), 1) == [NOT_COMING] * 4
         # Each key asked of the peer once at most (the batch the WAIT started; the
         # peer reads a connection's next FETCH only once it answered the one before).

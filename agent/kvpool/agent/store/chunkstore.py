@@ -488,19 +488,26 @@ class ChunkStore:
         if following:
             self._start_peer_batch(following, chained=True, ahead=True)
 
-    def _peer_following(self, key: bytes, whole: bool = False) -> list[bytes]:
-        """The keys after `key` in the recent LOOKUP that found it in the peer tier, that a
-        peer holds and nobody is reading yet, within one batch's caps (`whole`: the
-        batch is these keys alone; otherwise `key` is read with them)."""
-        assert self.peer is not None
+    def _peer_following(self, key: bytes, whole: bool = False,
+                        after: Sequence[bytes] = ()) -> list[bytes]:
+        """The keys after `key` in the recent LOOKUP that found it in the peer tier (where
+        that gives none, those of `after`: the keys a client named after it), that a peer
+        holds and nobody is reading yet, within one batch's caps (`whole`: the batch is
+        these keys alone; otherwise `key` is read with them)."""
         seq, depth, _ = self.recent.get(key) or (0, 0, False)
         prompt = self._peer_prompts.get(seq)
-        if prompt is None or depth >= len(prompt) or prompt[depth] != key:
-            return []
+        found = [] if prompt is None or depth >= len(prompt) or prompt[depth] != key \
+            else self._peer_unread(prompt[depth + 1 :], whole)
+        return found or self._peer_unread(after, whole)
+
+    def _peer_unread(self, keys: Sequence[bytes], whole: bool) -> list[bytes]:
+        """The first of `keys` that a peer holds and nobody is reading yet, within one
+        batch's caps (`whole`: the batch is these keys alone; otherwise one more)."""
+        assert self.peer is not None
         out: list[bytes] = []
         total = 0
         room = MAX_BATCH if whole else MAX_BATCH - 1
-        for k in prompt[depth + 1 :]:
+        for k in keys:
             if len(out) >= room:
                 break
             got = self.peer.holder(k)
@@ -908,7 +915,9 @@ class ChunkStore:
         its code). With `start` (the WAIT just came), a key a peer holds whose read has
         not started is read now, with those after it in its LOOKUP, in one batch, as an
         ACQUIRE of it would (`_from_peer`): the batches after it follow as its chunks land
-        (`_read_ahead`). Without (a WAIT held for a read that settled), such a key is not
+        (`_read_ahead`); with those after it in the WAIT where no LOOKUP found it (read
+        one by one, each WAIT's answer waiting for the chunk before, they would cost a
+        round trip each). Without (a WAIT held for a read that settled), such a key is not
         coming: a read that failed is not made again for the WAIT that saw it fail (a
         slow peer costs a WAIT one `peers.timeout`, not one per read it starts again).
         (Up to the first key coming: peer chunks land about in order, so a window's WAIT
@@ -920,15 +929,15 @@ class ChunkStore:
             check_key(key)
         codes = bytearray()
         dram, fetching, peer = self.dram, self._fetching, self.peer
-        for key in keys:
+        for i, key in enumerate(keys):
             if key in dram:
                 codes.append(2)
                 continue
             read = fetching.get(key)
             if read is None and start and peer is not None and peer.holder(key) is not None \
                     and not self._below(key):
-                read = self._start_peer_batch([key, *self._peer_following(key)],
-                                              chained=True)[0]
+                following = self._peer_following(key, after=keys[i + 1 :])
+                read = self._start_peer_batch([key, *following], chained=True)[0]
             if read is not None:
                 codes.append(5)
                 return bytes(codes), read
