@@ -13,7 +13,7 @@ from .. import protocol as p
 from ..config import AgentConfig
 from ..events.identity import identity
 from ..metrics import AgentMetrics
-from ..store import WAIT, CommitRequest, OpError, Storing, snapshot
+from ..store import TIER_CODE, WAIT, CommitRequest, OpError, Storing, snapshot
 
 if TYPE_CHECKING:
     from ..store.chunkstore import PeerRead
@@ -274,7 +274,9 @@ def _wait_now(c: Connection, r: p.Wait, start: bool = True) -> p.WaitReply | Non
     only a read under way could change the answer (the reads it started are under way
     then: `ChunkStore.landed`)."""
     codes, first = c.store.landed(r.keys, start)
-    return None if first is not None and 2 not in codes else p.WaitReply(r.rid, codes)
+    if first is not None and TIER_CODE["dram"] not in codes:
+        return None
+    return p.WaitReply(r.rid, codes)
 
 
 def _wait_settled(c: Connection, r: p.Wait) -> p.WaitReply | None:
@@ -286,12 +288,12 @@ async def _wait(c: Connection, r: p.Wait) -> p.WaitReply:
     if c.out:  # the replies before it go now, not after the landing it waits for
         await c.flush()
     start = True
-    while True:
-        codes, first = c.store.landed(r.keys, start)
-        if first is None or 2 in codes:
-            return p.WaitReply(r.rid, codes)
-        await first.wait()  # (each read settles within `peers.timeout`)
+    while (reply := _wait_now(c, r, start)) is None:
         start = False
+        read = c.store.landed(r.keys, start)[1]
+        if read is not None:
+            await read.wait()  # (each read settles within `peers.timeout`)
+    return reply
 
 
 def _read(c: Connection, r: p.Read) -> p.ReadReply:

@@ -928,10 +928,10 @@ class ChunkStore:
         for key in keys:
             check_key(key)
         codes = bytearray()
-        dram, fetching, peer = self.dram, self._fetching, self.peer
+        dram, fetching, peer, in_dram = self.dram, self._fetching, self.peer, TIER_CODE["dram"]
         for i, key in enumerate(keys):
             if key in dram:
-                codes.append(2)
+                codes.append(in_dram)
                 continue
             read = fetching.get(key)
             if read is None and start and peer is not None and peer.holder(key) is not None \
@@ -939,9 +939,9 @@ class ChunkStore:
                 following = self._peer_following(key, after=keys[i + 1 :])
                 read = self._start_peer_batch([key, *following], chained=True)[0]
             if read is not None:
-                codes.append(5)
+                codes.append(PEER_TIER_CODE)
                 return bytes(codes), read
-            codes.append(0)
+            codes.append(0)  # (not coming)
         return bytes(codes), None
 
     def _below(self, key: bytes) -> bool:
