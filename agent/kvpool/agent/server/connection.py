@@ -252,7 +252,7 @@ class Connection:
         """The peer read under way whose settling may answer a quick request that could
         not be answered now (`Dispatcher.awaited`), or None."""
         awaited = self.dispatcher.awaited.get(code)
-        return None if awaited is None else awaited.read(self, req)
+        return None if awaited is None else awaited(self, req)
 
     def _hold(self, read: PeerRead, code: int, req: Any, started: float) -> None:
         """Hold a request a peer read keeps from an answer now (`_awaited`) until the read
@@ -274,9 +274,9 @@ class Connection:
         if self.eof:  # gone: no lease for it (the task ends the connection, `_fill`)
             self._wake()
             return
-        awaited = self.dispatcher.awaited[held.code]
-        if not self._answer_now(awaited.settled, held.code, held.req, held.started):
-            read = awaited.read(self, held.req)
+        if not self._answer_now(self.dispatcher.quick[held.code], held.code, held.req,
+                                held.started):
+            read = self._awaited(held.code, held.req)
             if read is not None:
                 read.call_when_settled(functools.partial(self._landed_held, held))
                 return

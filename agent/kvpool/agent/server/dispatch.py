@@ -6,7 +6,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from .. import protocol as p
@@ -21,16 +21,6 @@ if TYPE_CHECKING:
     from .space import Space
 
 Handler = Callable[["Connection", Any], Any]
-
-
-class Awaited(NamedTuple):
-    """How a quick op waits for a peer read (`Dispatcher.awaited`)."""
-
-    read: Callable[[Connection, Any], PeerRead | None]
-    """The read under way whose settling may let the request be answered, or None."""
-    settled: Handler
-    """The request answered once such a read settled, as its quick handler answers (None:
-    not yet: the connection waits for the next read `read` names)."""
 
 
 class Dispatcher:
@@ -81,14 +71,13 @@ class Dispatcher:
         """Ops a connection may answer as their frames arrive, without waking its task
         (`Connection._quick`): each answers now, or says None (not now: the task answers
         it, with no effect had)."""
-        self.awaited: dict[int, Awaited] = {
-            int(p.Op.ACQUIRE): Awaited(lambda c, r: c.store.landing(r.key), _acquire_now),
-            int(p.Op.WAIT): Awaited(lambda c, r: c.store.landed(r.keys, start=False)[1],
-                                    _wait_settled),
+        self.awaited: dict[int, Callable[[Connection, Any], PeerRead | None]] = {
+            int(p.Op.ACQUIRE): lambda c, r: c.store.landing(r.key),
+            int(p.Op.WAIT): lambda c, r: c.store.landed(r.keys)[1],
         }
-        """Of the quick ops, those a peer read under way keeps from an answer now (the
-        connection holds the request until the read settles, `Connection._hold`, instead
-        of waking its task to wait)."""
+        """Of the quick ops, those a peer read under way keeps from an answer now: the read
+        whose settling may let it answer (the connection holds the request until then,
+        `Connection._hold`, instead of waking its task to wait)."""
 
     async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
         """The reply to one request (an `OpError` for what the client did wrong)."""
@@ -269,28 +258,21 @@ def _acquire_now(c: Connection, r: p.Acquire) -> p.AcquireReply | None:
                           g.checksum_kind)
 
 
-def _wait_now(c: Connection, r: p.Wait, start: bool = True) -> p.WaitReply | None:
+def _wait_now(c: Connection, r: p.Wait) -> p.WaitReply | None:
     """WAIT answered now: a key in DRAM before the first coming, or none coming; None while
     only a read under way could change the answer (the reads it started are under way
-    then: `ChunkStore.landed`)."""
-    codes, first = c.store.landed(r.keys, start)
+    then, and not started again when it is asked again: `ChunkStore.landed`)."""
+    codes, first = c.store.landed(r.keys)
     if first is not None and TIER_CODE["dram"] not in codes:
         return None
     return p.WaitReply(r.rid, codes)
 
 
-def _wait_settled(c: Connection, r: p.Wait) -> p.WaitReply | None:
-    """A held WAIT once a read it waited for settled: no read started again."""
-    return _wait_now(c, r, start=False)
-
-
 async def _wait(c: Connection, r: p.Wait) -> p.WaitReply:
     if c.out:  # the replies before it go now, not after the landing it waits for
         await c.flush()
-    start = True
-    while (reply := _wait_now(c, r, start)) is None:
-        start = False
-        read = c.store.landed(r.keys, start)[1]
+    while (reply := _wait_now(c, r)) is None:
+        read = c.store.landed(r.keys)[1]
         if read is not None:
             await read.wait()  # (each read settles within `peers.timeout`)
     return reply

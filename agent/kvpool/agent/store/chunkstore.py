@@ -103,6 +103,11 @@ AHEAD_LEAD = 4 << 20
 """Bytes of a batch of peer reads still to land when the batch after it is sent
 (`ChunkStore._fetch_peer`): enough for its FETCHes to reach the holder and its first reply
 to start while these land, so the link carries the next batch's bytes right after."""
+FAILED_READS = 4096
+FAILED_READ_SECONDS = 1.0
+"""A WAIT does not start a read of a key whose peer read failed this recently (the last
+`FAILED_READS` such keys are kept): a WAIT waiting on a read that failed answers its key
+as not coming and goes on, and a read that fails at once is not made again and again."""
 STRIPE_MIN = 4
 """Reads of one peer in a batch from which they go on two connections, every second one
 on the second (where two are spare)."""
@@ -203,6 +208,9 @@ class ChunkStore:
         """The chunks the pool's other agents hold (`attach_peer`); None: peers are off."""
         self._fetching: dict[bytes, PeerRead] = {}
         """Reads from peers under way, one per key however many ask."""
+        self._failed: OrderedDict[bytes, float] = OrderedDict()
+        """Keys whose peer read failed, and when (monotonic), oldest first: WAIT does not
+        start them again for `FAILED_READ_SECONDS`."""
         self._landing: list[tuple[bytes, Extents, PeerRead, int, Fetched | str]] = []
         """Peer reads settled in the drain of results under way, landed once it is done
         (`_land`)."""
@@ -665,6 +673,16 @@ class ChunkStore:
         read.settle(chunk)
         if self._fetching.get(key) is read:
             del self._fetching[key]
+        if chunk is None:  # (failed, or the key went meanwhile)
+            failed = self._failed
+            failed.pop(key, None)
+            failed[key] = time.monotonic()
+            if len(failed) > FAILED_READS:
+                failed.popitem(last=False)
+
+    def _failed_lately(self, key: bytes) -> bool:
+        at = self._failed.get(key)
+        return at is not None and time.monotonic() - at < FAILED_READ_SECONDS
 
     async def _receive_push(self, key: bytes, link: PeerLink, size: int) -> DramChunk | None:
         """A pushed chunk read from its sender into fresh arena extents (one read per key:
@@ -908,20 +926,21 @@ class ChunkStore:
         (`Connection._hold`) instead of waiting in a task."""
         return self._fetching.get(key)
 
-    def landed(self, keys: list[bytes], start: bool = True) -> tuple[bytes, PeerRead | None]:
+    def landed(self, keys: list[bytes]) -> tuple[bytes, PeerRead | None]:
         """WAIT's answer for `keys`, in their order up to the first a peer read brings: a
         code per key (2 in DRAM, 0 not coming: read it through ACQUIRE), then 5 for that
         key, whose read under way is returned (None: no key is coming, and every key has
-        its code). With `start` (the WAIT just came), a key a peer holds whose read has
-        not started is read now, with those after it in its LOOKUP, in one batch, as an
-        ACQUIRE of it would (`_from_peer`): the batches after it follow as its chunks land
-        (`_read_ahead`); with those after it in the WAIT where no LOOKUP found it (read
-        one by one, each WAIT's answer waiting for the chunk before, they would cost a
-        round trip each). Without (a WAIT held for a read that settled), such a key is not
-        coming: a read that failed is not made again for the WAIT that saw it fail (a
-        slow peer costs a WAIT one `peers.timeout`, not one per read it starts again).
-        (Up to the first key coming: peer chunks land about in order, so a window's WAIT
-        looks at the keys landed since the last, not at every key still to come.)"""
+        its code). A key a peer holds whose read has not started is read now, with those
+        after it in its LOOKUP in one batch, as an ACQUIRE of it would (`_from_peer`), or
+        with those after it in the WAIT where that LOOKUP names none after it (read one by
+        one, each WAIT's answer waiting for the chunk before, they would cost a round trip
+        each); the batches after it follow as its chunks land (`_read_ahead`). Asked
+        again, nothing new starts: the reads are under way. A key whose peer read failed
+        in the last `FAILED_READ_SECONDS` is not read again here: not coming (a slow peer
+        costs a WAIT one `peers.timeout`, and a read that fails at once is not made again
+        and again while the WAIT is held). (Up to the first key coming: peer chunks land
+        about in order, so a window's WAIT looks at the keys landed since the last, not at
+        every key still to come.)"""
         if len(keys) > MAX_LOOKUP_KEYS:
             raise OpError(ErrorCode.BAD_ARGUMENT,
                           f"WAIT takes at most {MAX_LOOKUP_KEYS} keys, got {len(keys)}")
@@ -934,8 +953,8 @@ class ChunkStore:
                 codes.append(in_dram)
                 continue
             read = fetching.get(key)
-            if read is None and start and peer is not None and peer.holder(key) is not None \
-                    and not self._below(key):
+            if read is None and peer is not None and peer.holder(key) is not None \
+                    and not self._below(key) and not self._failed_lately(key):
                 following = self._peer_following(key, after=keys[i + 1 :])
                 read = self._start_peer_batch([key, *following], chained=True)[0]
             if read is not None:
