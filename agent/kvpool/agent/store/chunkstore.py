@@ -1716,13 +1716,14 @@ class ChunkStore:
         d, c = self.dram, self.counts
         tiers = [TierSnapshot("dram", d.capacity_bytes, d.used_bytes, len(d),
                               c.hits["dram"], c.misses["dram"], True)]
-        demoting = demoting_bytes = removing = 0
+        demoting = demoting_bytes = removing = peak = peak_bytes = 0
         if self.nvme is not None:
             nvme = self.nvme.nvme
             ok, reason = nvme.healthy()
             tiers.append(TierSnapshot("nvme", nvme.capacity_bytes, nvme.used_bytes, nvme.chunks,
                                       c.hits["nvme"], c.misses["nvme"], ok, reason))
             demoting, demoting_bytes = self.nvme.pending, self.nvme.pending_bytes
+            peak, peak_bytes = self.nvme.peak, self.nvme.peak_bytes
             removing = self.nvme.removing
         url = ""
         queue = None
@@ -1738,7 +1739,8 @@ class ChunkStore:
                              demoting, demoting_bytes, removing, url, queue, d.draining_reads,
                              d.draining_bytes,
                              None if self.peer is None else self.peer.chunks,
-                             len(self.handoffs), self._handoff_bytes)
+                             len(self.handoffs), self._handoff_bytes,
+                             demoting_peak=peak, demoting_peak_bytes=peak_bytes)
 
     # -- checks
 

@@ -82,6 +82,10 @@ class Demotion:
         """Demotions whose write is not done yet (a key demoted twice counts twice)."""
         self.pending_bytes = 0
         """Their chunk bytes (each is held twice: in the arena and in its heap copy)."""
+        self.peak = 0
+        self.peak_bytes = 0
+        """The most of `pending` and of `pending_bytes` since the agent started: what the
+        backlog's bound has held (STATS; a sample of `pending` may miss a burst)."""
         self.reserved = 0
         """NVMe bytes (header and chunk) of the files being written: room made for them."""
         self.removing = 0
@@ -166,6 +170,8 @@ class Demotion:
         self.inflight[rec.key] = (rec, chunk)
         self.pending += 1
         self.pending_bytes += rec.size
+        self.peak = max(self.peak, self.pending)
+        self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
         self.parked.append((rec, chunk))
         self._unpark()
 

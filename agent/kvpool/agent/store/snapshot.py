@@ -74,6 +74,9 @@ class StoreSnapshot:
     handoff_bytes: int = 0
     """Their arena bytes, with those of pushes being received (the pin quota's count, as
     `kvpool_peer_handoff_pinned_bytes`)."""
+    demoting_peak: int = 0
+    demoting_peak_bytes: int = 0
+    """The most of `demoting` and of `demoting_bytes` since the agent started."""
 
 
 def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
@@ -92,6 +95,8 @@ def stats_reply(snap: StoreSnapshot, pool: str) -> dict[str, object]:
         if t.tier == "nvme":
             row["inflight"] = snap.demoting
             row["inflight_bytes"] = snap.demoting_bytes
+            row["inflight_peak"] = snap.demoting_peak
+            row["inflight_peak_bytes"] = snap.demoting_peak_bytes
             row["removing"] = snap.removing
         if t.tier == "shared":
             q = snap.queue
