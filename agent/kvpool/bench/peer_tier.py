@@ -9,7 +9,7 @@ same run.
   pipelined batch, verifies each, and the client copies it out); and the same with one
   `get_many_into` of the round's keys (one window, as an engine's connector loads a
   prefix); against a raw TCP stream of the same bytes from node 0's namespace to node
-  1's (`rawtcp`). Node 1's client reads as the vLLM connector does (`reading_client`):
+  1's (`rawtcp`). Node 1's client reads as the vLLM connector does (`clients`):
   without a lease, the peer chunks waited for with WAIT as they land; `KVPOOL_LEASE_FREE=0`
   reads them through ACQUIREs instead. Every chunk read is compared with what was stored:
   a wrong byte stops the bench.

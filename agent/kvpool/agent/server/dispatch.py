@@ -262,7 +262,11 @@ def _wait_now(c: Connection, r: p.Wait) -> p.WaitReply | None:
     """WAIT answered now: a key in DRAM before the first coming, or none coming; None while
     only a read under way could change the answer (the reads it started are under way
     then, and not started again when it is asked again: `ChunkStore.landed`)."""
-    codes, first = c.store.landed(r.keys)
+    return _wait_reply(r, *c.store.landed(r.keys))
+
+
+def _wait_reply(r: p.Wait, codes: bytes, first: PeerRead | None) -> p.WaitReply | None:
+    """WAIT's reply for `ChunkStore.landed`'s answer, or None while it waits for `first`."""
     if first is not None and TIER_CODE["dram"] not in codes:
         return None
     return p.WaitReply(r.rid, codes)
@@ -271,11 +275,13 @@ def _wait_now(c: Connection, r: p.Wait) -> p.WaitReply | None:
 async def _wait(c: Connection, r: p.Wait) -> p.WaitReply:
     if c.out:  # the replies before it go now, not after the landing it waits for
         await c.flush()
-    while (reply := _wait_now(c, r)) is None:
-        read = c.store.landed(r.keys)[1]
-        if read is not None:
-            await read.wait()  # (each read settles within `peers.timeout`)
-    return reply
+    while True:
+        codes, first = c.store.landed(r.keys)
+        reply = _wait_reply(r, codes, first)
+        if reply is not None:
+            return reply
+        assert first is not None  # (what `_wait_reply` waits for)
+        await first.wait()  # (each read settles within `peers.timeout`)
 
 
 def _read(c: Connection, r: p.Read) -> p.ReadReply:
