@@ -51,6 +51,7 @@ from ..chunkblocks import COPY_BLOCK, blocks
 from . import auth, recvkernel, wire
 from .deletelog import DeleteLog, Item, Waiting
 from .directory import PeerDirectory
+from .linkrate import LinkRate
 from .metrics import PeerMetrics
 from .settle import Settler, Target
 
@@ -206,7 +207,11 @@ class PeerLink:
         self.suspect_until = 0.0
         self.slow_until = 0.0
         """Not read from before these (monotonic): bytes that failed their checksum,
-        a read that timed out."""
+        a read that timed out while the peer answered nothing."""
+        self.rate = LinkRate()
+        """What the link delivers, measured by the batches: what a batch may ask for
+        (`ChunkStore._peer_unread`), and whether a timeout was the peer's or the link's."""
+        self._slow_link_logged = 0.0
         self.on_change: Callable[[], None] | None = None
         """Called (from any thread) when `readable` may have changed, but for the end of
         a suspect or slow period (whoever publishes it times that, `unreadable_until`)."""
@@ -284,6 +289,24 @@ class PeerLink:
         if was:
             log.warning("peer %s: a read took longer than peers.timeout: not read from for "
                         "%g s", self.name, SLOW_SECONDS)
+
+    def _measured(self, nbytes: int, sent: float) -> None:
+        """A batch's replies of `nbytes` came whole since its write at `sent`: the link's
+        speed (`LinkRate`) and its gauge follow."""
+        if nbytes:
+            self.rate.measured(nbytes, time.monotonic() - sent)
+            self.m.link_rate(self.name, self.rate.bytes_per_second or 0.0)
+
+    def _slow_link(self) -> None:
+        """A read timed out while the peer's other replies kept coming: the link is slower
+        than its batches (the next ones are sized to it, `LinkRate`), the peer is not
+        stopped: it stays readable. Logged at most once per `SLOW_SECONDS`."""
+        now = time.monotonic()
+        if now - self._slow_link_logged >= SLOW_SECONDS:
+            self._slow_link_logged = now
+            rate = self.rate.bytes_per_second or 0.0
+            log.warning("peer %s: reads timed out on a slow link (%.0f MB/s measured): "
+                        "the next batches are sized to it", self.name, rate / 1e6)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -728,7 +751,10 @@ class PeerLink:
             if result == CORRUPT:
                 self.mark_suspect()
             elif result == TIMEOUT:
-                self.mark_slow()
+                if self.rate.stalled_since(want.queued):
+                    self.mark_slow()
+                else:
+                    self._slow_link()
         return want.settler if want.settler.settle(want.done, result, defer=defer) else None
 
     def _batch(self, batch: list[_Want]) -> None:
@@ -746,18 +772,26 @@ class PeerLink:
                 self._settle(w, FAILED)
             return
         keep = False
-        done = 0
+        done = got = 0
+        sent = time.monotonic()
+        rate = self.rate
         owed: Settler[Fetched | str] | None = None
         """The loop's wake-up for the last read settled, made by the next receive."""
         try:
             rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
             _bounded(sock, max(w.deadline for w in batch))
+            sent = time.monotonic()
             sock.sendall(b"".join(wire.encode_request(wire.OP_FETCH, rid, w.key, w.tenant)
                                   for rid, w in zip(rids, batch, strict=True)))
             for rid, w in zip(rids, batch, strict=True):
                 pays, owed = owed, None
                 result = receive(sock, rid, w.target, w.deadline, wake=pays)
                 done += 1
+                if isinstance(result, Fetched):
+                    got += result.size
+                    rate.replied()
+                elif result == ABSENT:
+                    rate.replied()
                 suspect = isinstance(result, Fetched) and time.monotonic() < self.suspect_until
                 if suspect:
                     # The peer served a corrupt chunk on another connection meanwhile (a
@@ -772,7 +806,9 @@ class PeerLink:
                         self._settle(rest, FAILED)
                     return
             keep = True
+            self._measured(got, sent)
         except TimeoutError:
+            self._measured(got, sent)
             for w in batch[done:]:
                 self._settle(w, TIMEOUT)
         except (OSError, wire.WireError, ssl.SSLError) as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 READ_RESULTS = ("ok", "absent", "error", "timeout", "corrupt")
 """How a read from a peer ended: served, not held there (a stale entry), a failed
@@ -63,6 +63,10 @@ class PeerMetrics:
             "kvpool_peer_deletes", "DELETEs of a key between this agent and a peer (a "
             "client's DELETE reaching the copies other agents hold), by direction (sent, "
             "received) and result", [*p, "peer", "direction", "result"], registry=r)
+        self._link_rate = Gauge(
+            "kvpool_peer_link_bytes_per_second", "What batches of chunk reads from a peer "
+            "delivered, averaged over the last batches: it sizes the batches so that each "
+            "lands within peers.timeout", [*p, "peer"], registry=r)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         """The labelled series a read or a serve counts into, by (peer, direction, result),
         looked up once: `labels` takes a lock and builds its key at each call, which was a
@@ -87,6 +91,9 @@ class PeerMetrics:
 
     def handoff_ended(self, end: str) -> None:
         self._handoffs.labels(self.pool, end).inc()
+
+    def link_rate(self, peer: str, bytes_per_second: float) -> None:
+        self._link_rate.labels(self.pool, peer).set(bytes_per_second)
 
     def read(self, peer: str, result: str, seconds: float, nbytes: int = 0) -> None:
         self._count(peer, "read", result, seconds, nbytes)

@@ -510,20 +510,26 @@ class ChunkStore:
 
     def _peer_unread(self, keys: Sequence[bytes], whole: bool) -> list[bytes]:
         """The first of `keys` that a peer holds and nobody is reading yet, within one
-        batch's caps (`whole`: the batch is these keys alone; otherwise one more)."""
+        batch's caps (`whole`: the batch is these keys alone; otherwise one more): at most
+        `MAX_BATCH` reads, and per peer the bytes its link lands in part of `peers.timeout`
+        (`LinkRate.batch_bytes`: `MAX_BATCH_BYTES` on a fast link; a batch of these
+        keys alone takes at least one)."""
         assert self.peer is not None
         out: list[bytes] = []
-        total = 0
+        totals: dict[PeerLink, int] = {}
         room = MAX_BATCH if whole else MAX_BATCH - 1
+        timeout = self.peer.timeout
         for k in keys:
             if len(out) >= room:
                 break
             got = self.peer.holder(k)
             if got is None or k in self._fetching or self.contains(k):
                 continue
-            total += got[1]
-            if total > MAX_BATCH_BYTES:
+            link, size = got
+            total = totals.get(link, 0) + size
+            if total > link.rate.batch_bytes(timeout, MAX_BATCH_BYTES) and (out or not whole):
                 break
+            totals[link] = total
             out.append(k)
         return out
 

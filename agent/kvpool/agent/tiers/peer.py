@@ -44,6 +44,11 @@ class PeerTier:
         return self.directory.codes(keys, want, hashes, self.network.readable(), local,
                                     PEER_TIER_CODE)
 
+    @property
+    def timeout(self) -> float:
+        """`peers.timeout`: how long a read from a peer may take."""
+        return self.network.cfg.timeout
+
     def holder(self, key: bytes) -> tuple[PeerLink, int] | None:
         """The peer to read `key` from and the bytes to reserve for it."""
         return self.network.holder(self.tenant, key)

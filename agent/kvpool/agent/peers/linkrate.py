@@ -1,0 +1,68 @@
+"""What a peer's link delivers, learnt from the batches of reads sent over it: how many
+bytes one batch may ask for so that it lands within `peers.timeout`, and whether a read
+that timed out was the peer stopping or the link being slow.
+
+Why: the reads of a batch share one deadline, `peers.timeout` from when they are queued,
+and a batch took up to `MAX_BATCH_BYTES` (32 MiB): at the default 250 ms that needs a link
+of ~1.1 Gb/s for the reads of one connection. Below it a window's tail timed out every
+time, and each timeout marked the peer slow (`PeerLink.mark_slow`): on a slow or busy
+link the peer tier read nothing for seconds after every window. Sized to the link's
+measured speed, a run of peer chunks goes as more, smaller batches, each issued as the one
+before it lands (`ChunkStore._read_ahead`), each with its own deadline.
+
+Written by the worker threads that receive the batches, read by the event loop as it forms
+a batch (a float assignment: no lock).
+"""
+
+from __future__ import annotations
+
+import time
+
+MIN_BATCH_BYTES = 8 << 20
+"""The smallest a batch is cut to: below it a batch's fixed costs (a round trip, the
+holder's turn) show, and a rate measured on a loaded machine (a worker thread waiting for
+a core) would shrink batches on a link that is not slow. A link slower than this much in
+half of `peers.timeout` (34 MB/s at 250 ms) needs a longer `peers.timeout`."""
+TIMEOUT_SHARE = 0.5
+"""Of `peers.timeout`, what a batch is sized to take at the measured speed: the rest is
+for the next batch of the run sharing the link (it goes out before this one has landed)
+and for the measure's noise."""
+WEIGHT = 0.5
+"""How much each batch's measure moves the estimate (an exponential average: a link that
+slows down or recovers is followed within a few batches)."""
+
+
+class LinkRate:
+    """A link's speed as its batches of reads measured it, and when a reply last came."""
+
+    def __init__(self) -> None:
+        self.bytes_per_second: float | None = None
+        """None until a batch has landed: batches are not cut until then."""
+        self.replied_at = 0.0
+        """When (monotonic) a reply last arrived whole on any connection to the peer."""
+
+    def replied(self) -> None:
+        self.replied_at = time.monotonic()
+
+    def measured(self, nbytes: int, seconds: float) -> None:
+        """`nbytes` of replies received in `seconds` from the batch's write (the bytes of the
+        replies that came whole; of a batch that timed out, those that came before)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        was = self.bytes_per_second
+        self.bytes_per_second = rate if was is None else was + WEIGHT * (rate - was)
+
+    def batch_bytes(self, timeout: float, most: int) -> int:
+        """The most chunk bytes one batch should ask for, of at most `most`: what the link
+        moves in `TIMEOUT_SHARE` of `timeout`, not under `MIN_BATCH_BYTES`."""
+        rate = self.bytes_per_second
+        if rate is None:
+            return most
+        return max(min(most, MIN_BATCH_BYTES), min(most, int(rate * timeout * TIMEOUT_SHARE)))
+
+    def stalled_since(self, queued: float) -> bool:
+        """Whether no reply came from the peer since `queued` (a read's queueing): a read
+        that timed out then met a peer that stopped answering (`PeerLink.mark_slow`), not a
+        slow link, which kept delivering other replies meanwhile."""
+        return self.replied_at < queued
