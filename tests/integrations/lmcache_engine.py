@@ -110,12 +110,26 @@ def retrieve(config_path: str, model: str, result_path: str) -> None:
     LMCacheEngineBuilder.destroy("kvpool-test")
 
 
+def retrieve_twice(config_path: str, model: str, result_path: str) -> None:
+    """Two retrieves of the same prompt by one engine (each from the pool, with LMCache's
+    CPU buffer keeping nothing, `local_cpu: false`): the first teaches the connector the
+    chunks' metadata, as an engine's first load does."""
+    kv = torch.zeros_like(expected_kv())
+    engine = build_engine(config_path, model, kv)
+    assert remote_backend(engine).connection is not None, "the kvpool plugin did not load"
+    first = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
+    kv_first = kv.clone()
+    kv.zero_()
+    second = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
+    torch.save({"retrieved": [int(first.sum()), int(second.sum())], "kv": [kv_first, kv]},
+               result_path)
+    LMCacheEngineBuilder.destroy("kvpool-test")
+
+
 def main(argv: list[str]) -> int:
     op, config_path, model = argv[:3]
-    if op == "store":
-        store(config_path, model, argv[3])
-    else:
-        retrieve(config_path, model, argv[3])
+    ops = {"store": store, "retrieve": retrieve, "retrieve-twice": retrieve_twice}
+    ops[op](config_path, model, argv[3])
     return 0
 
 

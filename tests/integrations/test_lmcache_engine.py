@@ -41,10 +41,10 @@ extra_config:
 """
 
 
-def run_engine(agent: LocalAgent, workdir: Path, op: str, model: str,
+def run_engine(agent: LocalAgent, workdir: Path, op: str, model: str, lmcache: str = CONFIG,
                **env_extra: str) -> dict[str, object]:
     config = workdir / "lmcache.yaml"
-    config.write_text(CONFIG)
+    config.write_text(lmcache)
     result = workdir / f"{op}-{model.replace('/', '_')}.pt"
     env = dict(os.environ, KVPOOL_SOCKET=str(agent.socket_path), **env_extra)
     proc = subprocess.run(
@@ -78,6 +78,27 @@ def test_fresh_engine_in_another_process_retrieves_every_token(
     assert m['kvpool_ops_total{op="acquire",pool="default",result="ok"}'] >= CHUNKS
     assert m['kvpool_tier_hits_total{pool="default",tier="dram"}'] >= CHUNKS
     assert m['kvpool_ops_total{op="commit",pool="default",result="ok"}'] == CHUNKS
+
+
+@pytest.mark.parametrize("lease_free", ["1", "0"])
+def test_an_engine_reads_dram_chunks_without_a_lease_once_it_knows_their_layout(
+        stored: tuple[LocalAgent, Path], lease_free: str) -> None:
+    """An engine's second load of a prompt (LMCache's CPU buffer keeping nothing, so both
+    come from the pool) reads every chunk without an ACQUIRE: its first taught the
+    connector the chunks' metadata. `KVPOOL_LEASE_FREE=0` reads both under leases."""
+    agent, workdir = stored
+    acquires = 'kvpool_ops_total{op="acquire",pool="default",result="ok"}'
+    before = scrape(agent)[acquires]
+
+    got = run_engine(agent, workdir, "retrieve-twice", "org/model-a",
+                     lmcache=CONFIG.replace("local_cpu: true", "local_cpu: false"),
+                     KVPOOL_LEASE_FREE=lease_free)
+
+    assert got["retrieved"] == [len(engine.TOKENS)] * 2
+    for kv in got["kv"]:  # type: ignore[attr-defined]
+        assert torch.equal(kv, engine.expected_kv())
+    loads_under_lease = 1 if lease_free == "1" else 2
+    assert scrape(agent)[acquires] - before == loads_under_lease * CHUNKS
 
 
 def test_retrieve_for_another_model_is_a_miss(stored: tuple[LocalAgent, Path]) -> None:

@@ -34,11 +34,12 @@ TOKENS = list(range(1000, 1000 + 4 * PAGE))
 
 
 def backend(agent: LocalAgent, model: str = "org/model-a",
-            tp_rank: int = 0) -> KVPoolHiCacheStorage:
+            tp_rank: int = 0, **extra: object) -> KVPoolHiCacheStorage:
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-        model_name=model, extra_config={**EXTRA, "socket_path": str(agent.socket_path)})
+        model_name=model,
+        extra_config={**EXTRA, "socket_path": str(agent.socket_path), **extra})
     made = StorageBackendFactory.create_backend("dynamic", config, None)
     assert isinstance(made, KVPoolHiCacheStorage)
     return made
@@ -80,6 +81,28 @@ def test_pages_backed_up_by_one_backend_are_prefetched_by_another(
         assert torch.equal(page, want)
     assert reader.exists(hashes[0]) and not reader.exists(other[0])
     assert scrape(agent)['kvpool_ops_total{op="commit",pool="default",result="ok"}'] == 4
+
+
+@pytest.mark.parametrize("lease_free", [True, False])
+def test_a_backend_reads_dram_pages_without_a_lease_once_it_knows_their_layout(
+        agent: LocalAgent, hashes: list[str], lease_free: bool) -> None:
+    """A prefetch of pages the reader has read before (their metadata known) takes no
+    ACQUIRE: they are read from the arena without a lease. `lease_free: false` in the
+    extra config reads every page under a lease."""
+    data = pages(4)
+    assert backend(agent).batch_set(hashes, data) is True
+    reader = backend(agent, lease_free=lease_free)
+    acquires = 'kvpool_ops_total{op="acquire",pool="default",result="ok"}'
+    for load in range(2):
+        before = scrape(agent).get(acquires, 0.0)
+        targets = [dummy_page() for _ in hashes]
+        assert all(g is t for g, t in zip(reader.batch_get(hashes, targets), targets,
+                                          strict=True))
+        for page, want in zip(targets, data, strict=True):
+            assert torch.equal(page, want)
+        under_lease = 4 if load == 0 or not lease_free else 0
+        assert scrape(agent).get(acquires, 0.0) - before == under_lease
+    assert reader.client.reads_without_lease == (4 if lease_free else 0)
 
 
 def test_hit_prefix_stops_at_the_first_missing_page(agent: LocalAgent, hashes: list[str]) -> None:

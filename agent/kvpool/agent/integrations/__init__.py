@@ -10,12 +10,19 @@ rest of kvpool never imports them. Both move whole batches of chunks in one or
 two round trips, zero-copy, through `KVPoolClient.get_many_into` and
 `put_many`. Wiring them up is in docs/integrations.md.
 
+Both read DRAM chunks without a lease by default, as the vLLM connector does
+(`lease_free`: `lease_free_setting`).
+
 Both tell the agent who the engine is, for KV events (docs/events.md): its pod (`engine_pod`),
 its model, its tokens per chunk, and per chunk the hash its engine gives that chunk.
 """
 
 import os
 import socket
+from typing import Any
+
+from ..client import env_flag
+from ..constants import ENV_LEASE_FREE
 
 POD_NAME_ENV = "POD_NAME"
 """Where an engine pod may give its name (the downward API's metadata.name)."""
@@ -31,3 +38,20 @@ def engine_pod() -> str:
 def fits_64_bits(value: int) -> bool:
     """Whether an engine's hash fits an event's 64-bit block hash (signed or unsigned)."""
     return -(1 << 63) <= value < 1 << 64
+
+
+def flag_setting(value: Any, env: str, default: bool) -> bool:
+    """A yes/no setting of an engine's extra config: a bool, or a string as the
+    environment's (`1`/`true`/`yes`); unset (None), the environment variable `env`'s, else
+    `default`."""
+    if value is None:
+        return env_flag(env, default)
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    return bool(value)
+
+
+def lease_free_setting(value: Any) -> bool:
+    """Whether an engine's reads take DRAM chunks without a lease (`KVPoolClient`'s
+    `lease_free`): its extra config's `value`, else `$KVPOOL_LEASE_FREE`, else yes."""
+    return flag_setting(value, ENV_LEASE_FREE, True)

@@ -10,7 +10,9 @@ LMCache loads it from its configuration::
 and builds one `KVPoolConnector` per worker. The connector talks to the node's
 agent at `KVPOOL_SOCKET` (or `extra_config["kvpool.socket"]`) in zero-copy
 mode: a get allocates LMCache's own memory object and copies the chunk from
-the arena into it; a put copies the memory object's bytes into the arena.
+the arena into it (a DRAM chunk without a lease where the agent's lookup index says where
+it is: `kvpool.lease_free`, or `$KVPOOL_LEASE_FREE`, default true); a put copies the memory
+object's bytes into the arena.
 The memory object's shapes, dtypes and format travel with the chunk as its
 metadata (`ChunkMeta`), so partial chunks and any KV layout come back as they
 went in. A batch of N chunks costs one round trip to read and two to write.
@@ -39,7 +41,7 @@ from .. import protocol as p
 from ..client import KVPoolClient
 from ..constants import ENV_SOCKET
 from ..keys import domain_key
-from . import engine_pod, fits_64_bits
+from . import engine_pod, fits_64_bits, lease_free_setting
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,8 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         self.client = KVPoolClient(socket_path, name="lmcache", pod=engine_pod(),
                                    model=getattr(local_cpu_backend.metadata, "model_name", "")
                                    or "", block_size=chunk_tokens, chunk_tokens=chunk_tokens,
-                                   reconnect_timeout=0.0)
+                                   reconnect_timeout=0.0,
+                                   lease_free=lease_free_setting(extra.get("kvpool.lease_free")))
         self.tenant = self.client.tenant
         # LMCache calls from its event-loop thread (get/put) and from the
         # engine's thread (exists_sync, batched_contains); one connection, one lock.
@@ -183,6 +186,12 @@ class KVPoolConnector(RemoteConnector):  # type: ignore[misc]
         copied = [False] * len(keys)
 
         def target(i: int, size: int, raw_meta: bytes) -> Any:
+            obj = objs[i]
+            if obj is not None:
+                # Asked again: a lease-free copy failed its checks, and the chunk is read
+                # under a lease into the same object (it is the same chunk: its size and
+                # metadata, which the checksum covers, are those the object was made for).
+                return obj.byte_array if copied[i] and obj.get_size() == size else None
             meta = decode_meta(raw_meta, size)
             if meta is None:
                 log.warning("kvpool chunk for %s has unusable metadata; a miss", keys[i])

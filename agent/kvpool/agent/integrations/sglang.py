@@ -11,8 +11,10 @@ SGLang's cache controller hands the backend flat host-memory pages: `batch_set`
 with the pages to store, `batch_get` with the tensors to fill, `batch_exists`
 to learn how many leading pages are stored. Pages are copied between those
 tensors and the agent's arena directly; a batch costs one round trip to read
-and two to write. The page's dtype and shape travel as the chunk's metadata
-and a page that does not fit the tensor it is read into is a miss.
+(none for DRAM pages the agent's lookup index describes: they are read without a lease,
+extra config `lease_free` or `$KVPOOL_LEASE_FREE`, default true) and two to write. The
+page's dtype and shape travel as the chunk's metadata and a page that does not fit the
+tensor it is read into is a miss.
 
 Data path: SGLang hands the backend host-memory pages (its host pool); kvpool copies them
 to and from the arena with XXH3 fused into the copy, the fastest path for host memory.
@@ -36,7 +38,7 @@ from .. import protocol as p
 from ..client import KVPoolClient
 from ..constants import ENV_SOCKET
 from ..keys import domain_key
-from . import engine_pod
+from . import engine_pod, lease_free_setting
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         page_tokens = storage_config.logical_page_size or 0
         self.client = KVPoolClient(socket_path, name="sglang", pod=engine_pod(),
                                    model=storage_config.model_name or "",
-                                   block_size=page_tokens, chunk_tokens=page_tokens)
+                                   block_size=page_tokens, chunk_tokens=page_tokens,
+                                   lease_free=lease_free_setting(extra.get("lease_free")))
         self.space = namespace(storage_config)
         self.tenant = self.client.tenant
         # SGLang's prefetch and backup threads share the backend.

@@ -21,10 +21,10 @@ import msgspec
 from .. import __version__
 from .. import protocol as p
 from ..store import MAX_LEASES_PER_CLIENT, OpError
+from ..store.chunkstore import PeerRead
 from .dispatch import commit_many
 
 if TYPE_CHECKING:
-    from ..store.chunkstore import PeerRead
     from .dispatch import Dispatcher
     from .space import Space
 
@@ -218,13 +218,15 @@ class Connection:
             except msgspec.MsgspecError:
                 return False  # (the task answers it: BAD_FRAME)
             code = buf[begin + 1]
-            if not self._answer_now(handler, code, req, started):
-                read = self._awaited(code, req)
-                if read is None or not self._send_now():
-                    return False  # not now: the task answers it (nothing was done)
+            answered = self._answer_now(handler, code, req, started)
+            if isinstance(answered, PeerRead):
+                if not self._send_now():
+                    return False  # the task answers it (the reads it started go on)
                 self.start = begin + length
-                self._hold(read, code, req, started)
+                self._hold(answered, code, req, started)
                 return True
+            if not answered:
+                return False  # not now: the task answers it (nothing was done)
             self.start = begin + length
             if self.out_bytes >= COALESCE_BYTES and not self._send_now():
                 return False
@@ -232,15 +234,19 @@ class Connection:
         return self._send_now()
 
     def _answer_now(self, handler: Callable[[Connection, Any], Any], op_code: int, req: Any,
-                    started: float) -> bool:
+                    started: float) -> bool | PeerRead:
         """Answer a request of an op `Dispatcher.quick` names with its reply queued, counted
-        as the task counts one; False where its handler says not now (nothing done)."""
+        as the task counts one: True. Where its handler says not now: False (nothing done:
+        the task answers it), or the peer read under way whose settling may let it answer
+        (the caller holds the request until then, `_hold`)."""
         metrics = self.dispatcher.metrics
         op = _OPS[op_code]
         try:
             reply = handler(self, req)
             if reply is None:
                 return False
+            if isinstance(reply, PeerRead):
+                return reply
             self.reply(p.encode(reply))
             metrics.ops_ok[op].inc()
         except Exception as e:
@@ -248,14 +254,8 @@ class Connection:
         metrics.latency[op].observe(time.perf_counter() - started)
         return True
 
-    def _awaited(self, code: int, req: Any) -> PeerRead | None:
-        """The peer read under way whose settling may answer a quick request that could
-        not be answered now (`Dispatcher.awaited`), or None."""
-        awaited = self.dispatcher.awaited.get(code)
-        return None if awaited is None else awaited(self, req)
-
     def _hold(self, read: PeerRead, code: int, req: Any, started: float) -> None:
-        """Hold a request a peer read keeps from an answer now (`_awaited`) until the read
+        """Hold a request a peer read keeps from an answer now (`_answer_now`) until the read
         settles, then answer it and the frames that came after it from the loop's callback
         (`_landed_held`), as `_quick` answers frames: a window of peer chunks is answered
         without the task waking for each (a future, the task's step and five coroutines
@@ -274,12 +274,12 @@ class Connection:
         if self.eof:  # gone: no lease for it (the task ends the connection, `_fill`)
             self._wake()
             return
-        if not self._answer_now(self.dispatcher.quick[held.code], held.code, held.req,
-                                held.started):
-            read = self._awaited(held.code, held.req)
-            if read is not None:
-                read.call_when_settled(functools.partial(self._landed_held, held))
-                return
+        answered = self._answer_now(self.dispatcher.quick[held.code], held.code, held.req,
+                                    held.started)
+        if isinstance(answered, PeerRead):
+            answered.call_when_settled(functools.partial(self._landed_held, held))
+            return
+        if not answered:
             held.left = True  # the read failed, or the chunk went: a read from below, a miss
             self._wake()
             return
@@ -504,11 +504,11 @@ class Connection:
                 req = p.request_decoder.decode(body)
             except msgspec.MsgspecError:
                 req = None  # (`_handle` answers it: BAD_FRAME)
-            if req is not None and self._answer_now(handler, code, req, started):
+            answered = req is not None and self._answer_now(handler, code, req, started)
+            if isinstance(answered, PeerRead):  # answered as it lands, the frames after it
+                self._hold(answered, code, req, started)  # left buffered
                 return
-            read = None if req is None else self._awaited(code, req)
-            if read is not None:  # answered as it lands, the frames after it left buffered
-                self._hold(read, code, req, started)
+            if answered:
                 return
             await self._handle(body, req)
             return

@@ -69,14 +69,9 @@ class Dispatcher:
             int(p.Op.READ): _read,
         }
         """Ops a connection may answer as their frames arrive, without waking its task
-        (`Connection._quick`): each answers now, or says None (not now: the task answers
-        it, with no effect had)."""
-        self.awaited: dict[int, Callable[[Connection, Any], PeerRead | None]] = {
-            int(p.Op.ACQUIRE): lambda c, r: c.store.landing(r.key),
-            int(p.Op.WAIT): lambda c, r: c.store.landed(r.keys)[1],
-        }
-        """Of the quick ops, those a peer read under way keeps from an answer now: the read
-        whose settling may let it answer (the connection holds the request until then,
+        (`Connection._quick`): each answers now, or says not now: None (the task answers
+        it, with no effect had), or, an ACQUIRE or a WAIT a peer read under way keeps from
+        an answer, that read (the connection holds the request until it settles,
         `Connection._hold`, instead of waking its task to wait)."""
 
     async def dispatch(self, conn: Connection, op: p.Op, req: Any) -> Any:
@@ -248,21 +243,27 @@ async def _acquire(c: Connection, r: p.Acquire) -> p.AcquireReply:
                           g.checksum_kind)
 
 
-def _acquire_now(c: Connection, r: p.Acquire) -> p.AcquireReply | None:
-    """ACQUIRE of a chunk in DRAM, answered at once (`_acquire` otherwise: a chunk to read
-    from below waits for it, a miss may ask the shared tier)."""
+def _acquire_now(c: Connection, r: p.Acquire) -> p.AcquireReply | PeerRead | None:
+    """ACQUIRE of a chunk in DRAM, answered at once; of a chunk a peer read is bringing,
+    that read (answered as it lands); None otherwise (`_acquire`: a chunk to read from
+    below waits for it, a miss may ask the shared tier)."""
     g = c.store.acquire_now(r.key, c.id, r.dma)
     if g is None:
-        return None
+        return c.store.landing(r.key)
     return p.AcquireReply(r.rid, g.lease, g.size, g.checksum, g.extents, g.meta, g.tier,
                           g.checksum_kind)
 
 
-def _wait_now(c: Connection, r: p.Wait) -> p.WaitReply | None:
-    """WAIT answered now: a key in DRAM before the first coming, or none coming; None while
-    only a read under way could change the answer (the reads it started are under way
-    then, and not started again when it is asked again: `ChunkStore.landed`)."""
-    return _wait_reply(r, *c.store.landed(r.keys))
+def _wait_now(c: Connection, r: p.Wait) -> p.WaitReply | PeerRead:
+    """WAIT answered now: a key in DRAM before the first coming, or none coming; else the
+    read of the first coming, whose settling may answer it (the reads it started are
+    under way then, and not started again when it is asked again: `ChunkStore.landed`)."""
+    codes, first = c.store.landed(r.keys)
+    reply = _wait_reply(r, codes, first)
+    if reply is not None:
+        return reply
+    assert first is not None  # (what `_wait_reply` waits for)
+    return first
 
 
 def _wait_reply(r: p.Wait, codes: bytes, first: PeerRead | None) -> p.WaitReply | None:

@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...client import env_flag
-from ...constants import ENV_LEASE_FREE, ENV_SOCKET, ENV_TENANT
+from ...constants import ENV_SOCKET, ENV_TENANT
+from .. import lease_free_setting
 from .layout import Layout, check_chunk_tokens
 
 ENV_CHUNK_TOKENS = "KVPOOL_CHUNK_TOKENS"
@@ -91,14 +91,4 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
         timeout=float(_extra(vllm_config, "timeout", 5.0)),
         lookup_wait=float(_extra(vllm_config, "lookup_wait",
                                  CONSUMER_LOOKUP_WAIT if loads and not saves else LOOKUP_WAIT)),
-        lease_free=_flag(_extra(vllm_config, "lease_free", None), ENV_LEASE_FREE, True))
-
-
-def _flag(value: Any, env: str, default: bool) -> bool:
-    """A yes/no setting: `kv_connector_extra_config`'s (a bool, or a string as the
-    environment's), else the environment's, else `default`."""
-    if value is None:
-        return env_flag(env, default)
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes")
-    return bool(value)
+        lease_free=lease_free_setting(_extra(vllm_config, "lease_free", None)))
