@@ -30,7 +30,7 @@ from kvpool.agent.tiers.nvme import NvmeTier
 from kvpool.agent.transport import ZeroCopyTransport
 from kvpool.bench.local import LocalAgent
 
-from .conftest import module_agent, scrape
+from .conftest import module_agent, scrape, wait_until
 
 CHUNK = 64 << 10
 META = b"layout-7"
@@ -83,6 +83,27 @@ def test_a_dram_chunk_is_read_without_a_lease_and_the_agent_counts_the_read(
     assert after[ACQUIRES] == before[ACQUIRES], "no ACQUIRE went to the agent"
     assert after[READS] == before.get(READS, 0) + 2  # one told READ per call
     assert after[READ_BYTES] == before[READ_BYTES] + 5 * CHUNK  # counted as reads
+
+
+def test_reads_without_a_lease_just_before_a_close_are_told_to_the_agent(
+        shared: LocalAgent) -> None:
+    """A client that reads without a lease and closes, with no call after (the READ goes
+    with the next write, and there is none): the close writes it first, so the agent
+    counts the reads (the eviction order, the read bytes, a hand-off's pin, all as an
+    ACQUIRE's)."""
+    keys = [_key(i) for i in range(300, 303)]
+    data = [os.urandom(CHUNK) for _ in keys]
+    with KVPoolClient(shared.socket_path, lease_free=True) as c:
+        assert c.put_many(keys, data, [META] * len(keys)) == [True] * len(keys)
+        c.stats()
+        before = scrape(shared)
+        outs = [bytearray(CHUNK) for _ in keys]
+        assert c.get_many_into(keys, lambda i, n, meta: outs[i]) == [CHUNK] * len(keys)
+        assert c.reads_without_lease == len(keys)
+    wait_until(lambda: scrape(shared)[READ_BYTES] == before[READ_BYTES] + len(keys) * CHUNK,
+               "the reads told as the client closed")
+    assert scrape(shared)[READS] == before.get(READS, 0) + 1
+    assert scrape(shared)[ACQUIRES] == before[ACQUIRES]
 
 
 def test_metadata_first_seen_through_a_lease_makes_the_next_read_lease_free(

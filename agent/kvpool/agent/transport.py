@@ -459,9 +459,21 @@ class Connection:
         return next(self._rids)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        """Close the socket. What was told and not written yet goes first, not waited for
+        (a client's last reads without a lease are still its reads: the eviction order, the
+        tier's read bytes, a hand-off's pin, which would otherwise wait for its TTL); a
+        socket that fails at it (the agent gone) is closed all the same."""
+        sock = self.sock
+        if sock is None:
+            return
+        if self._reads:
+            keys, self._reads = self._reads, []
+            self._told.append(p.Read(self.rid(), keys))
+        if self._told:
+            with contextlib.suppress(OSError):
+                self._send(b"")
+        sock.close()
+        self.sock = None
 
     def _live(self) -> socket.socket:
         if self.sock is None:
