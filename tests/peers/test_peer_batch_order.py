@@ -13,7 +13,7 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 
-from kvpool.agent.store.chunkstore import AHEAD_LEAD
+from kvpool.agent.store.peerreads import AHEAD_LEAD
 from kvpool.bench.scripted_peer import ScriptedPeer, chunk_reply
 
 from .nodes import Network, served_by

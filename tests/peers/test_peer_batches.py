@@ -276,7 +276,7 @@ def test_a_windows_chunk_is_copied_while_a_later_one_is_still_read_from_a_peer(
 def test_the_chunks_of_a_batch_read_from_a_peer_are_journaled_and_back_after_a_restart(
         net: Network, tmp_path: Path, secret: Path) -> None:
     """The chunks a drain of read results brings land together, journaled in one write
-    (`ChunkStore._land`): a warm restart of the reader (SIGKILL) finds each of them in its
+    (`PeerReads._land`): a warm restart of the reader (SIGKILL) finds each of them in its
     own DRAM again, its bytes whole, with the peer that served them gone."""
     with ExitStack() as stack:
         (a, ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False,

@@ -8,7 +8,7 @@ of ~1.1 Gb/s for the reads of one connection. Below it a window's tail timed out
 time, and each timeout marked the peer slow (`PeerLink.mark_slow`): on a slow or busy
 link the peer tier read nothing for seconds after every window. Sized to the link's
 measured speed, a run of peer chunks goes as more, smaller batches, each issued as the one
-before it lands (`ChunkStore._read_ahead`), each with its own deadline.
+before it lands (`PeerReads._read_ahead`), each with its own deadline.
 
 Written by the worker threads that receive the batches, read by the event loop as it forms
 a batch (a float assignment: no lock).

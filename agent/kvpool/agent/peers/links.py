@@ -210,7 +210,7 @@ class PeerLink:
         a read that timed out while the peer answered nothing."""
         self.rate = LinkRate()
         """What the link delivers, measured by the batches: what a batch may ask for
-        (`ChunkStore._peer_unread`), and whether a timeout was the peer's or the link's."""
+        (`PeerReads._peer_unread`), and whether a timeout was the peer's or the link's."""
         self._slow_link_logged = 0.0
         self.on_change: Callable[[], None] | None = None
         """Called (from any thread) when `readable` may have changed, but for the end of

@@ -170,7 +170,7 @@ _drains = threading.local()
 def after_drain(fn: Callable[[], None]) -> None:
     """Call `fn` once the results a `Settler` is delivering now are all delivered (a
     callback's work for many results at once: the store lands the chunks a drain brings
-    together, `ChunkStore._land`); outside of a drain, now. In the loop's thread."""
+    together, `PeerReads._land`); outside of a drain, now. In the loop's thread."""
     ends: list[Callable[[], None]] | None = getattr(_drains, "ends", None)
     if ends is None:
         fn()

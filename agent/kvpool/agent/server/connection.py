@@ -21,7 +21,7 @@ import msgspec
 from .. import __version__
 from .. import protocol as p
 from ..store import MAX_LEASES_PER_CLIENT, OpError
-from ..store.chunkstore import PeerRead
+from ..store.peerreads import PeerRead
 from .dispatch import commit_many
 
 if TYPE_CHECKING:

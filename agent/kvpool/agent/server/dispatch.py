@@ -16,7 +16,7 @@ from ..metrics import AgentMetrics
 from ..store import TIER_CODE, WAIT, CommitRequest, OpError, Storing, snapshot
 
 if TYPE_CHECKING:
-    from ..store.chunkstore import PeerRead
+    from ..store.peerreads import PeerRead
     from .connection import Connection
     from .space import Space
 
