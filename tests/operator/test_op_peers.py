@@ -83,7 +83,7 @@ def test_the_server_defaults_of_peers_are_the_models() -> None:
     body = _pool()
     defaulted, errors = admit(crds.pool_schema(), body)
     assert errors == []
-    assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410,
+    assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410, "timeout": "250ms",
                                           "remoteChunks": 1_000_000, "networkPolicy": True}
     assert api.parse_pool(defaulted).spec.peers == api.parse_pool(body).spec.peers
     on = _pool({"enabled": True, "tls": {"secretName": "pool-tls"}})
@@ -99,6 +99,10 @@ def test_the_server_defaults_of_peers_are_the_models() -> None:
         ({"enabled": True, "tls": {}}, ".spec.peers.tls: 'secretName' is a required property"),
         ({"enabled": True, "tls": {"secretName": ""}},
          ".spec.peers.tls.secretName: '' should be non-empty"),
+        ({"enabled": True, "timeout": "0s"},
+         ".spec.peers.timeout: must be a duration greater than zero, like 30s, 5m, 1h, 7d"),
+        ({"enabled": True, "timeout": "soon"},
+         ".spec.peers.timeout: must be a duration greater than zero, like 30s, 5m, 1h, 7d"),
     ],
 )
 def test_a_bad_peers_field_is_refused_by_the_schema_and_the_operator(
@@ -159,6 +163,10 @@ def test_peers_reach_the_agent_config_port_secret_service_and_network_policy() -
     assert peers.max_entries == 1_000_000
     capped = _pool({"enabled": True, "remoteChunks": 2_500_000})
     assert _config(_render(capped)).peers.max_entries == 2_500_000
+    # Reads from peers time out after the pool's timeout (a slow link wants a longer one).
+    assert peers.timeout == 0.25
+    slow = _pool({"enabled": True, "timeout": "1500ms"})
+    assert _config(_render(slow)).peers.timeout == 1.5
 
     agent = _agent(objects)
     assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {

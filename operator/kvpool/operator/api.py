@@ -36,7 +36,7 @@ from kvpool.agent.lookupindex import (
     PEER_STATE_BYTES,
     dram_table_bytes,
 )
-from kvpool.agent.units import ByteSize, format_size, parse_size
+from kvpool.agent.units import ByteSize, Duration, format_size, parse_size
 
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"
@@ -299,6 +299,14 @@ class PeersSpec(Model):
         description="TCP port the agents serve chunks on (container port kv-peers).",
     )
     tls: PeerTlsSpec | None = Field(None, description="TLS between the agents; unset: plain TCP.")
+    timeout: Duration = Field(
+        0.25,
+        description="Longest a read from another agent may take before it falls back to the "
+        "shared tier, then to a miss (the agents' peers.timeout). A read past it while the "
+        "peer answered nothing marks that peer slow for 5s. Batches of reads are sized to "
+        "land in half of it at the link's measured speed, 8 to 32Mi: a link slower than "
+        "34 MB/s needs more than 250ms (docs/cross-node.md, \"Slow links\").",
+    )
     remote_chunks: int = Field(
         REMOTE_CHUNKS,
         ge=0,

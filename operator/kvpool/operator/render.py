@@ -331,6 +331,7 @@ def peers_config(pool: api.KVCachePool) -> Peers:
         secret_file=mount / PEER_SECRET_KEY,
         discovery=f"{names.peers}.{names.namespace}.svc",
         max_entries=spec.remote_chunks,  # what the agent's memory is sized for
+        timeout=spec.timeout,
         **(
             {"tls": PeerTls(cert_file=mount / "tls.crt", key_file=mount / "tls.key",
                             ca_file=mount / "ca.crt")}
