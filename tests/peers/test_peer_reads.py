@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from contextlib import ExitStack
 from pathlib import Path
@@ -195,23 +197,46 @@ def test_a_peer_serving_corrupted_bytes_is_a_miss_counted_and_marked_suspect(
         assert cb.stats()["tiers"]["dram"]["chunks"] == 1  # its own chunk alone
 
 
+def peer_of(client: KVPoolClient, node: Any) -> dict[str, Any]:
+    """What STATS says of the peer on `node`."""
+    (found,) = [p for p in client.stats()["peers"] if p["peer"] == f"{node.addr}:9410"]
+    return dict(found)
+
+
 def test_a_stopped_peer_costs_a_read_its_timeout_then_a_miss(
         net: Network, tmp_path: Path, secret: Path) -> None:
+    """...and STATS (and `kvpool stats`) say it is slow meanwhile, and for how long."""
     with ExitStack() as stack:
         (a, ca), (b, cb), _ = start(stack, net, tmp_path, secret, nvme=False,
                                     timeout="500ms", prefetch=False)
         key, data = os.urandom(16), os.urandom(MiB)
         assert ca.put(key, data)
         seen_as(cb, [key], ["peer"])
+        before = peer_of(cb, net.nodes[0])
+        assert before["state"] == "ok" and before["chunks"] == 1
+        assert before["bytes_per_second"] is None  # no batch read from it yet
+        assert {p["peer"] for p in cb.stats()["peers"]} == \
+            {f"{n.addr}:9410" for n in (net.nodes[0], net.nodes[2])}
         assert a.proc is not None
         os.kill(a.proc.pid, signal.SIGSTOP)
         try:
             assert cb.get(key) is None
+            slow = peer_of(cb, net.nodes[0])
+            assert slow["state"] == "slow" and 0 < slow["for_seconds"] <= 5
+            shown = subprocess.run(
+                [sys.executable, "-m", "kvpool.agent", "stats", "--socket", str(b.socket_path)],
+                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                env={**os.environ, "COLUMNS": "200"})
+            assert shown.returncode == 0, shown.stderr
+            row = next(line for line in shown.stdout.splitlines() if net.nodes[0].addr in line)
+            assert "slow (" in row and " 1 " in row, shown.stdout
         finally:
             os.kill(a.proc.pid, signal.SIGCONT)
         assert metric(b, "kvpool_peer_requests_total", direction="read", result="timeout") == 1
         # The peer answers again: a fresh connection reads it.
         wait_until(lambda: cb.get(key) == data, "a read from the resumed peer")
+        after = peer_of(cb, net.nodes[0])
+        assert after["state"] == "ok" and after["bytes_per_second"] > 0
 
 
 @pytest.mark.parametrize("lease_free", [False, True])

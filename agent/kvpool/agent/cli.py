@@ -424,15 +424,21 @@ def _print_stats(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     from .commandline import console as new_console
-    from .statsview import COLUMNS, summary, tier_rows, title
+    from .statsview import COLUMNS, PEER_COLUMNS, peer_rows, summary, tier_rows, title
 
-    table = Table(title=title(data))
-    for col in COLUMNS:
-        table.add_column(col)
-    for row in tier_rows(data):
-        table.add_row(*row)
     console = new_console()
-    console.print(table)
+    tables: list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]] = [
+        (title(data), COLUMNS, tier_rows(data))]
+    peers = peer_rows(data)
+    if peers:
+        tables.append(("peers", PEER_COLUMNS, peers))
+    for name, columns, rows in tables:
+        table = Table(title=name)
+        for col in columns:
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
     console.print(summary(data))
 
 

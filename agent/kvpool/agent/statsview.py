@@ -55,6 +55,26 @@ def tier_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+PEER_COLUMNS = ("peer", "node", "state", "chunks", "link", "lag")
+
+
+def peer_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row of `PEER_COLUMNS` per other agent of the pool (STATS' `peers`; none with
+    peers off): its state with the seconds it has left where it ends by itself, the chunks
+    listed as its, what its link's batches of reads delivered."""
+    rows: list[tuple[str, ...]] = []
+    for peer in data.get("peers", []):
+        state = str(peer.get("state", ""))
+        if peer.get("for_seconds"):
+            state += f" ({peer['for_seconds']:.0f} s)"
+        rate = peer.get("bytes_per_second")
+        rows.append((str(peer.get("peer", "")), str(peer.get("node", "")) or "-", state,
+                     str(peer.get("chunks", 0)),
+                     "-" if rate is None else f"{human_size(int(rate))}/s",
+                     f"{1000 * float(peer.get('lag_seconds', 0.0)):.1f} ms"))
+    return rows
+
+
 def summary(data: dict[str, Any]) -> str:
     leases = data.get("leases", {})
     return (f"clients {data.get('clients', 0)}, read leases {leases.get('read', 0)}, "
@@ -62,12 +82,19 @@ def summary(data: dict[str, Any]) -> str:
             f"agent {data.get('agent_version', '?')}")
 
 
+def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    rows = [header, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
 def plain(data: dict[str, Any]) -> str:
-    """The whole view as plain text: the title, aligned columns, the summary line."""
-    rows = [COLUMNS, *tier_rows(data)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = [title(data)]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-              for row in rows]
+    """The whole view as plain text: the title, aligned columns of the tiers (and of the
+    peers, with peers on), the summary line."""
+    lines = [title(data), *_columns(COLUMNS, tier_rows(data))]
+    peers = peer_rows(data)
+    if peers:
+        lines += _columns(PEER_COLUMNS, peers)
     lines.append(summary(data))
     return "\n".join(lines)

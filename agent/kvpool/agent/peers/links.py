@@ -274,6 +274,22 @@ class PeerLink:
     def unreadable_until(self) -> float:
         return max(self.suspect_until, self.slow_until)
 
+    def state(self, now: float) -> tuple[str, float]:
+        """What the link is now, for STATS, and for how many more seconds where that ends
+        by itself: `unreachable` (no one answers at its address, or its stream ended:
+        its chunks are not listed), `syncing` (its inventory is not all in yet),
+        `suspect` (it served bytes that failed their checksum), `slow` (a read timed out
+        while it answered nothing), else `ok`."""
+        if self.unreachable:
+            return "unreachable", 0.0
+        if not self.synced:
+            return "syncing", 0.0
+        if self.suspect_until > now:
+            return "suspect", self.suspect_until - now
+        if self.slow_until > now:
+            return "slow", self.slow_until - now
+        return "ok", 0.0
+
     def mark_suspect(self) -> None:
         self.suspect_until = time.monotonic() + SUSPECT_SECONDS
         self._changed()

@@ -87,6 +87,8 @@ class Dispatcher:
         if space.isolated:
             out["tenant"] = space.tenant
         out["clients"] = self._clients(space)
+        if space.store.peer is not None:
+            out["peers"] = space.store.peer.links()
         if self.events is not None:
             out["events"] = self.events
             if space.events is not None:  # what a subscriber that missed nothing holds

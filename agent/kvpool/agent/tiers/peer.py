@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 from ..constants import PEER_TIER_CODE
@@ -97,6 +98,24 @@ class PeerTier:
         """A DELETE of `key` in this space (`PeerNetwork.delete`): made on this node
         (`here`: it goes to every peer) or received from the agent whose id is `sender`."""
         self.network.delete(self.tenant, key, here, sender)
+
+    def links(self) -> list[dict[str, object]]:
+        """STATS' `peers`: each other agent of the pool as this tenant space sees it: its
+        address and node, its state (`PeerLink.state`, with `for_seconds` where it ends by
+        itself), the chunks the directory lists as its (in this space), what its link's
+        batches delivered (`bytes_per_second`, None before the first) and the lag of its
+        stream."""
+        now = time.monotonic()
+        out: list[dict[str, object]] = []
+        for link in self.network.links.values():
+            if link.is_self or link.closed:
+                continue
+            state, left = link.state(now)
+            out.append({"peer": link.name, "node": link.node, "state": state,
+                        "for_seconds": round(left, 3), "chunks": self.directory.count(link.index),
+                        "bytes_per_second": link.rate.bytes_per_second,
+                        "lag_seconds": round(link.lag, 6)})
+        return out
 
     def link_of(self, sender: bytes) -> PeerLink | None:
         """The link to the agent that offers a push, if it is a peer this one follows."""
