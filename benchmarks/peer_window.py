@@ -37,7 +37,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from kvpool.bench.peer_tier import (
     raw_tcp_cpu,
 )
 from kvpool.bench.stats import MiB, percentile
+from kvpool.bench.trees import agents_from, commit_of
 
 SIZES = {1: 64, 16: 16}
 """Chunk MiB: chunks a window (as `kvpool bench --part peer`)."""
@@ -181,33 +181,13 @@ def _summary(watch: Watch, times: list[float], raw_cpu: list[tuple[float, float]
     return out
 
 
-@contextlib.contextmanager
-def _agents_from(tree: Path | None):  # type: ignore[no-untyped-def]
-    """Agents started meanwhile run from `tree`'s sources (None: this process's)."""
-    if tree is None:
-        yield
-        return
-    old = os.environ.get("PYTHONPATH")
-    # The tree's sources first; what the path held after them (where the dependencies may
-    # be installed outside the environment, e.g. a --target directory).
-    os.environ["PYTHONPATH"] = ":".join(
-        [str(tree.resolve() / "agent"), str(tree.resolve() / "operator"), *filter(None, [old])])
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
-
-
 def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: tuple[str, int],
              rounds: dict[int, int], raw_reps: int, sizes: list[int],
              peers: dict[str, Any], sendfile: bool) -> dict[str, Any]:
     dram = max(s * MiB * SIZES[s] for s in sizes) * 2 + 16 * MiB
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        with _agents_from(tree):
+        with agents_from(tree):
             agents = [stack.enter_context(peer_agent(
                 net, i, tmp / f"node{i}", secret, nvme=False, dram=str(dram), prefetch=False,
                 named=True, extra={"addresses": [f"{net.nodes[1 - i].addr}:{PEER_PORT}"],
@@ -230,15 +210,6 @@ def one_turn(net: Network, tmp: Path, secret: Path, tree: Path | None, raw_at: t
             out[f"{s}MiB"] = {**_summary(watch, times, raw, by_file, size, count),
                               "bytes_verified": verified}
     return out
-
-
-def _commit(tree: Path) -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(tree), *a], capture_output=True,
-                              text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain",
-                                                                   "--untracked-files=no")
-                                                  else "")
 
 
 def main() -> None:
@@ -303,7 +274,7 @@ def main() -> None:
                  "congestion_control": cc, "load_average": [round(load0, 2),
                                                            round(os.getloadavg()[0], 2)],
                  "seconds": round(time.monotonic() - started, 1),
-                 "commits": {str(t or here): _commit(t or here) for t in trees}},
+                 "commits": {str(t or here): commit_of(t or here) for t in trees}},
         "summary": summary, "turns": turns})
     print(line, flush=True)
     if args.out:
