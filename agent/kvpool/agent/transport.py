@@ -462,7 +462,9 @@ class Connection:
         """Close the socket. What was told and not written yet goes first, not waited for
         (a client's last reads without a lease are still its reads: the eviction order, the
         tier's read bytes, a hand-off's pin, which would otherwise wait for its TTL); a
-        socket that fails at it (the agent gone) is closed all the same."""
+        socket that fails at it (the agent gone) is closed all the same. Never waits: an
+        agent that stopped reading (its socket buffer full) does not hold a close up; what
+        the buffer does not take is dropped, as a client that died would drop it."""
         sock = self.sock
         if sock is None:
             return
@@ -470,8 +472,10 @@ class Connection:
             keys, self._reads = self._reads, []
             self._told.append(p.Read(self.rid(), keys))
         if self._told:
+            frames = b"".join(r if isinstance(r, bytes) else p.encode(r) for r in self._told)
+            self._told.clear()
             with contextlib.suppress(OSError):
-                self._send(b"")
+                sock.send(frames, socket.MSG_DONTWAIT)
         sock.close()
         self.sock = None
 
