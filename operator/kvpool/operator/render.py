@@ -331,7 +331,10 @@ def peers_config(pool: api.KVCachePool) -> Peers:
         secret_file=mount / PEER_SECRET_KEY,
         discovery=f"{names.peers}.{names.namespace}.svc",
         max_entries=spec.remote_chunks,  # what the agent's memory is sized for
-        timeout=spec.timeout,
+        # Only a timeout the pool changes: the agents' default is the pool's, and a config
+        # that names it anyway would roll every pool's agents at the operator's upgrade.
+        **({"timeout": spec.timeout} if spec.timeout != Peers.model_fields["timeout"].default
+           else {}),
         **(
             {"tls": PeerTls(cert_file=mount / "tls.crt", key_file=mount / "tls.key",
                             ca_file=mount / "ca.crt")}
