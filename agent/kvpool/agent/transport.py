@@ -450,6 +450,9 @@ class Connection:
         self._readable.register(sock, select.POLLIN)
         self.untold = 0
         """Requests `tell` dropped because the agent was behind."""
+        self._torn = False
+        """A write failed: the stream to the agent may end mid-frame, so `close` writes
+        nothing more on it."""
 
     @property
     def closed(self) -> bool:
@@ -471,7 +474,7 @@ class Connection:
         if self._reads:
             keys, self._reads = self._reads, []
             self._told.append(p.Read(self.rid(), keys))
-        if self._told:
+        if self._told and not self._torn:
             frames = b"".join(r if isinstance(r, bytes) else p.encode(r) for r in self._told)
             self._told.clear()
             with contextlib.suppress(OSError):
@@ -530,7 +533,11 @@ class Connection:
                                for r in self._told]) + frames
             self._unanswered += len(self._told)
             self._told.clear()
-        sock.sendall(frames)
+        try:
+            sock.sendall(frames)
+        except BaseException:
+            self._torn = True  # (a timeout may have left a frame half written)
+            raise
 
     def _collect(self) -> None:
         """Drop the owed replies that have arrived whole, never waiting for one. With no
