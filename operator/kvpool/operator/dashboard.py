@@ -489,6 +489,22 @@ ROWS: tuple[Row, ...] = (
                 width=6,
             ),
             Panel(
+                "Peer link speed",
+                "What each agent's batches of chunk reads from each peer delivered (bytes of "
+                "replies that came whole over the time from the batch's write, averaged over "
+                "the last batches): a batch asks for at most what this moves in half of "
+                "peers.timeout, so a link far below the others' is one whose reads come in "
+                "small batches (docs/cross-node.md, \"Slow links\").",
+                (
+                    _q(
+                        f"max by (pool, node, peer) (kvpool_peer_link_bytes_per_second{{{SEL}}})",
+                        "{{node}} from {{peer}}",
+                    ),
+                ),
+                unit="Bps",
+                width=6,
+            ),
+            Panel(
                 "Peer DELETEs by result",
                 "DELETEs of a key between agents per second (a client's DELETE reaching the "
                 "copies its peers hold), by direction and result: ok, absent (not held "
