@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=6, help="windows of 32 MiB a turn")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
     args = ap.parse_args()
-    trees: list[Path | None] = [t.resolve() for t in args.tree] or [None]
+    trees: list[Path | None] = list(args.tree) or [None]
     here = Path(__file__).resolve().parent.parent
     started = time.monotonic()
     turns = []
@@ -138,7 +138,8 @@ def main() -> None:
         for n, tree in enumerate(trees):
             got = one_turn(net, tmp / f"turn{n}", secret, tree, args.rate, args.timeout,
                            args.windows, raw_at)
-            turns.append({"tree": str(tree or here), "commit": commit_of(tree or here), **got})
+            # (the tree as given, not resolved: a result names no machine's paths)
+            turns.append({"tree": str(tree or "."), "commit": commit_of(tree or here), **got})
     line = json.dumps({
         "meta": {"cores": len(os.sched_getaffinity(0)), "kernel": platform.release(),
                  "rate": args.rate, "timeout": args.timeout, "chunks_a_window": CHUNKS,
