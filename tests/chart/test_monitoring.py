@@ -75,6 +75,7 @@ EXPECTED_ALERTS = {
     "KVPoolEventsDropped",
     "KVPoolPeerUnreachable",
     "KVPoolPeerBadChecksums",
+    "KVPoolPeerReadsTimingOut",
     "KVPoolHandoffFailing",
     "KVPoolPeerDeletesDropped",
     "KVPoolPeerDirectoryFull",

@@ -45,6 +45,14 @@ node sent, from which the hand-off is failing."""
 HANDOFF_FAILING_MIN_PUSHES = 10
 """Fewer failed pushes in 10 minutes are too few to alert on (a consumer restarting)."""
 _SENT_PUSHES = 'kvpool_peer_pushes_total{direction="sent"}'
+PEER_TIMEOUTS_SHARE = 0.05
+"""Reads from one peer that timed out, over every read from it, from which its reads
+keep timing out (a stopped peer costs one timeout a window: a few; a link too slow for
+peers.timeout costs every window some)."""
+PEER_TIMEOUTS_MIN = 10
+"""Fewer timed-out reads in 10 minutes are too few to alert on (a peer restarting)."""
+_PEER_READS = 'kvpool_peer_requests_total{direction="read"}'
+_PEER_TIMEOUTS = 'kvpool_peer_requests_total{direction="read", result="timeout"}'
 _FAILED_PUSHES = 'kvpool_peer_pushes_total{direction="sent", result!~"ok|held|unreachable"}'
 
 
@@ -225,6 +233,28 @@ AGENT_ALERTS: tuple[Alert, ...] = (
             "{{ $labels.node }} read from its peer {{ $labels.peer }} in the last 15 minutes "
             "failed their checksum. They were served as misses and the peer is marked suspect; "
             "the peer's memory or disk, or the peer itself, is suspect."
+        ),
+    ),
+    Alert(
+        name="KVPoolPeerReadsTimingOut",
+        expr=(
+            f"sum by (namespace, pool, node, peer) (rate({_PEER_TIMEOUTS}[10m]))\n"
+            f"  / sum by (namespace, pool, node, peer) (rate({_PEER_READS}[10m]))\n"
+            f"  > {PEER_TIMEOUTS_SHARE}\n"
+            "and\n"
+            f"sum by (namespace, pool, node, peer) (increase({_PEER_TIMEOUTS}[10m]))\n"
+            f"  >= {PEER_TIMEOUTS_MIN}"
+        ),
+        for_="15m",
+        severity="warning",
+        summary="Reads from a kvpool peer keep timing out.",
+        description=(
+            "{{ $value | humanizePercentage }} of the chunk reads the agent of pool "
+            "{{ $labels.pool }} on node {{ $labels.node }} made from its peer "
+            "{{ $labels.peer }} in the last 10 minutes took longer than peers.timeout, for "
+            f"15 minutes (alerting above {PEER_TIMEOUTS_SHARE:.0%}). Those chunks came "
+            "from the shared tier or were computed again: the link to the peer is slower "
+            "than the timeout allows, or the peer keeps stalling."
         ),
     ),
     Alert(

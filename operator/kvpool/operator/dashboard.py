@@ -457,8 +457,9 @@ ROWS: tuple[Row, ...] = (
                 "Peer reads by result",
                 "Chunk reads between agents and their peers per second, by direction and "
                 "result: ok, absent (a stale directory entry), error, timeout (past "
-                "peers.timeout; the read fell back to the shared tier), corrupt (bytes that "
-                "failed their checksum: alert KVPoolPeerBadChecksums).",
+                "peers.timeout; the read fell back to the shared tier: alert "
+                "KVPoolPeerReadsTimingOut), corrupt (bytes that failed their checksum: alert "
+                "KVPoolPeerBadChecksums).",
                 (
                     _q(
                         "sum by (pool, node, peer, direction, result) "
