@@ -439,6 +439,8 @@ class Events(Model):
 
 PEER_PORT = 9410
 """The TCP port agents serve chunks to each other on, unless the config says another."""
+PEER_TIMEOUT = 0.25
+"""Seconds a read from a peer may take, unless the config (a pool's spec) says otherwise."""
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -498,7 +500,7 @@ class Peers(Model):
         default_factory=list, description="Static peers as host:port (tests, bare metal)."
     )
     timeout: Duration = Field(
-        0.25, description="Longest a peer read may take before the read falls back to the "
+        PEER_TIMEOUT, description="Longest a peer read may take before the read falls back to the "
         "shared tier (then a miss).",
     )
     connections: int = Field(4, ge=1, le=64, description="Connections kept per peer.")

@@ -475,10 +475,8 @@ class Connection:
             keys, self._reads = self._reads, []
             self._told.append(p.Read(self.rid(), keys))
         if self._told and not self._torn:
-            frames = b"".join(r if isinstance(r, bytes) else p.encode(r) for r in self._told)
-            self._told.clear()
             with contextlib.suppress(OSError):
-                sock.send(frames, socket.MSG_DONTWAIT)
+                sock.send(self._take_told(), socket.MSG_DONTWAIT)
         sock.close()
         self.sock = None
 
@@ -529,15 +527,19 @@ class Connection:
         """Write the told requests waiting, then `frames`, in one write."""
         sock = self._live()
         if self._told:
-            frames = b"".join([r if isinstance(r, bytes) else p.encode(r)
-                               for r in self._told]) + frames
             self._unanswered += len(self._told)
-            self._told.clear()
+            frames = self._take_told() + frames
         try:
             sock.sendall(frames)
         except BaseException:
             self._torn = True  # (a timeout may have left a frame half written)
             raise
+
+    def _take_told(self) -> bytes:
+        """The told requests waiting, encoded and joined in their order, taken out."""
+        frames = b"".join([r if isinstance(r, bytes) else p.encode(r) for r in self._told])
+        self._told.clear()
+        return frames
 
     def _collect(self) -> None:
         """Drop the owed replies that have arrived whole, never waiting for one. With no

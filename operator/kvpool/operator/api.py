@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from kvpool.agent.config import (
     PEER_PORT,
+    PEER_TIMEOUT,
     DramTier,
     Events,
     Model,
@@ -300,7 +301,7 @@ class PeersSpec(Model):
     )
     tls: PeerTlsSpec | None = Field(None, description="TLS between the agents; unset: plain TCP.")
     timeout: Duration = Field(
-        0.25,
+        PEER_TIMEOUT,
         description="Longest a read from another agent may take before it falls back to the "
         "shared tier, then to a miss (the agents' peers.timeout). A read past it while the "
         "peer answered nothing marks that peer slow for 5s. Batches of reads are sized to "

@@ -35,6 +35,7 @@ import yaml
 
 from kvpool.agent import __version__ as _agent_version
 from kvpool.agent.config import (
+    PEER_TIMEOUT,
     AgentConfig,
     DramTier,
     NvmeTier,
@@ -333,8 +334,7 @@ def peers_config(pool: api.KVCachePool) -> Peers:
         max_entries=spec.remote_chunks,  # what the agent's memory is sized for
         # Only a timeout the pool changes: the agents' default is the pool's, and a config
         # that names it anyway would roll every pool's agents at the operator's upgrade.
-        **({"timeout": spec.timeout} if spec.timeout != Peers.model_fields["timeout"].default
-           else {}),
+        **({"timeout": spec.timeout} if spec.timeout != PEER_TIMEOUT else {}),
         **(
             {"tls": PeerTls(cert_file=mount / "tls.crt", key_file=mount / "tls.key",
                             ca_file=mount / "ca.crt")}

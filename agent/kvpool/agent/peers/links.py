@@ -796,7 +796,6 @@ class PeerLink:
         try:
             rids = [next(self._rids) & 0xFFFFFFFF for _ in batch]
             _bounded(sock, max(w.deadline for w in batch))
-            sent = time.monotonic()
             sock.sendall(b"".join(wire.encode_request(wire.OP_FETCH, rid, w.key, w.tenant)
                                   for rid, w in zip(rids, batch, strict=True)))
             for rid, w in zip(rids, batch, strict=True):
@@ -805,8 +804,7 @@ class PeerLink:
                 done += 1
                 if isinstance(result, Fetched):
                     got += result.size
-                    rate.replied()
-                elif result == ABSENT:
+                if isinstance(result, Fetched) or result == ABSENT:  # a whole reply came
                     rate.replied()
                 suspect = isinstance(result, Fetched) and time.monotonic() < self.suspect_until
                 if suspect:

@@ -168,20 +168,24 @@ class PeerReads:
         `MAX_BATCH` reads, and per peer the bytes its link lands in part of `peers.timeout`
         (`LinkRate.batch_bytes`: `MAX_BATCH_BYTES` on a fast link; a batch of these
         keys alone takes at least one)."""
-        assert self.store.peer is not None
+        peer = self.store.peer
+        assert peer is not None
         out: list[bytes] = []
         totals: dict[PeerLink, int] = {}
+        caps: dict[PeerLink, int] = {}
         room = MAX_BATCH if whole else MAX_BATCH - 1
-        timeout = self.store.peer.timeout
         for k in keys:
             if len(out) >= room:
                 break
-            got = self.store.peer.holder(k)
+            got = peer.holder(k)
             if got is None or k in self.fetching or self.store.contains(k):
                 continue
             link, size = got
+            cap = caps.get(link)
+            if cap is None:
+                cap = caps[link] = link.rate.batch_bytes(peer.timeout, MAX_BATCH_BYTES)
             total = totals.get(link, 0) + size
-            if total > link.rate.batch_bytes(timeout, MAX_BATCH_BYTES) and (out or not whole):
+            if total > cap and (out or not whole):
                 break
             totals[link] = total
             out.append(k)
