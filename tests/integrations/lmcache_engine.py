@@ -101,29 +101,33 @@ def store(config_path: str, model: str, result_path: str) -> None:
     LMCacheEngineBuilder.destroy("kvpool-test")
 
 
-def retrieve(config_path: str, model: str, result_path: str) -> None:
+def _retrieves(config_path: str, model: str, times: int) -> tuple[list[int], list[Any]]:
+    """Tokens retrieved and the KV buffer after each of `times` retrieves of the prompt by
+    one fresh engine (the buffer zeroed before each)."""
     kv = torch.zeros_like(expected_kv())
     engine = build_engine(config_path, model, kv)
     assert remote_backend(engine).connection is not None, "the kvpool plugin did not load"
-    mask = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
-    torch.save({"retrieved": int(mask.sum()), "kv": kv}, result_path)
+    retrieved, kvs = [], []
+    for _ in range(times):
+        kv.zero_()
+        mask = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
+        retrieved.append(int(mask.sum()))
+        kvs.append(kv.clone())
     LMCacheEngineBuilder.destroy("kvpool-test")
+    return retrieved, kvs
+
+
+def retrieve(config_path: str, model: str, result_path: str) -> None:
+    (retrieved,), (kv,) = _retrieves(config_path, model, 1)
+    torch.save({"retrieved": retrieved, "kv": kv}, result_path)
 
 
 def retrieve_twice(config_path: str, model: str, result_path: str) -> None:
     """Two retrieves of the same prompt by one engine (each from the pool, with LMCache's
     CPU buffer keeping nothing, `local_cpu: false`): the first teaches the connector the
     chunks' metadata, as an engine's first load does."""
-    kv = torch.zeros_like(expected_kv())
-    engine = build_engine(config_path, model, kv)
-    assert remote_backend(engine).connection is not None, "the kvpool plugin did not load"
-    first = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
-    kv_first = kv.clone()
-    kv.zero_()
-    second = engine.retrieve(torch.tensor(TOKENS), slot_mapping=torch.arange(len(TOKENS)))
-    torch.save({"retrieved": [int(first.sum()), int(second.sum())], "kv": [kv_first, kv]},
-               result_path)
-    LMCacheEngineBuilder.destroy("kvpool-test")
+    retrieved, kvs = _retrieves(config_path, model, 2)
+    torch.save({"retrieved": retrieved, "kv": kvs}, result_path)
 
 
 def main(argv: list[str]) -> int:
