@@ -3,7 +3,7 @@
 Run as a script by the tests (a fresh interpreter per engine, as a second
 vLLM pod would be)::
 
-    python lmcache_engine.py store|retrieve CONFIG MODEL RESULT
+    python lmcache_engine.py store|retrieve|retrieve-twice CONFIG MODEL RESULT
 
 `store` writes the KV of `TOKENS` (made from a fixed seed) through
 `LMCacheEngine.store` and saves the chunks' LMCache hashes to RESULT;
