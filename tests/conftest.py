@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -94,3 +94,25 @@ def vllm_reference(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
         yield ref
     finally:
         ref.quit()
+
+
+AGENT_LOG_LINES = 40
+"""Lines of each agent's log (its warnings and errors, the last ones) a failure report shows."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries what its agents logged at WARNING and above (each
+    `agent.log` under its `tmp_path`): a failure that only a loaded CI machine shows is
+    read from the CI log, not guessed at."""
+    report = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and isinstance(tmp, Path) and tmp.is_dir():
+        for log in sorted(tmp.rglob("agent.log")):
+            lines = [line for line in log.read_text(errors="replace").splitlines()
+                     if '"level":"WARNING"' in line or '"level":"ERROR"' in line]
+            if lines:
+                report.sections.append((f"agent log: {log.relative_to(tmp)}",
+                                        "\n".join(lines[-AGENT_LOG_LINES:])))
+    return report

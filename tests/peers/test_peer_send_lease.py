@@ -1,7 +1,8 @@
 """A chunk served to a peer keeps its read lease until the peer acknowledged its bytes:
 `sendfile` queues references to the arena's pages, so a DELETE and puts that reuse the
 extent while the bytes wait in the holder's send queue must not change what the peer
-receives."""
+receives. A peer on the holder's own kernel is handed the pages themselves, acknowledged
+before it reads them: it gets the arena's bytes by copy."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent import checksums
-from kvpool.agent.peers import wire
+from kvpool.agent.peers import auth, wire
 from kvpool.agent.peers.server import FETCH_BATCH_BYTES
 
 from .conftest import metric, wait_until
@@ -81,6 +82,35 @@ def test_a_chunk_deleted_and_its_extent_rewritten_while_its_bytes_wait_reaches_t
                    "the stalled reader's lease to end after the bound")
         with pytest.raises(ConnectionResetError):
             recv_exact(stuck, 64 * KiB)
+
+
+def test_a_peer_on_the_holders_kernel_reads_its_bytes_whole_after_they_are_acknowledged(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    # Network namespaces share one kernel: a reply's bytes that the reader has not read
+    # yet sit in its receive queue, acknowledged. Sent by reference, they would still be
+    # the arena's pages, and the DELETE and puts below would rewrite them.
+    with ExitStack() as stack:
+        ((a, ca),) = start(stack, net, tmp_path, secret, n=1, nvme=False, dram="2Mi",
+                           prefetch=False)
+        size = 32 * KiB
+        key, data, meta = os.urandom(16), os.urandom(size), b"k-meta"
+        assert ca.put(key, data, meta)
+        wait_until(lambda: "sent in batches by a compiled call" in a.log(),
+                   "the send kernel to be compiled")
+        with authenticated(net.nodes[0].addr, secret, my_id=auth.new_agent_id()) as s:
+            s.sendall(wire.encode_request(wire.OP_FETCH, 3, key, ""))
+            wait_until(lambda: metric(a, "kvpool_peer_requests_total", direction="served",
+                                      result="ok") == 1, "the holder to have sent the chunk")
+            # Copied into the socket: nothing of the arena is referenced, no lease held.
+            assert ca.stats()["leases"]["read"] == 0
+            assert ca.delete(key)
+            for _ in range(2 * (2 << 20) // size):  # the arena's worth of other bytes
+                assert ca.put(os.urandom(16), os.urandom(size))
+            head = wire.reply_head(recv_exact(s, wire.REPLY.size))
+            assert (head.status, head.rid, head.size) == (wire.OK, 3, size)
+            got_meta = recv_exact(s, head.meta_len)
+            recv_exact(s, head.tenant_len)
+            assert (recv_exact(s, size), got_meta) == (data, meta)
 
 
 def test_a_peer_that_stops_reading_a_pipelined_batch_holds_about_a_batchs_bytes(

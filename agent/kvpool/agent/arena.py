@@ -335,6 +335,12 @@ class Arena:
             self.write([(offset, len(data))], data)
 
     @property
+    def address(self) -> int:
+        """The mapping's address, for the kernel's own reads of it (a peer reply's `send`,
+        `peers.sendkernel`): a page past a shrunk file is EFAULT there, never SIGBUS."""
+        return self._base
+
+    @property
     def mapped_base(self) -> int:
         """The mapping's address where `write_run` copies into it through the kernel (the
         compiled peer receive writes there the same way, `peers.recvkernel`), else 0."""

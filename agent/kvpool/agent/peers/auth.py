@@ -8,10 +8,17 @@ likewise. Neither proof can be replayed (each covers the other side's fresh nonc
 reflected (the labels differ). The secret itself never crosses the wire. What it does
 not give: confidentiality of the bytes, or protection against a relay between two real
 agents; TLS (`peers.tls`) gives both (docs/cross-node.md).
+
+An agent id's first `KERNEL_TAG_BYTES` name the kernel the agent runs on (`kernel_tag`),
+the rest are random per process: a holder whose reader shares its kernel (the nodes of a
+kind cluster, the demo's, the tests' network namespaces) sends it arena bytes by copy, not
+by reference (`server.ChunkSource.copy_out`). A reader that lies about it only risks its
+own reads failing their checksum.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -21,6 +28,9 @@ from . import wire
 
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
+KERNEL_TAG_BYTES = 4
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+"""The running kernel's id, the same in every container and network namespace on it."""
 
 
 class AuthError(Exception):
@@ -39,6 +49,28 @@ def read_secret(path: Path) -> bytes:
 
 def nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
+
+
+@functools.cache
+def kernel_tag() -> bytes:
+    """`KERNEL_TAG_BYTES` naming the kernel this process runs on (a hash of its boot id);
+    random where there is none to read (then no other agent shares it)."""
+    try:
+        boot = BOOT_ID.read_bytes().strip()
+    except OSError:
+        return os.urandom(KERNEL_TAG_BYTES)
+    return hashlib.sha256(b"kvpool-kernel/" + boot).digest()[:KERNEL_TAG_BYTES]
+
+
+def new_agent_id() -> bytes:
+    """An agent's id for its process's life: its kernel's tag, then random bytes."""
+    return kernel_tag() + os.urandom(wire.AGENT_ID_BYTES - KERNEL_TAG_BYTES)
+
+
+def same_kernel(agent_id: bytes) -> bool:
+    """Whether the agent whose id this is runs on this process's kernel: bytes it
+    receives from a socket may still be references to this process's pages."""
+    return agent_id[:KERNEL_TAG_BYTES] == kernel_tag()
 
 
 def hello(agent_id: bytes, my_nonce: bytes) -> bytes:

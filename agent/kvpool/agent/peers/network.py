@@ -106,7 +106,7 @@ class PeerNetwork:
             self.secret = auth.read_secret(cfg.secret_file)
         except (OSError, ValueError) as e:
             raise ConfigError(f"peers.secretFile: {e}") from e
-        self.agent_id = os.urandom(16)
+        self.agent_id = auth.new_agent_id()
         self.m = PeerMetrics(registry, pool)
         self.directories = {tenant: PeerDirectory(cfg.delete_holdoff, cfg.max_entries)
                             for tenant in spaces}

@@ -1,6 +1,7 @@
 """A batch of FETCH replies sent in one compiled call that never takes the GIL: for each
 reply its head (`send`, flagged `MSG_MORE` where bytes follow, so it leaves in one segment
-with them) then its chunk's byte ranges (`sendfile` from the arena or the chunk's file),
+with them) then its chunk's byte ranges (`sendfile` from the arena or the chunk's file;
+`send` from the arena's mapping, a copy, where the reader shares this kernel),
 on the connection's non-blocking socket, each wait for room a `poll` bounded by the
 reply's deadline and ended early by a stop eventfd.
 
@@ -18,8 +19,9 @@ slots below): the socket, the stop eventfd (-1: none), the items and their count
 bound per reply in ns, the clock; the call answers how many replies went out whole,
 whether any byte of the next one went (`PARTIAL`), and errno. An item is six i64: the
 head's address and length, the file's descriptor, its ranges' address (pairs of offset,
-length) and count, and (written by the call) the clock's ns when its last byte was
-handed to the socket. Codes:
+length; with a negative descriptor, of address and length in this process's memory) and
+count, and (written by the call) the clock's ns when its last byte was handed to the
+socket. Codes:
 
 - DONE: every reply went out.
 - TIMEOUT: a reply took longer than the bound (a reader that stopped reading).
@@ -52,8 +54,8 @@ _FD, _STOP, _ITEMS, _NITEMS, _BOUND, _CLOCK = range(6)
 _DONE, _PARTIAL, _ERRNO = range(6, 9)
 CTX_SLOTS = 10
 ITEM = 6
-"""i64 slots per item: head address, head length, file fd, ranges address, range count,
-end (ns, written by the call)."""
+"""i64 slots per item: head address, head length, file fd (negative: the ranges are in
+memory), ranges address, range count, end (ns, written by the call)."""
 _FNS = ("send", "sendfile", "poll", "clock_gettime", "__errno_location")
 
 _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
@@ -210,6 +212,7 @@ item.in:
   %nrp = getelementptr i64, ptr %ip, i64 4
   %nr = load i64, ptr %nrp, align 8
   %endp = getelementptr i64, ptr %ip, i64 5
+  %memory = icmp slt i32 %ffd, 0
   %t0 = call i64 @now(ptr %fns, i32 %clock, ptr %ts)
   %dl = add i64 %t0, %bound
   store i64 %dl, ptr %vdl, align 8
@@ -261,7 +264,21 @@ sf:
   %sfdone = icmp sle i64 %left, 0
   br i1 %sfdone, label %range.next, label %sf.call
 sf.call:
-  %s = call i64 %sendfile(i32 %fd, i32 %ffd, ptr %vpos, i64 %left)
+  br i1 %memory, label %sm.call, label %sf.file
+sf.file:
+  %s.f = call i64 %sendfile(i32 %fd, i32 %ffd, ptr %vpos, i64 %left)
+  br label %sf.got
+sm.call:
+  %at = load i64, ptr %vpos, align 8
+  %atp = inttoptr i64 %at to ptr
+  %s.m = call i64 %sendp(i32 %fd, ptr %atp, i64 %left, i32 {_SEND_FLAGS})
+  %smpos = icmp sgt i64 %s.m, 0
+  %smstep = select i1 %smpos, i64 %s.m, i64 0
+  %at.n = add i64 %at, %smstep
+  store i64 %at.n, ptr %vpos, align 8
+  br label %sf.got
+sf.got:
+  %s = phi i64 [%s.f, %sf.file], [%s.m, %sm.call]
   %spos = icmp sgt i64 %s, 0
   br i1 %spos, label %sf.sent, label %sf.not
 sf.sent:
@@ -352,7 +369,8 @@ compile_soon = _compiled.compile_soon
 
 class Batch:
     """The replies of one call, packed for the kernel: each its head, then the byte
-    `ranges` (offset, length) of `file` (none: a head alone, ABSENT)."""
+    `ranges` (offset, length) of `file`, or, where `file` is negative, (address, length)
+    of this process's memory, copied into the socket (none: a head alone, ABSENT)."""
 
     def __init__(self) -> None:
         self.heads: list[bytes] = []

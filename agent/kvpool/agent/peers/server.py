@@ -63,7 +63,17 @@ _owners = iter(range(-1, -(1 << 62), -1))
 class ChunkSource:
     """Where a chunk's bytes are, for the time they are sent: `fd` (owned: closed by
     `close`) at the byte `ranges`, in order; or, with `data`, those bytes themselves (the
-    heap copy of a chunk on its way from DRAM to NVMe: no file holds it yet; `fd` is -1)."""
+    heap copy of a chunk on its way from DRAM to NVMe: no file holds it yet; `fd` is -1).
+    `address`: where the file is mapped in this process (the arena's: 0 for a chunk file).
+
+    Bytes sent by reference (`sendfile`) stay the arena's pages until the kernel lets go
+    of them. Between two hosts that is the peer's acknowledgement (`unacked`), but a
+    reader on this kernel (kind's nodes, the demo's, network namespaces) is handed the
+    pages themselves, acknowledged as they reach its receive queue and read later: the
+    extent freed and rewritten meanwhile, it would receive the new bytes (a checksum
+    failure there, and this holder marked suspect). So an arena chunk goes to such a reader
+    by copy (`copy_out`), its lease ended as soon as the send is over. A chunk file is
+    never rewritten in place (a rewrite is a new inode): its pages may be referenced."""
 
     size: int
     checksum: int
@@ -74,6 +84,35 @@ class ChunkSource:
     ranges: list[tuple[int, int]]
     release: Callable[[], None] = field(default=lambda: None)
     data: bytes | memoryview | None = None
+    address: int = 0
+    copy_out: bool = False
+    """Sent by copy from the mapping at `address` (a batch's `send`): no byte of it is
+    referenced once the send is over."""
+
+    def copy_to(self, local: bool) -> bool:
+        """Whether this source goes by copy to a reader (`local`: on this kernel), as an
+        arena chunk must; marks it so (`copy_out`)."""
+        self.copy_out = local and self.address != 0 and self.data is None
+        return self.copy_out
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        """`ranges` as (address, length) in the mapping."""
+        return [(self.address + at, n) for at, n in self.ranges]
+
+    def copied(self) -> ChunkSource:
+        """The same chunk as bytes of this process (`data`), read now; this source's lease
+        ends and its descriptor closes. A file cut under the read is a ConnectionError
+        (the reply cannot go whole)."""
+        try:
+            pieces = [os.pread(self.fd, n, at) for at, n in self.ranges]
+        finally:
+            self.close()
+        data = b"".join(pieces)
+        if len(data) != self.size:
+            raise ConnectionError(f"the arena ends {self.size - len(data)} bytes short of "
+                                  "the chunk")
+        return ChunkSource(self.size, self.checksum, self.kind, self.meta, self.tenant, -1,
+                           [(0, self.size)], data=data)
 
     def close(self) -> None:
         try:
@@ -340,6 +379,9 @@ class PeerServer:
                         peer: str, owner: int, client_id: bytes,
                         unacked: Unacked | None, direct: DirectSender | None,
                         batches: list[BatchSender]) -> None:
+        local = self.tls is None and auth.same_kernel(client_id)
+        """The reader runs on this kernel: arena chunks go to it by copy (`ChunkSource`;
+        under TLS every byte sent is a copy already)."""
         offers: deque[asyncio.Task[None]] = deque()
         """PUSH offers of this connection under way, in order: each answers once the one
         before it has (replies keep the requests' order)."""
@@ -376,9 +418,10 @@ class PeerServer:
                         batches.append(made)
                     if batches and batches[0].free():
                         await self._fetch_batch(reader, writer, peer, owner, (rid, tenant, key),
-                                                unacked, direct, batches[0])
+                                                local, unacked, direct, batches[0])
                         continue
-                await self._fetch(writer, peer, owner, rid, tenant, key, unacked, direct)
+                await self._fetch(writer, peer, owner, rid, tenant, key, local, unacked,
+                                  direct)
         finally:
             for task in offers:  # the connection is gone: its offers go with it
                 task.cancel()
@@ -425,11 +468,13 @@ class PeerServer:
         await writer.drain()
 
     async def _fetch(self, writer: asyncio.StreamWriter, peer: str, owner: int, rid: int,
-                     tenant: str, key: bytes, unacked: Unacked | None,
+                     tenant: str, key: bytes, local: bool, unacked: Unacked | None,
                      direct: DirectSender | None) -> None:
         start = time.monotonic()
         holdings = self.spaces.get(tenant)
         source = None if holdings is None else await holdings.peer_source(key, owner)
+        if source is not None and source.copy_to(local):
+            source = source.copied()  # (the loop's way has no send from the mapping)
         await self._reply(writer, peer, rid, source, unacked, direct, start)
 
     async def _reply(self, writer: asyncio.StreamWriter, peer: str, rid: int,
@@ -478,7 +523,7 @@ class PeerServer:
 
     async def _fetch_batch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            peer: str, owner: int, first: tuple[int, str, bytes],
-                           unacked: Unacked, direct: DirectSender,
+                           local: bool, unacked: Unacked, direct: DirectSender,
                            batcher: BatchSender) -> None:
         """A FETCH and those already buffered behind it (a reader's batch, one write),
         answered in order: their sources taken and leased here, their replies sent by a
@@ -536,10 +581,13 @@ class PeerServer:
                     batch.add(wire.encode_reply(wire.ABSENT, rid), -1, [])
                 else:
                     batched += source.size
-                    batch.add(wire.encode_reply(
+                    head = wire.encode_reply(
                         wire.OK, rid, kind=source.kind, size=source.size,
-                        checksum=source.checksum, meta=source.meta, tenant=source.tenant),
-                        source.fd, source.ranges)
+                        checksum=source.checksum, meta=source.meta, tenant=source.tenant)
+                    if source.copy_to(local):
+                        batch.add(head, -1, source.memory_ranges())
+                    else:
+                        batch.add(head, source.fd, source.ranges)
                 taken.append(source)
                 if source is not None and n == 0 and len(requests) > 1:
                     # The first chunk of a batch leaves now, before the sources of the
@@ -567,9 +615,10 @@ class PeerServer:
     async def _send_batch(self, batcher: BatchSender, batch: sendkernel.Batch,
                           taken: list[ChunkSource | None], peer: str, start: float,
                           unacked: Unacked) -> None:
-        """Send `batch` on a worker; then each chunk that went, whole or in part, has its
-        lease held until its bytes are acknowledged, the rest are released (no byte of
-        them is in the socket). Empties `taken`. Raises what ended the batch early."""
+        """Send `batch` on a worker; then each chunk that went by reference, whole or in
+        part, has its lease held until its bytes are acknowledged, the rest are released
+        (sent by copy, or no byte of them is in the socket). Empties `taken`. Raises what
+        ended the batch early."""
         if not taken:
             return
         code = sendkernel.ERRNO
@@ -585,10 +634,13 @@ class PeerServer:
                     if i < done:
                         self.m.served(peer, "absent", batch.end(i) - start)
                 elif i < done or (i == done and partial):
-                    # Sent with sendfile (whole, or in part): the socket's queue refers to
-                    # the chunk's pages until the peer acknowledges them (or a reset).
-                    os.close(source.fd)
-                    unacked.hold(source.release, i < done)
+                    if source.copy_out:
+                        source.close()  # copied into the socket: no page of it referenced
+                    else:
+                        # Sent with sendfile (whole, or in part): the socket's queue refers
+                        # to the chunk's pages until the peer acknowledges them (or a reset).
+                        os.close(source.fd)
+                        unacked.hold(source.release, i < done)
                     if i < done:
                         self.m.served(peer, "ok", batch.end(i) - start, source.size)
                 else:

@@ -18,8 +18,9 @@ from ..constants import KEY_BYTES
 MAGIC = b"KVPP"
 VERSION = 1
 
-HELLO = struct.Struct("<4sH16s32s")
-"""magic, version, agent id (random per process), nonce."""
+AGENT_ID_BYTES = 16
+HELLO = struct.Struct(f"<4sH{AGENT_ID_BYTES}s32s")
+"""magic, version, agent id (its kernel's tag, then random per process: `auth`), nonce."""
 PROOF_BYTES = 32
 ACCEPTED = b"\x01"
 """The server's answer to a good client proof: requests may follow."""
