@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.agent import checksums
 from kvpool.agent.peers import auth, wire
-from kvpool.agent.peers.server import FETCH_BATCH_BYTES
+from kvpool.agent.peers.server import FETCH_BATCH_BYTES, ChunkSource
 
 from .conftest import metric, wait_until
 from .nodes import Network, in_ns
@@ -141,3 +141,33 @@ def test_a_peer_that_stops_reading_a_pipelined_batch_holds_about_a_batchs_bytes(
             head = wire.reply_head(recv_exact(other, wire.REPLY.size))
             assert (head.status, head.rid, head.size) == (wire.OK, 99, size)
             recv_exact(other, head.meta_len + head.tenant_len + size)
+
+
+def test_a_source_copied_for_the_loops_way_ends_its_lease_and_keeps_its_bytes(
+        tmp_path: Path) -> None:
+    # The event loop's way of a reply (before the send kernel is compiled, or with every
+    # worker busy) has no send from the mapping: a reader on this kernel gets a copy.
+    arena = tmp_path / "arena"
+    arena.write_bytes(os.urandom(64 * KiB))
+    whole = arena.read_bytes()
+    released: list[bool] = []
+
+    def source(ranges: list[tuple[int, int]]) -> ChunkSource:
+        size = sum(n for _, n in ranges)
+        return ChunkSource(size, 7, 1, b"m", "t", os.open(arena, os.O_RDONLY), ranges,
+                           lambda: released.append(True), address=1 << 30)
+
+    split = source([(4 * KiB, 8 * KiB), (32 * KiB, 4 * KiB)])
+    assert not split.copy_to(local=False)  # a reader on another kernel: by reference
+    assert split.copy_to(local=True)
+    got = split.copied()
+    assert got.data == whole[4 * KiB:12 * KiB] + whole[32 * KiB:36 * KiB]
+    assert (got.size, got.checksum, got.kind, got.meta, got.tenant) == (12 * KiB, 7, 1, b"m", "t")
+    assert released == [True]
+    with pytest.raises(OSError):
+        os.fstat(split.fd)  # its descriptor closed
+    os.truncate(arena, 40 * KiB)  # a client shrank the arena under the read
+    cut = source([(36 * KiB, 8 * KiB)])
+    with pytest.raises(ConnectionError, match="short"):
+        cut.copied()
+    assert released == [True, True]
