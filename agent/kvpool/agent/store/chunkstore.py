@@ -419,7 +419,7 @@ class ChunkStore:
                 self.dram.close_read(lease.id, owner)
             return ChunkSource(chunk.size, chunk.checksum, chunk.checksum_kind, chunk.meta,
                                chunk.tenant, self.dram.dup_fd(), list(chunk.extents),
-                               release, address=self.dram.arena.address)
+                               release, address=self.dram.address)
         copy = self.nvme.copy_of(key) if self.nvme is not None else None
         if copy is not None:
             self.m.read_bytes["nvme"].inc(copy.size)

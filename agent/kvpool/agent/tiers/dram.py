@@ -204,6 +204,12 @@ class DramTier:
     def checksum_of(self, extents: Extents, meta: bytes, kind: int) -> int:
         return self.arena.checksum(extents, meta, kind)
 
+    @property
+    def address(self) -> int:
+        """The arena's mapping address, where a peer reply to a reader on this kernel is
+        copied from (`Arena.address`)."""
+        return self.arena.address
+
     def dup_fd(self) -> int:
         """A descriptor of the arena file of the caller's own (it closes it)."""
         return os.dup(self.arena.fd)
