@@ -272,47 +272,54 @@ def test_a_stopped_peer_costs_a_window_one_timeout_then_its_reads_are_misses_at_
         assert out == data
 
 
-def test_a_slow_link_costs_one_windows_tail_then_its_batches_are_sized_to_land_in_time(
+def test_batches_on_a_slow_link_are_sized_to_land_in_time(
         net: Network, tmp_path: Path, secret: Path) -> None:
-    """A link slower than a batch: node 0 sends at 200 Mbit/s, so a window's first batch
-    (32 chunks of 1 MiB, ~1.3 s) cannot land within `peers.timeout` (1 s) and its tail
-    times out. The peer kept answering meanwhile: it is not marked slow (its chunks stay
-    readable), and the batches after are sized to what the link delivered (`LinkRate`):
-    the next windows come whole from the peer, with their bytes, and no read times out."""
+    """A link slower than a batch: node 0 sends at 200 Mbit/s, so 32 chunks of 1 MiB (~1.3
+    s) cannot land within `peers.timeout` (1 s) in one batch. Node 1, which never read from
+    it, reads a window whole: its link unmeasured, its batches start at 8 MiB (`LinkRate`).
+    Node 2 read a window at full speed first: its first batch after the throttle is sized
+    for that, and its tail times out. The peer kept answering meanwhile: it is not marked
+    slow (its chunks stay readable), and node 2's next window comes whole, no read timing
+    out, every byte right."""
     with ExitStack() as stack:
-        (_, ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False,
-                                 timeout="1s", prefetch=False, dram="128Mi")
-        reader = stack.enter_context(KVPoolClient(b.socket_path, lease_free=True))
-        windows = [[os.urandom(16) for _ in range(32)] for _ in range(3)]
+        (_, ca), (b, cb), (c, cc) = start(stack, net, tmp_path, secret, timeout="1s",
+                                          nvme=False, prefetch=False, dram="160Mi")
+        windows = [[os.urandom(16) for _ in range(32)] for _ in range(4)]
         data = {k: os.urandom(MiB) for w in windows for k in w}
         for w in windows:
             ca.put_many(w, [data[k] for k in w])
-        for w in windows:  # (a LOOKUP each: a window's reads do not run on into the next)
-            seen_as(cb, w, ["peer"] * len(w))
+        for client in (cb, cc):
+            for w in windows:  # (a LOOKUP each: a window's reads do not run on into the next)
+                seen_as(client, w, ["peer"] * len(w))
+
+        def timeouts(agent: LocalAgent) -> float:
+            return metric(agent, "kvpool_peer_requests_total", direction="read",
+                          result="timeout")
+
+        def read(agent: LocalAgent, w: list[bytes], whole: bool = True) -> None:
+            with KVPoolClient(agent.socket_path, lease_free=True) as reader:
+                out = [bytearray(MiB) for _ in w]
+                got = reader.get_many_into(w, lambda i, n, meta: out[i])
+            if whole:
+                assert got == [MiB] * len(w)
+            assert [bytes(o) for o, n in zip(out, got, strict=True) if n] == \
+                [data[k] for k, n in zip(w, got, strict=True) if n]
+
+        read(c, windows[0])  # at full speed: node 2's link measured fast
         in_ns(net.nodes[0], "tc", "qdisc", "add", "dev", net.nodes[0].inner, "root", "tbf",
               "rate", "200mbit", "burst", "256kb", "latency", "400ms")
-
-        def timeouts() -> float:
-            return metric(b, "kvpool_peer_requests_total", direction="read", result="timeout")
-
-        first = [bytearray(MiB) for _ in windows[0]]
-        got = reader.get_many_into(windows[0], lambda i, n, meta: first[i])
-        assert timeouts() > 0  # (the link moves 32 MiB in ~1.3 s: past the timeout)
-        assert all(n in (0, MiB) for n in got)
-        assert [bytes(f) for f, n in zip(first, got, strict=True) if n] == \
-            [data[k] for k, n in zip(windows[0], got, strict=True) if n]
-        assert "reads timed out on a slow link" in b.log()
-        assert "not read from for" not in b.log()  # the peer was never marked slow
-        rate = metric(b, "kvpool_peer_link_bytes_per_second")
-        assert 0 < rate <= 200e6 / 8 * 1.1  # what the token bucket lets through, at most
-        missed = timeouts()
-        for w in windows[1:]:
-            assert cb.lookup_tiers(w) == ["peer"] * len(w)  # still readable
-            out = [bytearray(MiB) for _ in w]
-            assert reader.get_many_into(w, lambda i, n, meta, out=out: out[i]) == [MiB] * len(w)
-            assert [bytes(o) for o in out] == [data[k] for k in w]
-        assert timeouts() == missed
-        assert "not read from for" not in b.log()
+        read(b, windows[1])
+        assert timeouts(b) == 0
+        assert 0 < metric(b, "kvpool_peer_link_bytes_per_second") <= 200e6 / 8 * 1.1
+        read(c, windows[2], whole=False)
+        assert timeouts(c) > 0  # (a 32 MiB batch: past the timeout)
+        assert "reads timed out on a slow link" in c.log()
+        missed = timeouts(c)
+        assert cc.lookup_tiers(windows[3]) == ["peer"] * 32  # still readable
+        read(c, windows[3])
+        assert timeouts(c) == missed
+        for agent in (b, c):
+            assert "not read from for" not in agent.log()  # the peer never marked slow
 
 
 def test_a_node_with_live_links_stops_without_an_error_in_its_log(

@@ -29,7 +29,8 @@ for the next batch of the run sharing the link (it goes out before this one has 
 and for the measure's noise."""
 WEIGHT = 0.5
 """How much each batch's measure moves the estimate (an exponential average: a link that
-slows down or recovers is followed within a few batches)."""
+recovers is followed within a few batches). A batch cut short by its deadline sets it
+(`measured`'s `short`)."""
 
 
 class LinkRate:
@@ -37,29 +38,45 @@ class LinkRate:
 
     def __init__(self) -> None:
         self.bytes_per_second: float | None = None
-        """None until a batch has landed: batches are not cut until then."""
+        """None until a batch has landed (its batches are `MIN_BATCH_BYTES` until then)."""
         self.replied_at = 0.0
         """When (monotonic) a reply last arrived whole on any connection to the peer."""
 
     def replied(self) -> None:
         self.replied_at = time.monotonic()
 
-    def measured(self, nbytes: int, seconds: float) -> None:
+    def measured(self, nbytes: int, seconds: float, short: bool = False) -> None:
         """`nbytes` of replies received in `seconds` from the batch's write (the bytes of the
-        replies that came whole; of a batch that timed out, those that came before)."""
+        replies that came whole; of a batch that timed out, `short`, those that came
+        before). A batch that timed out while replies came moved all the link could: below
+        the estimate, the measure replaces it. Averaged in, a link measured at 1 GB/s that
+        fell to 25 MB/s kept an estimate 20x too high for four more batches, each of which
+        lost its tail."""
         if nbytes <= 0 or seconds <= 0:
             return
         rate = nbytes / seconds
         was = self.bytes_per_second
-        self.bytes_per_second = rate if was is None else was + WEIGHT * (rate - was)
+        if was is None or (short and rate < was):
+            self.bytes_per_second = rate
+        else:
+            self.bytes_per_second = was + WEIGHT * (rate - was)
 
     def batch_bytes(self, timeout: float, most: int) -> int:
         """The most chunk bytes one batch should ask for, of at most `most`: what the link
-        moves in `TIMEOUT_SHARE` of `timeout`, not under `MIN_BATCH_BYTES`."""
+        moves in `TIMEOUT_SHARE` of `timeout`, not under `MIN_BATCH_BYTES`; on a link not
+        measured yet, `MIN_BATCH_BYTES`: a first batch sized for a fast link lost its tail
+        on a slow one, and on a fast one the next batch is sized to it milliseconds later."""
+        floor = min(most, MIN_BATCH_BYTES)
         rate = self.bytes_per_second
         if rate is None:
-            return most
-        return max(min(most, MIN_BATCH_BYTES), min(most, int(rate * timeout * TIMEOUT_SHARE)))
+            return floor
+        return max(floor, min(most, int(rate * timeout * TIMEOUT_SHARE)))
+
+    def cut(self, timeout: float, most: int) -> bool:
+        """Whether the link's measured speed cuts its batches below `most` (`batch_bytes`):
+        it is slower than `most` in `TIMEOUT_SHARE` of `timeout`."""
+        rate = self.bytes_per_second
+        return rate is not None and rate * timeout * TIMEOUT_SHARE < most
 
     def stalled_since(self, queued: float) -> bool:
         """Whether no reply came from the peer since `queued` (a read's queueing): a read

@@ -306,11 +306,11 @@ class PeerLink:
             log.warning("peer %s: a read took longer than peers.timeout: not read from for "
                         "%g s", self.name, SLOW_SECONDS)
 
-    def _measured(self, nbytes: int, sent: float) -> None:
-        """A batch's replies of `nbytes` came whole since its write at `sent`: the link's
-        speed (`LinkRate`) and its gauge follow."""
+    def _measured(self, nbytes: int, sent: float, short: bool = False) -> None:
+        """A batch's replies of `nbytes` came whole since its write at `sent` (`short`: then
+        its deadline passed): the link's speed (`LinkRate`) and its gauge follow."""
         if nbytes:
-            self.rate.measured(nbytes, time.monotonic() - sent)
+            self.rate.measured(nbytes, time.monotonic() - sent, short)
             self.m.link_rate(self.name, self.rate.bytes_per_second or 0.0)
 
     def _slow_link(self) -> None:
@@ -822,7 +822,7 @@ class PeerLink:
             keep = True
             self._measured(got, sent)
         except TimeoutError:
-            self._measured(got, sent)
+            self._measured(got, sent, short=True)
             for w in batch[done:]:
                 self._settle(w, TIMEOUT)
         except (OSError, wire.WireError, ssl.SSLError) as e:

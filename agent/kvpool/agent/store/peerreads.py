@@ -166,8 +166,8 @@ class PeerReads:
         """The first of `keys` that a peer holds and nobody is reading yet, within one
         batch's caps (`whole`: the batch is these keys alone; otherwise one more): at most
         `MAX_BATCH` reads, and per peer the bytes its link lands in part of `peers.timeout`
-        (`LinkRate.batch_bytes`: `MAX_BATCH_BYTES` on a fast link; a batch of these
-        keys alone takes at least one)."""
+        (`LinkRate.batch_bytes`: `MAX_BATCH_BYTES` on a fast link, 8 MiB on one not
+        measured yet; a batch of these keys alone takes at least one)."""
         peer = self.store.peer
         assert peer is not None
         out: list[bytes] = []
@@ -257,11 +257,11 @@ class PeerReads:
                     continue  # no room now: the shared tier, or a miss
                 items = by_link.setdefault(got[0], [])
                 items.append((i, extents))
-                if lead and i == 0 and len(keys) > 1 and got[0].spare() >= 2:
+                if lead and i == 0 and len(keys) > 1 and _two_at_once(got[0], peer.timeout):
                     send(got[0], items, alone=True)
                     items.clear()
             for link, items in by_link.items():
-                if len(items) >= STRIPE_MIN and link.spare() >= 2:
+                if len(items) >= STRIPE_MIN and _two_at_once(link, peer.timeout):
                     # Every second read on a second connection: both connections' chunks
                     # land in the batch's order, each connection's on its own thread.
                     send(link, items[0::2], alone=True)
@@ -464,6 +464,16 @@ class PeerReads:
                 return bytes(codes), read
             codes.append(0)  # (not coming)
         return bytes(codes), None
+
+
+def _two_at_once(link: PeerLink, timeout: float) -> bool:
+    """Whether a batch's reads from `link` may go on two of its connections at once (its
+    lead alone, the rest striped): where it has two spare and its measured speed does not
+    cut its batches (`LinkRate.cut`). On a slow link the link, not a receiving thread, is
+    what limits the reads, and a batch on one connection measures the whole link: on two,
+    each measured half of it, and batches sized to that (at the 8 MiB floor, two at once)
+    overran `peers.timeout` on a link that moves 16 MiB in it."""
+    return link.spare() >= 2 and not link.rate.cut(timeout, MAX_BATCH_BYTES)
 
 
 def _chain_at(sizes: list[int]) -> int:
