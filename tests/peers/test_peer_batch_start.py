@@ -160,13 +160,15 @@ def test_a_clients_first_fetch_goes_alone_before_the_rest_of_its_batch(
 
 class CorruptFirstPeer(ScriptedPeer):
     """A peer that announces `chunks`, answers a FETCH of `first` with bytes that fail
-    their checksum, and holds its replies on every other connection until the reader has
-    closed the connection of that corrupt reply (it has the chunk checked by then, and the
-    peer marked suspect)."""
+    their checksum once another connection has asked for the rest (before it, a reader
+    that took the corrupt reply first would ask nothing more of a suspect peer), and holds
+    its replies on every other connection until the reader has closed the connection of
+    that corrupt reply (it has the chunk checked by then, and the peer marked suspect)."""
 
     def __init__(self, host: str, secret: bytes, chunks: dict[bytes, bytes],
                  first: bytes) -> None:
         self.chunks, self.first = chunks, first
+        self.asked = threading.Event()
         self.dropped = threading.Event()
         super().__init__(host, secret)
 
@@ -179,8 +181,10 @@ class CorruptFirstPeer(ScriptedPeer):
             data = self.chunks[key]
             checksum = checksums.compute(checksums.XXH3, [data])
             if key == self.first:
+                self.asked.wait(HoldingPeer.HOLD)
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             else:
+                self.asked.set()
                 self.dropped.wait(HoldingPeer.HOLD)
             conn.sendall(chunk_reply(rid, data, checksum))
             try:
