@@ -8,7 +8,9 @@ could free the extents, a put could rewrite them, and the peer would receive the
 bytes: a checksum failure on its side (a miss, never wrong KV) and an honest holder marked
 suspect. So a connection's chunk leases end once the kernel no longer needs the pages:
 once the peer acknowledged the chunk's last byte, or the connection was reset (which
-purges its send queue).
+purges its send queue). That holds for a peer on another host only: one on this kernel
+acknowledges the pages themselves as they reach its receive queue, before it reads them,
+and is sent arena chunks by copy instead (`server.ChunkSource`), with no lease held here.
 
 The kernel's own counters say where a chunk ends and what is acknowledged, so no write of
 the connection needs counting: right after a chunk's last byte went to the socket (nothing
