@@ -6,12 +6,16 @@ after it; each head leaves in the segment of its chunk's first bytes; a reader t
 bytes ends the batch with a timeout, saying how far it went, and one that resets the
 connection with the call's errno; a reset of the connection (`Unacked.reset`) stops a batch
 waiting for room and aborts the transport only once the worker's call is over, and so does a
-cancellation; a file that ends before its range ends the batch."""
+cancellation; a file that ends before its range ends the batch. Memory ranges (what a reader
+on the holder's kernel is sent: copies out of the arena's mapping) go in the same call, and
+a mapped page past a file a client shrank ends the batch with EFAULT, never a SIGBUS."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
+import mmap
 import os
 import socket
 import struct
@@ -202,3 +206,60 @@ def test_a_file_that_ends_before_its_range_ends_the_batch(tmp_path: Path) -> Non
             sender.close()
 
     asyncio.run(main())
+
+
+def test_memory_ranges_arrive_in_order_among_file_ranges(tmp_path: Path) -> None:
+    data = os.urandom(CHUNK)
+    path = tmp_path / "chunk"
+    path.write_bytes(data)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with served(path) as (writer, reader, fd):
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), CHUNK) as mm:
+                base = _address(mm)
+                taking = loop.run_in_executor(None, take, reader, 2 + CHUNK + 2 + 100 + 2 + 50,
+                                              64 << 10)
+                sender = _sender(writer)
+                batch = sendkernel.Batch()
+                half = CHUNK // 2
+                batch.add(b"M1", -1, [(base, half), (base + half, CHUNK - half)])
+                batch.add(b"F2", fd, [(0, 100)])
+                batch.add(b"M3", -1, [(base + 1000, 50)])
+                assert await sender.send(batch, 30.0) == sendkernel.DONE
+                assert (batch.done, batch.partial) == (3, False)
+                received = await taking
+                sender.close()
+        assert received == b"M1" + data + b"F2" + data[:100] + b"M3" + data[1000:1050]
+
+    asyncio.run(main())
+
+
+def test_a_mapped_page_past_a_shrunk_file_ends_the_batch_with_efault(tmp_path: Path) -> None:
+    path = tmp_path / "arena"
+    path.write_bytes(os.urandom(4 * 4096))
+
+    async def main() -> None:
+        async with served(path) as (writer, _reader, _fd):
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4 * 4096) as mm:
+                base = _address(mm)
+                os.truncate(path, 4096)  # as a client's fd of the arena can
+                sender = _sender(writer)
+                batch = sendkernel.Batch()
+                batch.add(b"OK", -1, [(base, 100)])
+                batch.add(b"PAST", -1, [(base + 2 * 4096, 4096)])
+                assert await sender.send(batch, 5.0) == sendkernel.ERRNO
+                assert batch.errno == errno.EFAULT
+                assert (batch.done, batch.partial) == (1, True)
+                sender.close()
+
+    asyncio.run(main())
+
+
+def _address(mm: mmap.mmap) -> int:
+    """The mapping's address (the anchor goes at once: the mapping may close after)."""
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
