@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.agent import checksums
+from kvpool.agent.client import KVPoolClient
 from kvpool.agent.peers import auth, wire
 from kvpool.agent.peers.server import FETCH_BATCH_BYTES, ChunkSource
 
@@ -33,6 +34,21 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
         assert more, "the holder closed the connection mid-reply"
         out += more
     return out
+
+
+def reply_after_rewrite(client: KVPoolClient, s: socket.socket, key: bytes, rid: int,
+                        size: int) -> tuple[wire.ReplyHead, bytes, bytes]:
+    """`key` deleted and a 2 MiB arena's worth of other chunks of `size` put (its extent
+    rewritten), then the reply to FETCH `rid` of it read from `s`: (its head, its bytes, its
+    metadata), the head an OK of `size` bytes."""
+    assert client.delete(key)
+    for _ in range(2 * (2 << 20) // size):
+        assert client.put(os.urandom(16), os.urandom(size))
+    head = wire.reply_head(recv_exact(s, wire.REPLY.size))
+    assert (head.status, head.rid, head.size) == (wire.OK, rid, size)
+    meta = recv_exact(s, head.meta_len)
+    recv_exact(s, head.tenant_len)
+    return head, recv_exact(s, size), meta
 
 
 def test_a_chunk_deleted_and_its_extent_rewritten_while_its_bytes_wait_reaches_the_peer_whole(
@@ -66,14 +82,7 @@ def test_a_chunk_deleted_and_its_extent_rewritten_while_its_bytes_wait_reaches_t
                                       result="ok") == 2, "the holder to have sent the chunk")
             # Sent, not acknowledged: the leases hold the chunks' pages.
             assert ca.stats()["leases"]["read"] == 2
-            assert ca.delete(key)
-            for _ in range(2 * (2 << 20) // size):  # the arena's worth of other bytes
-                assert ca.put(os.urandom(16), os.urandom(size))
-            head = wire.reply_head(recv_exact(s, wire.REPLY.size))
-            assert (head.status, head.rid, head.size) == (wire.OK, 7, size)
-            got_meta = recv_exact(s, head.meta_len)
-            recv_exact(s, head.tenant_len)
-            got = recv_exact(s, size)
+            head, got, got_meta = reply_after_rewrite(ca, s, key, 7, size)
             assert checksums.compute(head.kind, [got], got_meta) == head.checksum
             assert (got, got_meta) == (data, meta)
         wait_until(lambda: ca.stats()["leases"] == {"read": 1, "write": 0},
@@ -103,14 +112,8 @@ def test_a_peer_on_the_holders_kernel_reads_its_bytes_whole_after_they_are_ackno
                                       result="ok") == 1, "the holder to have sent the chunk")
             # Copied into the socket: nothing of the arena is referenced, no lease held.
             assert ca.stats()["leases"]["read"] == 0
-            assert ca.delete(key)
-            for _ in range(2 * (2 << 20) // size):  # the arena's worth of other bytes
-                assert ca.put(os.urandom(16), os.urandom(size))
-            head = wire.reply_head(recv_exact(s, wire.REPLY.size))
-            assert (head.status, head.rid, head.size) == (wire.OK, 3, size)
-            got_meta = recv_exact(s, head.meta_len)
-            recv_exact(s, head.tenant_len)
-            assert (recv_exact(s, size), got_meta) == (data, meta)
+            _, got, got_meta = reply_after_rewrite(ca, s, key, 3, size)
+            assert (got, got_meta) == (data, meta)
 
 
 def test_a_peer_that_stops_reading_a_pipelined_batch_holds_about_a_batchs_bytes(
