@@ -67,16 +67,20 @@ class LinkRate:
         measured yet, `MIN_BATCH_BYTES`: a first batch sized for a fast link lost its tail
         on a slow one, and on a fast one the next batch is sized to it milliseconds later."""
         floor = min(most, MIN_BATCH_BYTES)
-        rate = self.bytes_per_second
-        if rate is None:
-            return floor
-        return max(floor, min(most, int(rate * timeout * TIMEOUT_SHARE)))
+        lands = self._lands(timeout)
+        return floor if lands is None else max(floor, min(most, lands))
 
     def cut(self, timeout: float, most: int) -> bool:
         """Whether the link's measured speed cuts its batches below `most` (`batch_bytes`):
         it is slower than `most` in `TIMEOUT_SHARE` of `timeout`."""
+        lands = self._lands(timeout)
+        return lands is not None and lands < most
+
+    def _lands(self, timeout: float) -> int | None:
+        """Bytes the link moves in `TIMEOUT_SHARE` of `timeout` at its measured speed;
+        None before it is measured."""
         rate = self.bytes_per_second
-        return rate is not None and rate * timeout * TIMEOUT_SHARE < most
+        return None if rate is None else int(rate * timeout * TIMEOUT_SHARE)
 
     def stalled_since(self, queued: float) -> bool:
         """Whether no reply came from the peer since `queued` (a read's queueing): a read
