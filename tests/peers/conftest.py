@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.agent.config import Peers
+from kvpool.agent.peers.credentials import Credentials
 from kvpool.bench.local import LocalAgent
 
 from ..support import scrape
@@ -31,6 +33,11 @@ def secret(tmp_path: Path) -> Path:
     path.write_bytes(os.urandom(32).hex().encode())
     path.chmod(0o400)
     return path
+
+
+def credentials(secret: Path) -> Credentials:
+    """The credentials of an agent of the pool whose secret is in `secret` (plain TCP)."""
+    return Credentials(Peers(enabled=True, secret_file=secret))
 
 
 def metric(agent: LocalAgent, name: str, **labels: str) -> float:

@@ -22,6 +22,7 @@ from kvpool.agent.peers.metrics import PeerMetrics
 from kvpool.agent.peers.network import PeerNetwork
 from kvpool.bench.local import free_port
 
+from .conftest import credentials
 from .nodes import PEER_PORT
 
 B, C = "10.0.0.2:9410", "10.0.0.3:9410"
@@ -108,11 +109,11 @@ def test_the_file_is_rewritten_from_what_waits_and_stays_bounded(
 
 
 def test_a_link_keeps_its_file_as_its_deletes_go_are_refused_and_dropped(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, secret: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "peer-deletes"
     dlog, _ = DeleteLog.open(path)
-    link = PeerLink(0, "192.0.2.1", PEER_PORT, secret=bytes(32), agent_id=bytes(16),
-                    connections=1, tls=None, directories={},
+    link = PeerLink(0, "192.0.2.1", PEER_PORT, credentials=credentials(secret),
+                    agent_id=bytes(16), connections=1, directories={},
                     metrics=PeerMetrics(CollectorRegistry(), "p"))
     link.log = dlog
     name = link.name

@@ -18,7 +18,7 @@ from kvpool.agent.peers import links
 from kvpool.agent.peers.links import PeerLink
 from kvpool.agent.peers.metrics import PeerMetrics
 
-from .conftest import metric, wait_until
+from .conftest import credentials, metric, wait_until
 from .nodes import PEER_PORT, Network, block, peer_agent
 from .test_peer_reads import seen_as
 
@@ -86,10 +86,11 @@ def test_a_peer_back_from_a_restart_that_refuses_a_delete_is_never_read_for_the_
         assert ca.lookup_tiers([key]) in ([], ["none"])
 
 
-def test_refused_deletes_wait_bounded_in_number_and_time_and_go_again_when_followed() -> None:
+def test_refused_deletes_wait_bounded_in_number_and_time_and_go_again_when_followed(
+        secret: Path) -> None:
     registry = CollectorRegistry()
-    link = PeerLink(0, "192.0.2.1", PEER_PORT, secret=bytes(32), agent_id=bytes(16),
-                    connections=1, tls=None, directories={},
+    link = PeerLink(0, "192.0.2.1", PEER_PORT, credentials=credentials(secret),
+                    agent_id=bytes(16), connections=1, directories={},
                     metrics=PeerMetrics(registry, "p"))
 
     def dropped() -> float:

@@ -93,6 +93,17 @@ def proof(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes,
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
+def proved(secrets: tuple[bytes, ...], label: bytes, client_nonce: bytes, server_nonce: bytes,
+           client_id: bytes, server_id: bytes, got: bytes) -> bytes:
+    """Which of `secrets` the proof `got` was made with (each compared in constant time);
+    AuthError where none."""
+    for secret in secrets:
+        if hmac.compare_digest(proof(secret, label, client_nonce, server_nonce, client_id,
+                                     server_id), got):
+            return secret
+    raise AuthError("the pool secret's proof does not match")
+
+
 def check(expected: bytes, got: bytes) -> None:
     if not hmac.compare_digest(expected, got):
         raise AuthError("the pool secret's proof does not match")

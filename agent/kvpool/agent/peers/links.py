@@ -41,6 +41,7 @@ import ssl
 import struct
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from .. import checksums
 from ..chunkblocks import COPY_BLOCK, blocks
 from . import auth, recvkernel, wire
+from .credentials import Credentials
 from .deletelog import DeleteLog, Item, Waiting
 from .directory import PeerDirectory
 from .linkrate import LinkRate
@@ -181,15 +183,14 @@ class _Want:
 
 
 class PeerLink:
-    def __init__(self, index: int, host: str, port: int, *, secret: bytes, agent_id: bytes,
-                 connections: int, tls: ssl.SSLContext | None,
-                 directories: dict[str, PeerDirectory], metrics: PeerMetrics) -> None:
+    def __init__(self, index: int, host: str, port: int, *, credentials: Credentials,
+                 agent_id: bytes, connections: int, directories: dict[str, PeerDirectory],
+                 metrics: PeerMetrics) -> None:
         self.index = index
         self.host, self.port = host, port
         self.name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.secret = secret
+        self.credentials = credentials
         self.agent_id = agent_id
-        self.tls = tls
         self.directories = directories
         self.m = metrics
         self.synced = False
@@ -235,6 +236,11 @@ class PeerLink:
         self._pumps = 0
         """Worker threads sending batches to the peer now (at most `connections`)."""
         self._idle: list[socket.socket] = []
+        self._proven: weakref.WeakKeyDictionary[socket.socket, bytes] = \
+            weakref.WeakKeyDictionary()
+        """The secret each connection of the pool proved (`end_stale`, `_checkin`)."""
+        self._following: tuple[asyncio.StreamWriter, bytes] | None = None
+        """The subscription's connection while it is up, and the secret it proved."""
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._settler: Settler[Fetched | str] | None = None
@@ -335,12 +341,14 @@ class PeerLink:
         while not self.closed:
             writer: asyncio.StreamWriter | None = None
             try:
+                tls = self.credentials.client_tls
                 reader, opened = await asyncio.wait_for(asyncio.open_connection(
-                    self.host, self.port, ssl=self.tls,
-                    server_hostname=self.host if self.tls else None), DEAD_AFTER)
+                    self.host, self.port, ssl=tls,
+                    server_hostname=self.host if tls else None), DEAD_AFTER)
                 writer = opened
                 self.unreachable = False
-                await asyncio.wait_for(self._handshake(reader, opened), DEAD_AFTER)
+                secret = await asyncio.wait_for(self._handshake(reader, opened), DEAD_AFTER)
+                self._following = opened, secret
                 while self.deletes:  # before its inventory: it must not list them
                     await asyncio.wait_for(self._deliver(reader, opened), DEAD_AFTER)
                 opened.write(wire.encode_request(wire.OP_SUBSCRIBE, 0, bytes(16), ""))
@@ -362,6 +370,7 @@ class PeerLink:
                                 str(e) or type(e).__name__)
                 self.failing = self.unreachable = True
             finally:
+                self._following = None
                 if writer is not None:
                     writer.close()
                 if self.synced or self.last_heard:
@@ -386,23 +395,50 @@ class PeerLink:
                 s.close()
 
     async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
+                         writer: asyncio.StreamWriter) -> bytes:
+        """Prove the pool's secret to the peer; the secret proved."""
         mine = auth.nonce()
         writer.write(auth.hello(self.agent_id, mine))
         theirs = await reader.readexactly(wire.HELLO.size + wire.PROOF_BYTES)
-        writer.write(self._answer(theirs, mine))
+        secret, answer = self._answer(theirs, mine)
+        writer.write(answer)
         if await reader.readexactly(1) != wire.ACCEPTED:
             raise auth.AuthError("the peer did not accept this agent's proof")
+        return secret
 
-    def _answer(self, theirs: bytes, mine: bytes) -> bytes:
-        """The client proof for the server's HELLO and proof `theirs`, once that checks."""
+    def _answer(self, theirs: bytes, mine: bytes) -> tuple[bytes, bytes]:
+        """The secret the server's HELLO and proof `theirs` proved (one this agent accepts:
+        the current, or during a rotation's grace the previous), and the client proof
+        made with it."""
         server_id, server_nonce = auth.parse_hello(theirs[: wire.HELLO.size])
         if server_id == self.agent_id:
             raise SelfPeer
         self.peer_id = server_id
-        auth.check(auth.proof(self.secret, b"server", mine, server_nonce, self.agent_id,
-                              server_id), theirs[wire.HELLO.size:])
-        return auth.proof(self.secret, b"client", mine, server_nonce, self.agent_id, server_id)
+        secret = auth.proved(self.credentials.accepted(), b"server", mine, server_nonce,
+                             self.agent_id, server_id, theirs[wire.HELLO.size:])
+        return secret, auth.proof(secret, b"client", mine, server_nonce, self.agent_id,
+                                  server_id)
+
+    def end_stale(self) -> int:
+        """End the connections to the peer proven with a secret no longer accepted (a
+        rotation's grace is over): the idle ones now, the busy ones as they come back,
+        the subscription (made again at once, with the secret accepted now); how many
+        ended now."""
+        stale: list[socket.socket] = []
+        with self._lock:
+            kept: list[socket.socket] = []
+            for sock in self._idle:
+                proven = self._proven.get(sock, b"")
+                (stale if self.credentials.stale(proven) else kept).append(sock)
+            self._idle = kept
+        for sock in stale:
+            with contextlib.suppress(OSError):
+                sock.close()
+        following = self._following
+        if following is not None and self.credentials.stale(following[1]):
+            following[0].transport.abort()
+            return len(stale) + 1
+        return len(stale)
 
     def queue_delete(self, tenant: str, key: bytes) -> None:
         """Queue a DELETE of `key` in `tenant`'s space for the peer (bounded)."""
@@ -886,7 +922,7 @@ class PeerLink:
         return self._connect(deadline)
 
     def _checkin(self, sock: socket.socket, keep: bool) -> None:
-        if keep and not self.closed:
+        if keep and not self.closed and not self.credentials.stale(self._proven.get(sock, b"")):
             with self._lock:
                 self._idle.append(sock)
         else:
@@ -899,18 +935,21 @@ class PeerLink:
         sock = socket.create_connection((self.host, self.port), timeout=left)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+            tls = self.credentials.client_tls
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=self.host)
             mine = auth.nonce()
             _bounded(sock, deadline)
             sock.sendall(auth.hello(self.agent_id, mine))
             theirs = _recv_exact(sock, wire.HELLO.size + wire.PROOF_BYTES, deadline)
-            sock.sendall(self._answer(theirs, mine))
+            secret, answer = self._answer(theirs, mine)
+            sock.sendall(answer)
             if _recv_exact(sock, 1, deadline) != wire.ACCEPTED:
                 raise auth.AuthError("the peer did not accept this agent's proof")
         except BaseException:
             sock.close()
             raise
+        self._proven[sock] = secret
         return sock
 
     def close(self) -> None:

@@ -67,6 +67,10 @@ class PeerMetrics:
             "kvpool_peer_link_bytes_per_second", "What batches of chunk reads from a peer "
             "delivered, averaged over the last batches: it sizes the batches so that each "
             "lands within peers.timeout", [*p, "peer"], registry=r)
+        self._reloads = Counter(
+            "kvpool_peer_credential_reloads", "Changes of the pool secret's or the TLS files "
+            "taken (ok) or refused because they do not load (error: the ones in use stay)",
+            [*p, "what", "result"], registry=r)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         """The labelled series a read or a serve counts into, by (peer, direction, result),
         looked up once: `labels` takes a lock and builds its key at each call, which was a
@@ -77,6 +81,11 @@ class PeerMetrics:
             "kvpool_peer_handoff_pins", "Pins of chunks pushed here that ended, by how: read "
             "(the first GET or ACQUIRE), expired (peers.handoffTtl), deleted", [*p, "end"],
             registry=r)
+
+    def reloaded(self, what: str, result: str) -> None:
+        """A change of the peer credentials' files: `what` secret or tls, `result` ok or
+        error."""
+        self._reloads.labels(self.pool, what, result).inc()
 
     def deleted(self, peer: str, direction: str, result: str) -> None:
         self._deletes.labels(self.pool, peer, direction, result).inc()

@@ -23,7 +23,6 @@ import itertools
 import logging
 import os
 import socket
-import ssl
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ from ..lookupindex import PeerIndex
 from ..metrics import Sample
 from . import auth, wire
 from .awaynodes import NODE_KEEP, AwayNodes
+from .credentials import RELOAD_SECONDS, Credentials
 from .deletelog import DeleteLog, Item, Waiting
 from .directory import NO_PEER, PeerDirectory
 from .links import (
@@ -75,22 +75,6 @@ MAX_LOGGED = 1024
 """Hint names and peers remembered as failing (each logged once until a push works)."""
 
 
-def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
-    """(server, client) TLS contexts: each side shows its certificate and requires one
-    signed by the pool's CA. Agents are reached by IP, so the name is not checked: the CA
-    is the pool's own."""
-    if cfg.tls is None:
-        return None, None
-    t = cfg.tls
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(t.ca_file))
-    server.load_cert_chain(str(t.cert_file), str(t.key_file))
-    server.verify_mode = ssl.CERT_REQUIRED
-    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(t.ca_file))
-    client.load_cert_chain(str(t.cert_file), str(t.key_file))
-    client.check_hostname = False
-    return server, client
-
-
 _WAITING_DOC = ("DELETEs waiting for a peer (queued, on their way, refused), or for a node "
                 "away (under its last address)")
 
@@ -102,23 +86,18 @@ class PeerNetwork:
         self.cfg = cfg
         self.advertise = None if cfg.advertise is None else expand_env(cfg.advertise,
                                                                        os.environ)
-        try:
-            self.secret = auth.read_secret(cfg.secret_file)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"peers.secretFile: {e}") from e
-        self.agent_id = auth.new_agent_id()
         self.m = PeerMetrics(registry, pool)
+        self.credentials = Credentials(cfg, self.m)
+        self.agent_id = auth.new_agent_id()
         self.directories = {tenant: PeerDirectory(cfg.delete_holdoff, cfg.max_entries)
                             for tenant in spaces}
         # Compiled now (on a thread), not at the first large LOOKUP: a peer's entries are
         # dropped in one compiled pass, and a drop may come before any LOOKUP does.
         probekernel.compile_soon()
-        self._server_tls, self._client_tls = tls_contexts(cfg)
         self.node = node
         """This agent's node name: what other agents' push hints name to reach it."""
         self.spaces = spaces
-        self.server = PeerServer(spaces, self.secret, self.agent_id, self.m, self._server_tls,
-                                 node)
+        self.server = PeerServer(spaces, self.credentials, self.agent_id, self.m, node)
         self.server.on_subscribe = self._followed_by
         self.links: dict[tuple[str, int], PeerLink] = {}
         self.by_index: list[PeerLink | None] = []
@@ -181,16 +160,17 @@ class PeerNetwork:
         self._pushes = asyncio.Queue(PUSH_QUEUE)
         self._tasks += [loop.create_task(self._push_worker()) for _ in range(PUSH_WORKERS)]
         self._tasks.append(loop.create_task(self._delete_worker()))
+        self._tasks.append(loop.create_task(self._reload()))
         log.info("peer tier serving on %s:%d%s, %d static peers%s", self.cfg.address,
-                 self.cfg.port, " (TLS)" if self._server_tls else "", len(self.cfg.addresses),
+                 self.cfg.port, " (TLS)" if self.cfg.tls else "", len(self.cfg.addresses),
                  f", discovery {self.cfg.discovery}" if self.cfg.discovery else "")
 
     def _link(self, host: str, port: int) -> None:
         if (host, port) in self.links or self._is_me(host, port):
             return
-        link = PeerLink(len(self.by_index), host, port, secret=self.secret,
+        link = PeerLink(len(self.by_index), host, port, credentials=self.credentials,
                         agent_id=self.agent_id, connections=self.cfg.connections,
-                        tls=self._client_tls, directories=self.directories, metrics=self.m)
+                        directories=self.directories, metrics=self.m)
         self.links[(host, port)] = link
         self.by_index.append(link)
         loop = asyncio.get_running_loop()
@@ -363,6 +343,19 @@ class PeerNetwork:
                 waited += DISCOVERY_RETRY
                 if self.away.nodes or any(link.unreachable for link in self.links.values()):
                     break  # (the pool is changing: its new addresses are looked for sooner)
+
+    async def _reload(self) -> None:
+        """Look at the secret and TLS files every `RELOAD_SECONDS` (`Credentials`); once a
+        secret is no longer accepted, end the connections proven with it, both ways."""
+        while True:
+            await asyncio.sleep(RELOAD_SECONDS)
+            if self.credentials.refresh():
+                ended = self.server.end_stale()
+                for link in self.links.values():
+                    ended += link.end_stale()
+                if ended:
+                    log.info("peers: %d connections proven with a secret no longer accepted "
+                             "ended", ended)
 
     # -- reads
 

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from . import auth, sendkernel, wire
 from .batchsend import BatchSender
+from .credentials import Credentials
 from .direct import DirectSender
 from .metrics import PeerMetrics
 from .unacked import Unacked
@@ -227,16 +228,19 @@ class Subscriber:
 
 
 class PeerServer:
-    def __init__(self, spaces: dict[str, Holdings], secret: bytes, agent_id: bytes,
-                 metrics: PeerMetrics, tls: ssl.SSLContext | None = None,
-                 node: str = "") -> None:
+    def __init__(self, spaces: dict[str, Holdings], credentials: Credentials, agent_id: bytes,
+                 metrics: PeerMetrics, node: str = "") -> None:
         self.spaces = spaces
         self.node = node
         """This agent's node name, told to every subscriber (what push hints name)."""
-        self.secret = secret
+        self.credentials = credentials
         self.agent_id = agent_id
         self.m = metrics
-        self.tls = tls
+        self.tls = credentials.listening
+        """The context the server listens with (None: plain TCP); each handshake uses the
+        credentials' current one."""
+        self._proven: dict[asyncio.Task[None], bytes] = {}
+        """The secret each connection's client proved (`end_stale`)."""
         self.subscribers: set[Subscriber] = set()
         self._refusing: set[str] = set()
         """Peers whose last push was refused (logged once)."""
@@ -267,6 +271,14 @@ class PeerServer:
         task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
         self._serving.add(task)
         task.add_done_callback(self._serving.discard)
+
+    def end_stale(self) -> int:
+        """End the connections proven with a secret no longer accepted (a rotation's grace
+        is over); how many."""
+        stale = [t for t, secret in self._proven.items() if self.credentials.stale(secret)]
+        for t in stale:
+            t.cancel()
+        return len(stale)
 
     async def close(self) -> None:
         """Stop accepting and end every connection (their tasks are over on return)."""
@@ -323,13 +335,17 @@ class PeerServer:
         cancelled = False
         try:
             try:
-                client_id = await asyncio.wait_for(self._handshake(reader, writer),
-                                                   HANDSHAKE_TIMEOUT)
+                client_id, secret = await asyncio.wait_for(self._handshake(reader, writer),
+                                                           HANDSHAKE_TIMEOUT)
             except (auth.AuthError, asyncio.IncompleteReadError, TimeoutError, OSError,
                     ssl.SSLError) as e:
                 self.m.auth_failures.inc()
                 log.warning("peer connection from %s refused: %s", peer, e or type(e).__name__)
                 return
+            task = asyncio.current_task()
+            assert task is not None
+            self._proven[task] = secret
+            task.add_done_callback(self._proven.pop)
             await self._requests(reader, writer, peer, owner, client_id, unacked, direct,
                                  batches)
         except asyncio.CancelledError:
@@ -362,18 +378,20 @@ class PeerServer:
                     await writer.wait_closed()
 
     async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> bytes:
-        """The client's agent id, once it proved the secret."""
+                         writer: asyncio.StreamWriter) -> tuple[bytes, bytes]:
+        """The client's agent id, once it proved the secret, and the secret it proved (the
+        previous one during a rotation's grace: `Credentials.proving`)."""
         client_id, client_nonce = auth.parse_hello(await reader.readexactly(wire.HELLO.size))
         mine = auth.nonce()
+        secret = self.credentials.proving()
         writer.write(auth.hello(self.agent_id, mine) + auth.proof(
-            self.secret, b"server", client_nonce, mine, client_id, self.agent_id))
+            secret, b"server", client_nonce, mine, client_id, self.agent_id))
         got = await reader.readexactly(wire.PROOF_BYTES)
-        auth.check(auth.proof(self.secret, b"client", client_nonce, mine, client_id,
+        auth.check(auth.proof(secret, b"client", client_nonce, mine, client_id,
                               self.agent_id), got)
         writer.write(wire.ACCEPTED)
         await writer.drain()
-        return client_id
+        return client_id, secret
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         peer: str, owner: int, client_id: bytes,
