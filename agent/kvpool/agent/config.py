@@ -492,7 +492,7 @@ class Peers(Model):
         "connection prove before any chunk moves (required when enabled).",
     )
     secret_grace: Duration = Field(
-        300.0, ge=0, description="After the secret file changes (a rotated pool secret), "
+        300.0, description="After the secret file changes (a rotated pool secret), "
         "how long the previous secret is still proved to agents that connect (it is "
         "accepted from the agents this one connects to for twice as long; then connections "
         "proven with it end): the kubelets of different nodes update the file up to "

@@ -153,7 +153,7 @@ class Credentials:
             return
         grace = self.cfg.secret_grace
         # (A secret rotated again within a grace: the one before the last is dropped.)
-        self.previous = self.secret if grace > 0 else None
+        self.previous = self.secret
         self.secret = secret
         now = self.clock()
         self._prove_until, self._accept_until = now + grace, now + 2 * grace

@@ -1,0 +1,258 @@
+"""The pool's secret and TLS files change under running agents, as a projected volume's do
+when the kubelet updates them from their Secrets: a renewed certificate (a new CA too) is
+taken for the next connections without a restart, a file that does not load changes
+nothing, and a rotated secret keeps agents not updated yet connected for its grace, then
+cuts off whoever only knows the old one (docs/cross-node.md, "Rotating the secret and
+renewing certificates")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+from contextlib import ExitStack
+from pathlib import Path
+
+from kvpool.agent.client import KVPoolClient
+from kvpool.agent.config import Peers
+from kvpool.agent.peers import auth, wire
+from kvpool.agent.peers.credentials import Credentials
+from kvpool.bench.certs import make_ca
+
+from .conftest import metric, wait_until
+from .nodes import PEER_PORT, Network, peer_agent
+from .test_peer_reads import seen_as, start
+
+GRACE = 8.0
+"""The agents' `peers.secretGrace` in the rotation test: the previous secret proved for
+8 s, accepted for 16 (long enough for an agent's restart on a loaded machine)."""
+
+
+def projected(directory: Path, version: str, files: dict[str, Path]) -> None:
+    """Write `files` (name -> source) into `directory` as the kubelet writes a projected
+    volume: each name a link into `..data`, itself a link to this version's directory,
+    switched in one rename."""
+    directory.mkdir(exist_ok=True)
+    target = directory / f"..{version}"
+    target.mkdir()
+    for name, source in files.items():
+        shutil.copyfile(source, target / name)
+        link = directory / name
+        if not link.is_symlink():
+            link.symlink_to(Path("..data") / name)
+    (directory / "..data.new").symlink_to(target.name)
+    os.replace(directory / "..data.new", directory / "..data")
+
+
+def tls_files(made: dict[str, str]) -> dict[str, Path]:
+    return {Path(made[k]).name: Path(made[k]) for k in ("certFile", "keyFile", "caFile")}
+
+
+def peer_tls(directory: Path) -> dict[str, str]:
+    return {"certFile": str(directory / "tls.crt"), "keyFile": str(directory / "tls.key"),
+            "caFile": str(directory / "ca.crt")}
+
+
+def served_over_tls(host: str, made: dict[str, str]) -> bool:
+    """Whether the agent at `host` takes a TLS connection made with these files (its
+    certificate signed by the CA they trust, theirs by the CA it trusts): it answers a
+    peer HELLO over it."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=made["caFile"])
+    ctx.load_cert_chain(made["certFile"], made["keyFile"])
+    ctx.check_hostname = False
+    try:
+        with socket.create_connection((host, PEER_PORT), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host) as s:
+            s.sendall(auth.hello(os.urandom(16), auth.nonce()))
+            return len(s.recv(wire.HELLO.size)) > 0
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def test_renewed_tls_files_are_taken_by_running_agents_and_a_bad_renewal_changes_nothing(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    one = make_ca(tmp_path / "ca-one", "pool CA one")
+    two = make_ca(tmp_path / "ca-two", "pool CA two")
+    pool = tmp_path / "pool-tls"  # nodes 0 and 1 mount it
+    projected(pool, "v1", tls_files(one))
+    with ExitStack() as stack:
+        (a, ca), (b, cb) = start(stack, net, tmp_path, secret, n=2, nvme=False,
+                                 prefetch=False, extra={"tls": peer_tls(pool)})
+        # Node 2 already has the certificate of the pool's next CA.
+        c = stack.enter_context(peer_agent(net, 2, tmp_path / "node2", secret, nvme=False,
+                                           prefetch=False, extra={"tls": two}))
+        cc = stack.enter_context(KVPoolClient(c.socket_path))
+        key, data = os.urandom(16), os.urandom(2 << 20)
+        assert ca.put(key, data, b"meta")
+        seen_as(cb, [key], ["peer"])
+        assert cb.get_with_meta(key) == (data, b"meta")
+        wait_until(lambda: "CERTIFICATE" in c.log(), "node 2 to refuse node 0's certificate")
+        assert cc.lookup_tiers([key]) == []
+
+        # The pool's Secret renewed with the next CA: nodes 0 and 1 take it running.
+        projected(pool, "v2", tls_files(two))
+        for agent in (a, b):
+            wait_until(lambda agent=agent: metric(
+                agent, "kvpool_peer_credential_reloads_total", what="tls", result="ok") == 1,
+                "nodes 0 and 1 to take the renewed files")
+        seen_as(cc, [key], ["peer"])
+        assert cc.get_with_meta(key) == (data, b"meta")
+        key2, data2 = os.urandom(16), os.urandom(1 << 20)
+        assert ca.put(key2, data2)
+        seen_as(cb, [key2], ["peer"])
+        assert cb.get(key2) == data2
+        assert not served_over_tls(net.nodes[0].addr, one)
+
+        # A renewal whose key is not its certificate's: refused, the certificate in use
+        # stays, and new connections still take it.
+        wrong = tls_files(two) | {"tls.key": Path(one["keyFile"])}
+        projected(pool, "v3", wrong)
+        wait_until(lambda: metric(a, "kvpool_peer_credential_reloads_total", what="tls",
+                                  result="error") == 1, "node 0 to refuse the files")
+        assert "do not load, the certificate in use stays" in a.log()
+        assert served_over_tls(net.nodes[0].addr, two)
+        key3, data3 = os.urandom(16), os.urandom(1 << 20)
+        assert ca.put(key3, data3)
+        seen_as(cc, [key3], ["peer"])
+        assert cc.get(key3) == data3
+
+
+def server_proves(host: str, secrets: tuple[bytes, ...], answer: bool = True) -> bytes | None:
+    """Which of `secrets` the agent at `host` proves to a new connection (None: none of
+    them); with `answer`, the connection then answers with that secret and must be
+    accepted."""
+    with socket.create_connection((host, PEER_PORT), timeout=10) as s:
+        mine, my_id = auth.nonce(), os.urandom(16)
+        s.sendall(auth.hello(my_id, mine))
+        theirs = b""
+        while len(theirs) < wire.HELLO.size + wire.PROOF_BYTES:
+            got = s.recv(wire.HELLO.size + wire.PROOF_BYTES - len(theirs))
+            assert got, "the agent closed the connection before its proof"
+            theirs += got
+        server_id, server_nonce = auth.parse_hello(theirs[: wire.HELLO.size])
+        try:
+            secret = auth.proved(secrets, b"server", mine, server_nonce, my_id, server_id,
+                                 theirs[wire.HELLO.size :])
+        except auth.AuthError:
+            return None
+        if answer:
+            s.sendall(auth.proof(secret, b"client", mine, server_nonce, my_id, server_id))
+            assert s.recv(1) == wire.ACCEPTED
+        return secret
+
+
+def test_a_rotated_secret_keeps_agents_not_updated_yet_connected_for_its_grace_then_cuts_them_off(
+        net: Network, tmp_path: Path) -> None:
+    old, new = os.urandom(32).hex().encode(), os.urandom(32).hex().encode()
+    files = [tmp_path / f"secret{i}" for i in range(2)]  # each node's copy of the Secret
+    for f in files:
+        f.write_bytes(old)
+    extra = {"secretGrace": f"{GRACE:g}s"}
+    host0 = net.nodes[0].addr
+    with ExitStack() as stack:
+        a = stack.enter_context(peer_agent(net, 0, tmp_path / "node0", files[0], nvme=False,
+                                           prefetch=False, extra=extra))
+        ca = stack.enter_context(KVPoolClient(a.socket_path))
+        b = peer_agent(net, 1, tmp_path / "node1", files[1], nvme=False, prefetch=False,
+                       extra=extra)
+        stack.callback(b.stop)
+        key, data = os.urandom(16), os.urandom(1 << 20)
+        assert ca.put(key, data)
+
+        # A secret too short to be one: refused, the one in use stays.
+        files[0].write_bytes(b"short")
+        wait_until(lambda: metric(a, "kvpool_peer_credential_reloads_total", what="secret",
+                                  result="error") == 1, "node 0 to refuse the file")
+        assert "cannot be used, the pool secret in use stays" in a.log()
+        assert server_proves(host0, (old, new)) == old
+
+        # Rotated on node 0's node first: node 0 still proves the old secret, and node 1,
+        # started now with the old one only, reads from node 0 and node 0 from it.
+        files[0].write_bytes(new)
+        wait_until(lambda: metric(a, "kvpool_peer_credential_reloads_total", what="secret",
+                                  result="ok") == 1, "node 0 to take the new secret")
+        assert server_proves(host0, (old, new)) == old
+        b.start()
+        cb = stack.enter_context(KVPoolClient(b.socket_path))
+        seen_as(cb, [key], ["peer"])
+        assert cb.get(key) == data
+        key1, data1 = os.urandom(16), os.urandom(1 << 20)
+        assert cb.put(key1, data1)
+        seen_as(ca, [key1], ["peer"])
+        assert ca.get(key1) == data1
+
+        # Once its grace is over, node 0 proves and accepts the new secret only, and its
+        # connections with node 1 (proven with the old one) end: node 1 is cut off.
+        wait_until(lambda: server_proves(host0, (old, new)) == new,
+                   "node 0 to prove the new secret", timeout=4 * GRACE)
+        wait_until(lambda: metric(b, "kvpool_peer_up") == 0 and metric(a, "kvpool_peer_up") == 0,
+                   "node 0 and node 1 to lose each other", timeout=4 * GRACE)
+        wait_until(lambda: "connections proven with a secret no longer accepted ended"
+                   in a.log(), "node 0 to log the connections it ended")
+        for agent in (a, b):  # each one's entries of the other dropped, its proof refused
+            assert metric(agent, "kvpool_peer_directory_entries") == 0
+            wait_until(lambda agent=agent: metric(agent, "kvpool_peer_auth_failures_total") > 0,
+                       "each to refuse the other's proof")
+        assert server_proves(host0, (old,)) is None
+
+        # Node 1's copy updated at last (later than node 0's grace): they are a pool again.
+        files[1].write_bytes(new)
+        key2, data2 = os.urandom(16), os.urandom(1 << 20)
+        assert ca.put(key2, data2)
+        seen_as(cb, [key2], ["peer"])
+        assert cb.get(key2) == data2
+        key3, data3 = os.urandom(16), os.urandom(1 << 20)
+        assert cb.put(key3, data3)
+        seen_as(ca, [key3], ["peer"])  # once node 1's own grace is over
+        assert ca.get(key3) == data3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_previous_secret_is_proved_for_the_grace_and_accepted_for_twice_as_long(
+        tmp_path: Path) -> None:
+    path, clock = tmp_path / "secret", Clock()
+    s1, s2, s3 = (os.urandom(32).hex().encode() for _ in range(3))
+    path.write_bytes(s1)
+    creds = Credentials(Peers(enabled=True, secret_file=path, secret_grace=10), clock=clock)
+    assert (creds.proving(), creds.accepted(), creds.refresh()) == (s1, (s1,), False)
+    path.write_bytes(s2)
+    assert creds.refresh() is False  # nothing stops being accepted at a rotation
+    assert (creds.proving(), creds.accepted()) == (s1, (s2, s1))
+    clock.now += 10
+    assert creds.refresh() is False
+    assert (creds.proving(), creds.accepted()) == (s2, (s2, s1))
+    assert not creds.stale(s1)
+    clock.now += 10
+    assert creds.refresh() is True  # the grace is over: connections proven with s1 end
+    assert (creds.proving(), creds.accepted()) == (s2, (s2,))
+    assert creds.stale(s1) and not creds.stale(s2)
+    assert creds.refresh() is False
+
+    # Rotated again within a grace: the secret before the last stops being accepted.
+    path.write_bytes(s3)
+    creds.refresh()
+    clock.now += 1
+    path.write_bytes(s1)
+    assert creds.refresh() is True
+    assert (creds.proving(), creds.accepted()) == (s3, (s1, s3))
+    assert creds.stale(s2)
+
+
+def test_a_secret_file_that_goes_or_only_gains_whitespace_changes_nothing(
+        tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    s1 = os.urandom(32).hex().encode()
+    path.write_bytes(s1)
+    creds = Credentials(Peers(enabled=True, secret_file=path))
+    path.write_bytes(s1 + b"\n")  # surrounding whitespace is not part of it
+    assert creds.refresh() is False and creds.accepted() == (s1,)
+    path.unlink()  # a file gone meanwhile: the secret in use stays
+    assert creds.refresh() is False and creds.accepted() == (s1,)
