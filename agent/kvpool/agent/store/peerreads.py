@@ -158,22 +158,33 @@ class PeerReads:
         these keys alone; otherwise `key` is read with them)."""
         seq, depth, _ = self.recent.get(key) or (0, 0, False)
         prompt = self._prompts.get(seq)
+        lead = None if whole else key
         found = [] if prompt is None or depth >= len(prompt) or prompt[depth] != key \
-            else self._peer_unread(prompt[depth + 1 :], whole)
-        return found or self._peer_unread(after, whole)
+            else self._peer_unread(prompt[depth + 1 :], lead)
+        return found or self._peer_unread(after, lead)
 
-    def _peer_unread(self, keys: Sequence[bytes], whole: bool) -> list[bytes]:
+    def _peer_unread(self, keys: Sequence[bytes], lead: bytes | None) -> list[bytes]:
         """The first of `keys` that a peer holds and nobody is reading yet, within one
-        batch's caps (`whole`: the batch is these keys alone; otherwise one more): at most
-        `MAX_BATCH` reads, and per peer the bytes its link lands in part of `peers.timeout`
-        (`LinkRate.batch_bytes`: `MAX_BATCH_BYTES` on a fast link, 8 MiB on one not
-        measured yet; a batch of these keys alone takes at least one)."""
+        batch's caps, where the batch is these keys after `lead` (None: these keys alone,
+        and then at least one): at most `MAX_BATCH` reads, and per peer the bytes its link
+        lands in part of `peers.timeout` (`LinkRate.batch_bytes`: `MAX_BATCH_BYTES` on a
+        fast link, 8 MiB on one not measured yet), `lead`'s bytes counted (they were not:
+        on a slow link a client's batch asked for a chunk more than lands in time)."""
         peer = self.store.peer
         assert peer is not None
         out: list[bytes] = []
         totals: dict[PeerLink, int] = {}
         caps: dict[PeerLink, int] = {}
-        room = MAX_BATCH if whole else MAX_BATCH - 1
+
+        def cap_of(link: PeerLink) -> int:
+            cap = caps.get(link)
+            if cap is None:
+                cap = caps[link] = link.rate.batch_bytes(peer.timeout, MAX_BATCH_BYTES)
+            return cap
+
+        if lead is not None and (got := peer.holder(lead)) is not None:
+            totals[got[0]] = got[1]
+        room = MAX_BATCH if lead is None else MAX_BATCH - 1
         for k in keys:
             if len(out) >= room:
                 break
@@ -181,11 +192,8 @@ class PeerReads:
             if got is None or k in self.fetching or self.store.contains(k):
                 continue
             link, size = got
-            cap = caps.get(link)
-            if cap is None:
-                cap = caps[link] = link.rate.batch_bytes(peer.timeout, MAX_BATCH_BYTES)
             total = totals.get(link, 0) + size
-            if total > cap and (out or not whole):
+            if total > cap_of(link) and (out or lead is not None):
                 break
             totals[link] = total
             out.append(k)
