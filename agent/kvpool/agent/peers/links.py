@@ -236,6 +236,8 @@ class PeerLink:
         self._pumps = 0
         """Worker threads sending batches to the peer now (at most `connections`)."""
         self._idle: list[socket.socket] = []
+        self._busy: set[socket.socket] = set()
+        """Connections a worker has checked out (`close` shuts them down)."""
         self._proven: weakref.WeakKeyDictionary[socket.socket, bytes] = \
             weakref.WeakKeyDictionary()
         """The secret each connection of the pool proved (`end_stale`, `_checkin`)."""
@@ -918,15 +920,25 @@ class PeerLink:
     def _checkout(self, deadline: float) -> socket.socket:
         with self._lock:
             if self._idle:
-                return self._idle.pop()
-        return self._connect(deadline)
+                sock = self._idle.pop()
+                self._busy.add(sock)
+                return sock
+        sock = self._connect(deadline)
+        with self._lock:
+            if not self.closed:
+                self._busy.add(sock)
+                return sock
+        sock.close()  # (the link closed while it connected: its arena may be going)
+        raise OSError(errno.ESHUTDOWN, "the peer tier is stopping")
 
     def _checkin(self, sock: socket.socket, keep: bool) -> None:
-        if keep and not self.closed and not self.credentials.stale(self._proven.get(sock, b"")):
-            with self._lock:
+        with self._lock:
+            self._busy.discard(sock)
+            if keep and not self.closed \
+                    and not self.credentials.stale(self._proven.get(sock, b"")):
                 self._idle.append(sock)
-        else:
-            sock.close()
+                return
+        sock.close()
 
     def _connect(self, deadline: float) -> socket.socket:
         left = deadline - time.monotonic()
@@ -953,17 +965,25 @@ class PeerLink:
         return sock
 
     def close(self) -> None:
-        self.closed = True
+        """Stop following and reading: idle connections close, and busy ones are shut down,
+        so that the workers reading on them end now (the network waits for them before the
+        arena they receive into goes: a reply's bytes landing after it was unmapped were
+        written into whatever the process mapped there next)."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            busy = list(self._busy)
         self._changed()
         if self.task is not None:
             self.task.cancel()
         if self._settler is not None:
             self._settler.close()
-        with self._lock:
-            idle, self._idle = self._idle, []
         for s in idle:
             with contextlib.suppress(OSError):
                 s.close()
+        for s in busy:  # the worker's receive ends; the worker closes it
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(s, socket.SHUT_RDWR)  # (under TLS too: its socket)
 
 
 def receive(sock: socket.socket, rid: int, target: ArenaTarget, deadline: float, *,

@@ -596,7 +596,13 @@ class PeerNetwork:
                   if t is not None and not t.done()]
         if ending:
             await asyncio.wait(ending, timeout=CLOSE_WAIT)
-        with contextlib.suppress(Exception):
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        # The workers end before the spaces close: a read receives into the arena. Their
+        # connections are shut down (`PeerLink.close`); one still connecting ends at its
+        # connection, or its deadline.
+        workers = asyncio.ensure_future(asyncio.to_thread(
+            self.pool.shutdown, wait=True, cancel_futures=True))
+        done, _ = await asyncio.wait([workers], timeout=CLOSE_WAIT)
+        if not done:
+            log.warning("peer reads still under way %gs into the stop", CLOSE_WAIT)
         if self.delete_log is not None:
             self.delete_log.close()
