@@ -14,8 +14,10 @@ import ssl
 from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
+
 from kvpool.agent.client import KVPoolClient
-from kvpool.agent.config import Peers
+from kvpool.agent.config import ConfigError, Peers, PeerTls
 from kvpool.agent.peers import auth, wire
 from kvpool.agent.peers.credentials import Credentials
 from kvpool.bench.certs import make_ca
@@ -256,3 +258,24 @@ def test_a_secret_file_that_goes_or_only_gains_whitespace_changes_nothing(
     assert creds.refresh() is False and creds.accepted() == (s1,)
     path.unlink()  # a file gone meanwhile: the secret in use stays
     assert creds.refresh() is False and creds.accepted() == (s1,)
+
+
+def test_files_that_do_not_load_at_the_start_are_a_config_error_naming_them(
+        tmp_path: Path) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"too short")
+    with pytest.raises(ConfigError, match=r"peers.secretFile: .*short: a pool secret needs "
+                       r"at least 16 bytes, it holds 9"):
+        Credentials(Peers(enabled=True, secret_file=short))
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    made = make_ca(tmp_path / "ca", "pool CA")
+    tls = PeerTls(cert_file=tmp_path / "missing.crt", key_file=Path(made["keyFile"]),
+                  ca_file=Path(made["caFile"]))
+    with pytest.raises(ConfigError, match=r"peers.tls: .*missing.crt: No such file"):
+        Credentials(Peers(enabled=True, secret_file=secret, tls=tls))
+    wrong = make_ca(tmp_path / "other", "another CA")
+    tls = PeerTls(cert_file=Path(made["certFile"]), key_file=Path(wrong["keyFile"]),
+                  ca_file=Path(made["caFile"]))
+    with pytest.raises(ConfigError, match=r"peers.tls: .*KEY_VALUES_MISMATCH"):
+        Credentials(Peers(enabled=True, secret_file=secret, tls=tls))

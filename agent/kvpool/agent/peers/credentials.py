@@ -51,6 +51,12 @@ def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | No
     if cfg.tls is None:
         return None, None
     t = cfg.tls
+    for path in (t.cert_file, t.key_file, t.ca_file):  # (ssl's errors do not name the file)
+        try:
+            with path.open("rb"):
+                pass
+        except OSError as e:
+            raise OSError(e.errno, f"{path}: {e.strerror}") from None
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(t.ca_file))
     server.load_cert_chain(str(t.cert_file), str(t.key_file))
     server.verify_mode = ssl.CERT_REQUIRED
