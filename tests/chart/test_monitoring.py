@@ -74,6 +74,7 @@ EXPECTED_ALERTS = {
     "KVPoolWriteBehindDrops",
     "KVPoolEventsDropped",
     "KVPoolPeerUnreachable",
+    "KVPoolPeerCertificateExpiring",
     "KVPoolPeerBadChecksums",
     "KVPoolPeerReadsTimingOut",
     "KVPoolHandoffFailing",

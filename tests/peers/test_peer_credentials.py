@@ -15,12 +15,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.config import ConfigError, Peers, PeerTls
 from kvpool.agent.peers import auth, wire
 from kvpool.agent.peers.credentials import Credentials
 from kvpool.bench.certs import make_ca
+from kvpool.bench.local import LocalAgent
 
 from .conftest import metric, wait_until
 from .nodes import PEER_PORT, Network, peer_agent
@@ -56,6 +58,17 @@ def peer_tls(directory: Path) -> dict[str, str]:
             "caFile": str(directory / "ca.crt")}
 
 
+def not_after(made: dict[str, str]) -> float:
+    """When the certificate of these files expires, as Unix time."""
+    cert = x509.load_pem_x509_certificate(Path(made["certFile"]).read_bytes())
+    return cert.not_valid_after_utc.timestamp()
+
+
+def expiry(agent: LocalAgent) -> float:
+    """When the agent says the certificate it uses expires."""
+    return metric(agent, "kvpool_peer_tls_certificate_expiry_timestamp_seconds")
+
+
 def served_over_tls(host: str, made: dict[str, str]) -> bool:
     """Whether the agent at `host` takes a TLS connection made with these files (its
     certificate signed by the CA they trust, theirs by the CA it trusts): it answers a
@@ -75,7 +88,7 @@ def served_over_tls(host: str, made: dict[str, str]) -> bool:
 def test_renewed_tls_files_are_taken_by_running_agents_and_a_bad_renewal_changes_nothing(
         net: Network, tmp_path: Path, secret: Path) -> None:
     one = make_ca(tmp_path / "ca-one", "pool CA one")
-    two = make_ca(tmp_path / "ca-two", "pool CA two")
+    two = make_ca(tmp_path / "ca-two", "pool CA two", days=2)  # (a later expiry)
     pool = tmp_path / "pool-tls"  # nodes 0 and 1 mount it
     projected(pool, "v1", tls_files(one))
     with ExitStack() as stack:
@@ -89,6 +102,7 @@ def test_renewed_tls_files_are_taken_by_running_agents_and_a_bad_renewal_changes
         assert ca.put(key, data, b"meta")
         seen_as(cb, [key], ["peer"])
         assert cb.get_with_meta(key) == (data, b"meta")
+        assert expiry(a) == not_after(one)
         wait_until(lambda: "CERTIFICATE" in c.log(), "node 2 to refuse node 0's certificate")
         assert cc.lookup_tiers([key]) == []
 
@@ -100,6 +114,7 @@ def test_renewed_tls_files_are_taken_by_running_agents_and_a_bad_renewal_changes
                 "nodes 0 and 1 to take the renewed files")
         seen_as(cc, [key], ["peer"])
         assert cc.get_with_meta(key) == (data, b"meta")
+        assert expiry(a) == expiry(b) == not_after(two) != not_after(one)
         key2, data2 = os.urandom(16), os.urandom(1 << 20)
         assert ca.put(key2, data2)
         seen_as(cb, [key2], ["peer"])
@@ -113,6 +128,7 @@ def test_renewed_tls_files_are_taken_by_running_agents_and_a_bad_renewal_changes
         wait_until(lambda: metric(a, "kvpool_peer_credential_reloads_total", what="tls",
                                   result="error") == 1, "node 0 to refuse the files")
         assert "do not load, the certificate in use stays" in a.log()
+        assert expiry(a) == not_after(two)
         assert served_over_tls(net.nodes[0].addr, two)
         key3, data3 = os.urandom(16), os.urandom(1 << 20)
         assert ca.put(key3, data3)

@@ -7,9 +7,9 @@ import datetime
 from pathlib import Path
 
 
-def make_ca(directory: Path, name: str) -> dict[str, str]:
-    """A CA and one agent certificate it signs (every agent of the test uses it): the
-    `peers.tls` files."""
+def make_ca(directory: Path, name: str, days: int = 1) -> dict[str, str]:
+    """A CA and one agent certificate it signs (every agent of the test uses it), both
+    valid for `days`: the `peers.tls` files."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -25,7 +25,7 @@ def make_ca(directory: Path, name: str) -> dict[str, str]:
                 .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
+                .not_valid_after(now + datetime.timedelta(days=days))
                 .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
                 .sign(signer, hashes.SHA256()))
     ca_key, agent_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(

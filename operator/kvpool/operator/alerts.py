@@ -51,6 +51,10 @@ keep timing out (a stopped peer costs one timeout a window: a few; a link too sl
 peers.timeout costs every window some)."""
 PEER_TIMEOUTS_MIN = 10
 """Fewer timed-out reads in 10 minutes are too few to alert on (a peer restarting)."""
+CERTIFICATE_EXPIRY_WARNING_DAYS = 7
+"""Days before the peer TLS certificate in use expires that it is an alert: cert-manager
+renews a 90-day certificate 30 days ahead, so one a week from expiry was not renewed, or
+its renewal did not reach the agent."""
 _PEER_READS = 'kvpool_peer_requests_total{direction="read"}'
 _PEER_TIMEOUTS = 'kvpool_peer_requests_total{direction="read", result="timeout"}'
 _FAILED_PUSHES = 'kvpool_peer_pushes_total{direction="sent", result!~"ok|held|unreachable"}'
@@ -220,6 +224,24 @@ AGENT_ALERTS: tuple[Alert, ...] = (
             "followed its peer {{ $labels.peer }} for 5 minutes (unreachable, refusing the "
             "connection, or failing the pool's secret). The chunks that peer holds are read "
             "from the shared tier, or missed."
+        ),
+    ),
+    Alert(
+        name="KVPoolPeerCertificateExpiring",
+        expr=(
+            "kvpool_peer_tls_certificate_expiry_timestamp_seconds - time()\n"
+            f"  < {CERTIFICATE_EXPIRY_WARNING_DAYS} * 86400"
+        ),
+        for_="10m",
+        severity="warning",
+        summary="A kvpool agent's peer TLS certificate expires within "
+                f"{CERTIFICATE_EXPIRY_WARNING_DAYS} days.",
+        description=(
+            "The TLS certificate the agent of pool {{ $labels.pool }} on node "
+            "{{ $labels.node }} shows its peers expires in {{ $value | humanizeDuration }}. "
+            "Once it has, no new connection between it and the pool's other agents completes "
+            "its handshake, and their chunks are read from the shared tier, or missed. Its "
+            "renewal failed, or the renewed files do not load on this agent."
         ),
     ),
     Alert(

@@ -71,6 +71,10 @@ class PeerMetrics:
             "kvpool_peer_credential_reloads", "Changes of the pool secret's or the TLS files "
             "taken (ok) or refused because they do not load (error: the ones in use stay)",
             [*p, "what", "result"], registry=r)
+        self._cert_expiry = Gauge(
+            "kvpool_peer_tls_certificate_expiry_timestamp_seconds", "When the TLS certificate "
+            "this agent shows its peers (peers.tls) expires, as Unix time: the one in use, "
+            "read again as its file changes", p, registry=r)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         """The labelled series a read or a serve counts into, by (peer, direction, result),
         looked up once: `labels` takes a lock and builds its key at each call, which was a
@@ -86,6 +90,10 @@ class PeerMetrics:
         """A change of the peer credentials' files: `what` secret or tls, `result` ok or
         error."""
         self._reloads.labels(self.pool, what, result).inc()
+
+    def certificate_expires(self, at: float) -> None:
+        """The certificate in use (`peers.tls`) expires at Unix time `at`."""
+        self._cert_expiry.labels(self.pool).set(at)
 
     def deleted(self, peer: str, direction: str, result: str) -> None:
         self._deletes.labels(self.pool, peer, direction, result).inc()
