@@ -349,13 +349,18 @@ class PeerNetwork:
         secret is no longer accepted, end the connections proven with it, both ways."""
         while True:
             await asyncio.sleep(RELOAD_SECONDS)
-            if self.credentials.refresh():
-                ended = self.server.end_stale()
-                for link in self.links.values():
-                    ended += link.end_stale()
-                if ended:
-                    log.info("peers: %d connections proven with a secret no longer accepted "
-                             "ended", ended)
+            try:
+                if not self.credentials.refresh():
+                    continue
+            except Exception:  # (a bug: logged, and the next look tries again)
+                log.exception("peers: reading the secret and TLS files again failed")
+                continue
+            ended = self.server.end_stale()
+            for link in self.links.values():
+                ended += link.end_stale()
+            if ended:
+                log.info("peers: %d connections proven with a secret no longer accepted "
+                         "ended", ended)
 
     # -- reads
 
