@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -412,6 +413,17 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
     second = await cluster.eventually(refilled, "the Secret given a value again")
     assert _random_32_bytes(second) and second != first
 
+    # Rotated by an admin (docs/cross-node.md, "Rotating the secret and renewing
+    # certificates": a new value written into the Secret): the operator's reconciles keep
+    # it, and never put the one it made back.
+    rotated = os.urandom(32).hex().encode()
+    await cluster.patch("v1", "Secret", PEERS,
+                        {"data": {"secret": base64.b64encode(rotated).decode()}})
+    await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
+                        {"spec": {"agent": {"logLevel": "debug"}}})
+    await cluster.eventually(rerendered, "the pool re-rendered after the rotation")
+    assert _secret_value(await cluster.get("v1", "Secret", PEERS)) == rotated
+
     # The operator's NetworkPolicy turned off: it is deleted, the rest of the tier stays.
     await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
                         {"spec": {"peers": {"networkPolicy": False}}})
@@ -421,7 +433,7 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
         return objects["NetworkPolicy"] is None and bool(objects["Secret"] and objects["Service"])
 
     await cluster.eventually(policy_off, "the NetworkPolicy deleted, Secret and Service kept")
-    assert _secret_value(await cluster.get("v1", "Secret", PEERS)) == second
+    assert _secret_value(await cluster.get("v1", "Secret", PEERS)) == rotated
 
     # Peers off: the port leaves the agents, the three objects are deleted.
     await cluster.patch(api.API_VERSION, api.POOL_KIND, POOL,
@@ -445,7 +457,7 @@ async def test_operator_creates_the_peer_objects_keeps_the_secret_and_removes_th
                         {"spec": {"peers": {"enabled": True, "networkPolicy": True}}})
     objects = await cluster.eventually(created, "the peer objects again")
     third = _secret_value(objects["Secret"])
-    assert _random_32_bytes(third) and third not in (first, second)
+    assert _random_32_bytes(third) and third not in (first, second, rotated)
 
 
 @pytest.mark.kmock(cls=Emulator)
