@@ -2,7 +2,8 @@
 
 The test starts, on 127.0.0.1 only:
 - two real `kvpool agent` processes of one pool, peers of each other (the peer tier on
-  loopback, the second standing for another node), and drives load through `KVPoolClient`,
+  loopback, over TLS, the second standing for another node), and drives load through
+  `KVPoolClient`,
   part of it reading on the first agent chunks put on the second, and every other put
   hinted with the other node (a hand-off) and read there;
 - the operator's real metrics registry (`kvpool.operator.metrics`) served by a child
@@ -36,6 +37,7 @@ import yaml
 
 from kvpool.agent.client import KVPoolClient
 from kvpool.agent.constants import AGENT_JOB
+from kvpool.bench.certs import make_ca
 from kvpool.bench.local import LocalAgent, free_port
 from kvpool.operator import alerts, dashboard
 
@@ -126,27 +128,30 @@ while True:
 
 @dataclass(frozen=True)
 class Peers:
-    """The two agents' peer ports and the pool's secret file."""
+    """The two agents' peer ports, the pool's secret file and its TLS files."""
 
     port: int
     peer_port: int
     secret: Path
+    tls: dict[str, str]
 
     def config(self, port: int, other: int, max_entries: int) -> dict[str, Any]:
         """An agent's peers, named by address (the hand-off's hints name nodes: each
-        agent's config gives its own `nodeName`), its directory capped at `max_entries`."""
+        agent's config gives its own `nodeName`), its directory capped at `max_entries`;
+        TLS between them (the certificate's expiry has its panel)."""
         return {
             "enabled": True, "port": port, "address": "127.0.0.1", "advertise": "127.0.0.1",
             "secretFile": str(self.secret), "addresses": [f"127.0.0.1:{other}"],
-            "maxEntries": max_entries,
+            "maxEntries": max_entries, "tls": self.tls,
         }
 
 
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory: pytest.TempPathFactory) -> Peers:
-    secret = tmp_path_factory.mktemp("peers") / "secret"
+    directory = tmp_path_factory.mktemp("peers")
+    secret = directory / "secret"
     secret.write_text(os.urandom(32).hex())
-    return Peers(free_port(), free_port(), secret)
+    return Peers(free_port(), free_port(), secret, make_ca(directory / "ca", "pool CA"))
 
 
 @pytest.fixture(scope="module")

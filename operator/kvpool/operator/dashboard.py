@@ -601,7 +601,7 @@ ROWS: tuple[Row, ...] = (
                 (_q(f"max by (pool, node, peer) (kvpool_peer_up{{{SEL}}})",
                     "{{node}} follows {{peer}}"),),
                 unit="none",
-                width=12,
+                width=8,
                 extra={"min": 0, "max": 1},
             ),
             Panel(
@@ -616,7 +616,19 @@ ROWS: tuple[Row, ...] = (
                        "{{node}} protocol errors"),
                 ),
                 unit="ops",
-                width=12,
+                width=8,
+            ),
+            Panel(
+                "Peer certificate expires in",
+                "With TLS between the agents (spec.peers.tls): how long until the certificate "
+                "each node's agent shows its peers expires, the one in use (a renewed one is "
+                "taken within seconds of the kubelet updating the files). Alert "
+                "KVPoolPeerCertificateExpiring a week before.",
+                (_q("min by (pool, node) "
+                    f"(kvpool_peer_tls_certificate_expiry_timestamp_seconds{{{SEL}}}) - time()",
+                    "{{node}}"),),
+                unit="s",
+                width=8,
             ),
             Panel(
                 "Hand-off pushes by result",
