@@ -268,6 +268,7 @@ EXPECTED_PANELS = {
     "Peer directory",
     "Peer directory use",
     "Peer directory full",
+    "Peer certificate expires in",
 }
 
 
