@@ -24,7 +24,7 @@ LONGEST_FIRST = (
     "bench/test_bench_smoke.py",  # the quick bench run, one set-up of over a minute
     "agent/test_cli.py",
     "peers/test_peer_partition.py",  # one test waiting on a partition (~13 s)
-    "peers/test_peer_credentials.py",  # a rotated secret's grace waited out (~30 s)
+    "peers/test_peer_credentials.py",  # a rotated secret's grace waited out (~20 s)
     "operator/test_op_faults.py",
     "chart/test_prometheus_live.py",
     "integrations/test_sglang_backend.py",

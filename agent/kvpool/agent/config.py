@@ -493,10 +493,9 @@ class Peers(Model):
     )
     secret_grace: Duration = Field(
         300.0, description="After the secret file changes (a rotated pool secret), "
-        "how long the previous secret is still proved to agents that connect (it is "
-        "accepted from the agents this one connects to for twice as long; then connections "
-        "proven with it end): the kubelets of different nodes update the file up to "
-        "minutes apart.",
+        "how long the previous secret is still accepted from the agents this one connects "
+        "to (the kubelets of different nodes update the file up to minutes apart); then "
+        "connections proven with it end.",
     )
     discovery: str | None = Field(
         None, min_length=1,

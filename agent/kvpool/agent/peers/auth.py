@@ -5,9 +5,9 @@ Each side sends a fresh 32-byte nonce and its agent id; the server answers with 
 HMAC-SHA256 over both nonces and both ids (labelled "server"), the client checks it in
 constant time and answers with its own (labelled "client"), which the server checks
 likewise. Neither proof can be replayed (each covers the other side's fresh nonce) or
-reflected (the labels differ). During a rotated secret's grace the server proves the
-previous secret and a client accepts either, answering with the one the server proved
-(`credentials`). The secret itself never crosses the wire. What it does
+reflected (the labels differ). During a rotated secret's grace a client accepts a proof
+of the previous secret too, and answers with the one the server proved (`credentials`).
+The secret itself never crosses the wire. What it does
 not give: confidentiality of the bytes, or protection against a relay between two real
 agents; TLS (`peers.tls`) gives both (docs/cross-node.md).
 

@@ -14,16 +14,15 @@ changes nothing: the agent goes on with what it had, logs it, counts it, and rea
 once it changes.
 
 **A rotated secret, with a grace.** The kubelets of different nodes update their copies of
-a Secret up to a minute or two apart. For `peers.secretGrace` after an agent sees a new
-secret it still proves the previous one when it accepts a connection, so that an agent
-that has not seen the new secret yet still connects to it; as a client it accepts a proof
-of either for twice that long, so that the agents that saw the change later (and prove the
-previous one for their own grace) are still reached. Then the previous secret is neither
-proved nor accepted, and every connection proven with it ends (`stale`): an agent that
-only knows the old secret is cut off, what a rotation after a leak needs. A grace longer
-than the spread of the nodes' updates keeps every pair of agents connected throughout. An
-agent that starts during another's grace knows the new secret only: until that grace
-ends, its connections to that agent fail (its reads go to the shared tier, or are misses).
+a Secret up to a minute or two apart. An agent proves the secret its file holds now; for
+`peers.secretGrace` after it sees a new one it still accepts a proof of the previous one
+from the agents it connects to (those whose node has not updated its copy yet). Then the
+previous secret is accepted no more, and every connection proven with it ends (`stale`):
+an agent that still knows only the old secret is cut off, what a rotation after a leak
+needs. Meanwhile an agent not updated yet cannot open a connection to one that is (it
+cannot check the new secret's proof); its connections up already stay until that agent's
+grace ends, by which time its own copy should be updated. An agent started after the
+rotation (it knows the new secret only) reaches every agent updated before it at once.
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ def tls_contexts(cfg: Peers) -> tuple[ssl.SSLContext | None, ssl.SSLContext | No
 
 class Credentials:
     """What an agent proves to its peers and checks of them: the pool's secret (and, for
-    `secretGrace` after a rotation, the previous one) and its TLS contexts, as its files
-    say now (`refresh`)."""
+    `secretGrace` after a rotation, the previous one, accepted from the agents it connects
+    to) and its TLS contexts, as its files say now (`refresh`)."""
 
     def __init__(self, cfg: Peers, metrics: PeerMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -84,9 +83,7 @@ class Credentials:
         except (OSError, ValueError) as e:
             raise ConfigError(f"peers.secretFile: {e}") from e
         self.previous: bytes | None = None
-        """The secret before the last rotation, while it is accepted."""
-        self._prove_until = 0.0
-        """Until when (`clock`) the previous secret is proved, then accepted only."""
+        """The secret before the last rotation, while it is accepted (`secretGrace`)."""
         self._accept_until = 0.0
         self._secret_seen = self._read(cfg.secret_file)
         try:
@@ -103,13 +100,6 @@ class Credentials:
             self.listening.sni_callback = self._current_server_context
 
     # -- what the handshakes use
-
-    def proving(self) -> bytes:
-        """The secret a server proves (and checks the client's answer with): the previous
-        one during a grace, so that an agent not updated yet still connects."""
-        if self.previous is not None and self.clock() < self._prove_until:
-            return self.previous
-        return self.secret
 
     def accepted(self) -> tuple[bytes, ...]:
         """The secrets a server's proof may be made with, the current one first."""
@@ -162,11 +152,10 @@ class Credentials:
         # (A secret rotated again within a grace: the one before the last is dropped.)
         self.previous = self.secret
         self.secret = secret
-        now = self.clock()
-        self._prove_until, self._accept_until = now + grace, now + 2 * grace
+        self._accept_until = self.clock() + grace
         self._count("secret", "ok")
-        log.info("peers: the pool secret changed; the previous one is still proved for %gs "
-                 "and accepted for %gs", grace, 2 * grace)
+        log.info("peers: the pool secret changed; the previous one is still accepted from "
+                 "the agents this one connects to for %gs", grace)
 
     def _refresh_tls(self) -> None:
         if self.cfg.tls is None:

@@ -380,10 +380,11 @@ class PeerServer:
     async def _handshake(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> tuple[bytes, bytes]:
         """The client's agent id, once it proved the secret, and the secret it proved (the
-        previous one during a rotation's grace: `Credentials.proving`)."""
+        one this agent's file holds now: a client accepts the previous one too during a
+        rotation's grace, `Credentials.accepted`, and answers with the one proved)."""
         client_id, client_nonce = auth.parse_hello(await reader.readexactly(wire.HELLO.size))
         mine = auth.nonce()
-        secret = self.credentials.proving()
+        secret = self.credentials.secret
         writer.write(auth.hello(self.agent_id, mine) + auth.proof(
             secret, b"server", client_nonce, mine, client_id, self.agent_id))
         got = await reader.readexactly(wire.PROOF_BYTES)
