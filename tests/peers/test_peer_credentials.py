@@ -26,7 +26,7 @@ from kvpool.bench.local import LocalAgent
 
 from .conftest import metric, wait_until
 from .nodes import PEER_PORT, Network, peer_agent
-from .test_peer_reads import seen_as, start
+from .test_peer_reads import peer_of, seen_as, start
 
 GRACE = 8.0
 """Node 0's `peers.secretGrace` in the rotation test: the previous secret accepted for 8 s
@@ -200,6 +200,7 @@ def test_a_rotated_secret_still_lets_an_agent_read_from_those_not_updated_for_it
         wait_until(lambda: metric(b, "kvpool_peer_auth_failures_total") > 0,
                    "node 1 to refuse node 0's proof")
         assert cb.lookup_tiers([key]) == []
+        assert peer_of(cb, net.nodes[0])["state"] == "refused"  # (kvpool stats says so)
 
         # Once its grace is over, node 0 accepts the new secret only: its connections to
         # node 1 (proven with the old one) end, and node 1 is cut off.
@@ -209,6 +210,9 @@ def test_a_rotated_secret_still_lets_an_agent_read_from_those_not_updated_for_it
         assert metric(a, "kvpool_peer_directory_entries") == 0
         wait_until(lambda: metric(a, "kvpool_peer_auth_failures_total") > 0,
                    "node 0 to refuse node 1's proof")
+        wait_until(lambda: peer_of(ca, net.nodes[1])["state"] == "refused",
+                   "node 0's STATS to say node 1 refused")
+        assert a.log().count(f"peer {net.nodes[1].addr}:{PEER_PORT} refused") == 1  # once
 
         # Node 1's copy updated at last: they are a pool again, both ways.
         files[1].write_bytes(new)
@@ -218,6 +222,7 @@ def test_a_rotated_secret_still_lets_an_agent_read_from_those_not_updated_for_it
         assert cb.put(key2, data2)
         seen_as(ca, [key2], ["peer"])
         assert ca.get(key2) == data2
+        assert peer_of(ca, net.nodes[1])["state"] == peer_of(cb, net.nodes[0])["state"] == "ok"
 
 
 class Clock:

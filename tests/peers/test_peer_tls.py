@@ -14,7 +14,7 @@ from kvpool.bench.certs import make_ca
 
 from .conftest import metric, wait_until
 from .nodes import PEER_PORT, Network, peer_agent
-from .test_peer_reads import seen_as, start
+from .test_peer_reads import peer_of, seen_as, start
 
 
 def test_agents_of_one_ca_read_each_others_chunks_over_tls_and_no_one_else_does(
@@ -38,8 +38,9 @@ def test_agents_of_one_ca_read_each_others_chunks_over_tls_and_no_one_else_does(
             s.sendall(auth.hello(os.urandom(16), auth.nonce()))
             assert s.recv(1024) == b""
         peer0 = f"{net.nodes[0].addr}:{PEER_PORT}"
-        wait_until(lambda: f"peer {peer0} unreachable" in c.log() and "CERTIFICATE" in c.log(),
+        wait_until(lambda: f"peer {peer0} refused: TLS:" in c.log() and "CERTIFICATE" in c.log(),
                    "node 2 to refuse node 0's certificate")
+        assert peer_of(cc, net.nodes[0])["state"] == "refused"
         assert cc.lookup_tiers([key]) == []
         assert metric(c, "kvpool_peer_directory_entries") == 0
         assert metric(c, "kvpool_peer_up") == 0

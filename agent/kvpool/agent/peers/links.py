@@ -201,7 +201,9 @@ class PeerLink:
         """The last attempt to follow the peer failed (logged once until it works again)."""
         self.unreachable = False
         """The last attempt to follow the peer found no one there (no connection, or it
-        ended, or fell silent): a push to it is not tried meanwhile."""
+        ended, or fell silent), or was refused: a push to it is not tried meanwhile."""
+        self.handshake_refused = False
+        """The last attempt to follow the peer failed its handshake (`_refused`)."""
         self.last_heard = 0.0
         self.lag = 0.0
         """Seconds between the last stream message's sending and its arrival."""
@@ -284,10 +286,13 @@ class PeerLink:
 
     def state(self, now: float) -> tuple[str, float]:
         """What the link is now, for STATS, and for how many more seconds where that ends
-        by itself: `unreachable` (no one answers at its address, or its stream ended:
-        its chunks are not listed), `syncing` (its inventory is not all in yet),
+        by itself: `refused` (its handshake failed: the pool's secret, or TLS),
+        `unreachable` (no one answers at its address, or its stream ended: its chunks are
+        not listed), `syncing` (its inventory is not all in yet),
         `suspect` (it served bytes that failed their checksum), `slow` (a read timed out
         while it answered nothing), else `ok`."""
+        if self.handshake_refused:
+            return "refused", 0.0
         if self.unreachable:
             return "unreachable", 0.0
         if not self.synced:
@@ -351,6 +356,7 @@ class PeerLink:
                 self.unreachable = False
                 secret = await asyncio.wait_for(self._handshake(reader, opened), DEAD_AFTER)
                 self._following = opened, secret
+                self.handshake_refused = False
                 while self.deletes:  # before its inventory: it must not list them
                     await asyncio.wait_for(self._deliver(reader, opened), DEAD_AFTER)
                 opened.write(wire.encode_request(wire.OP_SUBSCRIBE, 0, bytes(16), ""))
@@ -362,11 +368,15 @@ class PeerLink:
                 return
             except auth.AuthError as e:
                 self.m.auth_failures.inc()
-                log.warning("peer %s refused: %s", self.name, e)
+                self._refused(str(e))
             except wire.WireError as e:
                 self.m.protocol_errors.inc()
                 log.warning("peer %s broke the protocol: %s", self.name, e)
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as e:
+            except ssl.SSLError as e:  # (its handshake: a certificate of another CA...)
+                self._refused(f"TLS: {e}")
+                self.failing = self.unreachable = True  # (no push is tried meanwhile)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
+                self.handshake_refused = False
                 if not self.failing:  # once per outage, not at every retry
                     log.warning("peer %s unreachable: %s", self.name,
                                 str(e) or type(e).__name__)
@@ -380,6 +390,14 @@ class PeerLink:
                 self._forget()
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, RETRY_MAX)
+
+    def _refused(self, why: str) -> None:
+        """The peer's handshake failed: it does not hold the pool's secret this agent
+        accepts (a rotation one of them has not taken yet), or its certificate is not of
+        the pool's CA. Logged once until a handshake works again."""
+        if not self.handshake_refused:
+            log.warning("peer %s refused: %s", self.name, why)
+        self.handshake_refused = True
 
     def _forget(self) -> None:
         """The subscription ended: the peer's entries go until its inventory is back, and so
