@@ -85,7 +85,8 @@ def test_the_server_defaults_of_peers_are_the_models() -> None:
     defaulted, errors = admit(crds.pool_schema(), body)
     assert errors == []
     assert defaulted["spec"]["peers"] == {"enabled": False, "port": 9410, "timeout": "250ms",
-                                          "remoteChunks": 1_000_000, "networkPolicy": True}
+                                          "secretGrace": "5m", "remoteChunks": 1_000_000,
+                                          "networkPolicy": True}
     assert api.parse_pool(defaulted).spec.peers == api.parse_pool(body).spec.peers
     on = _pool({"enabled": True, "tls": {"secretName": "pool-tls"}})
     defaulted, errors = admit(crds.pool_schema(), on)
@@ -168,6 +169,10 @@ def test_peers_reach_the_agent_config_port_secret_service_and_network_policy() -
     assert peers.timeout == 0.25
     slow = _pool({"enabled": True, "timeout": "1500ms"})
     assert _config(_render(slow)).peers.timeout == 1.5
+    # A rotated secret's grace: the agents' default, or the pool's (short, after a leak).
+    assert peers.secret_grace == 300
+    leaked = _pool({"enabled": True, "secretGrace": "90s"})
+    assert _config(_render(leaked)).peers.secret_grace == 90
 
     agent = _agent(objects)
     assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {

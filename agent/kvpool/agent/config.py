@@ -441,6 +441,9 @@ PEER_PORT = 9410
 """The TCP port agents serve chunks to each other on, unless the config says another."""
 PEER_TIMEOUT = 0.25
 """Seconds a read from a peer may take, unless the config (a pool's spec) says otherwise."""
+PEER_SECRET_GRACE = 300.0
+"""`peers.secretGrace`'s default: a few times the minute or two the kubelets of a cluster take
+to update a Secret's files on every node."""
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -492,7 +495,7 @@ class Peers(Model):
         "connection prove before any chunk moves (required when enabled).",
     )
     secret_grace: Duration = Field(
-        300.0, description="After the secret file changes (a rotated pool secret), "
+        PEER_SECRET_GRACE, description="After the secret file changes (a rotated pool secret), "
         "how long the previous secret is still accepted from the agents this one connects "
         "to (the kubelets of different nodes update the file up to minutes apart); then "
         "connections proven with it end.",

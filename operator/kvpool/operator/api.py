@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from kvpool.agent.config import (
     PEER_PORT,
+    PEER_SECRET_GRACE,
     PEER_TIMEOUT,
     DramTier,
     Events,
@@ -307,6 +308,15 @@ class PeersSpec(Model):
         "peer answered nothing marks that peer slow for 5s. Batches of reads are sized to "
         "land in half of it at the link's measured speed, 8 to 32Mi: a link slower than "
         "34 MB/s needs more than 250ms (docs/cross-node.md, \"Slow links\").",
+    )
+    secret_grace: Duration = Field(
+        PEER_SECRET_GRACE,
+        description="After the pool's secret is rotated (a new value written into the "
+        "Secret kvpool-<name>-peers), how long each agent still accepts the previous one "
+        "from the agents it connects to, those whose node has not updated its copy yet "
+        "(the agents' peers.secretGrace); then the connections proven with it end. After a "
+        "leak, set it to the minute or two the kubelets take (docs/cross-node.md, "
+        "\"Rotating the secret and renewing certificates\").",
     )
     remote_chunks: int = Field(
         REMOTE_CHUNKS,

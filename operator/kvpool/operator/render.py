@@ -35,6 +35,7 @@ import yaml
 
 from kvpool.agent import __version__ as _agent_version
 from kvpool.agent.config import (
+    PEER_SECRET_GRACE,
     PEER_TIMEOUT,
     AgentConfig,
     DramTier,
@@ -335,6 +336,8 @@ def peers_config(pool: api.KVCachePool) -> Peers:
         # Only a timeout the pool changes: the agents' default is the pool's, and a config
         # that names it anyway would roll every pool's agents at the operator's upgrade.
         **({"timeout": spec.timeout} if spec.timeout != PEER_TIMEOUT else {}),
+        **({"secret_grace": spec.secret_grace}
+           if spec.secret_grace != PEER_SECRET_GRACE else {}),
         **(
             {"tls": PeerTls(cert_file=mount / "tls.crt", key_file=mount / "tls.key",
                             ca_file=mount / "ca.crt")}
