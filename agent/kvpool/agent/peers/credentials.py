@@ -91,7 +91,7 @@ class Credentials:
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"peers.tls: {e}") from e
         self._tls_seen = self._tls_files()
-        self._certificate_taken()
+        self._certificate_taken(self._tls_seen)
         self.listening: ssl.SSLContext | None = None
         """The context the server listens with: it hands each handshake to the current
         server context (a certificate and CA read after the listener was made)."""
@@ -129,7 +129,7 @@ class Credentials:
         if self.previous is not None and self.clock() >= self._accept_until:
             self.previous = None
             log.info("peers: the previous pool secret's grace is over: it is no longer "
-                     "proved or accepted, and connections proven with it end")
+                     "accepted, and connections proven with it end")
         return any(s not in self.accepted() for s in before)
 
     def _refresh_secret(self) -> None:
@@ -172,22 +172,23 @@ class Credentials:
                       "stays: %s", e)
             return
         self.server_tls, self.client_tls = server, client
-        self._certificate_taken()
+        self._certificate_taken(seen)
         self._count("tls", "ok")
         log.info("peers: TLS certificate, key or CA changed: new connections use them")
 
-    def _certificate_taken(self) -> None:
-        """Publish when the certificate now in use expires (its first, in a chain): an
-        alert warns before it does, whether its renewal failed or never reached the files
-        (`KVPoolPeerCertificateExpiring`)."""
-        t = self.cfg.tls
-        if t is None or self.m is None:
+    def _certificate_taken(self, seen: tuple[bytes | None, ...]) -> None:
+        """Publish when the certificate now in use expires (its first, in a chain), from
+        the files' bytes as read (`_tls_files`): an alert warns before it does, whether its
+        renewal failed or never reached the files (`KVPoolPeerCertificateExpiring`)."""
+        if not seen or self.m is None:
             return
         from cryptography import x509  # (only with TLS on)
 
         try:
-            cert = x509.load_pem_x509_certificate(t.cert_file.read_bytes())
-        except (OSError, ValueError) as e:  # (loaded by ssl a moment ago: changed since)
+            if seen[0] is None:
+                raise ValueError("the certificate file could not be read")
+            cert = x509.load_pem_x509_certificate(seen[0])
+        except ValueError as e:  # (loaded by ssl a moment ago: changed since)
             log.warning("peers.tls: the certificate's expiry cannot be read: %s", e)
             return
         self.m.certificate_expires(cert.not_valid_after_utc.timestamp())

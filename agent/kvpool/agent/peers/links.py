@@ -201,7 +201,8 @@ class PeerLink:
         """The last attempt to follow the peer failed (logged once until it works again)."""
         self.unreachable = False
         """The last attempt to follow the peer found no one there (no connection, or it
-        ended, or fell silent), or was refused: a push to it is not tried meanwhile."""
+        ended, or fell silent), or failed its TLS handshake: a push to it is not tried
+        meanwhile."""
         self.handshake_refused = False
         """The last attempt to follow the peer failed its handshake (`_refused`)."""
         self.last_heard = 0.0
@@ -448,8 +449,7 @@ class PeerLink:
         with self._lock:
             kept: list[socket.socket] = []
             for sock in self._idle:
-                proven = self._proven.get(sock, b"")
-                (stale if self.credentials.stale(proven) else kept).append(sock)
+                (stale if self._stale(sock) else kept).append(sock)
             self._idle = kept
         for sock in stale:
             with contextlib.suppress(OSError):
@@ -459,6 +459,10 @@ class PeerLink:
             following[0].transport.abort()
             return len(stale) + 1
         return len(stale)
+
+    def _stale(self, sock: socket.socket) -> bool:
+        """Whether a connection of the pool was proven with a secret no longer accepted."""
+        return self.credentials.stale(self._proven.get(sock, b""))
 
     def queue_delete(self, tenant: str, key: bytes) -> None:
         """Queue a DELETE of `key` in `tenant`'s space for the peer (bounded)."""
@@ -952,8 +956,7 @@ class PeerLink:
     def _checkin(self, sock: socket.socket, keep: bool) -> None:
         with self._lock:
             self._busy.discard(sock)
-            if keep and not self.closed \
-                    and not self.credentials.stale(self._proven.get(sock, b"")):
+            if keep and not self.closed and not self._stale(sock):
                 self._idle.append(sock)
                 return
         sock.close()
