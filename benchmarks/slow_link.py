@@ -10,12 +10,17 @@ of the peer after it (`ok`, or `slow`: not read from for 5 s), and the window's 
 raw TCP between the same namespaces through the same throttle in the same run (32 MiB).
 A window's chunks the peer did not give are misses here (no shared tier).
 
+`--busy N` runs N processes that spin on a core beside the agents for the whole run, as a
+CI machine's test workers load it: on a slow link the margin a batch's size leaves within
+the timeout is what the agents' scheduling eats.
+
 `--tree DIR` (repeatable) runs the agents from another checkout's sources (as
 `peer_window.py` does), each tree a turn on fresh agents, so that one run compares a change
 with the tree before it. One JSON line on stdout; `--out FILE` keeps it.
 
     sudo env PYTHONPATH=agent:operator python benchmarks/slow_link.py     # ~30 s
     ... python benchmarks/slow_link.py --tree /path/to/before --tree .
+    ... python benchmarks/slow_link.py --tree /path/to/before --tree . --busy 3
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -123,6 +130,8 @@ def main() -> None:
     ap.add_argument("--rate", default="200mbit", help="the holder's link (tc tbf rate)")
     ap.add_argument("--timeout", default="1s", help="both agents' peers.timeout")
     ap.add_argument("--windows", type=int, default=6, help="windows of 32 MiB a turn")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="processes spinning on a core beside the agents (a loaded machine)")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
     args = ap.parse_args()
     trees: list[Path | None] = list(args.tree) or [None]
@@ -135,6 +144,10 @@ def main() -> None:
         secret = tmp / "secret"
         secret.write_bytes(os.urandom(32).hex().encode())
         raw_at = raw_sender(net.nodes[0], stack)
+        for _ in range(args.busy):
+            spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            stack.callback(spin.wait)
+            stack.callback(spin.kill)
         for n, tree in enumerate(trees):
             got = one_turn(net, tmp / f"turn{n}", secret, tree, args.rate, args.timeout,
                            args.windows, raw_at)
@@ -143,6 +156,7 @@ def main() -> None:
     line = json.dumps({
         "meta": {"cores": len(os.sched_getaffinity(0)), "kernel": platform.release(),
                  "rate": args.rate, "timeout": args.timeout, "chunks_a_window": CHUNKS,
+                 "busy": args.busy,
                  "seconds": round(time.monotonic() - started, 1)},
         "turns": turns})
     print(line, flush=True)

@@ -1,8 +1,10 @@
 """A run of peer chunks' batches landing in order (docs/cross-node.md, "Reads in batches"):
 the batch after a batch goes out once the batch's last `AHEAD_LEAD` bytes are what is left
-to land, not at its first chunk, so its bytes follow the batch's on the link instead of
-sharing it from the start. The order seen by a scripted peer on real connections (a batch
-striped over two connections: test_peer_batch_start.py)."""
+to land, counted in whatever order its chunks land, not at its first chunk, so its bytes
+follow the batch's on the link instead of sharing it from the start; and only once the
+batch before has landed whole, so a run has at most two batches in flight. The order seen
+by a scripted peer on real connections (a batch striped over two connections:
+test_peer_batch_start.py)."""
 
 from __future__ import annotations
 
@@ -69,30 +71,70 @@ class WatchingPeer(ScriptedPeer):
             read.put(None)
 
 
+def replies_before(events: list[tuple[str, bytes]], keys: list[bytes], at: int) -> int:
+    return sum(1 for e, k in events[:at] if e == "reply" and k in keys)
+
+
+def first_fetch(events: list[tuple[str, bytes]], keys: list[bytes]) -> int:
+    return min(events.index(("fetch", k)) for k in keys)
+
+
+def read_all(stack: ExitStack, net: Network, tmp_path: Path, secret: Path,
+             peer: WatchingPeer) -> list[tuple[str, bytes]]:
+    """Node 1 reads every chunk of `peer`, in order, each once from it; what the peer
+    saw."""
+    keys = list(peer.chunks)
+    _, client = served_by(stack, net, tmp_path / "node1", secret, peer, connections=4)
+    seen_as(client, keys, ["peer"] * len(keys))
+    for k in keys:
+        assert client.get(k) == peer.chunks[k]
+    with peer.cond:
+        events = list(peer.events)
+    assert sorted(k for e, k in events if e == "fetch") == sorted(keys)
+    return events
+
+
 def test_the_batch_after_goes_out_once_the_last_bytes_of_the_batch_are_left_to_land(
         net: Network, tmp_path: Path, secret: Path) -> None:
     # 64 chunks of 256 KiB: the client's read takes the first 32 (the first alone, the
     # others every second one on each of two connections); the batch of the other 32
-    # is sent when chunk 15 lands, the last with AHEAD_LEAD bytes (16 chunks) after it.
+    # goes out once 16 of them have landed, the batch's last AHEAD_LEAD bytes left. The
+    # peer holds chunk 1 (ahead of the odd chunks on its connection) until the batch
+    # after comes: the 16 that land are chunk 0 and the even ones. (Before, the batch
+    # after went at the landing of chunk 15, the one with AHEAD_LEAD after it, behind
+    # the held chunk on its connection: it waited for the hold to give up.)
     size = 256 * KiB
-    chain = 31 - AHEAD_LEAD // size
-    assert chain == 15
+    ahead = 32 - AHEAD_LEAD // size
+    assert ahead == 16
     chunks = {os.urandom(16): os.urandom(size) for _ in range(64)}
     keys = list(chunks)
-    # The peer holds chunk 1 (ahead of chunk `chain` on its connection) until the batch
-    # after comes: before the change it came once chunk 0 had landed; now only once the
-    # hold gave up and chunk `chain` landed.
     peer = WatchingPeer(net.host, secret.read_bytes().strip(), chunks, keys[1], set(keys[32:]))
     with ExitStack() as stack:
-        _, client = served_by(stack, net, tmp_path / "node1", secret, peer, connections=4)
-        seen_as(client, keys, ["peer"] * len(keys))
-        for k in keys:
-            assert client.get(k) == chunks[k]
-        with peer.cond:
-            events = list(peer.events)
-        fetched = [k for e, k in events if e == "fetch"]
-        assert sorted(fetched) == sorted(keys)  # each read once, from the peer
-        first_after = min(events.index(("fetch", k)) for k in keys[32:])
-        assert events.index(("reply", keys[chain])) < first_after
-        # (and not sooner: every chunk of the batch before `chain` was sent for by then)
-        assert all(events.index(("fetch", k)) < first_after for k in keys[:32])
+        events = read_all(stack, net, tmp_path, secret, peer)
+    after = first_fetch(events, keys[32:])
+    assert replies_before(events, keys[:32], after) == ahead
+    assert events.index(("reply", keys[1])) > after  # not waited for
+    # (and every chunk of the batch before was sent for by then)
+    assert all(events.index(("fetch", k)) < after for k in keys[:32])
+
+
+def test_a_runs_third_batch_waits_for_the_first_to_land_whole(
+        net: Network, tmp_path: Path, secret: Path) -> None:
+    # 96 chunks of 256 KiB, three batches of 32. The peer holds the first batch's last
+    # chunk until the third batch is sent for. The second batch goes out as the first's
+    # other chunks land, and lands whole; the third goes out only once the first's held
+    # chunk is in (the hold gave up), not as the second's chunks land: a run has at most
+    # two batches in flight. (Before, the third went out as the second landed, and on a
+    # slow link a run's batches piled up on it, each taking a share, until the oldest's
+    # tail timed out.)
+    size = 256 * KiB
+    chunks = {os.urandom(16): os.urandom(size) for _ in range(96)}
+    keys = list(chunks)
+    peer = WatchingPeer(net.host, secret.read_bytes().strip(), chunks, keys[31],
+                        set(keys[64:]))
+    with ExitStack() as stack:
+        events = read_all(stack, net, tmp_path, secret, peer)
+    second, third = first_fetch(events, keys[32:64]), first_fetch(events, keys[64:])
+    held = events.index(("reply", keys[31]))
+    assert second < held < third
+    assert replies_before(events, keys[32:64], held) == 32  # the second, whole meanwhile

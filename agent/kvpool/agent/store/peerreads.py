@@ -5,7 +5,8 @@ path, the part of the chunk store (`ChunkStore`) that owns the reads under way.
   reads it in one batch with the peer chunks after it in the LOOKUP that found it
   (`_peer_following`), at most `MAX_BATCH` reads and what the peer's link lands in part of
   `peers.timeout` (`LinkRate`); as the batch lands, the batch after it goes out
-  (`_read_ahead`), so a run of peer chunks has at most two batches in flight.
+  (`_read_ahead`, `BatchChain`), so a run of peer chunks has at most two batches in
+  flight.
 - Each read settles on the event loop as its worker hands it over; the reads a drain
   brings land together (`_land`): checked, journaled in one write, inserted into DRAM as
   a promotion would be (announced by this node from then on), then whoever waits for
@@ -48,7 +49,7 @@ RECENT_PEER_PROMPTS = 256
 """Recent LOOKUPs that counted peer chunks whose keys are kept, to know what follows a key."""
 AHEAD_LEAD = 4 << 20
 """Bytes of a batch of peer reads still to land when the batch after it is sent
-(`PeerReads._fetch_peer`): enough for its FETCHes to reach the holder and its first reply
+(`BatchChain`): enough for its FETCHes to reach the holder and its first reply
 to start while these land, so the link carries the next batch's bytes right after."""
 FAILED_READS = 4096
 FAILED_READ_SECONDS = 1.0
@@ -76,6 +77,10 @@ class PeerReads:
         self._landing: list[tuple[bytes, Extents, PeerRead, int, Fetched | str]] = []
         """Peer reads settled in the drain of results under way, landed once it is done
         (`_land`)."""
+        self._due: list[BatchChain] = []
+        """Batches whose batch after is due (`BatchChain.due`), found as reads settle
+        (`_read_over`), sent once the landing or the task that settled them is done
+        (`_send_due`)."""
         self._prompts: OrderedDict[int, list[bytes]] = OrderedDict()
         """Keys of recent LOOKUPs that counted chunks in the peer tier, by request seq: a
         read of one is batched with the peer chunks after it."""
@@ -110,25 +115,28 @@ class PeerReads:
         than DRAM). None when it went: the caller looks below, else it is a miss."""
         return None if landed is None else self.dram.get(key)
 
-    def _start_peer_batch(self, keys: list[bytes], chained: bool,
-                          ahead: bool = False) -> list[PeerRead]:
+    def _start_peer_batch(self, keys: list[bytes], chained: bool, ahead: bool = False,
+                          before: BatchChain | None = None) -> list[PeerRead]:
         """Reads of `keys` (one batch per peer, `_fetch_peer`) registered as under way.
-        `chained`: its first read knows the batch's last key (`PeerRead.then`), so that
-        when that first chunk lands, the batch after it goes out (`_read_ahead`).
+        `chained`: the batch after it goes out as it lands (`BatchChain`, `_read_ahead`);
+        `before`, the batch of the run before it, which has to have settled first.
         `ahead`: a batch no client asked for yet (read into free room only)."""
         reads = [PeerRead() for _ in keys]
+        chain = None
+        if chained:
+            chain = BatchChain(keys[-1], len(keys), before)
+            if before is not None:
+                before.after = chain
         for k, read in zip(keys, reads, strict=True):
             self.fetching[k] = read
-        if chained:
-            reads[0].then = keys[-1]
+            read.chain = chain
         self.store._spawn(self._fetch_peer(keys, reads, ahead, lead=chained and not ahead))
         return reads
 
-    def _read_ahead(self, head: PeerRead) -> None:
-        """The chunk of a batch of a run of peer chunks that sends the next (`_chain_at`:
-        its first, or, in a batch of more than `AHEAD_LEAD` bytes, the last one with that
-        much after it) landed: the next batch of
-        that run (the keys after the batch's last in the LOOKUP that found them,
+    def _read_ahead(self, chain: BatchChain) -> None:
+        """A batch of a run of peer chunks has its last `AHEAD_LEAD` bytes left to land,
+        and the batch before it has settled (`BatchChain.due`): the next batch of that run
+        (the keys after the batch's last in the LOOKUP that found them,
         `_peer_following`) is read now, before the client reaches it, so that the
         connections do not idle while the client takes this batch's chunks (without it
         a run's next FETCHes went out only when the client asked for their first chunk:
@@ -137,18 +145,27 @@ class PeerReads:
         a run are in flight, each within `MAX_BATCH` and `MAX_BATCH_BYTES`; and only into
         free room below DRAM's high watermark (`_fetch_peer`): nothing is evicted for
         chunks no client asked for yet, and where room runs out the chain stops, until a
-        client's read of a chunk not in yet starts it again. (On the landing, not on a
+        client's read of a chunk not in yet starts it again. (On the landings, not on a
         client's ask: a client reads a landed chunk lease-free, without the agent hearing
         of it. Near the batch's end, not at its first chunk: sent at the first chunk, a
         batch of 32 MiB shared the link with the batch after it from the start, each
         at half its speed, and the later batch's chunks, all in at the end, were
         copied by the client after the round's last landing, docs/benchmarks.md, "A 1
         MiB window's batches in order".)"""
-        last, head.then = head.then, None
-        assert last is not None
-        following = self._peer_following(last, whole=True)
+        chain.sent = True
+        following = self._peer_following(chain.last, whole=True)
         if following:
-            self._start_peer_batch(following, chained=True, ahead=True)
+            self._start_peer_batch(following, chained=True, ahead=True,
+                                   before=chain if chain.left else None)
+
+    def _send_due(self) -> None:
+        """The batches after those found due as their reads settled (`_read_over`), sent
+        after the landing (or the task) that settled them, not in its midst: the reads
+        it lands are in DRAM by then, and none is read again."""
+        due, self._due = self._due, []
+        for chain in due:
+            if chain.due():  # (and not sent meanwhile: found due twice in one landing)
+                self._read_ahead(chain)
 
     def _peer_following(self, key: bytes, whole: bool = False,
                         after: Sequence[bytes] = ()) -> list[bytes]:
@@ -243,22 +260,19 @@ class PeerReads:
             for i, _ in items:
                 started[i] = True
 
-        chain = reads[0]
-        if chain.then is not None:
+        chain = reads[0].chain
+        if chain is not None:
             # The batch after this one goes out once this batch's last AHEAD_LEAD bytes
             # are what is left to land, not at its first chunk: its bytes then follow
             # this batch's on the link instead of sharing it from the start.
-            chain = reads[_chain_at([got[1] if (got := peer.holder(k)) else 0
-                                     for k in keys])]
-            reads[0].then, chain.then = None, reads[0].then
+            chain.to_land = sum(got[1] for k in keys if (got := peer.holder(k))) - AHEAD_LEAD
         try:
             for i, key in enumerate(keys):
                 got = peer.holder(key)
                 if got is None:
                     continue
                 if ahead and d.used_bytes + got[1] > limit:
-                    chain.then = None
-                    break
+                    break  # (the reads not made stop the chain, `_read_over`)
                 try:
                     extents = await self.store._room(got[1])  # NVMe holders announce file sizes
                 except OpError:
@@ -284,6 +298,7 @@ class PeerReads:
                 for i, extents in items:
                     if not started[i]:
                         self.dram.free(extents)
+            self._send_due()
 
     def _landed(self, key: bytes, extents: Extents, read: PeerRead, mark: int,
                 result: Fetched | str) -> None:
@@ -337,14 +352,21 @@ class PeerReads:
         finally:
             for (key, _, read, _, _), chunk in zip(landing, chunks, strict=True):
                 self._read_over(key, read, chunk)
-        for (_, _, read, _, _), chunk in zip(landing, chunks, strict=True):
-            if chunk is not None and read.then is not None:
-                self._read_ahead(read)
+        self._send_due()
 
     def _read_over(self, key: bytes, read: PeerRead, chunk: DramChunk | None) -> None:
+        """A read settled (`chunk` None: it brought none): its askers answered, its batch's
+        chain counted (what is due is sent by the caller, `_send_due`)."""
         read.settle(chunk)
         if self.fetching.get(key) is read:
             del self.fetching[key]
+        chain, read.chain = read.chain, None
+        if chain is not None:
+            after = chain.settled(None if chunk is None else chunk.size)
+            if chain.due():
+                self._due.append(chain)
+            if after is not None and after.due():
+                self._due.append(after)
         if chunk is None:  # (failed, or the key went meanwhile)
             failed = self._failed
             failed.pop(key, None)
@@ -484,16 +506,52 @@ def _two_at_once(link: PeerLink, timeout: float) -> bool:
     return link.spare() >= 2 and not link.rate.cut(timeout, MAX_BATCH_BYTES)
 
 
-def _chain_at(sizes: list[int]) -> int:
-    """The read of a batch of chunks of `sizes` whose landing sends the batch after it:
-    the last one with at least `AHEAD_LEAD` bytes after it in the batch (the first where
-    none has)."""
-    after = 0
-    for i in range(len(sizes) - 1, 0, -1):
-        after += sizes[i]
-        if after >= AHEAD_LEAD:
-            return i - 1
-    return 0
+class BatchChain:
+    """A batch of a run of peer chunks, as far as the batch after it goes
+    (`PeerReads._read_ahead`): that batch is due once no more than this one's last
+    `AHEAD_LEAD` bytes are left to land, counted in whatever order its chunks land, and
+    the batch before it has settled whole; never where a read of it brought no chunk (a
+    timeout, a stale entry, no room for a read ahead: a client's read starts the run
+    again). Counted, not the landing of the batch's chunk with `AHEAD_LEAD` after it: a
+    batch striped over two connections lands its halves at their own pace, and a later
+    batch whose connection the link favoured reached that chunk while the batch before
+    it still had its tail to land; on a slow link four batches of a run shared it, and
+    the oldest's tail timed out (tests/peers/test_peer_batch_order.py)."""
+
+    __slots__ = ("after", "before", "last", "left", "sent", "stopped", "to_land")
+
+    def __init__(self, last: bytes, reads: int, before: BatchChain | None) -> None:
+        self.last = last
+        """The batch's last key: the batch after starts after it in its LOOKUP."""
+        self.left = reads
+        """The batch's reads not settled yet."""
+        self.to_land = 0
+        """Bytes to land before the batch after is due (set as the batch goes out,
+        `PeerReads._fetch_peer`: its chunks' bytes less `AHEAD_LEAD`)."""
+        self.before = before
+        """The run's batch before, until it has settled whole."""
+        self.after: BatchChain | None = None
+        """The run's batch after, once sent, until this one has settled whole."""
+        self.sent = False
+        self.stopped = False
+
+    def settled(self, landed: int | None) -> BatchChain | None:
+        """One of the batch's reads settled, having landed `landed` bytes (None: no
+        chunk); the batch after it, where this was the batch's last read (it may be due
+        now)."""
+        self.left -= 1
+        if landed is None:
+            self.stopped = True
+        else:
+            self.to_land -= landed
+        after = self.after
+        if self.left or after is None:
+            return None
+        self.after = after.before = None
+        return after
+
+    def due(self) -> bool:
+        return not (self.sent or self.stopped or self.before is not None) and self.to_land <= 0
 
 
 class PeerRead:
@@ -501,7 +559,7 @@ class PeerRead:
     that goes away (a client's disconnect cancels its wait) leaves the others theirs, with
     no `shield` (two more hand-offs through the loop) around a shared one."""
 
-    __slots__ = ("calls", "then", "waiters")
+    __slots__ = ("calls", "chain", "waiters")
 
     def __init__(self) -> None:
         self.waiters: list[asyncio.Future[DramChunk | None]] = []
@@ -509,10 +567,9 @@ class PeerRead:
         """Called (each in a turn of the loop of its own) once the read settles: a
         connection's ACQUIRE held for the chunk (`Connection._hold`, which finds the read
         by `ChunkStore.landing`: never one settled already)."""
-        self.then: bytes | None = None
-        """On the read of a batch whose landing sends the batch after it (`_chain_at`: its
-        first, or one nearer its end): the batch's last key, until this chunk's landing
-        sends the batch after it (`PeerReads._read_ahead`)."""
+        self.chain: BatchChain | None = None
+        """Its batch's, where the batch after it goes out as it lands, until the read
+        settles (`PeerReads._read_over`)."""
 
     def wait(self) -> asyncio.Future[DramChunk | None]:
         fut: asyncio.Future[DramChunk | None] = asyncio.get_running_loop().create_future()
