@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -11,6 +13,12 @@ T = TypeVar("T")
 
 _engines: list[Any] = []
 """The JIT engines owning the compiled code: they must live as long as the process."""
+_compiles: list[threading.Thread] = []
+"""Compiles started on threads of their own (`Lazy.compile_soon`), waited for as the
+process exits (`_wait_for_compiles`)."""
+EXIT_WAIT_SECONDS = 20.0
+"""The longest an exiting process waits for its compiles under way (one takes well under
+a second; a loaded machine may take a few)."""
 
 
 def compile_ir(ir: str, names: Sequence[str], opt: int) -> list[int] | None:
@@ -66,4 +74,19 @@ class Lazy(Generic[T]):
         """Compile on a thread of its own, once per process."""
         if not self._started:
             self._started = True
-            threading.Thread(target=self.get, name=self._thread_name, daemon=True).start()
+            thread = threading.Thread(target=self.get, name=self._thread_name, daemon=True)
+            _compiles.append(thread)
+            thread.start()
+
+
+@atexit.register
+def _wait_for_compiles() -> None:
+    """The process exits only once its compiles are done. The compiling threads are
+    daemons (a compile never holds up a stop by itself), but one still in LLVM as the
+    interpreter exits runs on while LLVM's globals are destroyed under it: an agent stopped
+    within a second of its start logged its clean stop, then aborted (SIGABRT, an LLVM
+    assertion) or segfaulted, and so could a client's process (the lease-free reads'
+    kernel) that exited right after it connected (tests/agent/test_jit_exit.py)."""
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    for thread in _compiles:
+        thread.join(max(0.0, deadline - time.monotonic()))
