@@ -14,18 +14,19 @@ from pathlib import Path
 AGENT_SRC = str(Path(__file__).resolve().parents[2] / "agent")
 
 
-def run(code: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": AGENT_SRC}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+def python(code: str, *args: str) -> subprocess.Popen[str]:
+    """A Python process running `code` (with `args`) on this tree's agent sources."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+                            env={**os.environ, "PYTHONPATH": AGENT_SRC},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
 
 
 def test_the_exit_waits_for_a_compile_under_way(tmp_path: Path) -> None:
     # A build that takes half a second, started just before the main thread ends: the
     # process exits after it is done, not in its midst (its thread is a daemon's).
     done = tmp_path / "done"
-    proc = run(f"""
+    proc = python(f"""
         import time
         from kvpool.agent.jit import Lazy
 
@@ -36,7 +37,8 @@ def test_the_exit_waits_for_a_compile_under_way(tmp_path: Path) -> None:
 
         Lazy(build, "test-jit").compile_soon()
         """)
-    assert proc.returncode == 0, proc.stderr
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
     assert done.exists()
 
 
@@ -51,11 +53,7 @@ def test_processes_that_exit_while_the_real_kernels_compile_exit_cleanly() -> No
             kernel.compile_soon()
         time.sleep(float(sys.argv[1]))
         """
-    env = {**os.environ, "PYTHONPATH": AGENT_SRC}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(delay)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, stdin=subprocess.DEVNULL)
-             for delay in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3)]
+    procs = [python(code, str(delay)) for delay in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3)]
     for proc in procs:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
