@@ -26,10 +26,11 @@ EVICTIONS = "kvpool_tier_evictions_total"
 DAMAGED = 'kvpool_integrity_failures_total{pool="default",tier="dram"}'
 
 WRITER = """
-import hashlib, os, sys
+import hashlib, os, sys, time
 from kvpool.agent.client import KVPoolClient
 
 socket_path, log_path, mode, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+go = sys.argv[5] if len(sys.argv) > 5 else None
 
 def data_for(key):
     size = 4096 * (1 + key[0] % 8) - key[1]  # 3.8-32 KiB, rarely page-aligned
@@ -38,6 +39,11 @@ def data_for(key):
 # No reconnect: this writer's burst ends when the agent dies.
 with KVPoolClient(socket_path, mode=mode, reconnect_timeout=0) as c, \\
         open(log_path, "a", buffering=1) as log:
+    if go is not None:  # connected: the burst starts once the file `go` is there
+        log.write("ready\\n")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.005)
     for _ in range(count):
         key = os.urandom(16)
         log.write(f"try {key.hex()}\\n")
@@ -65,10 +71,15 @@ def read_log(path: Path) -> tuple[set[bytes], set[bytes]]:
     return tried | acked, acked
 
 
-def start_writer(agent: LocalAgent, log: Path, mode: str) -> subprocess.Popen[bytes]:
+def start_writer(agent: LocalAgent, log: Path, mode: str, go: Path) -> subprocess.Popen[bytes]:
     # 4000 chunks of at most 32 KiB fit in the 256 MiB arena: nothing is ever evicted.
     return subprocess.Popen([sys.executable, "-c", WRITER, str(agent.socket_path), str(log),
-                             mode, "4000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             mode, "4000", str(go)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def ready(log: Path) -> bool:
+    return log.exists() and log.read_text().startswith("ready")
 
 
 @pytest.fixture
@@ -85,7 +96,14 @@ def test_sigkill_during_writes_keeps_every_acknowledged_chunk_and_serves_nothing
             c.put(deleted, data_for(deleted))
             assert c.delete(deleted)
         logs = {mode: tmp_path / f"writer-{mode}.log" for mode in ("zero_copy", "inline")}
-        writers = [start_writer(agent, log, mode) for mode, log in logs.items()]
+        go = tmp_path / "go"
+        writers = [start_writer(agent, log, mode, go) for mode, log in logs.items()]
+        # Both bursts start together: a zero-copy writer started first (the other still
+        # importing, on a loaded machine) once put all its 4000 chunks before the other
+        # had 50, and the kill met it done.
+        wait_until(lambda: all(ready(log) for log in logs.values()), timeout=60,
+                   what="both writers connected")
+        go.touch()
         wait_until(lambda: all(len(read_log(log)[1]) >= 50 for log in logs.values()),
                    timeout=60, what="both writers to have 50 chunks acknowledged")
         agent.kill()  # SIGKILL, mid-burst
